@@ -1,0 +1,222 @@
+"""Config: the base definition (every key documented where declared), loading with overrides,
+and validation with errors that name the key, the values and the fix.
+
+`configs/*.py` presets call `base_config()` and change a few keys.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import ml_collections
+
+from maxtrain.errors import UserError
+from maxtrain.sharding.mesh import AXES, resolve_mesh_shape
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.py"
+REMAT_CHOICES = ("none", "full", "dots")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # All randomness (init, data order) derives from this.
+  c.steps = 300  # Optimizer steps to train.
+  c.output_dir = "runs/default"  # config.json, tensorboard/ and logs go here.
+  c.log_every = 10  # Console line and TensorBoard scalars every N steps.
+
+  c.model = m = ml_collections.ConfigDict()
+  m.num_layers = 4  # Decoder blocks.
+  m.d_model = 256  # Residual stream width.
+  m.num_heads = 8  # Query heads; head_dim = d_model / num_heads.
+  m.num_kv_heads = 4  # Key/value heads (grouped-query attention); divides num_heads.
+  m.d_ff = 768  # SwiGLU hidden width.
+  m.vocab_size = 384  # Embedding rows; >= the tokenizer's vocab (byte tokenizer: 259), padded for sharding.
+  m.max_seq_len = 1024  # Longest sequence the model accepts (RoPE positions).
+  m.rope_theta = 10000.0  # RoPE base frequency.
+  m.tie_embeddings = False  # Reuse the input embedding as the output head.
+  m.scan_layers = True  # Stack layers and lax.scan them: compile time independent of depth.
+  m.remat = "none"  # Activation checkpointing per layer: none | full | dots (save matmul outputs).
+  m.param_dtype = "float32"  # Storage dtype of parameters.
+  m.compute_dtype = "float32"  # Matmul dtype (bf16 on accelerators; fp32 is faster on CPU).
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1  # Pure data parallel replicas.
+  c.mesh.fsdp = -1  # Parameter-sharded data parallel; -1 takes the remaining devices.
+  c.mesh.tensor = 1  # Tensor (model) parallel: heads, MLP and vocab dims.
+
+  c.data = d = ml_collections.ConfigDict()
+  d.corpus = "python-stdlib"  # Embedded corpus, built and cached on first use; ignored when data.path is set.
+  d.path = ""  # Token-store prefix from tools/index_data.py (reads PREFIX.train.* and PREFIX.val.*).
+  d.tokenizer = "byte"  # "byte" or a path to a Hugging Face tokenizer.json (embedded corpus only).
+  d.seq_len = 256  # Tokens per training sequence (documents are packed).
+  d.batch_size = 16  # Global batch, in sequences, across all processes.
+
+  c.optimizer = o = ml_collections.ConfigDict()
+  o.lr = 3e-3  # Peak learning rate.
+  o.warmup_steps = 30  # Linear warmup from 0 to lr.
+  o.min_lr_ratio = 0.1  # Cosine decay ends at lr * min_lr_ratio.
+  o.weight_decay = 0.1  # Decoupled (AdamW) weight decay; not applied to norms.
+  o.clip_norm = 1.0  # Global gradient-norm clip; 0 disables.
+  o.b1 = 0.9  # Adam first-moment decay.
+  o.b2 = 0.95  # Adam second-moment decay.
+  o.eps = 1e-8  # Adam epsilon.
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every_steps = 100  # Eval loss on the validation store every N steps (and at the end); 0: end only.
+  c.eval.batches = 4  # Validation batches (of data.batch_size) per eval.
+  return c
+
+
+def _flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  keys = []
+  for k, v in cfg.items():
+    if isinstance(v, ml_collections.ConfigDict):
+      keys += _flat_keys(v, f"{prefix}{k}.")
+    else:
+      keys.append(f"{prefix}{k}")
+  return keys
+
+
+def _unknown_key(key: str, cfg: ml_collections.ConfigDict) -> UserError:
+  close = difflib.get_close_matches(key, _flat_keys(cfg), n=3, cutoff=0.5)
+  hint = f" Did you mean {' or '.join('config.' + c for c in close)}?" if close else ""
+  return UserError(f"unknown config key config.{key}.{hint} See the config keys in README.md.")
+
+
+def _parse_value(key: str, text: str, current: Any) -> Any:
+  try:
+    if isinstance(current, bool):
+      low = text.lower()
+      if low in ("true", "1", "yes"):
+        return True
+      if low in ("false", "0", "no"):
+        return False
+      raise ValueError
+    if isinstance(current, int):
+      return int(text)
+    if isinstance(current, float):
+      return float(text)
+  except ValueError:
+    raise UserError(
+        f"config.{key}={text!r}: expected a {type(current).__name__} (current value {current!r})"
+    ) from None
+  return text
+
+
+def set_override(cfg: ml_collections.ConfigDict, key: str, text: str) -> None:
+  node, *_ = cfg, None
+  parts = key.split(".")
+  for part in parts[:-1]:
+    if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+      raise _unknown_key(key, cfg)
+    node = node[part]
+  if parts[-1] not in node or isinstance(node[parts[-1]], ml_collections.ConfigDict):
+    raise _unknown_key(key, cfg)
+  node[parts[-1]] = _parse_value(key, text, node[parts[-1]])
+
+
+def load_file(path: str | Path) -> ml_collections.ConfigDict:
+  path = Path(path)
+  if not path.is_file():
+    raise UserError(f"--config={path}: no such file. Configs live in {REPO_ROOT / 'configs'}.")
+  spec = importlib.util.spec_from_file_location(f"maxtrain_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise UserError(f"--config={path}: the file must define get_config() returning a ConfigDict")
+  return module.get_config()
+
+
+def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
+  """`--config=PATH` (default configs/default.py) then `--config.a.b=value` overrides, in order."""
+  path, overrides = DEFAULT_CONFIG, []
+  args = list(argv)
+  while args:
+    arg = args.pop(0)
+    if arg.startswith("--config.") or arg.startswith("--config="):
+      name, eq, value = arg[2:].partition("=")
+      if not eq:
+        if not args:
+          raise UserError(f"{arg}: missing value (use {arg}=VALUE)")
+        value = args.pop(0)
+    elif arg == "--config":
+      if not args:
+        raise UserError("--config: missing path")
+      name, value = "config", args.pop(0)
+    else:
+      raise UserError(f"unexpected argument {arg!r}: use --config=PATH and --config.KEY=VALUE")
+    if name == "config":
+      path = value
+    else:
+      overrides.append((name[len("config."):], value))
+  cfg = load_file(path)
+  for key, value in overrides:
+    set_override(cfg, key, value)
+  cfg.lock()
+  return cfg
+
+
+def _require(ok: bool, message: str) -> None:
+  if not ok:
+    raise UserError(message)
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1) -> tuple[int, ...]:
+  """Checks everything that can be checked before touching data or compiling.
+
+  Returns the resolved mesh shape (data, fsdp, tensor).
+  """
+  m, d, o = cfg.model, cfg.data, cfg.optimizer
+  for key in ("steps", "log_every"):
+    _require(cfg[key] > 0, f"config.{key}={cfg[key]}: must be > 0")
+  for key in ("num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
+    _require(m[key] > 0, f"config.model.{key}={m[key]}: must be > 0")
+  _require(m.d_model % m.num_heads == 0,
+           f"config.model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
+  _require((m.d_model // m.num_heads) % 2 == 0,
+           f"head_dim = model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even for RoPE")
+  _require(m.num_heads % m.num_kv_heads == 0,
+           f"config.model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+  _require(m.remat in REMAT_CHOICES, f"config.model.remat={m.remat!r}: choose one of {REMAT_CHOICES}")
+  for key in ("param_dtype", "compute_dtype"):
+    _require(m[key] in DTYPES, f"config.model.{key}={m[key]!r}: choose one of {DTYPES}")
+  _require(bool(d.corpus) or bool(d.path),
+           "config.data.corpus and config.data.path are both empty: set data.path to a token store "
+           "prefix (tools/index_data.py) or data.corpus to 'python-stdlib'")
+  _require(0 < d.seq_len <= m.max_seq_len,
+           f"config.data.seq_len={d.seq_len} must be in 1..model.max_seq_len={m.max_seq_len}")
+  _require(o.lr > 0, f"config.optimizer.lr={o.lr}: must be > 0")
+  _require(o.warmup_steps >= 0, f"config.optimizer.warmup_steps={o.warmup_steps}: must be >= 0")
+  _require(0 <= o.min_lr_ratio <= 1, f"config.optimizer.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+  _require(o.clip_norm >= 0, f"config.optimizer.clip_norm={o.clip_norm}: must be >= 0 (0 disables)")
+  _require(cfg.eval.every_steps >= 0, f"config.eval.every_steps={cfg.eval.every_steps}: must be >= 0")
+  _require(cfg.eval.batches > 0, f"config.eval.batches={cfg.eval.batches}: must be > 0")
+
+  shape = resolve_mesh_shape({a: cfg.mesh[a] for a in AXES}, num_devices)
+  data, fsdp, tensor = shape
+  mesh_txt = f"mesh data={data} x fsdp={fsdp} x tensor={tensor}"
+  for key in ("num_heads", "num_kv_heads", "d_ff", "vocab_size"):
+    _require(m[key] % tensor == 0,
+             f"config.model.{key}={m[key]} is not divisible by mesh.tensor={tensor}: tensor parallelism "
+             f"splits this dim across {tensor} devices. Choose mesh.tensor dividing it, or change the model.")
+  for key in ("d_model", "vocab_size"):
+    _require(m[key] % fsdp == 0,
+             f"config.model.{key}={m[key]} is not divisible by mesh.fsdp={fsdp} ({mesh_txt}): FSDP shards "
+             "this dim. Choose another mesh.fsdp or model size.")
+  batch_shards = data * fsdp
+  _require(d.batch_size % batch_shards == 0,
+           f"config.data.batch_size={d.batch_size} is not divisible by data x fsdp = {data} x {fsdp} = "
+           f"{batch_shards} ({mesh_txt}): each batch shard needs the same number of sequences.")
+  _require(d.batch_size % num_processes == 0,
+           f"config.data.batch_size={d.batch_size} is not divisible by the {num_processes} processes")
+  return shape
+
+
+def save(cfg: ml_collections.ConfigDict, path: str | Path) -> None:
+  Path(path).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")

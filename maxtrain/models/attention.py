@@ -1,0 +1,64 @@
+"""Grouped-query attention with causal and document (segment) masking.
+
+Shape legend: B batch, T query length, S key length, D model, N query heads, K kv heads,
+G = N // K query heads per kv head, H head dim.
+
+Plain einsums, no fused kernel: this compiles on every backend (CPU, GPU, TPU, Neuron) and is
+the reference the fused kernels are checked against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtrain.models.layers import apply_rope, param
+from maxtrain.sharding import rules as sharding_rules
+
+
+def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
+  """[B, T, S] boolean: key s is visible from query t iff s <= t and both are in one document."""
+  t = segment_ids_BT.shape[1]
+  causal_TS = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
+  same_doc_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+  return causal_TS[None] & same_doc_BTS
+
+
+def dot_product_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> jax.Array:
+  b, t, n, h = q_BTNH.shape
+  k = k_BSKH.shape[2]
+  q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
+  scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH).astype(jnp.float32) * h**-0.5
+  mask_B11TS = attention_mask(segment_ids_BT)[:, None, None]
+  # Every query sees at least itself, so no row is fully masked and softmax stays finite.
+  scores_BKGTS = jnp.where(mask_B11TS, scores_BKGTS, jnp.finfo(jnp.float32).min)
+  probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
+  out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
+  return out_BTKGH.reshape(b, t, n, h)
+
+
+class Attention(nnx.Module):
+  def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, *, rope_theta: float,
+               init_std: float, out_std: float, param_dtype, compute_dtype, rules, rngs: nnx.Rngs):
+    head_dim = d_model // num_heads
+    init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
+    self.wq = param(rngs, init, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
+    self.wk = param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
+    self.wv = param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
+    self.wo = param(rngs, out_init, (num_heads, head_dim, d_model), ("heads", "head_dim", "embed"), param_dtype)
+    self.rope_theta = rope_theta
+    self.compute_dtype = compute_dtype
+    self.rules = rules
+
+  def __call__(self, x_BTD, segment_ids_BT, positions_BT) -> jax.Array:
+    dt = self.compute_dtype
+    q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.wq[...].astype(dt))
+    k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wk[...].astype(dt))
+    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wv[...].astype(dt))
+    q_BTNH = sharding_rules.constrain(
+        apply_rope(q_BTNH, positions_BT, self.rope_theta),
+        ("act_batch", "act_length", "act_heads", None), self.rules)
+    k_BTKH = apply_rope(k_BTKH, positions_BT, self.rope_theta)
+    out_BTNH = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+    return jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo[...].astype(dt))

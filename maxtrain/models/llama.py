@@ -1,0 +1,135 @@
+"""LLaMA-style dense decoder: embed -> [RMSNorm -> GQA -> RMSNorm -> SwiGLU] x L -> RMSNorm -> head.
+
+Shape legend: B batch, T length, D model, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtrain.models.attention import Attention
+from maxtrain.models.layers import MLP, RMSNorm, param
+from maxtrain.sharding import rules as sharding_rules
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Keep matmul outputs, recompute the cheap elementwise work in the backward pass.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  num_layers: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  d_ff: int
+  vocab_size: int
+  max_seq_len: int
+  rope_theta: float = 10000.0
+  tie_embeddings: bool = False
+  scan_layers: bool = True
+  remat: str = "none"
+  norm_eps: float = 1e-5
+  init_std: float = 0.02
+  param_dtype: Any = jnp.float32
+  compute_dtype: Any = jnp.float32
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @classmethod
+  def from_config(cls, model_cfg) -> "ModelConfig":
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in model_cfg.items() if k in fields}
+    for key in ("param_dtype", "compute_dtype"):
+      if key in kwargs:
+        kwargs[key] = jnp.dtype(kwargs[key])
+    return cls(**kwargs)
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rules, rngs: nnx.Rngs):
+    # GPT-2/LLaMA practice: shrink residual-branch outputs with depth so activations stay O(1).
+    out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+    common = dict(init_std=cfg.init_std, out_std=out_std, param_dtype=cfg.param_dtype,
+                  compute_dtype=cfg.compute_dtype, rules=rules, rngs=rngs)
+    self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
+    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope_theta, **common)
+    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
+    self.mlp = MLP(cfg.d_model, cfg.d_ff, **common)
+    self.rules = rules
+
+  def __call__(self, x_BTD, segment_ids_BT, positions_BT):
+    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), segment_ids_BT, positions_BT)
+    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+    return sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"), self.rules)
+
+
+class Llama(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, rules: sharding_rules.Rules | None = None):
+    # Parameters carry logical names only; placement is decided once, by the jit that creates
+    # the sharded train state (`maxtrain.state`), not eagerly per variable.
+    with nnx.use_eager_sharding(False):
+      self._build(cfg, rngs, rules)
+
+  def _build(self, cfg: ModelConfig, rngs: nnx.Rngs, rules) -> None:
+    self.cfg = cfg
+    self.rules = rules
+    self.embed = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
+                       ("vocab", "embed"), cfg.param_dtype)
+    if cfg.scan_layers:
+      # One stacked Block whose parameters have a leading `layers` dim: the step compiles one
+      # layer body and scans it, so compile time does not grow with depth.
+      @nnx.split_rngs(splits=cfg.num_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers,
+                transform_metadata={nnx.PARTITION_NAME: "layers"})
+      def make_blocks(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rules, rngs)
+
+      self.blocks = make_blocks(rngs)
+    else:
+      self.blocks = nnx.List([Block(cfg, rules, rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.head = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
+                        ("embed", "vocab"), cfg.param_dtype)
+
+  def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    """Returns fp32 logits [B, T, V]."""
+    cfg = self.cfg
+    x_BTD = self.embed[...].astype(cfg.compute_dtype)[tokens_BT]
+    x_BTD = sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"), self.rules)
+
+    def apply_block(x_BTD, block_state, graphdef):
+      return nnx.merge(graphdef, block_state)(x_BTD, segment_ids_BT, positions_BT)
+
+    policy = REMAT_POLICIES[cfg.remat]
+    if policy is not None:
+      apply_block = jax.checkpoint(apply_block, policy=policy, static_argnums=(2,))
+
+    if cfg.scan_layers:
+      graphdef, stacked = nnx.split(self.blocks)
+      x_BTD, _ = jax.lax.scan(lambda x, s: (apply_block(x, s, graphdef), None), x_BTD, stacked)
+    else:
+      for block in self.blocks:
+        graphdef, state = nnx.split(block)
+        x_BTD = apply_block(x_BTD, state, graphdef)
+
+    x_BTD = self.final_norm(x_BTD)
+    head_DV = self.embed[...].T if cfg.tie_embeddings else self.head[...]
+    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(cfg.compute_dtype))
+    logits_BTV = sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"), self.rules)
+    return logits_BTV.astype(jnp.float32)
+
+
+def param_count(state: nnx.State) -> int:
+  return sum(x.size for x in jax.tree.leaves(state))

@@ -1,0 +1,35 @@
+"""TensorBoard scalars, written by process 0 only (tensorboardX: no TensorFlow needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import jax
+
+
+class MetricWriter:
+  def __init__(self, logdir: str | Path):
+    self._writer = None
+    if jax.process_index() == 0:
+      from tensorboardX import SummaryWriter
+
+      self._writer = SummaryWriter(str(logdir), flush_secs=30)
+
+  def scalars(self, step: int, values: Mapping[str, float]) -> None:
+    if self._writer is not None:
+      for name, value in values.items():
+        self._writer.add_scalar(name, float(value), step)
+
+  def text(self, tag: str, value: str, step: int = 0) -> None:
+    if self._writer is not None:
+      self._writer.add_text(tag, value, step)
+
+  def flush(self) -> None:
+    if self._writer is not None:
+      self._writer.flush()
+
+  def close(self) -> None:
+    if self._writer is not None:
+      self._writer.close()
+      self._writer = None

@@ -1,0 +1,34 @@
+"""Entry point: `python -m maxtrain.train [--config=configs/x.py] [--config.key=value ...]`.
+
+Exit codes follow the contract in DESIGN.md: 0 finished, 2 bad config or input.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Sequence
+
+from maxtrain import config as config_lib
+from maxtrain.errors import UserError
+
+EXIT_BAD_INPUT = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                      datefmt="%H:%M:%S")
+  argv = sys.argv[1:] if argv is None else argv
+  try:
+    cfg = config_lib.load(argv)
+    from maxtrain import trainer  # imported late: config errors surface before jax starts
+
+    trainer.run(cfg)
+  except UserError as e:
+    print(f"maxtrain: error: {e}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

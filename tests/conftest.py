@@ -1,0 +1,17 @@
+"""Test setup: 8 fake CPU devices, set before jax is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# Reference comparisons are in fp32 at tight tolerances: matmuls must not drop to bf16 passes.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eight_devices():
+  assert jax.device_count() == 8, "tests expect 8 fake CPU devices (XLA_FLAGS set too late?)"

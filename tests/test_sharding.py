@@ -1,0 +1,117 @@
+"""Mesh equivalence (same numbers on every mesh) and parameter placement per the rules."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from maxtrain import config as config_lib
+from maxtrain import optim
+from maxtrain import state as state_lib
+from maxtrain import step as step_lib
+from maxtrain.models.llama import Llama, ModelConfig
+from maxtrain.sharding.mesh import AXES, BATCH_AXES, make_mesh
+from maxtrain.sharding.rules import DEFAULT_RULES, logical_to_mesh
+
+MODEL = ModelConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, vocab_size=128,
+                    max_seq_len=16)
+MESHES = {  # name: ((data, fsdp, tensor), number of devices)
+    "1 device": ((1, 1, 1), 1),
+    "data=8": ((8, 1, 1), 8),
+    "fsdp=8": ((1, 8, 1), 8),
+    "data=2 x fsdp=2 x tensor=2": ((2, 2, 2), 8),
+}
+
+
+def batches(n=3, b=8, t=16, seed=0):
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    inputs = rng.integers(0, MODEL.vocab_size, (b, t)).astype(np.int32)
+    segs = np.where(np.arange(t) < 6, 1, 2).astype(np.int32)[None].repeat(b, 0)
+    pos = np.where(np.arange(t) < 6, np.arange(t), np.arange(t) - 6).astype(np.int32)[None].repeat(b, 0)
+    mask = np.ones((b, t), np.float32)
+    mask[:, 5] = 0.0  # the target of the last token of document 1 lies in document 2
+    out.append({"inputs": inputs, "targets": rng.integers(0, MODEL.vocab_size, (b, t)).astype(np.int32),
+                "segment_ids": segs, "positions": pos, "loss_mask": mask})
+  return out
+
+
+def opt_config():
+  cfg = config_lib.base_config().optimizer
+  cfg.lr, cfg.warmup_steps = 1e-2, 1
+  return cfg
+
+
+def run_on_mesh(shape, num_devices):
+  mesh = make_mesh(dict(zip(AXES, shape)), jax.devices()[:num_devices])
+  tx, lr = optim.make(opt_config(), total_steps=10)
+  graphdef, state, shardings = state_lib.create(MODEL, tx, mesh, seed=0)
+  batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
+  data = [jax.device_put(b, batch_sharding) for b in batches()]
+  with jax.set_mesh(mesh):
+    grad_fn = jax.jit(jax.value_and_grad(lambda p, b: step_lib.loss_fn(graphdef, p, b)[0]),
+                      in_shardings=(shardings.params, batch_sharding))
+    loss0, grads0 = jax.device_get(grad_fn(state.params, data[0]))
+    train_step = jax.jit(step_lib.make_train_step(graphdef, tx, lr), in_shardings=(shardings, batch_sharding),
+                         out_shardings=(shardings, state_lib.replicated(mesh)), donate_argnums=0)
+    for batch in data:
+      state, _ = train_step(state, batch)
+  return loss0, grads0, jax.device_get(state.params)
+
+
+@pytest.fixture(scope="module")
+def results():
+  return {name: run_on_mesh(*spec) for name, spec in MESHES.items()}
+
+
+@pytest.mark.parametrize("name", [n for n in MESHES if n != "1 device"])
+def test_mesh_equivalence(results, name):
+  ref_loss, ref_grads, ref_params = results["1 device"]
+  loss, grads, params = results[name]
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7, err_msg=f"grad {jax.tree_util.keystr(path)}")
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=f"param {jax.tree_util.keystr(path)}")
+
+
+# The layout the default rules must produce on a data x fsdp x tensor mesh (scanned layers: the
+# leading dim is `layers`, never sharded). A change here is a deliberate change of strategy.
+EXPECTED_PARAM_SPECS = {
+    "embed": P("tensor", "fsdp"),
+    "head": P("fsdp", "tensor"),
+    "final_norm/scale": P(None),
+    "blocks/attn_norm/scale": P(None, None),
+    "blocks/mlp_norm/scale": P(None, None),
+    "blocks/attn/wq": P(None, "fsdp", "tensor", None),
+    "blocks/attn/wk": P(None, "fsdp", "tensor", None),
+    "blocks/attn/wv": P(None, "fsdp", "tensor", None),
+    "blocks/attn/wo": P(None, "tensor", None, "fsdp"),
+    "blocks/mlp/gate": P(None, "fsdp", "tensor"),
+    "blocks/mlp/up": P(None, "fsdp", "tensor"),
+    "blocks/mlp/down": P(None, "tensor", "fsdp"),
+}
+
+
+def test_every_parameter_is_sharded_as_the_rules_say():
+  mesh = make_mesh(dict(zip(AXES, (2, 2, 2))))
+  tx, _ = optim.make(opt_config(), total_steps=10)
+  _, state, _ = state_lib.create(MODEL, tx, mesh, seed=0)
+  abstract = nnx.eval_shape(lambda: Llama(MODEL, rngs=nnx.Rngs(0)))
+  logical = dict(jax.tree_util.tree_leaves_with_path(nnx.get_partition_spec(nnx.state(abstract)),
+                                                     is_leaf=lambda x: isinstance(x, P)))
+  seen = set()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
+    name = "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+    seen.add(name)
+    expected = NamedSharding(mesh, EXPECTED_PARAM_SPECS[name])
+    assert leaf.sharding.is_equivalent_to(expected, leaf.ndim), (name, leaf.sharding.spec)
+    from_rules = NamedSharding(mesh, logical_to_mesh(logical[path], DEFAULT_RULES))
+    assert leaf.sharding.is_equivalent_to(from_rules, leaf.ndim), (name, leaf.sharding.spec)
+  assert seen == set(EXPECTED_PARAM_SPECS)
+  # Adam moments follow their parameters.
+  mu = state.opt_state[1][0].mu
+  for (path, m), p in zip(jax.tree_util.tree_leaves_with_path(mu), jax.tree.leaves(state.params)):
+    assert m.sharding.is_equivalent_to(p.sharding, p.ndim), jax.tree_util.keystr(path)
