@@ -14,6 +14,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from maxtrain.errors import UserError
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.sharding import rules as sharding_rules
 
@@ -38,13 +39,41 @@ def logical_specs(abstract_state: Any) -> Any:
   return nnx.get_partition_spec(abstract_state)
 
 
+def param_name(path: tuple) -> str:
+  """'blocks/attn/wq' for a key path into an nnx.State (attribute keys like `.value` dropped)."""
+  return "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def check_replication(abstract_params: Any, shardings: Any, mesh: Mesh, max_share: float = 0.1) -> None:
+  """Fails when more than `max_share` of parameter bytes would sit whole on every device of a
+  mesh that could shard them: almost always a missing or wrong sharding rule."""
+  if mesh.shape["fsdp"] * mesh.shape["tensor"] == 1:
+    return
+  sizes, replicated = {}, {}
+  for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree.leaves(shardings)):
+    name = param_name(path)
+    sizes[name] = leaf.size * leaf.dtype.itemsize
+    if sharding.is_fully_replicated:
+      replicated[name] = sizes[name]
+  share = sum(replicated.values()) / max(sum(sizes.values()), 1)
+  if share > max_share:
+    worst = sorted(replicated.items(), key=lambda kv: -kv[1])[:5]
+    listing = ", ".join(f"{name} ({size / 2**20:.1f} MiB)" for name, size in worst)
+    raise UserError(
+        f"{share:.0%} of parameter bytes would be replicated on every device of mesh {dict(mesh.shape)} "
+        f"(limit {max_share:.0%}); largest: {listing}. Check the sharding rules in maxtrain/sharding/rules.py."
+    )
+
+
 def create(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
            rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES):
   """Returns (graphdef, state, state_shardings). Parameters are born sharded: the init runs under
   jit with out_shardings, so no host ever holds a full copy."""
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(params=seed), rules=rules)))
   init = _init_fn(model_cfg, tx, seed, rules)
-  shardings = sharding_rules.named_shardings(logical_specs(jax.eval_shape(init)), mesh, rules)
+  abstract = jax.eval_shape(init)
+  shardings = sharding_rules.named_shardings(logical_specs(abstract), mesh, rules)
+  check_replication(abstract.params, shardings.params, mesh)
   with jax.set_mesh(mesh):
     state = jax.jit(init, out_shardings=shardings)()
   return graphdef, state, shardings

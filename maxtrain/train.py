@@ -18,6 +18,7 @@ EXIT_BAD_INPUT = 2
 def main(argv: Sequence[str] | None = None) -> int:
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                       datefmt="%H:%M:%S")
+  logging.getLogger("maxtrain").setLevel(logging.INFO)
   argv = sys.argv[1:] if argv is None else argv
   try:
     cfg = config_lib.load(argv)

@@ -10,6 +10,7 @@ from maxtrain import config as config_lib
 from maxtrain import optim
 from maxtrain import state as state_lib
 from maxtrain import step as step_lib
+from maxtrain.errors import UserError
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.sharding.mesh import AXES, BATCH_AXES, make_mesh
 from maxtrain.sharding.rules import DEFAULT_RULES, logical_to_mesh
@@ -104,7 +105,7 @@ def test_every_parameter_is_sharded_as_the_rules_say():
                                                      is_leaf=lambda x: isinstance(x, P)))
   seen = set()
   for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
-    name = "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+    name = state_lib.param_name(path)
     seen.add(name)
     expected = NamedSharding(mesh, EXPECTED_PARAM_SPECS[name])
     assert leaf.sharding.is_equivalent_to(expected, leaf.ndim), (name, leaf.sharding.spec)
@@ -115,3 +116,11 @@ def test_every_parameter_is_sharded_as_the_rules_say():
   mu = state.opt_state[1][0].mu
   for (path, m), p in zip(jax.tree_util.tree_leaves_with_path(mu), jax.tree.leaves(state.params)):
     assert m.sharding.is_equivalent_to(p.sharding, p.ndim), jax.tree_util.keystr(path)
+
+
+def test_replicated_parameters_are_refused():
+  mesh = make_mesh(dict(zip(AXES, (1, 8, 1))))
+  tx, _ = optim.make(opt_config(), total_steps=10)
+  no_fsdp = {**DEFAULT_RULES, "embed": None}
+  with pytest.raises(UserError, match=r"100% of parameter bytes would be replicated .* largest: blocks/mlp/down"):
+    state_lib.create(MODEL, tx, mesh, seed=0, rules=no_fsdp)

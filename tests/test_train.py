@@ -1,0 +1,112 @@
+"""The real entry point: a short run end to end, and bad input rejected with exit 2 before compiling."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from maxtrain import config as config_lib
+from maxtrain import train
+from maxtrain.data.indexing import index_files
+from maxtrain.data.store import StoreWriter
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["--config.model.num_layers=2", "--config.model.d_model=32", "--config.model.num_heads=4",
+        "--config.model.num_kv_heads=2", "--config.model.d_ff=64", "--config.data.seq_len=32",
+        "--config.data.batch_size=8", "--config.eval.batches=1", "--config.log_every=2"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+  """A small token store from this repository's own Python sources."""
+  prefix = tmp_path_factory.mktemp("store") / "code"
+  index_files([str(REPO / "maxtrain")], str(prefix), val_fraction=0.2, workers=1, progress=False)
+  return str(prefix)
+
+
+def run_main(args, capsys):
+  code = train.main(args)
+  captured = capsys.readouterr()
+  return code, captured.out + captured.err
+
+
+def test_train_end_to_end_writes_tensorboard(store, tmp_path, capsys, caplog):
+  out = tmp_path / "run"
+  code, _ = run_main(TINY + [f"--config.data.path={store}", "--config.steps=6", "--config.eval.every_steps=3",
+                             f"--config.output_dir={out}"], capsys)
+  assert code == 0
+  resolved = json.loads((out / "config.json").read_text())
+  assert resolved["steps"] == 6 and resolved["model"]["d_model"] == 32
+  events = EventAccumulator(str(out / "tensorboard"))
+  events.Reload()
+  tags = set(events.Tags()["scalars"])
+  assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/step_time_s",
+          "eval/loss"} <= tags
+  assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
+  assert [e.step for e in events.Scalars("eval/loss")] == [3, 6]
+  assert all(np.isfinite(e.value) for e in events.Scalars("train/loss"))
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["steps"] == 6 and np.isfinite(summary["final_eval_loss"])
+  assert "unigram entropy" in caplog.text
+
+
+def write_store(prefix, docs, vocab_size=259):
+  with StoreWriter(prefix, vocab_size, "byte-v1") as writer:
+    for doc in docs:
+      writer.add(np.asarray(doc, np.int32))
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--config.model.num_layer=3"], "unknown config key config.model.num_layer. Did you mean config.model.num_layers"),
+    (["--config.steps=ten"], "config.steps='ten': expected a int"),
+    (["--config.mesh.data=3", "--config.mesh.fsdp=1"], "mesh: data(3) x fsdp(1) x tensor(1) = 3 devices, but 8"),
+    (["--config.mesh.tensor=8", "--config.mesh.fsdp=1"], "config.model.num_heads=4 is not divisible by mesh.tensor=8"),
+    (["--config.model.vocab_size=128"], "more than config.model.vocab_size=128"),
+    (["--config=configs/nope.py"], "no such file"),
+])
+def test_bad_config_exits_2_before_compiling(store, tmp_path, capsys, args, expected):
+  code, output = run_main(TINY + [f"--config.data.path={store}", f"--config.output_dir={tmp_path}"] + args, capsys)
+  assert code == 2
+  assert expected in output
+  assert "compiled train step" not in output
+
+
+def test_bad_token_stores_exit_2(store, tmp_path, capsys):
+  # Missing store.
+  code, output = run_main(TINY + [f"--config.data.path={tmp_path / 'missing'}"], capsys)
+  assert code == 2 and "missing.train" in output
+  # Truncated .bin.
+  broken = tmp_path / "broken"
+  for split in ("train", "val"):
+    for ext in ("bin", "idx", "json"):
+      (tmp_path / f"broken.{split}.{ext}").write_bytes(Path(f"{store}.{split}.{ext}").read_bytes())
+  with open(f"{broken}.train.bin", "r+b") as f:
+    f.truncate(100)
+  code, output = run_main(TINY + [f"--config.data.path={broken}"], capsys)
+  assert code == 2 and "broken.train.bin" in output
+  # Empty corpus: valid stores without a single training window.
+  empty = tmp_path / "empty"
+  write_store(f"{empty}.train", [])
+  write_store(f"{empty}.val", [[1, 2, 3]])
+  code, output = run_main(TINY + [f"--config.data.path={empty}", f"--config.output_dir={tmp_path}"], capsys)
+  assert code == 2 and "empty.train" in output
+
+
+def test_entry_point_exit_code_in_a_fresh_process(tmp_path):
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-m", "maxtrain.train", "--config.model.d_modle=64"],
+                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1].startswith("maxtrain: error: unknown config key config.model.d_modle")
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.py")), ids=lambda p: p.name)
+def test_shipped_configs_parse_and_validate(path):
+  cfg = config_lib.load([f"--config={path}"])
+  data, fsdp, tensor = (max(1, cfg.mesh[a]) for a in ("data", "fsdp", "tensor"))
+  config_lib.validate(cfg, num_devices=data * fsdp * tensor)
