@@ -1,0 +1,138 @@
+"""Tokenizers: a dependency-free byte tokenizer and local Hugging Face files.
+
+Every tokenizer has a stable `identity` string that token stores record, so a
+store built with one tokenizer is never silently trained with another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from maxtrain.errors import UserError
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+  """What the indexer and trainer need from a tokenizer."""
+
+  vocab_size: int
+  bos_id: int
+  eos_id: int
+  pad_id: int
+  identity: str
+
+  def encode(self, text: str) -> np.ndarray:
+    """Returns int32 ids for `text`, without adding special tokens."""
+    ...
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    """Returns the text for `ids`, skipping special tokens."""
+    ...
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as ids 0..255, plus BOS/EOS/PAD. Needs no files at all."""
+
+  vocab_size = 259
+  bos_id = 256
+  eos_id = 257
+  pad_id = 258
+  identity = "byte-v1"
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    ids = np.asarray(ids).reshape(-1)
+    ids = ids[(ids >= 0) & (ids < 256)]  # Drops the specials.
+    return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+  def __repr__(self) -> str:
+    return "ByteTokenizer()"
+
+
+# Checked in order; the first name present in the vocabulary wins.
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>",
+              "<|bos|>", "[BOS]", "[CLS]")
+_EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>",
+              "[EOS]", "<|im_end|>", "[SEP]")
+_PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|finetune_right_pad_id|>")
+
+
+class HFTokenizer:
+  """A local Hugging Face `tokenizer.json`, loaded with the `tokenizers` package."""
+
+  def __init__(self, path: str | os.PathLike):
+    import tokenizers  # Deferred: the byte tokenizer must not need it.
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+      path = os.path.join(path, "tokenizer.json")
+    try:
+      with open(path, "rb") as f:
+        raw = f.read()
+    except OSError as e:
+      raise UserError(
+          f"tokenizer file {path!r} could not be read ({e.strerror or e}); "
+          "pass 'byte' or the path of a local Hugging Face tokenizer.json"
+      ) from None
+    try:
+      self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as e:  # The Rust side raises plain Exceptions.
+      raise UserError(
+          f"tokenizer file {path!r} is not a valid Hugging Face tokenizer.json "
+          f"({e}); pass 'byte' or a tokenizer.json saved by `tokenizers`"
+      ) from None
+    self.path = path
+    self.identity = "hf:" + hashlib.sha256(raw).hexdigest()
+    self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+    vocab = self._tok.get_vocab(with_added_tokens=True)
+    eos = _first_present(vocab, _EOS_NAMES)
+    if eos is None:
+      raise UserError(
+          f"tokenizer file {path!r} has no end-of-text token (looked for "
+          f"{', '.join(_EOS_NAMES)}); add one of them as a special token, it "
+          "marks document boundaries"
+      )
+    self.eos_id = eos
+    bos = _first_present(vocab, _BOS_NAMES)
+    pad = _first_present(vocab, _PAD_NAMES)
+    self.bos_id = eos if bos is None else bos
+    self.pad_id = eos if pad is None else pad
+
+  def encode(self, text: str) -> np.ndarray:
+    ids = self._tok.encode(text, add_special_tokens=False).ids
+    return np.asarray(ids, dtype=np.int32)
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+    return self._tok.decode(ids, skip_special_tokens=True)
+
+  def __repr__(self) -> str:
+    return f"HFTokenizer({self.path!r})"
+
+
+def _first_present(vocab: dict[str, int], names: Sequence[str]) -> int | None:
+  for name in names:
+    if name in vocab:
+      return int(vocab[name])
+  return None
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+  """Returns the tokenizer for `spec`: "byte", or a path to a tokenizer.json.
+
+  A directory holding a `tokenizer.json` is accepted too.
+  """
+  if spec == "byte":
+    return ByteTokenizer()
+  if not spec or not os.path.exists(spec):
+    raise UserError(
+        f"tokenizer {spec!r} is neither 'byte' nor an existing file; pass "
+        "'byte' or the path of a local Hugging Face tokenizer.json"
+    )
+  return HFTokenizer(spec)
