@@ -26,15 +26,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0  # All randomness (init, data order) derives from this.
-  c.steps = 300  # Optimizer steps to train.
+  c.steps = 200  # Optimizer steps to train.
   c.output_dir = "runs/default"  # config.json, tensorboard/ and logs go here.
   c.log_every = 10  # Console line and TensorBoard scalars every N steps.
 
   c.model = m = ml_collections.ConfigDict()
   m.num_layers = 4  # Decoder blocks.
   m.d_model = 256  # Residual stream width.
-  m.num_heads = 8  # Query heads; head_dim = d_model / num_heads.
-  m.num_kv_heads = 4  # Key/value heads (grouped-query attention); divides num_heads.
+  m.num_heads = 4  # Query heads; head_dim = d_model / num_heads.
+  m.num_kv_heads = 2  # Key/value heads (grouped-query attention); divides num_heads.
   m.d_ff = 768  # SwiGLU hidden width.
   m.vocab_size = 384  # Embedding rows; >= the tokenizer's vocab (byte tokenizer: 259), padded for sharding.
   m.max_seq_len = 1024  # Longest sequence the model accepts (RoPE positions).
@@ -59,7 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.optimizer = o = ml_collections.ConfigDict()
   o.lr = 3e-3  # Peak learning rate.
-  o.warmup_steps = 30  # Linear warmup from 0 to lr.
+  o.warmup_steps = 20  # Linear warmup from 0 to lr.
   o.min_lr_ratio = 0.1  # Cosine decay ends at lr * min_lr_ratio.
   o.weight_decay = 0.1  # Decoupled (AdamW) weight decay; not applied to norms.
   o.clip_norm = 1.0  # Global gradient-norm clip; 0 disables.
@@ -68,7 +68,7 @@ def base_config() -> ml_collections.ConfigDict:
   o.eps = 1e-8  # Adam epsilon.
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every_steps = 100  # Eval loss on the validation store every N steps (and at the end); 0: end only.
+  c.eval.every_steps = 50  # Eval loss on the validation store every N steps (and at the end); 0: end only.
   c.eval.batches = 4  # Validation batches (of data.batch_size) per eval.
   return c
 

@@ -46,6 +46,20 @@ class ModelConfig:
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
 
+  def train_flops_per_token(self, seq_len: int) -> float:
+    """Model FLOPs of one training token (forward + backward = 3 x forward).
+
+    Matmuls: 6 x (matmul parameters), the embedding lookup excluded, the output head included.
+    Attention scores and values: causal, so each query attends to (T + 1) / 2 keys on average:
+    2 matmuls x 2 FLOPs x N x H x (T + 1) / 2 forward, x 3 for training. Norms, RoPE and softmax
+    are not counted (they are not matmuls; the convention of PaLM's MFU).
+    """
+    n, k, h, d = self.num_heads, self.num_kv_heads, self.head_dim, self.d_model
+    per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * self.d_ff
+    matmul_params = self.num_layers * per_layer + d * self.vocab_size
+    attention = self.num_layers * 3 * 2 * n * h * (seq_len + 1)
+    return 6.0 * matmul_params + attention
+
   @classmethod
   def from_config(cls, model_cfg) -> "ModelConfig":
     fields = {f.name for f in dataclasses.fields(cls)}

@@ -1,0 +1,67 @@
+"""Train-step throughput for a config: `python tools/bench.py [--config=...] [--config.key=value ...]`.
+
+Builds the sharded state and the jitted step exactly as the trainer does, feeds real batches from the
+configured token store, and prints step time, tokens/s and achieved model FLOP/s (see
+`ModelConfig.train_flops_per_token`). Timing excludes compilation and a warm-up step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from maxtrain import config as config_lib, optim, state as state_lib, step as step_lib  # noqa: E402
+from maxtrain.data import pipeline  # noqa: E402
+from maxtrain.models.llama import ModelConfig, param_count  # noqa: E402
+from maxtrain.sharding.mesh import AXES, BATCH_AXES, make_mesh  # noqa: E402
+from maxtrain.trainer import open_stores  # noqa: E402
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--steps", type=int, default=10, help="timed steps")
+  args, rest = parser.parse_known_args()
+  cfg = config_lib.load(rest)
+  shape = config_lib.validate(cfg, jax.device_count(), jax.process_count())
+  train_store, _ = open_stores(cfg.data, cfg.model.vocab_size)
+  mesh = make_mesh(dict(zip(AXES, shape)))
+  model_cfg = ModelConfig.from_config(cfg.model)
+  tx, lr = optim.make(cfg.optimizer, cfg.steps)
+  graphdef, state, shardings = state_lib.create(model_cfg, tx, mesh, cfg.seed)
+  batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
+  loader = pipeline.TrainLoader(train_store.prefix, cfg.data.seq_len, cfg.data.batch_size, cfg.seed)
+  batches = [pipeline.to_global(next(loader), batch_sharding) for _ in range(args.steps + 1)]
+  with jax.set_mesh(mesh):
+    step = jax.jit(step_lib.make_train_step(graphdef, tx, lr), in_shardings=(shardings, batch_sharding),
+                   out_shardings=(shardings, state_lib.replicated(mesh)), donate_argnums=0)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - t0
+    state, metrics = compiled(state, batches[0])
+    jax.block_until_ready(metrics)
+    t0 = time.perf_counter()
+    for batch in batches[1:]:
+      state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    step_s = (time.perf_counter() - t0) / args.steps
+  tokens = cfg.data.batch_size * cfg.data.seq_len
+  flops = model_cfg.train_flops_per_token(cfg.data.seq_len) * tokens
+  print(f"machine: {platform.machine()} {jax.device_count()} x {jax.devices()[0].device_kind}, "
+        f"python {platform.python_version()}, jax {jax.__version__}")
+  print(f"model: {param_count(state.params) / 1e6:.2f}M params, mesh {dict(mesh.shape)}, "
+        f"batch {cfg.data.batch_size} x {cfg.data.seq_len}")
+  print(f"compile {compile_s:.1f}s; step {step_s:.3f}s; {tokens / step_s:,.0f} tokens/s; "
+        f"{flops / step_s / 1e9:.1f} model GFLOP/s ({model_cfg.train_flops_per_token(cfg.data.seq_len) / 1e6:.1f} "
+        f"MFLOP/token)")
+
+
+if __name__ == "__main__":
+  main()
