@@ -112,9 +112,9 @@ def run(cfg: ml_collections.ConfigDict) -> dict:
         now = time.monotonic()
         step_time = (now - t_interval) / steps_in_interval
         t_interval, steps_in_interval = now, 0
-        scalars = {"train/loss": metrics["loss"], "train/lr": metrics["lr"],
-                   "train/grad_norm": metrics["grad_norm"], "train/step_time_s": step_time,
-                   "train/tokens_per_s": tokens_per_step / step_time}
+        # Every scalar the step returns is logged as train/<name>: new metrics need no loop change.
+        scalars = {f"train/{k}": v for k, v in metrics.items()}
+        scalars.update({"train/step_time_s": step_time, "train/tokens_per_s": tokens_per_step / step_time})
         writer.scalars(step, scalars)
         log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %.3fs/step  %.0f tok/s", step, cfg.steps,
                  metrics["loss"], metrics["grad_norm"], metrics["lr"], step_time, tokens_per_step / step_time)
