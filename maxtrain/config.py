@@ -67,6 +67,18 @@ def base_config() -> ml_collections.ConfigDict:
   o.b2 = 0.95  # Adam second-moment decay.
   o.eps = 1e-8  # Adam epsilon.
 
+  c.checkpoint = k = ml_collections.ConfigDict()
+  k.dir = ""  # Where checkpoints go; "" = <output_dir>/checkpoints.
+  k.every_steps = 100  # Save every N steps (and always at the end and on preemption); 0: only those.
+  k.max_to_keep = 3  # Newest checkpoints kept; 0 keeps all.
+  k.keep_every = 0  # Also keep every checkpoint whose step is a multiple of this, forever; 0: none.
+  k.resume = "auto"  # auto (newest complete checkpoint, if any) | never | a step number | a checkpoint path.
+  k.async_save = True  # Write in the background; the loop blocks only for the device-to-host copy.
+
+  c.faults = f = ml_collections.ConfigDict()  # Fault injection for tests and drills; -1 = off.
+  f.sigterm_at_step = -1  # Send SIGTERM to itself after this step (exercises preemption).
+  f.kill_during_save_at_step = -1  # SIGKILL itself while this step's checkpoint is being written.
+
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 50  # Eval loss on the validation store every N steps (and at the end); 0: end only.
   c.eval.batches = 4  # Validation batches (of data.batch_size) per eval.
@@ -195,6 +207,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   _require(o.warmup_steps >= 0, f"config.optimizer.warmup_steps={o.warmup_steps}: must be >= 0")
   _require(0 <= o.min_lr_ratio <= 1, f"config.optimizer.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
   _require(o.clip_norm >= 0, f"config.optimizer.clip_norm={o.clip_norm}: must be >= 0 (0 disables)")
+  k = cfg.checkpoint
+  for key in ("every_steps", "max_to_keep", "keep_every"):
+    _require(k[key] >= 0, f"config.checkpoint.{key}={k[key]}: must be >= 0")
+  _require(k.resume in ("auto", "never") or k.resume.isdigit() or "/" in k.resume,
+           f"config.checkpoint.resume={k.resume!r}: use auto, never, a step number or a checkpoint path")
   _require(cfg.eval.every_steps >= 0, f"config.eval.every_steps={cfg.eval.every_steps}: must be >= 0")
   _require(cfg.eval.batches > 0, f"config.eval.batches={cfg.eval.batches}: must be > 0")
 

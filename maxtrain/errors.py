@@ -6,3 +6,7 @@ class UserError(Exception):
 
   The message names the key, file or value, what was found, and what to do.
   """
+
+
+class Preempted(Exception):
+  """The run was asked to stop (SIGTERM/SIGINT) and saved a checkpoint: exit 75, restartable."""

@@ -6,7 +6,8 @@ static config) is split off once and kept outside, so the state is a plain pytre
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -65,18 +66,38 @@ def check_replication(abstract_params: Any, shardings: Any, mesh: Mesh, max_shar
     )
 
 
-def create(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
-           rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES):
-  """Returns (graphdef, state, state_shardings). Parameters are born sharded: the init runs under
-  jit with out_shardings, so no host ever holds a full copy."""
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+  """Everything about the train state except its values."""
+  graphdef: nnx.GraphDef
+  abstract: TrainState  # ShapeDtypeStructs
+  shardings: TrainState  # NamedShardings
+  init: Callable[[], TrainState]
+
+
+def spec(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
+         rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES) -> StateSpec:
+  """Shapes and placement of the state, without allocating it."""
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(params=seed), rules=rules)))
   init = _init_fn(model_cfg, tx, seed, rules)
   abstract = jax.eval_shape(init)
   shardings = sharding_rules.named_shardings(logical_specs(abstract), mesh, rules)
   check_replication(abstract.params, shardings.params, mesh)
+  return StateSpec(graphdef, abstract, shardings, init)
+
+
+def initialize(state_spec: StateSpec, mesh: Mesh) -> TrainState:
+  """Parameters are born sharded: the init runs under jit with out_shardings, so no host ever
+  holds a full copy."""
   with jax.set_mesh(mesh):
-    state = jax.jit(init, out_shardings=shardings)()
-  return graphdef, state, shardings
+    return jax.jit(state_spec.init, out_shardings=state_spec.shardings)()
+
+
+def create(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
+           rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES):
+  """Returns (graphdef, state, state_shardings) of a freshly initialized state."""
+  state_spec = spec(model_cfg, tx, mesh, seed, rules)
+  return state_spec.graphdef, initialize(state_spec, mesh), state_spec.shardings
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -1,33 +1,40 @@
 """Entry point: `python -m maxtrain.train [--config=configs/x.py] [--config.key=value ...]`.
 
-Exit codes follow the contract in DESIGN.md: 0 finished, 2 bad config or input.
+Exit codes follow the contract in DESIGN.md: 0 finished, 2 bad config or input, 75 preempted
+(checkpoint saved).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Sequence
 
 from maxtrain import config as config_lib
-from maxtrain.errors import UserError
+from maxtrain.errors import Preempted, UserError
 
 EXIT_BAD_INPUT = 2
+EXIT_PREEMPTED = 75
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  t_start = time.monotonic()
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                       datefmt="%H:%M:%S")
   logging.getLogger("maxtrain").setLevel(logging.INFO)
   argv = sys.argv[1:] if argv is None else argv
   try:
     cfg = config_lib.load(argv)
-    from maxtrain import trainer  # imported late: config errors surface before jax starts
+    from maxtrain import trainer  # imported late: config errors surface before any backend work
 
-    trainer.run(cfg)
+    trainer.run(cfg, t_start)
   except UserError as e:
     print(f"maxtrain: error: {e}", file=sys.stderr)
     return EXIT_BAD_INPUT
+  except Preempted as e:
+    print(f"maxtrain: {e}", file=sys.stderr)
+    return EXIT_PREEMPTED
   return 0
 
 

@@ -1,4 +1,5 @@
-"""The training loop: validated config -> mesh -> data -> sharded state -> compiled step -> loop."""
+"""The training loop: validated config -> data -> mesh -> state (fresh or restored) -> compiled
+step -> loop with periodic checkpoints, eval and metrics."""
 
 from __future__ import annotations
 
@@ -9,18 +10,20 @@ from pathlib import Path
 
 import jax
 import ml_collections
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxtrain import config as config_lib
 from maxtrain import optim
 from maxtrain import state as state_lib
 from maxtrain import step as step_lib
+from maxtrain.checkpoint import Checkpointer, SaveTiming
 from maxtrain.data import corpus, pipeline
 from maxtrain.data.store import TokenStore
-from maxtrain.errors import UserError
+from maxtrain.errors import Preempted, UserError
+from maxtrain.faults import Faults
 from maxtrain.models.llama import ModelConfig, param_count
 from maxtrain.monitor.tensorboard import MetricWriter
+from maxtrain.preemption import StopRequest
 from maxtrain.sharding.mesh import AXES, BATCH_AXES, make_mesh
 
 log = logging.getLogger("maxtrain")
@@ -54,15 +57,24 @@ def evaluate(eval_step, params, batches) -> float:
   return float(total) / max(float(count), 1.0)
 
 
-def run(cfg: ml_collections.ConfigDict) -> dict:
-  """Trains per `cfg`; returns a summary (final eval loss, unigram entropy, timings)."""
-  t_start = time.monotonic()
+def log_save(writer: MetricWriter, timing: SaveTiming | None) -> None:
+  if timing is not None and timing.save_s is not None:
+    writer.scalars(timing.step, {"checkpoint/blocking_s": timing.blocking_s, "checkpoint/save_s": timing.save_s})
+    log.info("checkpoint step %d saved: loop blocked %.3fs, complete on disk after %.3fs",
+             timing.step, timing.blocking_s, timing.save_s)
+
+
+def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) -> dict:
+  """Trains per `cfg`; returns a summary. Raises UserError on bad input (before compiling) and
+  Preempted after saving when asked to stop."""
+  t_start = time.monotonic() if t_process_start is None else t_process_start
   mesh_shape = config_lib.validate(cfg, jax.device_count(), jax.process_count())
   train_store, val_store = open_stores(cfg.data, cfg.model.vocab_size)
   mesh = make_mesh({a: s for a, s in zip(AXES, mesh_shape)})
-
   out_dir = Path(cfg.output_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
+  ckpt = Checkpointer(cfg.checkpoint, Path(cfg.checkpoint.dir or out_dir / "checkpoints"))
+  resume_path = ckpt.resolve_resume()
   if jax.process_index() == 0:
     config_lib.save(cfg, out_dir / "config.json")
   log.info("devices: %d x %s; mesh %s; train %s (%d tokens), val %s (%d tokens)",
@@ -71,61 +83,98 @@ def run(cfg: ml_collections.ConfigDict) -> dict:
 
   model_cfg = ModelConfig.from_config(cfg.model)
   tx, lr_schedule = optim.make(cfg.optimizer, cfg.steps)
-  graphdef, state, state_shardings = state_lib.create(model_cfg, tx, mesh, cfg.seed)
-  log.info("model: %.2fM parameters", param_count(state.params) / 1e6)
-
-  batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
+  spec = state_lib.spec(model_cfg, tx, mesh, cfg.seed)
   seq_len, batch_size = cfg.data.seq_len, cfg.data.batch_size
   loader = pipeline.TrainLoader(train_store.prefix, seq_len, batch_size, cfg.seed,
                                 jax.process_index(), jax.process_count())
+  if resume_path is None:
+    state = state_lib.initialize(spec, mesh)
+  else:
+    t0 = time.monotonic()
+    restored = ckpt.restore(resume_path, spec.abstract, spec.shardings)
+    state = restored.state
+    loader.set_state(restored.data_state)  # O(1): the loader indexes windows, nothing is replayed
+    log.info("restored step %d from %s in %.2fs (saved on mesh %s)", restored.step, resume_path,
+             time.monotonic() - t0, restored.meta.get("mesh"))
+  log.info("model: %.2fM parameters", param_count(state.params) / 1e6)
+
+  batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
   eval_data = [pipeline.to_global(b, batch_sharding) for b in pipeline.eval_batches(
       val_store.prefix, seq_len, batch_size, cfg.eval.batches, jax.process_index(), jax.process_count())]
-
   replicated = state_lib.replicated(mesh)
   with jax.set_mesh(mesh):
-    train_step = jax.jit(step_lib.make_train_step(graphdef, tx, lr_schedule),
-                         in_shardings=(state_shardings, batch_sharding),
-                         out_shardings=(state_shardings, replicated), donate_argnums=0)
-    eval_step = jax.jit(step_lib.make_eval_step(graphdef),
-                        in_shardings=(state_shardings.params, batch_sharding), out_shardings=replicated)
+    train_step = jax.jit(step_lib.make_train_step(spec.graphdef, tx, lr_schedule),
+                         in_shardings=(spec.shardings, batch_sharding),
+                         out_shardings=(spec.shardings, replicated), donate_argnums=0)
+    eval_step = jax.jit(step_lib.make_eval_step(spec.graphdef),
+                        in_shardings=(spec.shardings.params, batch_sharding), out_shardings=replicated)
+    step = int(state.step)
+    data_state = loader.get_state()  # the loader position matching `state`
     batch = pipeline.to_global(next(loader), batch_sharding)
     t0 = time.monotonic()
     compiled = train_step.lower(state, batch).compile()
     log.info("compiled train step in %.1fs", time.monotonic() - t0)
 
   writer = MetricWriter(out_dir / "tensorboard")
-  writer.text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n```")
+  if step == 0:
+    writer.text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n```")
+  faults = Faults(cfg.faults, out_dir)
+  stop = StopRequest().install()
   tokens_per_step = batch_size * seq_len
-  step = int(state.step)
   t_interval, steps_in_interval = time.monotonic(), 0
   eval_loss = float("nan")
-  with jax.set_mesh(mesh):
-    while step < cfg.steps:
-      state, metrics = compiled(state, batch)
-      step += 1
-      steps_in_interval += 1
-      if step < cfg.steps:
-        # Host work for the next batch overlaps the device running this step (async dispatch).
-        batch = pipeline.to_global(next(loader), batch_sharding)
-      if step % cfg.log_every == 0 or step == cfg.steps:
-        metrics = jax.device_get(metrics)  # note: a host-device sync point, once per log interval
-        now = time.monotonic()
-        step_time = (now - t_interval) / steps_in_interval
-        t_interval, steps_in_interval = now, 0
-        # Every scalar the step returns is logged as train/<name>: new metrics need no loop change.
-        scalars = {f"train/{k}": v for k, v in metrics.items()}
-        scalars.update({"train/step_time_s": step_time, "train/tokens_per_s": tokens_per_step / step_time})
-        writer.scalars(step, scalars)
-        log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %.3fs/step  %.0f tok/s", step, cfg.steps,
-                 metrics["loss"], metrics["grad_norm"], metrics["lr"], step_time, tokens_per_step / step_time)
-      if step == cfg.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
-        t_eval = time.monotonic()
-        eval_loss = evaluate(eval_step, state.params, eval_data)
-        writer.scalars(step, {"eval/loss": eval_loss})
-        log.info("step %d  eval loss %.4f", step, eval_loss)
-        t_interval += time.monotonic() - t_eval  # eval time is not step time
+  first_step = True
 
-  writer.close()
+  def save(sync: bool) -> None:
+    timing = ckpt.save(step, state, data_state, cfg, dict(mesh.shape))
+    if timing is not None:
+      faults.after_save_started(step)
+    log_save(writer, ckpt.wait() if sync else ckpt.poll())
+
+  try:
+    with jax.set_mesh(mesh):
+      while step < cfg.steps:
+        state, metrics = compiled(state, batch)
+        step += 1
+        steps_in_interval += 1
+        data_state = loader.get_state()
+        if step < cfg.steps:
+          # Host work for the next batch overlaps the device running this step (async dispatch).
+          batch = pipeline.to_global(next(loader), batch_sharding)
+        if first_step:
+          jax.block_until_ready(metrics)
+          first_step = False
+          log.info("first step (%d) done %.1fs after process start", step, time.monotonic() - t_start)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+          metrics = jax.device_get(metrics)  # note: a host-device sync point, once per log interval
+          now = time.monotonic()
+          step_time = (now - t_interval) / steps_in_interval
+          t_interval, steps_in_interval = now, 0
+          # Every scalar the step returns is logged as train/<name>: new metrics need no loop change.
+          scalars = {f"train/{k}": v for k, v in metrics.items()}
+          scalars.update({"train/step_time_s": step_time, "train/tokens_per_s": tokens_per_step / step_time})
+          writer.scalars(step, scalars)
+          log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %.3fs/step  %.0f tok/s", step, cfg.steps,
+                   metrics["loss"], metrics["grad_norm"], metrics["lr"], step_time, tokens_per_step / step_time)
+        if step == cfg.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
+          t_eval = time.monotonic()
+          eval_loss = evaluate(eval_step, state.params, eval_data)
+          writer.scalars(step, {"eval/loss": eval_loss})
+          log.info("step %d  eval loss %.4f", step, eval_loss)
+          t_interval += time.monotonic() - t_eval  # eval time is not step time
+        faults.after_step(step)
+        if stop.requested():
+          save(sync=True)
+          raise Preempted(f"stopped by {stop.signal_name} after step {step}; checkpoint saved in {ckpt.directory}")
+        if ckpt.should_save(step) or step == cfg.steps:
+          save(sync=step == cfg.steps)
+        else:
+          log_save(writer, ckpt.poll())
+  finally:
+    stop.uninstall()
+    ckpt.close()
+    writer.close()
+
   entropy = train_store.unigram_entropy()
   summary = {"final_eval_loss": eval_loss, "unigram_entropy": entropy, "steps": step,
              "wall_s": time.monotonic() - t_start}

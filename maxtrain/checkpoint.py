@@ -1,0 +1,188 @@
+"""Checkpoints with Orbax: what is saved, when, and how a run resumes.
+
+A checkpoint is one Orbax step directory with three items:
+  state  the TrainState (params, optimizer state, step), saved sharded, restorable onto any mesh;
+  data   the data-iterator state (JSON: the next window index and the loader's identity);
+  meta   the resolved config, mesh shape, package version, parameter shapes and wall time.
+
+Saves are asynchronous: the loop blocks only while device arrays are copied to host memory; the
+write happens on a background thread. Orbax writes into a temporary directory and renames it when
+complete, so a save interrupted at any point (even SIGKILL) is never listed or restored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+
+import maxtrain
+from maxtrain.errors import UserError
+from maxtrain.state import param_name
+
+log = logging.getLogger("maxtrain")
+
+
+@dataclasses.dataclass
+class Restored:
+  step: int
+  state: Any
+  data_state: dict
+  meta: dict
+  path: str
+
+
+@dataclasses.dataclass
+class SaveTiming:
+  step: int
+  blocking_s: float  # time the training loop was stopped
+  save_s: float | None = None  # start of the save to the checkpoint being complete on disk
+
+
+def _param_shapes(state) -> dict[str, list[int]]:
+  return {param_name(path): list(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
+
+
+def check_writable(directory: Path) -> None:
+  """Fails before any compute when the checkpoint directory cannot be written."""
+  if str(directory).startswith(("s3://", "gs://")):
+    raise UserError(f"checkpoint.dir={directory}: object storage is not supported yet; use a local or "
+                    "mounted filesystem path")
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".write-probe-{os.getpid()}"
+    probe.write_bytes(b"ok")
+    probe.unlink()
+  except OSError as e:
+    raise UserError(f"checkpoint.dir={directory} is not writable ({e.strerror}): choose a directory this "
+                    "process can create and write") from None
+
+
+class Checkpointer:
+  """Owns the Orbax CheckpointManager of one run."""
+
+  def __init__(self, ckpt_cfg: ml_collections.ConfigDict, directory: Path):
+    self.cfg = ckpt_cfg
+    self.directory = directory
+    check_writable(directory)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=ckpt_cfg.max_to_keep if ckpt_cfg.max_to_keep > 0 else None,
+        keep_period=ckpt_cfg.keep_every if ckpt_cfg.keep_every > 0 else None,
+        enable_async_checkpointing=ckpt_cfg.async_save,
+        create=True,
+    )
+    self._manager = ocp.CheckpointManager(directory, options=options)
+    self._pending: SaveTiming | None = None
+    self._pending_t0 = 0.0
+    self.last_error: Exception | None = None
+
+  # ---- resume -------------------------------------------------------------------------------
+
+  def steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def resolve_resume(self) -> Path | None:
+    """The checkpoint to restore per `checkpoint.resume`, or None for a fresh start."""
+    resume = str(self.cfg.resume)
+    steps = self.steps()
+    if resume == "auto":
+      return self.directory / str(steps[-1]) if steps else None
+    if resume == "never":
+      if steps:
+        raise UserError(
+            f"checkpoint.resume=never but {self.directory} already holds checkpoints at steps {steps}; "
+            "a fresh run must not overwrite them. Use another output_dir/checkpoint.dir, or resume=auto.")
+      return None
+    if resume.isdigit():
+      if int(resume) not in steps:
+        raise UserError(f"checkpoint.resume={resume}: no complete checkpoint at step {resume} in "
+                        f"{self.directory}; found steps {steps or 'none'}")
+      return self.directory / resume
+    path = Path(resume)
+    if not path.is_dir():
+      raise UserError(f"checkpoint.resume={resume!r}: not 'auto', 'never', a step number, nor an existing "
+                      "checkpoint directory")
+    if not ocp.step.is_checkpoint_finalized(path) or not (path / "state").is_dir():
+      raise UserError(f"checkpoint.resume={resume!r}: not a complete maxtrain checkpoint (it has no finished "
+                      "'state' item; an interrupted save is never restored)")
+    return path
+
+  def restore(self, path: Path, abstract_state: Any, shardings: Any) -> Restored:
+    """Restores onto the current mesh (resharding if the checkpoint was saved on another)."""
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    meta = checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    self._check_compatible(path, meta, abstract_state)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
+    restored = checkpointer.restore(path, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+    step = int(restored.state.step)
+    return Restored(step=step, state=restored.state, data_state=restored.data, meta=meta, path=str(path))
+
+  @staticmethod
+  def _check_compatible(path: Path, meta: dict, abstract_state: Any) -> None:
+    saved, current = meta.get("param_shapes", {}), _param_shapes(abstract_state)
+    diffs = [f"{k}: checkpoint {saved.get(k)} vs model {current.get(k)}"
+             for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    if diffs:
+      raise UserError(f"checkpoint {path} does not fit this model ({len(diffs)} parameters differ; "
+                      f"{'; '.join(diffs[:4])}). Restore it with the model config it was saved with "
+                      f"(its config.model: {json.dumps(meta.get('config', {}).get('model', {}))}).")
+
+  # ---- save ---------------------------------------------------------------------------------
+
+  def should_save(self, step: int) -> bool:
+    every = self.cfg.every_steps
+    return every > 0 and step % every == 0
+
+  def save(self, step: int, state: Any, data_state: dict, cfg: ml_collections.ConfigDict,
+           mesh_shape: dict) -> SaveTiming | None:
+    """Starts a save; returns its timing, or None if it failed (logged, the run goes on)."""
+    if step in self._manager.all_steps():
+      return None  # already saved (e.g. the final step coincides with a periodic save)
+    meta = {"config": cfg.to_dict(), "mesh": mesh_shape, "version": maxtrain.__version__,
+            "param_shapes": _param_shapes(state), "wall_time": time.time(), "step": step}
+    self.wait()  # one save in flight at a time; also surfaces an error of the previous one
+    t0 = time.monotonic()
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
+    except Exception as e:  # noqa: BLE001 - a failed save must not kill training; the last good one stays
+      log.error("checkpoint save at step %d failed: %s: %s (training continues; the previous checkpoints "
+                "are intact)", step, type(e).__name__, e)
+      self.last_error = e
+      return None
+    timing = SaveTiming(step=step, blocking_s=time.monotonic() - t0)
+    self._pending, self._pending_t0 = timing, t0
+    return timing
+
+  def poll(self) -> SaveTiming | None:
+    """Returns the timing of a save that has completed since the last poll (None otherwise, or if
+    it failed: the failure is logged and kept in `last_error`)."""
+    if self._pending is None or self._manager.is_saving_in_progress():
+      return None
+    done, self._pending = self._pending, None
+    try:
+      self._manager.check_for_errors()
+    except Exception as e:  # noqa: BLE001 - see save()
+      log.error("checkpoint save at step %d failed: %s: %s (the previous checkpoints are intact)",
+                done.step, type(e).__name__, e)
+      self.last_error = e
+      return None
+    done.save_s = time.monotonic() - self._pending_t0
+    return done
+
+  def wait(self) -> SaveTiming | None:
+    self._manager.wait_until_finished()
+    return self.poll()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()

@@ -1,0 +1,41 @@
+"""Fault injection for tests and drills (off unless configured).
+
+Each fault fires at most once per output_dir, even across restarts, so a recovered run does not
+fault again: a fired fault is recorded in `<output_dir>/faults_fired.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import ml_collections
+
+log = logging.getLogger("maxtrain")
+
+
+class Faults:
+  def __init__(self, faults_cfg: ml_collections.ConfigDict, output_dir: Path):
+    self.cfg = faults_cfg
+    self._record = output_dir / "faults_fired.json"
+    self._fired = set(json.loads(self._record.read_text())) if self._record.exists() else set()
+
+  def _fire(self, name: str, step: int) -> bool:
+    if self.cfg[name] != step or name in self._fired:
+      return False
+    self._fired.add(name)
+    self._record.write_text(json.dumps(sorted(self._fired)))
+    log.warning("fault injection: %s at step %d", name, step)
+    return True
+
+  def after_step(self, step: int) -> None:
+    if self._fire("sigterm_at_step", step):
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  def after_save_started(self, step: int) -> None:
+    # The async write is in flight: SIGKILL now leaves an incomplete checkpoint behind.
+    if self._fire("kill_during_save_at_step", step):
+      os.kill(os.getpid(), signal.SIGKILL)

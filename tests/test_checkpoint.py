@@ -1,0 +1,165 @@
+"""Checkpoints: bitwise resume (normal end and SIGTERM), resharding restore, SIGKILL during a save,
+and bad checkpoint input. Trainer runs are real subprocesses of `python -m maxtrain.train`."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from maxtrain import config as config_lib, optim, state as state_lib, train
+from maxtrain.checkpoint import Checkpointer
+from maxtrain.data.indexing import index_files
+from maxtrain.models.llama import ModelConfig
+from maxtrain.sharding.mesh import AXES, make_mesh
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["--config.model.num_layers=2", "--config.model.d_model=32", "--config.model.num_heads=4",
+        "--config.model.num_kv_heads=4", "--config.model.d_ff=64", "--config.data.seq_len=32",
+        "--config.data.batch_size=8", "--config.eval.batches=1", "--config.eval.every_steps=0",
+        "--config.log_every=1", "--config.checkpoint.every_steps=4"]
+MESHES = {
+    "1 device": (1, ["--config.mesh.fsdp=1"]),
+    "fsdp=4 x tensor=2": (8, ["--config.mesh.fsdp=4", "--config.mesh.tensor=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+  prefix = tmp_path_factory.mktemp("store") / "code"
+  index_files([str(REPO / "maxtrain")], str(prefix), val_fraction=0.2, workers=1, progress=False)
+  return str(prefix)
+
+
+def trainer(args, devices=8) -> subprocess.CompletedProcess:
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-m", "maxtrain.train", *args], capture_output=True, text=True,
+                        env=env, timeout=300, cwd=REPO)
+
+
+def restore_raw(ckpt_dir: Path, step: int):
+  """The saved TrainState as host arrays, restored without a target (as saved)."""
+  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  restored = checkpointer.restore(ckpt_dir / str(step), args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  return jax.tree.map(np.asarray, restored.state)
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+  """Leaves by a path of plain names, so a TrainState and the raw restored dicts compare."""
+  def name(k):
+    return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+
+  return {"/".join(name(k) for k in path if name(k) != "value"): np.asarray(leaf)
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def assert_bitwise_equal(a, b):
+  flat_a, flat_b = flat(a), flat(b)
+  assert sorted(flat_a) == sorted(flat_b)
+  for key, x in flat_a.items():
+    y = flat_b[key]
+    assert x.dtype == y.dtype and x.shape == y.shape, key
+    assert x.tobytes() == y.tobytes(), f"{key} differs"
+
+
+def losses(out: Path) -> dict[int, float]:
+  events = EventAccumulator(str(out / "tensorboard"))
+  events.Reload()
+  return {e.step: e.value for e in events.Scalars("train/loss")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", MESHES)
+def test_resume_is_bitwise_identical(store, tmp_path, mesh):
+  devices, mesh_args = MESHES[mesh]
+  base = TINY + mesh_args + [f"--config.data.path={store}"]
+
+  def run(name, steps, *extra):
+    return trainer(base + [f"--config.output_dir={tmp_path / name}", f"--config.steps={steps}", *extra], devices)
+
+  a = run("a", 8)
+  assert a.returncode == 0, a.stderr
+  # B: stops at the end of step 4, then a second process resumes and trains to 8.
+  b1, b2 = run("b", 4), run("b", 8)
+  assert b1.returncode == 0 and b2.returncode == 0, b1.stderr + b2.stderr
+  assert "restored step 4" in b2.stderr
+  # C: SIGTERM after step 4 -> checkpoint + exit 75; the restart trains to 8.
+  c1 = run("c", 8, "--config.faults.sigterm_at_step=4")
+  assert c1.returncode == train.EXIT_PREEMPTED, c1.stderr
+  assert "stopped by SIGTERM after step 4" in c1.stderr
+  assert sorted(int(p.name) for p in (tmp_path / "c/checkpoints").iterdir() if p.name.isdigit()) == [4]
+  c2 = run("c", 8, "--config.faults.sigterm_at_step=4")  # fault already fired: does not fire again
+  assert c2.returncode == 0, c2.stderr
+  assert "restored step 4" in c2.stderr and "first step (5) done" in c2.stderr
+
+  final_a = restore_raw(tmp_path / "a/checkpoints", 8)
+  for other in ("b", "c"):
+    assert_bitwise_equal(final_a, restore_raw(tmp_path / other / "checkpoints", 8))
+    # Same loss at every step, resumed steps included: the resumed run saw the same batches.
+    assert losses(tmp_path / other) == losses(tmp_path / "a")
+  assert sorted(losses(tmp_path / "a")) == list(range(1, 9))
+
+
+def test_restore_reshards_onto_other_meshes(store, tmp_path):
+  out = tmp_path / "run"
+  code = train.main(TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", "--config.steps=2",
+                            f"--config.output_dir={out}"])
+  assert code == 0
+  cfg = config_lib.load(TINY)
+  model_cfg = ModelConfig.from_config(cfg.model)
+  tx, _ = optim.make(cfg.optimizer, 2)
+  saved = restore_raw(out / "checkpoints", 2)
+  ckpt = Checkpointer(cfg.checkpoint, out / "checkpoints")
+  for shape, devices in (((2, 1, 4), jax.devices()), ((1, 1, 1), jax.devices()[:1])):
+    mesh = make_mesh(dict(zip(AXES, shape)), devices)
+    spec = state_lib.spec(model_cfg, tx, mesh, seed=0)
+    restored = ckpt.restore(out / "checkpoints" / "2", spec.abstract, spec.shardings)
+    assert restored.step == 2 and restored.meta["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    wq = restored.state.params["blocks"]["attn"]["wq"][...]
+    assert wq.sharding.mesh.shape == mesh.shape
+    assert_bitwise_equal(jax.tree.map(np.asarray, restored.state), saved)
+  ckpt.close()
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_resumes_from_previous_checkpoint(store, tmp_path):
+  args = TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", "--config.steps=10",
+                 f"--config.output_dir={tmp_path}", "--config.checkpoint.every_steps=3",
+                 "--config.faults.kill_during_save_at_step=6"]
+  killed = trainer(args)
+  assert killed.returncode == -9
+  ckpt_dir = tmp_path / "checkpoints"
+  complete = [p.name for p in ckpt_dir.iterdir() if p.name.isdigit()]
+  assert complete == ["3"], sorted(os.listdir(ckpt_dir))
+  resumed = trainer(args)
+  assert resumed.returncode == 0, resumed.stderr
+  assert "restored step 3" in resumed.stderr
+  assert {"3", "6", "9", "10"} <= set(os.listdir(ckpt_dir)) | {"3"}  # 3 may be rotated out by max_to_keep
+  assert sorted(losses(tmp_path))[-1] == 10
+
+
+def test_bad_checkpoint_input_exits_2(store, tmp_path, capsys):
+  out = tmp_path / "run"
+  base = TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", f"--config.output_dir={out}"]
+  assert train.main(base + ["--config.steps=4"]) == 0
+  capsys.readouterr()
+
+  def bad(*args):
+    code = train.main(base + list(args))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "compiled train step" not in err
+    return err
+
+  assert "no complete checkpoint at step 7" in bad("--config.checkpoint.resume=7") and "found steps [4]" in bad(
+      "--config.checkpoint.resume=7")
+  err = bad("--config.model.d_model=64", "--config.steps=8")
+  assert "does not fit this model" in err and "blocks/attn/wq: checkpoint [2, 32, 4, 8] vs model [2, 64, 4, 16]" in err
+  assert "is not writable" in bad("--config.checkpoint.dir=/proc/maxtrain-ckpt")
+  assert "already holds checkpoints at steps [4]" in bad("--config.checkpoint.resume=never")
+  assert "not a complete maxtrain checkpoint" in bad(f"--config.checkpoint.resume={tmp_path}")
