@@ -61,6 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
   o.lr = 3e-3  # Peak learning rate.
   o.warmup_steps = 20  # Linear warmup from 0 to lr.
   o.min_lr_ratio = 0.1  # Cosine decay ends at lr * min_lr_ratio.
+  o.decay_steps = 0  # Length of the LR schedule; 0 = steps. Set it to stop a run early on its planned schedule.
   o.weight_decay = 0.1  # Decoupled (AdamW) weight decay; not applied to norms.
   o.clip_norm = 1.0  # Global gradient-norm clip; 0 disables.
   o.b1 = 0.9  # Adam first-moment decay.
@@ -204,6 +205,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   _require(0 < d.seq_len <= m.max_seq_len,
            f"config.data.seq_len={d.seq_len} must be in 1..model.max_seq_len={m.max_seq_len}")
   _require(o.lr > 0, f"config.optimizer.lr={o.lr}: must be > 0")
+  _require(o.decay_steps >= 0, f"config.optimizer.decay_steps={o.decay_steps}: must be >= 0 (0 = steps)")
   _require(o.warmup_steps >= 0, f"config.optimizer.warmup_steps={o.warmup_steps}: must be >= 0")
   _require(0 <= o.min_lr_ratio <= 1, f"config.optimizer.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
   _require(o.clip_norm >= 0, f"config.optimizer.clip_norm={o.clip_norm}: must be >= 0 (0 disables)")

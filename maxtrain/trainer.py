@@ -82,7 +82,7 @@ def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) ->
            train_store.prefix, train_store.num_tokens, val_store.prefix, val_store.num_tokens)
 
   model_cfg = ModelConfig.from_config(cfg.model)
-  tx, lr_schedule = optim.make(cfg.optimizer, cfg.steps)
+  tx, lr_schedule = optim.make(cfg.optimizer, cfg.optimizer.decay_steps or cfg.steps)
   spec = state_lib.spec(model_cfg, tx, mesh, cfg.seed)
   seq_len, batch_size = cfg.data.seq_len, cfg.data.batch_size
   loader = pipeline.TrainLoader(train_store.prefix, seq_len, batch_size, cfg.seed,

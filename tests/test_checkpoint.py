@@ -78,6 +78,7 @@ def losses(out: Path) -> dict[int, float]:
 def test_resume_is_bitwise_identical(store, tmp_path, mesh):
   devices, mesh_args = MESHES[mesh]
   base = TINY + mesh_args + [f"--config.data.path={store}"]
+  # B's first process stops at step 4 of the same 8-step LR schedule (optimizer.decay_steps).
 
   def run(name, steps, *extra):
     return trainer(base + [f"--config.output_dir={tmp_path / name}", f"--config.steps={steps}", *extra], devices)
@@ -85,7 +86,7 @@ def test_resume_is_bitwise_identical(store, tmp_path, mesh):
   a = run("a", 8)
   assert a.returncode == 0, a.stderr
   # B: stops at the end of step 4, then a second process resumes and trains to 8.
-  b1, b2 = run("b", 4), run("b", 8)
+  b1, b2 = run("b", 4, "--config.optimizer.decay_steps=8"), run("b", 8)
   assert b1.returncode == 0 and b2.returncode == 0, b1.stderr + b2.stderr
   assert "restored step 4" in b2.stderr
   # C: SIGTERM after step 4 -> checkpoint + exit 75; the restart trains to 8.
