@@ -53,9 +53,6 @@ def _param_shapes(state) -> dict[str, list[int]]:
 
 def check_writable(directory: Path) -> None:
   """Fails before any compute when the checkpoint directory cannot be written."""
-  if str(directory).startswith(("s3://", "gs://")):
-    raise UserError(f"checkpoint.dir={directory}: object storage is not supported yet; use a local or "
-                    "mounted filesystem path")
   try:
     directory.mkdir(parents=True, exist_ok=True)
     probe = directory / f".write-probe-{os.getpid()}"
@@ -67,10 +64,25 @@ def check_writable(directory: Path) -> None:
 
 
 class Checkpointer:
-  """Owns the Orbax CheckpointManager of one run."""
+  """Owns the Orbax CheckpointManager of one run.
 
-  def __init__(self, ckpt_cfg: ml_collections.ConfigDict, directory: Path):
+  `location` is a local path, or an s3:// URL: then checkpoints are staged in `staging` and
+  mirrored to object storage in the background (`maxtrain.remote`).
+  """
+
+  def __init__(self, ckpt_cfg: ml_collections.ConfigDict, location: str, staging: Path | None = None):
     self.cfg = ckpt_cfg
+    self.remote = None
+    if location.startswith("s3://"):
+      from maxtrain.remote import S3Mirror
+
+      self.remote = S3Mirror(location)
+      directory = staging if staging is not None else Path("checkpoints")
+    elif "://" in location:
+      raise UserError(f"checkpoint.dir={location}: only local paths and s3:// URLs are supported")
+    else:
+      directory = Path(location)
+    self.location = location
     self.directory = directory
     check_writable(directory)
     options = ocp.CheckpointManagerOptions(
@@ -87,25 +99,37 @@ class Checkpointer:
   # ---- resume -------------------------------------------------------------------------------
 
   def steps(self) -> list[int]:
-    return sorted(self._manager.all_steps())
+    """Complete checkpoints, local and (if mirrored) remote."""
+    local = set(self._manager.all_steps())
+    return sorted(local | set(self.remote.complete_steps() if self.remote else ()))
+
+  def _local(self, step: int) -> Path:
+    """The local directory of a complete step, downloading it first if only the mirror has it."""
+    path = self.directory / str(step)
+    if step not in self._manager.all_steps():
+      t0 = time.monotonic()
+      self.remote.download(step, path)
+      self._manager.reload()
+      log.info("downloaded checkpoint step %d from %s in %.2fs", step, self.location, time.monotonic() - t0)
+    return path
 
   def resolve_resume(self) -> Path | None:
     """The checkpoint to restore per `checkpoint.resume`, or None for a fresh start."""
     resume = str(self.cfg.resume)
     steps = self.steps()
     if resume == "auto":
-      return self.directory / str(steps[-1]) if steps else None
+      return self._local(steps[-1]) if steps else None
     if resume == "never":
       if steps:
         raise UserError(
-            f"checkpoint.resume=never but {self.directory} already holds checkpoints at steps {steps}; "
+            f"checkpoint.resume=never but {self.location} already holds checkpoints at steps {steps}; "
             "a fresh run must not overwrite them. Use another output_dir/checkpoint.dir, or resume=auto.")
       return None
     if resume.isdigit():
       if int(resume) not in steps:
         raise UserError(f"checkpoint.resume={resume}: no complete checkpoint at step {resume} in "
-                        f"{self.directory}; found steps {steps or 'none'}")
-      return self.directory / resume
+                        f"{self.location}; found steps {steps or 'none'}")
+      return self._local(int(resume))
     path = Path(resume)
     if not path.is_dir():
       raise UserError(f"checkpoint.resume={resume!r}: not 'auto', 'never', a step number, nor an existing "
@@ -177,6 +201,8 @@ class Checkpointer:
       self.last_error = e
       return None
     done.save_s = time.monotonic() - self._pending_t0
+    if self.remote is not None:
+      self.remote.upload(self.directory / str(done.step), done.step, keep=list(self._manager.all_steps()))
     return done
 
   def wait(self) -> SaveTiming | None:
@@ -184,5 +210,10 @@ class Checkpointer:
     return self.poll()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for the last save (and its upload) to be complete."""
+    self.wait()
     self._manager.close()
+    if self.remote is not None:
+      t0 = time.monotonic()
+      self.remote.close()
+      log.info("uploads to %s finished %.2fs after the end of training", self.location, time.monotonic() - t0)

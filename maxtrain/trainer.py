@@ -73,7 +73,7 @@ def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) ->
   mesh = make_mesh({a: s for a, s in zip(AXES, mesh_shape)})
   out_dir = Path(cfg.output_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  ckpt = Checkpointer(cfg.checkpoint, Path(cfg.checkpoint.dir or out_dir / "checkpoints"))
+  ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(out_dir / "checkpoints"), out_dir / "checkpoints")
   resume_path = ckpt.resolve_resume()
   if jax.process_index() == 0:
     config_lib.save(cfg, out_dir / "config.json")
@@ -165,7 +165,7 @@ def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) ->
         faults.after_step(step)
         if stop.requested():
           save(sync=True)
-          raise Preempted(f"stopped by {stop.signal_name} after step {step}; checkpoint saved in {ckpt.directory}")
+          raise Preempted(f"stopped by {stop.signal_name} after step {step}; checkpoint saved in {ckpt.location}")
         if ckpt.should_save(step) or step == cfg.steps:
           save(sync=step == cfg.steps)
         else:

@@ -115,7 +115,7 @@ def test_restore_reshards_onto_other_meshes(store, tmp_path):
   model_cfg = ModelConfig.from_config(cfg.model)
   tx, _ = optim.make(cfg.optimizer, 2)
   saved = restore_raw(out / "checkpoints", 2)
-  ckpt = Checkpointer(cfg.checkpoint, out / "checkpoints")
+  ckpt = Checkpointer(cfg.checkpoint, str(out / "checkpoints"))
   for shape, devices in (((2, 1, 4), jax.devices()), ((1, 1, 1), jax.devices()[:1])):
     mesh = make_mesh(dict(zip(AXES, shape)), devices)
     spec = state_lib.spec(model_cfg, tx, mesh, seed=0)
@@ -164,3 +164,50 @@ def test_bad_checkpoint_input_exits_2(store, tmp_path, capsys):
   assert "is not writable" in bad("--config.checkpoint.dir=/proc/maxtrain-ckpt")
   assert "already holds checkpoints at steps [4]" in bad("--config.checkpoint.resume=never")
   assert "not a complete maxtrain checkpoint" in bad(f"--config.checkpoint.resume={tmp_path}")
+
+
+@pytest.fixture()
+def s3_server(monkeypatch):
+  """A real S3-compatible server (moto) on localhost, with the standard AWS variables pointing at it."""
+  import boto3
+  from moto.server import ThreadedMotoServer
+
+  server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+  server.start()
+  host, port = server.get_host_and_port()
+  for key, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "test",
+                     "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    monkeypatch.setenv(key, value)
+  client = boto3.client("s3")
+  client.create_bucket(Bucket="ckpts")
+  yield client
+  server.stop()
+
+
+def test_s3_round_trip(store, tmp_path, s3_server):
+  out = tmp_path / "run"
+  base = TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", f"--config.output_dir={out}",
+                 "--config.checkpoint.dir=s3://ckpts/runs/one", "--config.checkpoint.every_steps=2",
+                 "--config.checkpoint.max_to_keep=2", "--config.optimizer.decay_steps=6"]
+  assert train.main(base + ["--config.steps=4"]) == 0
+  keys = {o["Key"] for o in s3_server.list_objects_v2(Bucket="ckpts", Prefix="runs/one/")["Contents"]}
+  assert {"runs/one/2/_MAXTRAIN_COMPLETE", "runs/one/4/_MAXTRAIN_COMPLETE"} <= keys
+  assert any(k.startswith("runs/one/4/state/") for k in keys)
+  uploaded = restore_raw(out / "checkpoints", 4)
+
+  # A new machine: the local staging copy is gone; the run resumes from object storage.
+  import shutil
+  shutil.rmtree(out / "checkpoints")
+  assert train.main(base + ["--config.steps=6"]) == 0
+  assert_bitwise_equal(restore_raw(out / "checkpoints", 4), uploaded)
+  keys = {o["Key"] for o in s3_server.list_objects_v2(Bucket="ckpts", Prefix="runs/one/")["Contents"]}
+  markers = sorted(k for k in keys if k.endswith("_MAXTRAIN_COMPLETE"))
+  assert markers == ["runs/one/4/_MAXTRAIN_COMPLETE", "runs/one/6/_MAXTRAIN_COMPLETE"]  # max_to_keep=2
+  assert not any(k.startswith("runs/one/2/") for k in keys)
+
+
+def test_unreachable_bucket_exits_2(store, tmp_path, s3_server, capsys):
+  code = train.main(TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", f"--config.output_dir={tmp_path}",
+                            "--config.checkpoint.dir=s3://no-such-bucket/x"])
+  assert code == 2
+  assert "bucket 'no-such-bucket' is not reachable" in capsys.readouterr().err

@@ -1,0 +1,119 @@
+"""Mirroring checkpoints to S3-compatible object storage.
+
+Orbax writes each checkpoint to a local staging directory as usual (fast, atomic by rename); once a
+step is complete on local disk it is uploaded in the background, file by file, and a marker object
+`<prefix>/<step>/_MAXTRAIN_COMPLETE` is written last. A remote step without its marker is an
+interrupted upload and is never restored. On resume, a step that exists only remotely is downloaded
+into the staging directory first. The training loop never waits on the network except at exit.
+
+Why not let Orbax/TensorStore write to S3 directly: on this kind of machine a local save completes
+in well under a second and the upload then runs off the critical path; a direct write would turn
+every network hiccup into a failed or slow save, and staging makes resume after a node restart
+read locally when the disk survived. The endpoint comes from the standard AWS configuration
+(`AWS_ENDPOINT_URL`, credentials, region), so MinIO, Ceph or a local test server work the same way.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from maxtrain.errors import UserError
+
+log = logging.getLogger("maxtrain")
+MARKER = "_MAXTRAIN_COMPLETE"
+
+
+class S3Mirror:
+  def __init__(self, url: str):
+    parsed = urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+      raise UserError(f"checkpoint.dir={url!r}: expected s3://BUCKET/PREFIX")
+    try:
+      import boto3
+      import botocore.exceptions
+    except ImportError:
+      raise UserError("checkpoint.dir is an s3:// URL but boto3 is not installed: pip install 'maxtrain[s3]'") from None
+    self.url, self.bucket, self.prefix = url, parsed.netloc, parsed.path.strip("/")
+    self._client = boto3.client("s3")
+    try:
+      self._client.head_bucket(Bucket=self.bucket)
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
+      raise UserError(f"checkpoint.dir={url}: bucket {self.bucket!r} is not reachable ({e}); check the "
+                      "bucket name, credentials and AWS_ENDPOINT_URL") from None
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3-upload")
+    self._uploads: list[concurrent.futures.Future] = []
+
+  def _key(self, *parts: str) -> str:
+    return "/".join(p for p in (self.prefix, *parts) if p)
+
+  def complete_steps(self) -> list[int]:
+    steps = []
+    paginator = self._client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key("") + ("/" if self.prefix else ""),
+                                   Delimiter="/"):
+      for common in page.get("CommonPrefixes", []):
+        name = common["Prefix"].rstrip("/").rsplit("/", 1)[-1]
+        if name.isdigit() and self._exists(self._key(name, MARKER)):
+          steps.append(int(name))
+    return sorted(steps)
+
+  def _exists(self, key: str) -> bool:
+    return "Contents" in self._client.list_objects_v2(Bucket=self.bucket, Prefix=key, MaxKeys=1)
+
+  def upload(self, local_step_dir: Path, step: int, keep: list[int]) -> concurrent.futures.Future:
+    """Uploads a complete local checkpoint in the background, then drops remote steps not in `keep`."""
+    future = self._pool.submit(self._upload, local_step_dir, step, keep)
+    self._uploads.append(future)
+    return future
+
+  def _upload(self, local_step_dir: Path, step: int, keep: list[int]) -> float:
+    t0 = time.monotonic()
+    for path in sorted(p for p in local_step_dir.rglob("*") if p.is_file()):
+      self._client.upload_file(str(path), self.bucket, self._key(str(step), str(path.relative_to(local_step_dir))))
+    self._client.put_object(Bucket=self.bucket, Key=self._key(str(step), MARKER), Body=b"")
+    for old in self.complete_steps():
+      if old not in keep and old != step:
+        self._delete(old)
+    seconds = time.monotonic() - t0
+    log.info("checkpoint step %d uploaded to %s in %.2fs", step, self.url, seconds)
+    return seconds
+
+  def _delete(self, step: int) -> None:
+    # The marker goes first: a half-deleted step is then an incomplete one, never restored.
+    self._client.delete_object(Bucket=self.bucket, Key=self._key(str(step), MARKER))
+    paginator = self._client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key(str(step)) + "/"):
+      for obj in page.get("Contents", []):
+        self._client.delete_object(Bucket=self.bucket, Key=obj["Key"])
+
+  def download(self, step: int, local_step_dir: Path) -> None:
+    """Fetches a complete remote step into a temporary directory, renamed into place when done."""
+    tmp = local_step_dir.with_name(f"{local_step_dir.name}.download-tmp")
+    paginator = self._client.get_paginator("list_objects_v2")
+    prefix = self._key(str(step)) + "/"
+    for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+      for obj in page.get("Contents", []):
+        rel = obj["Key"][len(prefix):]
+        if rel == MARKER:
+          continue
+        target = tmp / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self._client.download_file(self.bucket, obj["Key"], str(target))
+    tmp.rename(local_step_dir)
+
+  def wait(self) -> None:
+    """Blocks until every upload finished; a failed upload is logged (local checkpoints stay)."""
+    for future in self._uploads:
+      try:
+        future.result()
+      except Exception as e:  # noqa: BLE001 - an upload failure must not lose the local checkpoint
+        log.error("checkpoint upload to %s failed: %s: %s", self.url, type(e).__name__, e)
+    self._uploads = []
+
+  def close(self) -> None:
+    self.wait()
+    self._pool.shutdown()
