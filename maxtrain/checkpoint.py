@@ -95,6 +95,7 @@ class Checkpointer:
     self._pending: SaveTiming | None = None
     self._pending_t0 = 0.0
     self.last_error: Exception | None = None
+    self.failed_step: int | None = None
 
   # ---- resume -------------------------------------------------------------------------------
 
@@ -179,26 +180,27 @@ class Checkpointer:
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
     except Exception as e:  # noqa: BLE001 - a failed save must not kill training; the last good one stays
-      log.error("checkpoint save at step %d failed: %s: %s (training continues; the previous checkpoints "
-                "are intact)", step, type(e).__name__, e)
-      self.last_error = e
+      self._failed(step, e)
       return None
     timing = SaveTiming(step=step, blocking_s=time.monotonic() - t0)
     self._pending, self._pending_t0 = timing, t0
     return timing
 
+  def _failed(self, step: int, error: Exception) -> None:
+    log.error("checkpoint save at step %d failed: %s: %s (training continues; the previous checkpoints "
+              "are intact)", step, type(error).__name__, error)
+    self.last_error, self.failed_step = error, step
+
   def poll(self) -> SaveTiming | None:
     """Returns the timing of a save that has completed since the last poll (None otherwise, or if
-    it failed: the failure is logged and kept in `last_error`)."""
+    it failed: the failure is logged and kept in `last_error` / `failed_step`)."""
     if self._pending is None or self._manager.is_saving_in_progress():
       return None
     done, self._pending = self._pending, None
     try:
       self._manager.check_for_errors()
     except Exception as e:  # noqa: BLE001 - see save()
-      log.error("checkpoint save at step %d failed: %s: %s (the previous checkpoints are intact)",
-                done.step, type(e).__name__, e)
-      self.last_error = e
+      self._failed(done.step, e)
       return None
     done.save_s = time.monotonic() - self._pending_t0
     if self.remote is not None:
@@ -206,7 +208,14 @@ class Checkpointer:
     return done
 
   def wait(self) -> SaveTiming | None:
-    self._manager.wait_until_finished()
+    """Blocks until the save in flight (if any) is complete; returns its timing like poll()."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - see save()
+      if self._pending is not None:
+        self._failed(self._pending.step, e)
+        self._pending = None
+      return None
     return self.poll()
 
   def close(self) -> None:

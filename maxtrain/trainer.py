@@ -170,6 +170,11 @@ def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) ->
           save(sync=step == cfg.steps)
         else:
           log_save(writer, ckpt.poll())
+      if ckpt.failed_step == step:
+        # Exiting 0 would lose this run's work silently; a crash exit lets a supervisor restart
+        # from the newest complete checkpoint.
+        raise RuntimeError(f"the final checkpoint (step {step}) could not be written to {ckpt.location}: "
+                           f"{ckpt.last_error}")
   finally:
     stop.uninstall()
     ckpt.close()

@@ -211,3 +211,32 @@ def test_unreachable_bucket_exits_2(store, tmp_path, s3_server, capsys):
                             "--config.checkpoint.dir=s3://no-such-bucket/x"])
   assert code == 2
   assert "bucket 'no-such-bucket' is not reachable" in capsys.readouterr().err
+
+
+def _file_size_limit():
+  # A real write failure (EFBIG, like a full disk): files may not grow past 100 kB, which the
+  # checkpoint's tensor files exceed while logs and TensorBoard events stay below it.
+  import resource
+  import signal
+
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+
+@pytest.mark.slow
+def test_failed_saves_keep_the_last_good_checkpoint(store, tmp_path):
+  args = TINY + ["--config.mesh.fsdp=1", f"--config.data.path={store}", f"--config.output_dir={tmp_path}",
+                 "--config.checkpoint.every_steps=2", "--config.optimizer.decay_steps=6"]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+  first = trainer(args + ["--config.steps=2"], devices=1)
+  assert first.returncode == 0, first.stderr
+  good = restore_raw(tmp_path / "checkpoints", 2)
+  limited = subprocess.run([sys.executable, "-m", "maxtrain.train", *args, "--config.steps=6"], capture_output=True,
+                           text=True, env=env, timeout=300, cwd=REPO, preexec_fn=_file_size_limit)
+  assert "checkpoint save at step 4 failed" in limited.stderr and "File too large" in limited.stderr
+  assert "step 6/6" in limited.stderr  # training went on after the failed save
+  assert limited.returncode == 1 and "the final checkpoint (step 6) could not be written" in limited.stderr
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+  assert_bitwise_equal(restore_raw(tmp_path / "checkpoints", 2), good)
+  resumed = trainer(args + ["--config.steps=6"], devices=1)
+  assert resumed.returncode == 0 and "restored step 2" in resumed.stderr, resumed.stderr
