@@ -219,3 +219,89 @@ def test_cli_table_and_json(tmp_path):
   assert report["goodput"] == pytest.approx(19.1 / 36.5)
   missing = subprocess.run(tool[:2] + [str(tmp_path / "nope")], capture_output=True, text=True)
   assert missing.returncode == 2 and "no event log" in missing.stderr
+
+
+class FakeClock:
+  """Stands in for the `time` module inside maxtrain.monitor.events: simulated work advances it."""
+
+  def __init__(self):
+    self.now = 1_000.0
+
+  def time(self):
+    return self.now
+
+  def monotonic(self):
+    return self.now - 900.0
+
+  def advance(self, seconds):
+    self.now += seconds
+
+
+def test_simulated_run_with_crash_and_rollback(tmp_path, monkeypatch):
+  """The loop as the trainer should drive EventLog + StepsSummary, on a simulated clock: steps of 1 s
+  (0.1 s of it waiting for data), a summary every 5 steps, a 0.5 s blocking checkpoint every 10; a
+  crash at step 23 (restart from the checkpoint at 20) and a loss spike at 33 (rollback to 30)."""
+  clock = FakeClock()
+  monkeypatch.setattr(ev, "time", clock)
+  path = tmp_path / ev.FILENAME
+  supervisor = ev.EventLog(path, ev.SUPERVISOR, attempt=0)
+
+  def run_attempt(attempt, resume_step, crash_at=None, spike_at=None, last=40):
+    log = ev.EventLog(path, 0, attempt=attempt)
+    clock.advance(1.0)
+    log.emit(ev.JOB_START, hosts=1, devices=8, config_hash="c0ffee")
+    if resume_step:
+      clock.advance(2.0)
+      log.emit(ev.RESTORE, resume_step, seconds=2.0)
+    else:
+      clock.advance(3.0)
+    log.emit(ev.COMPILE_START)
+    clock.advance(5.0)
+    log.emit(ev.COMPILE_END, seconds=5.0)
+    clock.advance(1.0)
+    step = resume_step + 1
+    log.emit(ev.FIRST_STEP, step)
+    summary = ev.StepsSummary(log, step)
+    while step < last:
+      clock.advance(0.1)
+      summary.add_data_wait(0.1)
+      clock.advance(0.9)
+      step += 1
+      if step == crash_at:
+        return  # The process dies: nothing more from it.
+      if step == spike_at:
+        with summary.outside(step):
+          log.emit(ev.SPIKE, step, loss=9.0, threshold=4.0)
+          clock.advance(1.0)
+          log.emit(ev.ROLLBACK, 30, from_step=step, to_step=30, seconds=1.0)
+        step, spike_at = 30, None
+        summary.reset(step)
+        continue
+      if step % 5 == 0:
+        summary.flush(step)
+      if step % 10 == 0:
+        with summary.outside(step):
+          log.emit(ev.CHECKPOINT_SAVE_START, step)
+          clock.advance(0.5)
+          log.emit(ev.CHECKPOINT_SAVE_END, step, blocking_s=0.5, save_s=0.5)
+    log.emit(ev.EXIT, step, code=0)
+
+  supervisor.emit(ev.RESTART, reason="start")
+  run_attempt(0, 0, crash_at=23)
+  clock.advance(2.0)
+  supervisor.emit(ev.CRASH, code=-11)
+  clock.advance(5.0)
+  supervisor.attempt = 1
+  supervisor.emit(ev.RESTART, reason="crash", backoff_s=5.0)
+  run_attempt(1, 20, spike_at=33)
+
+  report = goodput.compute(ev.read_events(path))
+  # Hand count: start-up 10 + 9; downtime 35..40; 4 checkpoints x 0.5; data wait 0.1 x (19 + 22) recorded
+  # steps; lost: steps 31..33 (3 x 0.9) + the rollback's 1 s restore; other: steps 21..23, never summarised
+  # before the crash, and the 2 s until the supervisor saw it; kept: 19 + 9 + 10 steps x 0.9.
+  check(report, 73.0, productive=34.2, startup_compile=19.0, downtime=5.0, checkpoint=2.0, data_wait=4.1,
+        lost_progress=3.7, other=5.0)
+  assert report["goodput"] == pytest.approx(34.2 / 73.0)
+  assert report["steps"] == {"kept": 40, "computed": 43, "lost": 3, "last": 40}
+  assert report["events"] == {"spike": 1, "rollback": 1, "crash": 1, "restart": 2, "checkpoint_save_end": 4}
+  assert report["step_time_s"]["p50"] == pytest.approx(1.0) and report["step_time_s"]["max"] == pytest.approx(1.0)

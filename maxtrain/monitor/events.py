@@ -17,13 +17,14 @@ when `emit` returns; critical kinds are also fsynced to survive a machine crash.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 ATTEMPT_ENV = "MAXTRAIN_ATTEMPT"  # Set by a supervisor to the restart count (0 for the first launch).
 SUPERVISOR = -1  # `process` of records written by the supervisor rather than a JAX process.
@@ -62,7 +63,7 @@ _COMMON = ("wall", "mono", "process", "attempt", "step", "kind")
 #   step_times  optional list of per-step seconds (only when the trainer measured them)
 # The interval ends at the record's `wall`. Step-time percentiles use `step_times` when present,
 # else the interval mean (`seconds / count`) for each of its steps: exact with log_every=1, smoothed
-# otherwise (a straggler step shows as a slow interval).
+# otherwise (a straggler step shows as a slow interval). `StepsSummary` below keeps these fields.
 
 
 def current_attempt() -> int:
@@ -155,3 +156,48 @@ def read_events(path: str | os.PathLike) -> list[dict]:
   if broken:
     warnings.warn(f"{path}: skipped {broken} unreadable line(s)", stacklevel=2)
   return records
+
+
+class StepsSummary:
+  """Builds the `steps` records of a training loop so that intervals never overlap other timed work.
+
+      summary = StepsSummary(log, step)      # after the attempt's first step (its `first_step` event)
+      ... summary.add_data_wait(seconds)     # each step: time blocked on the input pipeline
+      summary.flush(step)                    # at each log point: one record for the steps since the last
+      with summary.outside(step): evaluate() # eval / checkpoint / rollback: flushed before, not counted
+
+  Wall time between the end of one interval and the start of the next (the `outside` blocks, logging
+  after `flush`) is left to its own events or to the report's `other`.
+  """
+
+  def __init__(self, log: EventLog, step: int):
+    self.log = log
+    self.reset(step)
+
+  def reset(self, step: int) -> None:
+    """Starts a new interval now; `step` = steps completed so far."""
+    self.first = step + 1
+    self.data_wait_s = 0.0
+    self._t0 = time.monotonic()
+
+  def add_data_wait(self, seconds: float) -> None:
+    self.data_wait_s += seconds
+
+  def flush(self, step: int, **fields: Any) -> dict | None:
+    """Emits the record for steps first..step (None if no step ran) and starts the next interval."""
+    record = None
+    if step >= self.first:
+      seconds = time.monotonic() - self._t0
+      record = self.log.emit(STEPS, step, first=self.first, count=step - self.first + 1, seconds=seconds,
+                             data_wait_s=min(self.data_wait_s, seconds), **fields)
+    self.reset(step)
+    return record
+
+  @contextlib.contextmanager
+  def outside(self, step: int) -> Iterator[None]:
+    """Time inside is not step time: the open interval is flushed first and a new one starts after."""
+    self.flush(step)
+    try:
+      yield
+    finally:
+      self.reset(step)
