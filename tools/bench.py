@@ -1,8 +1,10 @@
 """Train-step throughput for a config: `python tools/bench.py [--config=...] [--config.key=value ...]`.
 
 Builds the sharded state and the jitted step exactly as the trainer does, feeds real batches from the
-configured token store, and prints step time, tokens/s and achieved model FLOP/s (see
-`ModelConfig.train_flops_per_token`). Timing excludes compilation and a warm-up step.
+configured token store, and prints step time, tokens/s, achieved model FLOP/s (see
+`ModelConfig.train_flops_per_token`) and MFU against the device's peak (`maxtrain/monitor/mfu.py`: the
+table by device kind, `mfu.peak_flops` when set, or on CPU a matmul peak measured once per machine).
+Timing excludes compilation and a warm-up step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from maxtrain import config as config_lib, optim, state as state_lib, step as step_lib  # noqa: E402
 from maxtrain.data import pipeline  # noqa: E402
 from maxtrain.models.llama import ModelConfig, param_count  # noqa: E402
+from maxtrain.monitor import mfu  # noqa: E402
 from maxtrain.sharding.mesh import AXES, BATCH_AXES, make_mesh  # noqa: E402
 from maxtrain.trainer import open_stores  # noqa: E402
 
@@ -53,7 +56,10 @@ def main() -> None:
     jax.block_until_ready(metrics)
     step_s = (time.perf_counter() - t0) / args.steps
   tokens = cfg.data.batch_size * cfg.data.seq_len
-  flops = model_cfg.train_flops_per_token(cfg.data.seq_len) * tokens
+  flops_per_token = model_cfg.train_flops_per_token(cfg.data.seq_len)
+  flops = flops_per_token * tokens
+  peak, peak_source = mfu.peak_flops(jax.devices()[0], cfg.mfu.peak_flops if "mfu" in cfg else 0.0)
+  utilisation = mfu.mfu(tokens / step_s, flops_per_token, jax.device_count(), peak)
   print(f"machine: {platform.machine()} {jax.device_count()} x {jax.devices()[0].device_kind}, "
         f"python {platform.python_version()}, jax {jax.__version__}")
   print(f"model: {param_count(state.params) / 1e6:.2f}M params, mesh {dict(mesh.shape)}, "
@@ -61,6 +67,8 @@ def main() -> None:
   print(f"compile {compile_s:.1f}s; step {step_s:.3f}s; {tokens / step_s:,.0f} tokens/s; "
         f"{flops / step_s / 1e9:.1f} model GFLOP/s ({model_cfg.train_flops_per_token(cfg.data.seq_len) / 1e6:.1f} "
         f"MFLOP/token)")
+  print(f"peak: {peak * jax.device_count() / 1e9:,.1f} GFLOP/s over {jax.device_count()} device(s) ({peak_source})")
+  print(f"MFU: {utilisation:.1%}" if utilisation is not None else "MFU: unavailable (unknown peak; set --config.mfu.peak_flops)")
 
 
 if __name__ == "__main__":

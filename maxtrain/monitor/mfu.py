@@ -1,0 +1,193 @@
+"""Model FLOPs utilisation: achieved model FLOP/s over the hardware's peak.
+
+Model FLOPs per token come from the model shape (`ModelConfig.train_flops_per_token`); the peak
+comes from the table below by device kind (dense, no sparsity, at the stated precision), from
+`mfu.peak_flops` in the config, or -- on CPU, which has no meaningful datasheet figure -- from a
+matmul benchmark measured once per machine and cached.
+
+MFU = tokens/s x FLOPs/token / (devices x peak per device). Peaks are per JAX device: one GPU, one
+TPU chip, one (logical) NeuronCore. On CPU the benchmark measures what one *process* reaches (XLA's
+CPU matmul uses all the cores it may run on, whatever the number of fake devices), and the per-device
+peak is that divided by the process's local device count, so the same formula holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import platform
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("maxtrain")
+
+CACHE_NAME = "cpu_peak.json"
+BENCH_N = 2048  # fp32 matmul side: 17 GFLOP per run, large enough to reach the roofline on a few cores.
+BENCH_REPS = 5  # Best of: other processes on a shared machine only ever slow a run down.
+CONTENDED = 0.8  # A measurement that got less than this share of the usable cores is re-taken later.
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+  flops: float  # Per JAX device, FLOP/s.
+  precision: str
+  source: str
+
+
+_BF16 = "bf16 dense (no sparsity)"
+# (regex on jax's device_kind, peak). First match wins: put the specific variants first.
+PEAKS: tuple[tuple[str, Peak], ...] = (
+    # NVIDIA: datasheets list bf16 "with sparsity"; the dense figure is half of it.
+    (r"H100.*NVL", Peak(835e12, _BF16, "NVIDIA H100 Tensor Core GPU datasheet, H100 NVL: 1,671 TFLOPS sparse")),
+    (r"H100.*PCIe", Peak(756e12, _BF16, "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe: 1,513 TFLOPS sparse")),
+    (r"H100", Peak(989e12, _BF16, "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: 1,979 TFLOPS sparse")),
+    (r"H200.*NVL", Peak(835e12, _BF16, "NVIDIA H200 Tensor Core GPU datasheet, H200 NVL: 1,671 TFLOPS sparse")),
+    (r"H200", Peak(989e12, _BF16, "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 1,979 TFLOPS sparse")),
+    (r"B200", Peak(2250e12, _BF16, "NVIDIA HGX B200 datasheet: 4.5 PFLOPS per GPU sparse")),
+    (r"A100", Peak(312e12, _BF16, "NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOPS (624 sparse)")),
+    # Google Cloud TPU system architecture pages (per chip; one JAX device per chip). jax reports v5p
+    # as "TPU v5", v5e as "TPU v5 lite" and v6e as "TPU v6 lite".
+    (r"TPU v5(p)?$", Peak(459e12, "bf16 dense", "Google Cloud TPU v5p documentation: 459 TFLOPS per chip")),
+    (r"TPU v5( lite|e)$", Peak(197e12, "bf16 dense", "Google Cloud TPU v5e documentation: 197 TFLOPS per chip")),
+    (r"TPU v6( lite|e)$", Peak(918e12, "bf16 dense", "Google Cloud TPU v6e (Trillium) documentation: 918 TFLOPS per chip")),
+    (r"TPU v4$", Peak(275e12, "bf16 dense", "Google Cloud TPU v4 documentation: 275 TFLOPS per chip")),
+    # AWS Neuron architecture docs. trn1: "Trainium Architecture", 190 TFLOPS per chip of 2 NeuronCore-v2.
+    # trn2: "Trainium2 Architecture", 667 TFLOPS per chip of 8 NeuronCore-v3 (the NeuronCore-v3 page
+    # quotes 79 for its tensor engine alone). NC_v3d = logical NeuronCore config 2: two cores per device.
+    (r"^NC_v2", Peak(95e12, "bf16/fp16 dense", "AWS Neuron 'Trainium Architecture': 190 TFLOPS / 2 NeuronCore-v2")),
+    (r"^NC_v3d", Peak(2 * 667e12 / 8, "bf16/fp16 dense",
+                      "AWS Neuron 'Trainium2 Architecture': 667 TFLOPS / 8 NeuronCore-v3, x2 for LNC=2")),
+    (r"^NC_v3", Peak(667e12 / 8, "bf16/fp16 dense", "AWS Neuron 'Trainium2 Architecture': 667 TFLOPS / 8 NeuronCore-v3")),
+)
+
+
+def table_peak(device_kind: str) -> Peak | None:
+  """The table's peak for a jax `device_kind` string, or None when the kind is not listed."""
+  for pattern, peak in PEAKS:
+    if re.search(pattern, device_kind.strip(), flags=re.IGNORECASE):
+      return peak
+  return None
+
+
+def machine_identity() -> dict[str, Any]:
+  """What a measured CPU peak depends on; the cache key."""
+  import jax
+
+  model = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+  except OSError:
+    pass
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return {"host": socket.gethostname(), "cpu": model, "cores": cores, "jax": jax.__version__}
+
+
+def measure_cpu_peak(n: int = BENCH_N, reps: int = BENCH_REPS) -> tuple[float, float]:
+  """(FLOP/s, cpu_share) of a jitted fp32 n x n matmul on the first CPU device, best of `reps`: this
+  process's practical matmul roofline. `cpu_share` = CPU seconds the process got during the best run
+  / (wall seconds x usable cores); well below 1 means other processes held the cores."""
+  import jax
+  import jax.numpy as jnp
+
+  device = jax.local_devices(backend="cpu")[0]
+  keys = jax.random.split(jax.random.key(0))
+  a, b = (jax.device_put(jax.random.normal(k, (n, n), jnp.float32), device) for k in keys)
+  matmul = jax.jit(lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST))
+  matmul(a, b).block_until_ready()  # Compile and warm up.
+  best, share, cores = float("inf"), 0.0, machine_identity()["cores"]
+  for _ in range(reps):
+    t0, c0 = time.perf_counter(), time.process_time()
+    matmul(a, b).block_until_ready()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if wall < best:
+      best, share = wall, cpu / (wall * cores)
+  return 2.0 * n**3 / best, share
+
+
+def cached_cpu_peak(cache_file: Path | None = None) -> tuple[float, str]:
+  """(FLOP/s per process, description): from the per-machine cache, else measured (~1 s) and cached.
+
+  A measurement that got less than CONTENDED of the cores was slowed by other processes: it is
+  cached with a warning, and measured again at the next call, keeping the best. Delete the cache file
+  (`<maxtrain cache dir>/cpu_peak.json`) to start over."""
+  if cache_file is None:
+    from maxtrain.data.corpus import cache_dir  # Deferred: pulls in the data package.
+
+    cache_file = cache_dir() / CACHE_NAME
+  identity = machine_identity()
+  key = "|".join(f"{k}={v}" for k, v in identity.items())
+  entry = _read_cache(cache_file).get(key)
+  if entry and entry["cpu_share"] >= CONTENDED:
+    return float(entry["flops"]), _describe(entry, f"cached in {cache_file}")
+  flops, share = measure_cpu_peak()
+  if entry and entry["flops"] >= flops:  # A contended re-measurement that did no better.
+    return float(entry["flops"]), _describe(entry, f"cached in {cache_file}")
+  entry = {"flops": flops, "cpu_share": share, "n": BENCH_N, "dtype": "float32", "when": time.strftime("%Y-%m-%d"),
+           **identity}
+  if share < CONTENDED:
+    log.warning("CPU peak measured while other processes held the cores (this process got %.0f%% of %d): "
+                "%.1f GFLOP/s is low and MFU will read high; it is measured again at the next start",
+                100 * share, identity["cores"], flops / 1e9)
+  try:
+    cache = _read_cache(cache_file)  # Again: keep entries other processes added meanwhile.
+    cache[key] = entry
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, cache_file)
+  except OSError as e:  # A read-only cache costs a re-measurement next time, not the run.
+    log.warning("could not cache the CPU peak in %s: %s", cache_file, e)
+  return flops, _describe(entry, "measured now")
+
+
+def _read_cache(cache_file: Path) -> dict:
+  try:
+    return json.loads(cache_file.read_text())
+  except (OSError, ValueError):
+    return {}
+
+
+def _describe(entry: dict, where: str) -> str:
+  contended = f", contended: got {entry['cpu_share']:.0%} of the cores" if entry["cpu_share"] < CONTENDED else ""
+  return f"fp32 {entry['n']}x{entry['n']} matmul, {where}, {entry['when']}{contended}"
+
+
+_warned: set[str] = set()
+
+
+def peak_flops(device: Any = None, override: float = 0.0) -> tuple[float, str]:
+  """(peak FLOP/s per device, where the number comes from). 0.0 means unknown: MFU is unavailable.
+
+  `override` (config `mfu.peak_flops`) wins when > 0. CPU: the cached measured peak of this process,
+  divided by its local device count. Unknown accelerator: 0.0 and a one-line warning (once per kind).
+  """
+  if override > 0:
+    return float(override), "config mfu.peak_flops"
+  import jax
+
+  device = device if device is not None else jax.local_devices()[0]
+  if device.platform == "cpu":
+    flops, how = cached_cpu_peak()
+    n = jax.local_device_count(backend="cpu")
+    return flops / n, f"CPU peak {flops / 1e9:.1f} GFLOP/s per process / {n} local device(s) ({how})"
+  peak = table_peak(device.device_kind)
+  if peak is None:
+    if device.device_kind not in _warned:
+      _warned.add(device.device_kind)
+      log.warning("MFU unavailable: no peak FLOP/s known for device kind %r (%s); set --config.mfu.peak_flops "
+                  "to its dense peak per device", device.device_kind, device.platform)
+    return 0.0, f"unknown device kind {device.device_kind!r}"
+  return peak.flops, f"{device.device_kind}: {peak.flops / 1e12:.1f} TFLOP/s {peak.precision} ({peak.source})"
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, peak_per_device: float) -> float | None:
+  """Model FLOPs utilisation in [0, 1]-ish, or None when the peak is unknown (0)."""
+  if peak_per_device <= 0 or num_devices <= 0:
+    return None
+  return tokens_per_s * flops_per_token / (num_devices * peak_per_device)

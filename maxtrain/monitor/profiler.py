@@ -1,0 +1,61 @@
+"""Captures a `jax.profiler` trace of a few steps into the TensorBoard log dir.
+
+The trace lands in `<logdir>/plugins/profile/<run>/<host>.xplane.pb`, where TensorBoard's profile
+plugin (`pip install tensorboard-plugin-profile`, then `tensorboard --logdir <output_dir>/tensorboard`,
+tab PROFILE) finds it. Config: `profile.start_step` (-1 = off), `profile.num_steps`.
+
+Steps are numbered as the loop's `step` before running one: the step that starts from `step`
+optimizer steps completed. Compilation should happen before `start_step` (the trainer compiles ahead
+of the loop), or the trace is mostly compiler time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any
+
+import jax
+
+log = logging.getLogger("maxtrain")
+
+
+class Profiler:
+  def __init__(self, logdir: str | os.PathLike, start_step: int = -1, num_steps: int = 3):
+    self.logdir = str(logdir)
+    self.start_step = start_step
+    self.stop_step = start_step + max(num_steps, 1) - 1  # Last step inside the trace.
+    self.active = False
+    self.done = start_step < 0
+
+  def maybe_start(self, step: int) -> None:
+    """Call before dispatching step `step`: starts the trace at `start_step` (or at the first step
+    after it, when the run resumed past it with steps still left to capture)."""
+    if self.done or self.active or not self.start_step <= step <= self.stop_step:
+      return
+    jax.profiler.start_trace(self.logdir)
+    self.active = True
+    log.info("profiler: tracing steps %d..%d into %s", step, self.stop_step, self.logdir)
+
+  def step_annotation(self, step: int) -> contextlib.AbstractContextManager:
+    """Wrap the dispatch of a step in this: the profile plugin's step-time view keys on it."""
+    if self.active:
+      return jax.profiler.StepTraceAnnotation("train", step_num=step)
+    return contextlib.nullcontext()
+
+  def maybe_stop(self, step: int, outputs: Any = None) -> None:
+    """Call after dispatching step `step` with its outputs: at the last traced step, waits for them
+    (dispatch is asynchronous; the device work must land inside the trace) and writes the trace."""
+    if self.active and step >= self.stop_step:
+      if outputs is not None:
+        jax.block_until_ready(outputs)
+      self.stop()
+
+  def stop(self) -> None:
+    """Ends a running trace (also for a loop that ends or fails early); safe to call any time."""
+    if self.active:
+      jax.profiler.stop_trace()
+      self.active = False
+      self.done = True
+      log.info("profiler: trace written under %s/plugins/profile", self.logdir)

@@ -1,0 +1,118 @@
+"""MFU: the FLOPs formula against XLA's count of the compiled step, the peak table, the measured CPU peak."""
+
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from maxtrain import step as step_lib
+from maxtrain.models.llama import Llama, ModelConfig
+from maxtrain.monitor import mfu
+from maxtrain.state import TrainState
+
+
+def cost_flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # Older jax: one dict per program.
+  return float(cost["flops"])
+
+
+def test_flops_formula_matches_compiled_step():
+  """XLA's flop count of the compiled train step, minus the optimizer update (counted separately),
+  against `train_flops_per_token` with attention converted from causal to full: XLA computes every
+  entry of the T x T score matrix, the formula counts the causal half (T + 1) / 2 keys per query.
+
+  What remains is elementwise work the formula leaves out by convention (norms, RoPE, softmax, SwiGLU
+  gate, cross-entropy, gradient norm): 0.7% here, so the count must land in [0, +1.2%]. Counting
+  attention causal instead of full (-1.6%) or dropping the head (-6%) fails. Layers are unrolled:
+  XLA's cost analysis counts a `lax.scan` (while loop) body once, not per iteration.
+  """
+  cfg = ModelConfig(num_layers=2, d_model=256, num_heads=4, num_kv_heads=2, d_ff=1024, vocab_size=256,
+                    max_seq_len=64, scan_layers=False)
+  batch_size, seq_len = 4, 64
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(params=0))))
+  tx = optax.adamw(1e-3, weight_decay=0.1)
+  opt_state = jax.eval_shape(tx.init, params)
+  state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=opt_state)
+  tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+  batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens, "positions": tokens,
+           "loss_mask": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)}
+  train_step = step_lib.make_train_step(graphdef, tx, lambda step: 1e-3)
+  step_flops = cost_flops(jax.jit(train_step).lower(state, batch).compile())
+
+  def update(grads, opt_state, params):
+    updates, _ = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates)
+
+  optimizer_flops = cost_flops(jax.jit(update).lower(params, opt_state, params).compile())
+  n, h, layers = cfg.num_heads, cfg.head_dim, cfg.num_layers
+  full_attention_extra = layers * 3 * 2 * 2 * n * h * (seq_len - (seq_len + 1) / 2)
+  expected = batch_size * seq_len * (cfg.train_flops_per_token(seq_len) + full_attention_extra)
+  excess = (step_flops - optimizer_flops) / expected - 1.0
+  print(f"XLA step {step_flops:.4g} FLOPs, optimizer {optimizer_flops:.4g}, formula (full attention) "
+        f"{expected:.4g}: excess {excess:+.2%}")
+  assert 0.0 <= excess <= 0.012
+
+
+@pytest.mark.parametrize("kind,flops", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA B200", 2250e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("TPU v5", 459e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v6 lite", 918e12),
+    ("NC_v2", 95e12), ("NC_v3", 83.375e12), ("NC_v3d", 166.75e12),
+])
+def test_peak_table(kind, flops):
+  peak = mfu.table_peak(kind)
+  assert peak is not None and peak.flops == pytest.approx(flops) and "dense" in peak.precision
+  value, source = mfu.peak_flops(types.SimpleNamespace(platform="gpu", device_kind=kind))
+  assert value == pytest.approx(flops) and kind in source and "dense" in source
+
+
+def test_unknown_accelerator_makes_mfu_unavailable(caplog):
+  device = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA Imaginary X1")
+  assert mfu.peak_flops(device) == (0.0, "unknown device kind 'NVIDIA Imaginary X1'")
+  mfu.peak_flops(device)
+  assert caplog.text.count("MFU unavailable") == 1 and "mfu.peak_flops" in caplog.text
+  assert mfu.mfu(1000.0, 1e9, 8, 0.0) is None
+  assert mfu.peak_flops(device, override=123e12) == (123e12, "config mfu.peak_flops")
+  assert mfu.mfu(1000.0, 1e9, 4, 1e12) == pytest.approx(0.25)
+
+
+def test_cpu_peak_measured_and_cached(tmp_path, monkeypatch):
+  monkeypatch.setenv("MAXTRAIN_CACHE", str(tmp_path))
+  per_device, source = mfu.peak_flops(jax.local_devices()[0])
+  process_peak = per_device * jax.local_device_count()
+  print(f"measured CPU peak: {process_peak / 1e9:.1f} GFLOP/s per process ({source})")
+  assert 1e9 < process_peak < 1e13 and "measured now" in source and "/ 8 local device(s)" in source
+  entry, = json.loads((tmp_path / mfu.CACHE_NAME).read_text()).values()
+  assert entry["flops"] == pytest.approx(process_peak) and entry["jax"] == jax.__version__
+
+
+def test_cpu_peak_cache_keys_and_contention(tmp_path, monkeypatch, caplog):
+  cache = tmp_path / "peak.json"
+  results = []  # What the next measurements return: (FLOP/s, cpu_share).
+
+  def fake_measure():
+    assert results, "measured although the cache should have answered"
+    return results.pop(0)
+
+  monkeypatch.setattr(mfu, "measure_cpu_peak", fake_measure)
+  results[:] = [(100e9, 0.95)]
+  assert mfu.cached_cpu_peak(cache)[0] == 100e9
+  flops, source = mfu.cached_cpu_peak(cache)  # Uncontended: the cache answers from now on.
+  assert flops == 100e9 and "cached in" in source and "contended" not in source
+  # Another machine (here: another jax version) gets its own entry; measured under contention,
+  # it is re-measured at each call until a measurement gets the cores, keeping the best.
+  identity = mfu.machine_identity()
+  monkeypatch.setattr(mfu, "machine_identity", lambda: {**identity, "jax": "0.0.0"})
+  results[:] = [(50e9, 0.3), (40e9, 0.35), (150e9, 0.9)]
+  flops, source = mfu.cached_cpu_peak(cache)
+  assert flops == 50e9 and "contended: got 30% of the cores" in source and "MFU will read high" in caplog.text
+  assert mfu.cached_cpu_peak(cache)[0] == 50e9
+  assert mfu.cached_cpu_peak(cache)[0] == 150e9
+  assert mfu.cached_cpu_peak(cache)[0] == 150e9 and not results
+  entries = json.loads(cache.read_text())
+  assert sorted(e["flops"] for e in entries.values()) == [100e9, 150e9]
