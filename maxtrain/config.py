@@ -76,6 +76,16 @@ def base_config() -> ml_collections.ConfigDict:
   k.resume = "auto"  # auto (newest complete checkpoint, if any) | never | a step number | a checkpoint path.
   k.async_save = True  # Write in the background; the loop blocks only for the device-to-host copy.
 
+  c.mfu = ml_collections.ConfigDict()
+  c.mfu.peak_flops = 0.0  # Peak FLOP/s per device for MFU; 0 = the device table, or measured on CPU.
+
+  c.profile = ml_collections.ConfigDict()
+  c.profile.start_step = -1  # First step traced by jax.profiler into <output_dir>/tensorboard; -1 = off.
+  c.profile.num_steps = 3  # Steps in the trace.
+
+  c.monitor = ml_collections.ConfigDict()
+  c.monitor.prometheus_port = 0  # Serve Prometheus /metrics on this port (each process, its own host); 0 = off.
+
   c.faults = f = ml_collections.ConfigDict()  # Fault injection for tests and drills; -1 = off.
   f.sigterm_at_step = -1  # Send SIGTERM to itself after this step (exercises preemption).
   f.kill_during_save_at_step = -1  # SIGKILL itself while this step's checkpoint is being written.

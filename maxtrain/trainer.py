@@ -1,5 +1,9 @@
 """The training loop: validated config -> data -> mesh -> state (fresh or restored) -> compiled
-step -> loop with periodic checkpoints, eval and metrics."""
+step -> loop with periodic checkpoints, eval, metrics and events.
+
+`Trainer.__init__` does everything that can fail on bad input, before compiling; `Trainer.train`
+runs the loop. Every attempt appends to `<output_dir>/events.jsonl` (see monitor/events.py).
+"""
 
 from __future__ import annotations
 
@@ -22,11 +26,15 @@ from maxtrain.data.store import TokenStore
 from maxtrain.errors import Preempted, UserError
 from maxtrain.faults import Faults
 from maxtrain.models.llama import ModelConfig, param_count
+from maxtrain.monitor import events as ev
+from maxtrain.monitor import memory, mfu as mfu_lib, prometheus
+from maxtrain.monitor.profiler import Profiler
 from maxtrain.monitor.tensorboard import MetricWriter
 from maxtrain.preemption import StopRequest
 from maxtrain.sharding.mesh import AXES, BATCH_AXES, make_mesh
 
 log = logging.getLogger("maxtrain")
+EXIT_CODES = {Preempted: 75, UserError: 2}
 
 
 def open_stores(data_cfg: ml_collections.ConfigDict, vocab_size: int) -> tuple[TokenStore, TokenStore]:
@@ -49,142 +57,202 @@ def open_stores(data_cfg: ml_collections.ConfigDict, vocab_size: int) -> tuple[T
   return train, val
 
 
-def evaluate(eval_step, params, batches) -> float:
-  total, count = 0.0, 0.0
-  for batch in batches:
-    loss_sum, n = eval_step(params, batch)
-    total, count = total + loss_sum, count + n
-  return float(total) / max(float(count), 1.0)
+class Trainer:
+  def __init__(self, cfg: ml_collections.ConfigDict, t_process_start: float | None = None):
+    self.cfg = cfg
+    self.t_start = time.monotonic() if t_process_start is None else t_process_start
+    mesh_shape = config_lib.validate(cfg, jax.device_count(), jax.process_count())
+    self.train_store, self.val_store = open_stores(cfg.data, cfg.model.vocab_size)
+    self.mesh = make_mesh(dict(zip(AXES, mesh_shape)))
+    self.out_dir = Path(cfg.output_dir)
+    self.out_dir.mkdir(parents=True, exist_ok=True)
+    self.ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(self.out_dir / "checkpoints"),
+                             self.out_dir / "checkpoints")
+    resume_path = self.ckpt.resolve_resume()
+    self.events = ev.EventLog(self.out_dir / ev.FILENAME, jax.process_index())
+    self.events.emit(ev.JOB_START, hosts=jax.process_count(), devices=jax.device_count(),
+                     device_kind=jax.devices()[0].device_kind, config_hash=ev.config_hash(cfg.to_dict()))
+    if jax.process_index() == 0:
+      config_lib.save(cfg, self.out_dir / "config.json")
+    log.info("devices: %d x %s; mesh %s; train %s (%d tokens), val %s (%d tokens)",
+             jax.device_count(), jax.devices()[0].device_kind, dict(self.mesh.shape), self.train_store.prefix,
+             self.train_store.num_tokens, self.val_store.prefix, self.val_store.num_tokens)
 
+    self.model_cfg = ModelConfig.from_config(cfg.model)
+    self.tx, self.lr_schedule = optim.make(cfg.optimizer, cfg.optimizer.decay_steps or cfg.steps)
+    self.spec = state_lib.spec(self.model_cfg, self.tx, self.mesh, cfg.seed)
+    self.seq_len, self.batch_size = cfg.data.seq_len, cfg.data.batch_size
+    self.loader = pipeline.TrainLoader(self.train_store.prefix, self.seq_len, self.batch_size, cfg.seed,
+                                       jax.process_index(), jax.process_count())
+    self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES, None))
+    self.eval_data = [pipeline.to_global(b, self.batch_sharding) for b in pipeline.eval_batches(
+        self.val_store.prefix, self.seq_len, self.batch_size, cfg.eval.batches, jax.process_index(),
+        jax.process_count())]
+    if resume_path is None:
+      self.state = state_lib.initialize(self.spec, self.mesh)
+    else:
+      t0 = time.monotonic()
+      restored = self.ckpt.restore(resume_path, self.spec.abstract, self.spec.shardings)
+      self.state = restored.state
+      self.loader.set_state(restored.data_state)  # O(1): the loader indexes windows, nothing is replayed
+      self.events.emit(ev.RESTORE, restored.step, seconds=time.monotonic() - t0, path=str(resume_path))
+      log.info("restored step %d from %s in %.2fs (saved on mesh %s)", restored.step, resume_path,
+               time.monotonic() - t0, restored.meta.get("mesh"))
+    log.info("model: %.2fM parameters", param_count(self.state.params) / 1e6)
+    self.flops_per_token = self.model_cfg.train_flops_per_token(self.seq_len)
+    self.peak_flops, source = mfu_lib.peak_flops(jax.local_devices()[0], cfg.mfu.peak_flops)
+    log.info("MFU peak: %s; model FLOPs/token %.3g", source, self.flops_per_token)
 
-def log_save(writer: MetricWriter, timing: SaveTiming | None) -> None:
-  if timing is not None and timing.save_s is not None:
-    writer.scalars(timing.step, {"checkpoint/blocking_s": timing.blocking_s, "checkpoint/save_s": timing.save_s})
+  def _compile(self, batch):
+    replicated = state_lib.replicated(self.mesh)
+    train_step = jax.jit(step_lib.make_train_step(self.spec.graphdef, self.tx, self.lr_schedule),
+                         in_shardings=(self.spec.shardings, self.batch_sharding),
+                         out_shardings=(self.spec.shardings, replicated), donate_argnums=0)
+    self.eval_step = jax.jit(step_lib.make_eval_step(self.spec.graphdef),
+                             in_shardings=(self.spec.shardings.params, self.batch_sharding), out_shardings=replicated)
+    self.events.emit(ev.COMPILE_START, int(self.state.step))
+    t0 = time.monotonic()
+    compiled = train_step.lower(self.state, batch).compile()
+    self.events.emit(ev.COMPILE_END, int(self.state.step), seconds=time.monotonic() - t0)
+    log.info("compiled train step in %.1fs", time.monotonic() - t0)
+    return compiled
+
+  def _next_batch(self) -> dict:
+    t0 = time.monotonic()
+    batch = pipeline.to_global(next(self.loader), self.batch_sharding)
+    if self.summary is not None:
+      self.summary.add_data_wait(time.monotonic() - t0)
+    return batch
+
+  def _evaluate(self, step: int) -> float:
+    with self.summary.outside(step):
+      t0 = time.monotonic()
+      total, count = 0.0, 0.0
+      for batch in self.eval_data:
+        loss_sum, n = self.eval_step(self.state.params, batch)
+        total, count = total + loss_sum, count + n
+      loss = float(total) / max(float(count), 1.0)
+      self.events.emit(ev.EVAL, step, seconds=time.monotonic() - t0, loss=loss)
+    self.writer.scalars(step, {"eval/loss": loss})
+    log.info("step %d  eval loss %.4f", step, loss)
+    return loss
+
+  def _log_save(self, timing: SaveTiming | None) -> None:
+    if timing is None or timing.save_s is None:
+      return
+    self.events.emit(ev.CHECKPOINT_SAVE_END, timing.step, blocking_s=timing.blocking_s, save_s=timing.save_s)
+    self.writer.scalars(timing.step, {"checkpoint/blocking_s": timing.blocking_s, "checkpoint/save_s": timing.save_s})
     log.info("checkpoint step %d saved: loop blocked %.3fs, complete on disk after %.3fs",
              timing.step, timing.blocking_s, timing.save_s)
 
+  def _save(self, step: int, data_state: dict, sync: bool) -> None:
+    with self.summary.outside(step):
+      self.events.emit(ev.CHECKPOINT_SAVE_START, step)
+      timing = self.ckpt.save(step, self.state, data_state, self.cfg, dict(self.mesh.shape))
+      if timing is not None:
+        self.faults.after_save_started(step)
+      self._log_save(self.ckpt.wait() if sync else self.ckpt.poll())
+
+  def _log_metrics(self, step: int, metrics: dict) -> None:
+    metrics = jax.device_get(metrics)  # note: a host-device sync point, once per log interval
+    # Every scalar the step returns is logged as train/<name>: new metrics need no loop change.
+    scalars = {f"train/{k}": v for k, v in metrics.items()}
+    record = self.summary.flush(step)
+    speed = ""
+    if record is not None:  # None at the attempt's first step, whose time is mostly compilation
+      step_time = record["seconds"] / record["count"]
+      tokens_per_s = self.batch_size * self.seq_len / step_time
+      scalars.update({"train/step_time_s": step_time, "train/tokens_per_s": tokens_per_s,
+                      "train/data_wait_s": record["data_wait_s"] / record["count"]})
+      speed = f"  {step_time:.3f}s/step  {tokens_per_s:.0f} tok/s"
+      mfu = mfu_lib.mfu(tokens_per_s, self.flops_per_token, jax.device_count(), self.peak_flops)
+      if mfu is not None:
+        scalars["train/mfu"] = mfu
+        speed += f"  MFU {mfu:.1%}"
+    scalars.update(memory.memory_scalars())
+    self.writer.scalars(step, scalars)
+    if self.prometheus is not None:
+      self.prometheus.update(scalars)
+    log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e%s", step, self.cfg.steps, metrics["loss"],
+             metrics["grad_norm"], metrics["lr"], speed)
+
+  def train(self) -> dict:
+    """Runs the loop; returns a summary. Raises Preempted after saving when asked to stop."""
+    cfg, step = self.cfg, int(self.state.step)
+    self.summary = None
+    self.writer = MetricWriter(self.out_dir / "tensorboard")
+    self.prometheus = prometheus.start(cfg.monitor.prometheus_port, self.out_dir.name, jax.process_index())
+    self.faults = Faults(cfg.faults, self.out_dir)
+    profiler = Profiler(self.out_dir / "tensorboard", cfg.profile.start_step, cfg.profile.num_steps)
+    stop = StopRequest().install()
+    code, eval_loss = 1, float("nan")
+    try:
+      if step == 0:
+        self.writer.text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n```")
+      with jax.set_mesh(self.mesh):
+        data_state = self.loader.get_state()  # the loader position matching `state`
+        batch = self._next_batch()
+        compiled = self._compile(batch)
+        while step < cfg.steps:
+          profiler.maybe_start(step + 1)
+          with profiler.step_annotation(step + 1):
+            self.state, metrics = compiled(self.state, batch)
+          profiler.maybe_stop(step + 1, metrics)
+          step += 1
+          data_state = self.loader.get_state()
+          if step < cfg.steps:
+            # Host work for the next batch overlaps the device running this step (async dispatch).
+            batch = self._next_batch()
+          if self.summary is None:
+            jax.block_until_ready(metrics)
+            self.events.emit(ev.FIRST_STEP, step)
+            self.summary = ev.StepsSummary(self.events, step)
+            log.info("first step (%d) done %.1fs after process start", step, time.monotonic() - self.t_start)
+          if step % cfg.log_every == 0 or step == cfg.steps:
+            self._log_metrics(step, metrics)
+          if step == cfg.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
+            eval_loss = self._evaluate(step)
+          self.faults.after_step(step)
+          if stop.requested():
+            self.events.emit(ev.PREEMPTION, step, signal=stop.signal_name)
+            self._save(step, data_state, sync=True)
+            raise Preempted(f"stopped by {stop.signal_name} after step {step}; checkpoint saved in "
+                            f"{self.ckpt.location}")
+          if self.ckpt.should_save(step) or step == cfg.steps:
+            self._save(step, data_state, sync=step == cfg.steps)
+          else:
+            self._log_save(self.ckpt.poll())
+        if self.ckpt.failed_step == step:
+          # Exiting 0 would lose this run's work silently; a crash exit lets a supervisor restart
+          # from the newest complete checkpoint.
+          raise RuntimeError(f"the final checkpoint (step {step}) could not be written to {self.ckpt.location}: "
+                             f"{self.ckpt.last_error}")
+      code = 0
+    except BaseException as e:
+      code = next((c for kind, c in EXIT_CODES.items() if isinstance(e, kind)), 1)
+      if code == 1:
+        self.events.emit(ev.CRASH, step, code=1, reason=f"{type(e).__name__}: {e}"[:1000])
+      raise
+    finally:
+      stop.uninstall()
+      profiler.stop()
+      self.ckpt.close()
+      self.writer.close()
+      if self.prometheus is not None:
+        self.prometheus.close()
+      self.events.emit(ev.EXIT, step, code=code)
+      self.events.close()
+
+    entropy = self.train_store.unigram_entropy()
+    summary = {"final_eval_loss": eval_loss, "unigram_entropy": entropy, "steps": step,
+               "wall_s": time.monotonic() - self.t_start}
+    log.info("final eval loss %.4f nats/token vs unigram entropy %.4f nats/token of the training corpus "
+             "(a model that learned nothing beyond token frequencies scores about the latter)", eval_loss, entropy)
+    if jax.process_index() == 0:
+      (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
 
 def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) -> dict:
-  """Trains per `cfg`; returns a summary. Raises UserError on bad input (before compiling) and
-  Preempted after saving when asked to stop."""
-  t_start = time.monotonic() if t_process_start is None else t_process_start
-  mesh_shape = config_lib.validate(cfg, jax.device_count(), jax.process_count())
-  train_store, val_store = open_stores(cfg.data, cfg.model.vocab_size)
-  mesh = make_mesh({a: s for a, s in zip(AXES, mesh_shape)})
-  out_dir = Path(cfg.output_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(out_dir / "checkpoints"), out_dir / "checkpoints")
-  resume_path = ckpt.resolve_resume()
-  if jax.process_index() == 0:
-    config_lib.save(cfg, out_dir / "config.json")
-  log.info("devices: %d x %s; mesh %s; train %s (%d tokens), val %s (%d tokens)",
-           jax.device_count(), jax.devices()[0].device_kind, dict(mesh.shape),
-           train_store.prefix, train_store.num_tokens, val_store.prefix, val_store.num_tokens)
-
-  model_cfg = ModelConfig.from_config(cfg.model)
-  tx, lr_schedule = optim.make(cfg.optimizer, cfg.optimizer.decay_steps or cfg.steps)
-  spec = state_lib.spec(model_cfg, tx, mesh, cfg.seed)
-  seq_len, batch_size = cfg.data.seq_len, cfg.data.batch_size
-  loader = pipeline.TrainLoader(train_store.prefix, seq_len, batch_size, cfg.seed,
-                                jax.process_index(), jax.process_count())
-  if resume_path is None:
-    state = state_lib.initialize(spec, mesh)
-  else:
-    t0 = time.monotonic()
-    restored = ckpt.restore(resume_path, spec.abstract, spec.shardings)
-    state = restored.state
-    loader.set_state(restored.data_state)  # O(1): the loader indexes windows, nothing is replayed
-    log.info("restored step %d from %s in %.2fs (saved on mesh %s)", restored.step, resume_path,
-             time.monotonic() - t0, restored.meta.get("mesh"))
-  log.info("model: %.2fM parameters", param_count(state.params) / 1e6)
-
-  batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
-  eval_data = [pipeline.to_global(b, batch_sharding) for b in pipeline.eval_batches(
-      val_store.prefix, seq_len, batch_size, cfg.eval.batches, jax.process_index(), jax.process_count())]
-  replicated = state_lib.replicated(mesh)
-  with jax.set_mesh(mesh):
-    train_step = jax.jit(step_lib.make_train_step(spec.graphdef, tx, lr_schedule),
-                         in_shardings=(spec.shardings, batch_sharding),
-                         out_shardings=(spec.shardings, replicated), donate_argnums=0)
-    eval_step = jax.jit(step_lib.make_eval_step(spec.graphdef),
-                        in_shardings=(spec.shardings.params, batch_sharding), out_shardings=replicated)
-    step = int(state.step)
-    data_state = loader.get_state()  # the loader position matching `state`
-    batch = pipeline.to_global(next(loader), batch_sharding)
-    t0 = time.monotonic()
-    compiled = train_step.lower(state, batch).compile()
-    log.info("compiled train step in %.1fs", time.monotonic() - t0)
-
-  writer = MetricWriter(out_dir / "tensorboard")
-  if step == 0:
-    writer.text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n```")
-  faults = Faults(cfg.faults, out_dir)
-  stop = StopRequest().install()
-  tokens_per_step = batch_size * seq_len
-  t_interval, steps_in_interval = time.monotonic(), 0
-  eval_loss = float("nan")
-  first_step = True
-
-  def save(sync: bool) -> None:
-    timing = ckpt.save(step, state, data_state, cfg, dict(mesh.shape))
-    if timing is not None:
-      faults.after_save_started(step)
-    log_save(writer, ckpt.wait() if sync else ckpt.poll())
-
-  try:
-    with jax.set_mesh(mesh):
-      while step < cfg.steps:
-        state, metrics = compiled(state, batch)
-        step += 1
-        steps_in_interval += 1
-        data_state = loader.get_state()
-        if step < cfg.steps:
-          # Host work for the next batch overlaps the device running this step (async dispatch).
-          batch = pipeline.to_global(next(loader), batch_sharding)
-        if first_step:
-          jax.block_until_ready(metrics)
-          first_step = False
-          log.info("first step (%d) done %.1fs after process start", step, time.monotonic() - t_start)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-          metrics = jax.device_get(metrics)  # note: a host-device sync point, once per log interval
-          now = time.monotonic()
-          step_time = (now - t_interval) / steps_in_interval
-          t_interval, steps_in_interval = now, 0
-          # Every scalar the step returns is logged as train/<name>: new metrics need no loop change.
-          scalars = {f"train/{k}": v for k, v in metrics.items()}
-          scalars.update({"train/step_time_s": step_time, "train/tokens_per_s": tokens_per_step / step_time})
-          writer.scalars(step, scalars)
-          log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %.3fs/step  %.0f tok/s", step, cfg.steps,
-                   metrics["loss"], metrics["grad_norm"], metrics["lr"], step_time, tokens_per_step / step_time)
-        if step == cfg.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
-          t_eval = time.monotonic()
-          eval_loss = evaluate(eval_step, state.params, eval_data)
-          writer.scalars(step, {"eval/loss": eval_loss})
-          log.info("step %d  eval loss %.4f", step, eval_loss)
-          t_interval += time.monotonic() - t_eval  # eval time is not step time
-        faults.after_step(step)
-        if stop.requested():
-          save(sync=True)
-          raise Preempted(f"stopped by {stop.signal_name} after step {step}; checkpoint saved in {ckpt.location}")
-        if ckpt.should_save(step) or step == cfg.steps:
-          save(sync=step == cfg.steps)
-        else:
-          log_save(writer, ckpt.poll())
-      if ckpt.failed_step == step:
-        # Exiting 0 would lose this run's work silently; a crash exit lets a supervisor restart
-        # from the newest complete checkpoint.
-        raise RuntimeError(f"the final checkpoint (step {step}) could not be written to {ckpt.location}: "
-                           f"{ckpt.last_error}")
-  finally:
-    stop.uninstall()
-    ckpt.close()
-    writer.close()
-
-  entropy = train_store.unigram_entropy()
-  summary = {"final_eval_loss": eval_loss, "unigram_entropy": entropy, "steps": step,
-             "wall_s": time.monotonic() - t_start}
-  log.info("final eval loss %.4f nats/token vs unigram entropy %.4f nats/token of the training corpus "
-           "(a model that learned nothing beyond token frequencies scores about the latter)", eval_loss, entropy)
-  if jax.process_index() == 0:
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-  return summary
+  """Trains per `cfg`. Raises UserError on bad input (before compiling), Preempted after saving."""
+  return Trainer(cfg, t_process_start).train()

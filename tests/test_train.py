@@ -14,6 +14,8 @@ from maxtrain import config as config_lib
 from maxtrain import train
 from maxtrain.data.indexing import index_files
 from maxtrain.data.store import StoreWriter
+from maxtrain.monitor import goodput
+from maxtrain.monitor.events import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--config.model.num_layers=2", "--config.model.d_model=32", "--config.model.num_heads=4",
@@ -38,7 +40,8 @@ def run_main(args, capsys):
 def test_train_end_to_end_writes_tensorboard(store, tmp_path, capsys, caplog):
   out = tmp_path / "run"
   code, _ = run_main(TINY + [f"--config.data.path={store}", "--config.steps=6", "--config.eval.every_steps=3",
-                             f"--config.output_dir={out}"], capsys)
+                             f"--config.output_dir={out}", "--config.profile.start_step=3",
+                             "--config.profile.num_steps=2"], capsys)
   assert code == 0
   resolved = json.loads((out / "config.json").read_text())
   assert resolved["steps"] == 6 and resolved["model"]["d_model"] == 32
@@ -47,12 +50,27 @@ def test_train_end_to_end_writes_tensorboard(store, tmp_path, capsys, caplog):
   tags = set(events.Tags()["scalars"])
   assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/step_time_s",
           "eval/loss"} <= tags
+  assert {"train/mfu", "train/data_wait_s", "memory/host_in_use_gib", "checkpoint/blocking_s",
+          "checkpoint/save_s"} <= tags
+  assert all(0 < e.value < 1 for e in events.Scalars("train/mfu"))
   assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
   assert [e.step for e in events.Scalars("eval/loss")] == [3, 6]
   assert all(np.isfinite(e.value) for e in events.Scalars("train/loss"))
   summary = json.loads((out / "summary.json").read_text())
   assert summary["steps"] == 6 and np.isfinite(summary["final_eval_loss"])
   assert "unigram entropy" in caplog.text
+  # The profiler trace of steps 3-4 is in the TensorBoard log dir, for the profile plugin.
+  assert list((out / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+  # The event log tells the run's story, and the goodput report accounts for its wall time.
+  kinds = [r["kind"] for r in read_events(out / "events.jsonl")]
+  for kind in ("job_start", "compile_start", "compile_end", "first_step", "steps", "eval",
+               "checkpoint_save_start", "checkpoint_save_end", "exit"):
+    assert kind in kinds, kind
+  assert kinds[0] == "job_start" and kinds[-1] == "exit"
+  report = goodput.compute(read_events(out / "events.jsonl"))
+  assert report["steps"]["kept"] == 6 and report["steps"]["lost"] == 0
+  assert sum(report["seconds"].values()) == pytest.approx(report["total_s"], rel=1e-9)
+  assert report["seconds"]["other"] <= 0.01 * report["total_s"] + 0.5
 
 
 def write_store(prefix, docs, vocab_size=259):
