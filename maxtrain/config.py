@@ -89,6 +89,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.faults = f = ml_collections.ConfigDict()  # Fault injection for tests and drills; -1 = off.
   f.sigterm_at_step = -1  # Send SIGTERM to itself after this step (exercises preemption).
   f.kill_during_save_at_step = -1  # SIGKILL itself while this step's checkpoint is being written.
+  f.crash_at_step = -1  # Raise an exception after this step (exit 1, a crash).
+  f.hang_at_step = -1  # Block forever after this step (the watchdog must fire).
+
+  c.watchdog = ml_collections.ConfigDict()
+  c.watchdog.timeout_s = 600.0  # Exit 76 with stack dumps when no step completes for this long; 0 = off.
+  c.watchdog.startup_timeout_s = 1800.0  # Allowance before the first step (restore + compile).
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 50  # Eval loss on the validation store every N steps (and at the end); 0: end only.

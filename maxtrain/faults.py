@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 import ml_collections
@@ -34,6 +35,10 @@ class Faults:
   def after_step(self, step: int) -> None:
     if self._fire("sigterm_at_step", step):
       os.kill(os.getpid(), signal.SIGTERM)
+    if self._fire("crash_at_step", step):
+      raise RuntimeError(f"fault injection: crash after step {step}")
+    if self._fire("hang_at_step", step):
+      threading.Event().wait()  # blocks forever, like a hung collective; the watchdog must fire
 
   def after_save_started(self, step: int) -> None:
     # The async write is in flight: SIGKILL now leaves an incomplete checkpoint behind.

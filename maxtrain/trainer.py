@@ -30,6 +30,7 @@ from maxtrain.monitor import events as ev
 from maxtrain.monitor import memory, mfu as mfu_lib, prometheus
 from maxtrain.monitor.profiler import Profiler
 from maxtrain.monitor.tensorboard import MetricWriter
+from maxtrain.monitor.watchdog import Watchdog
 from maxtrain.preemption import StopRequest
 from maxtrain.sharding.mesh import AXES, BATCH_AXES, make_mesh
 
@@ -88,20 +89,23 @@ class Trainer:
     self.eval_data = [pipeline.to_global(b, self.batch_sharding) for b in pipeline.eval_batches(
         self.val_store.prefix, self.seq_len, self.batch_size, cfg.eval.batches, jax.process_index(),
         jax.process_count())]
-    if resume_path is None:
-      self.state = state_lib.initialize(self.spec, self.mesh)
-    else:
-      t0 = time.monotonic()
-      restored = self.ckpt.restore(resume_path, self.spec.abstract, self.spec.shardings)
-      self.state = restored.state
-      self.loader.set_state(restored.data_state)  # O(1): the loader indexes windows, nothing is replayed
-      self.events.emit(ev.RESTORE, restored.step, seconds=time.monotonic() - t0, path=str(resume_path))
-      log.info("restored step %d from %s in %.2fs (saved on mesh %s)", restored.step, resume_path,
-               time.monotonic() - t0, restored.meta.get("mesh"))
-    log.info("model: %.2fM parameters", param_count(self.state.params) / 1e6)
+    self.resume_path = resume_path
     self.flops_per_token = self.model_cfg.train_flops_per_token(self.seq_len)
     self.peak_flops, source = mfu_lib.peak_flops(jax.local_devices()[0], cfg.mfu.peak_flops)
     log.info("MFU peak: %s; model FLOPs/token %.3g", source, self.flops_per_token)
+
+  def _load_state(self) -> None:
+    if self.resume_path is None:
+      self.state = state_lib.initialize(self.spec, self.mesh)
+    else:
+      t0 = time.monotonic()
+      restored = self.ckpt.restore(self.resume_path, self.spec.abstract, self.spec.shardings)
+      self.state = restored.state
+      self.loader.set_state(restored.data_state)  # O(1): the loader indexes windows, nothing is replayed
+      self.events.emit(ev.RESTORE, restored.step, seconds=time.monotonic() - t0, path=str(self.resume_path))
+      log.info("restored step %d from %s in %.2fs (saved on mesh %s)", restored.step, self.resume_path,
+               time.monotonic() - t0, restored.meta.get("mesh"))
+    log.info("model: %.2fM parameters", param_count(self.state.params) / 1e6)
 
   def _compile(self, batch):
     replicated = state_lib.replicated(self.mesh)
@@ -178,15 +182,18 @@ class Trainer:
 
   def train(self) -> dict:
     """Runs the loop; returns a summary. Raises Preempted after saving when asked to stop."""
-    cfg, step = self.cfg, int(self.state.step)
+    cfg, step = self.cfg, 0
     self.summary = None
     self.writer = MetricWriter(self.out_dir / "tensorboard")
     self.prometheus = prometheus.start(cfg.monitor.prometheus_port, self.out_dir.name, jax.process_index())
     self.faults = Faults(cfg.faults, self.out_dir)
     profiler = Profiler(self.out_dir / "tensorboard", cfg.profile.start_step, cfg.profile.num_steps)
     stop = StopRequest().install()
+    watchdog = Watchdog(self.out_dir, self.events, cfg.watchdog.timeout_s, cfg.watchdog.startup_timeout_s).start()
     code, eval_loss = 1, float("nan")
     try:
+      self._load_state()
+      step = int(self.state.step)
       if step == 0:
         self.writer.text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n```")
       with jax.set_mesh(self.mesh):
@@ -199,6 +206,7 @@ class Trainer:
             self.state, metrics = compiled(self.state, batch)
           profiler.maybe_stop(step + 1, metrics)
           step += 1
+          watchdog.beat(step)
           data_state = self.loader.get_state()
           if step < cfg.steps:
             # Host work for the next batch overlaps the device running this step (async dispatch).
@@ -215,6 +223,7 @@ class Trainer:
           self.faults.after_step(step)
           if stop.requested():
             self.events.emit(ev.PREEMPTION, step, signal=stop.signal_name)
+            watchdog.beat(step)  # a synchronous save is progress, not a hang
             self._save(step, data_state, sync=True)
             raise Preempted(f"stopped by {stop.signal_name} after step {step}; checkpoint saved in "
                             f"{self.ckpt.location}")
@@ -234,6 +243,7 @@ class Trainer:
         self.events.emit(ev.CRASH, step, code=1, reason=f"{type(e).__name__}: {e}"[:1000])
       raise
     finally:
+      watchdog.stop()
       stop.uninstall()
       profiler.stop()
       self.ckpt.close()
