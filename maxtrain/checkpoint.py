@@ -93,6 +93,7 @@ class Checkpointer:
     )
     self._manager = ocp.CheckpointManager(directory, options=options)
     self._pending: SaveTiming | None = None
+    self._done: list[SaveTiming] = []
     self._pending_t0 = 0.0
     self.last_error: Exception | None = None
     self.failed_step: int | None = None
@@ -174,7 +175,7 @@ class Checkpointer:
       return None  # already saved (e.g. the final step coincides with a periodic save)
     meta = {"config": cfg.to_dict(), "mesh": mesh_shape, "version": maxtrain.__version__,
             "param_shapes": _param_shapes(state), "wall_time": time.time(), "step": step}
-    self.wait()  # one save in flight at a time; also surfaces an error of the previous one
+    self._wait_pending()  # one save in flight at a time; also surfaces an error of the previous one
     t0 = time.monotonic()
     try:
       self._manager.save(step, args=ocp.args.Composite(
@@ -191,36 +192,45 @@ class Checkpointer:
               "are intact)", step, type(error).__name__, error)
     self.last_error, self.failed_step = error, step
 
-  def poll(self) -> SaveTiming | None:
-    """Returns the timing of a save that has completed since the last poll (None otherwise, or if
-    it failed: the failure is logged and kept in `last_error` / `failed_step`)."""
+  def _collect(self) -> None:
+    """Moves the save in flight to `_done` once it is complete (or records its failure)."""
     if self._pending is None or self._manager.is_saving_in_progress():
-      return None
+      return
     done, self._pending = self._pending, None
     try:
       self._manager.check_for_errors()
     except Exception as e:  # noqa: BLE001 - see save()
       self._failed(done.step, e)
-      return None
+      return
     done.save_s = time.monotonic() - self._pending_t0
     if self.remote is not None:
       self.remote.upload(self.directory / str(done.step), done.step, keep=list(self._manager.all_steps()))
+    self._done.append(done)
+
+  def poll(self) -> list[SaveTiming]:
+    """Timings of the saves completed since the last call (failures are logged and kept in
+    `last_error` / `failed_step` instead)."""
+    self._collect()
+    done, self._done = self._done, []
     return done
 
-  def wait(self) -> SaveTiming | None:
-    """Blocks until the save in flight (if any) is complete; returns its timing like poll()."""
+  def _wait_pending(self) -> None:
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001 - see save()
       if self._pending is not None:
         self._failed(self._pending.step, e)
         self._pending = None
-      return None
+    self._collect()
+
+  def wait(self) -> list[SaveTiming]:
+    """Blocks until the save in flight (if any) is complete; returns like poll()."""
+    self._wait_pending()
     return self.poll()
 
   def close(self) -> None:
     """Waits for the last save (and its upload) to be complete."""
-    self.wait()
+    self._wait_pending()
     self._manager.close()
     if self.remote is not None:
       t0 = time.monotonic()

@@ -141,21 +141,26 @@ class Trainer:
     log.info("step %d  eval loss %.4f", step, loss)
     return loss
 
-  def _log_save(self, timing: SaveTiming | None) -> None:
-    if timing is None or timing.save_s is None:
-      return
-    self.events.emit(ev.CHECKPOINT_SAVE_END, timing.step, blocking_s=timing.blocking_s, save_s=timing.save_s)
-    self.writer.scalars(timing.step, {"checkpoint/blocking_s": timing.blocking_s, "checkpoint/save_s": timing.save_s})
-    log.info("checkpoint step %d saved: loop blocked %.3fs, complete on disk after %.3fs",
-             timing.step, timing.blocking_s, timing.save_s)
+  def _log_saves(self, timings: list[SaveTiming]) -> None:
+    for timing in timings:
+      self.events.emit(ev.CHECKPOINT_SAVE_END, timing.step, blocking_s=timing.blocking_s, save_s=timing.save_s)
+      self.writer.scalars(timing.step, {"checkpoint/blocking_s": timing.blocking_s,
+                                        "checkpoint/save_s": timing.save_s})
+      log.info("checkpoint step %d saved: loop blocked %.3fs, complete on disk after %.3fs",
+               timing.step, timing.blocking_s, timing.save_s)
 
   def _save(self, step: int, data_state: dict, sync: bool) -> None:
     with self.summary.outside(step):
       self.events.emit(ev.CHECKPOINT_SAVE_START, step)
+      t0 = time.monotonic()
       timing = self.ckpt.save(step, self.state, data_state, self.cfg, dict(self.mesh.shape))
       if timing is not None:
         self.faults.after_save_started(step)
-      self._log_save(self.ckpt.wait() if sync else self.ckpt.poll())
+        done = self.ckpt.wait() if sync else self.ckpt.poll()
+        if sync:
+          timing.blocking_s = time.monotonic() - t0  # the loop waited for all of it
+        self.events.emit(ev.CHECKPOINT_BLOCKED, step, blocking_s=time.monotonic() - t0)
+        self._log_saves(done)
 
   def _log_metrics(self, step: int, metrics: dict) -> None:
     metrics = jax.device_get(metrics)  # note: a host-device sync point, once per log interval
@@ -230,7 +235,7 @@ class Trainer:
           if self.ckpt.should_save(step) or step == cfg.steps:
             self._save(step, data_state, sync=step == cfg.steps)
           else:
-            self._log_save(self.ckpt.poll())
+            self._log_saves(self.ckpt.poll())
         if self.ckpt.failed_step == step:
           # Exiting 0 would lose this run's work silently; a crash exit lets a supervisor restart
           # from the newest complete checkpoint.

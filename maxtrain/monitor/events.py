@@ -38,6 +38,7 @@ FIRST_STEP = "first_step"  # The attempt's first step finished (blocked on); ste
 STEPS = "steps"  # Summary of steps first..step: first, count, seconds, data_wait_s[, step_times] (see below).
 EVAL = "eval"  # An evaluation finished: seconds (its duration), loss.
 CHECKPOINT_SAVE_START = "checkpoint_save_start"  # A checkpoint save of `step` was requested.
+CHECKPOINT_BLOCKED = "checkpoint_blocked"  # The loop resumed after a save's blocking part: blocking_s.
 CHECKPOINT_SAVE_END = "checkpoint_save_end"  # That save is durable: blocking_s (loop blocked), save_s (total).
 RESTORE = "restore"  # State restored from the checkpoint of `step`: seconds.
 NAN_SKIP = "nan_skip"  # Steps whose update the in-graph guard skipped: count (in the last interval).
@@ -50,7 +51,7 @@ RESTART = "restart"  # Supervisor launches a new attempt (its `attempt`); backof
 EXIT = "exit"  # A process is exiting: code (see DESIGN.md exit codes).
 
 KINDS = (JOB_START, COMPILE_START, COMPILE_END, FIRST_STEP, STEPS, EVAL, CHECKPOINT_SAVE_START,
-         CHECKPOINT_SAVE_END, RESTORE, NAN_SKIP, SPIKE, ROLLBACK, HANG, PREEMPTION, CRASH, RESTART, EXIT)
+         CHECKPOINT_BLOCKED, CHECKPOINT_SAVE_END, RESTORE, NAN_SKIP, SPIKE, ROLLBACK, HANG, PREEMPTION, CRASH, RESTART, EXIT)
 # Worth an fsync: the last words of an attempt, which the goodput report needs to place downtime.
 CRITICAL = frozenset({HANG, PREEMPTION, CRASH, EXIT})
 _COMMON = ("wall", "mono", "process", "attempt", "step", "kind")

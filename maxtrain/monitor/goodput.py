@@ -6,13 +6,18 @@ all attempts. Every second of that span goes to exactly one category, so they su
   productive        step time of kept steps (excluding their data wait)
   startup_compile   attempt start (first event) to its first completed step: init, restore, compile
   data_wait         `steps.data_wait_s`: the loop waiting for input
-  checkpoint        `checkpoint_save_end.blocking_s`: the loop blocked by a save
+  checkpoint        the loop blocked by a save: `checkpoint_blocked.blocking_s` (written as soon as
+                    the loop resumes), else `checkpoint_save_end.blocking_s`
   eval              `eval.seconds`
   lost_progress     step time of steps that were computed again after a restart or rollback (every
                     computation of step n except the last one, and steps past a final rollback), and
                     the rollback's own restore time
   hang              from the last completed step to the watchdog's `hang` event (`idle_s` if given)
-  downtime          no attempt alive: wall time outside the union of the attempts' spans
+  downtime          no attempt alive: wall time outside the union of the attempts' spans. An
+                    attempt's span runs from its supervisor `restart` record (written after the
+                    backoff) or its first trainer record to its last trainer record, or to the
+                    supervisor's `crash` record when the trainer died without an `exit` record
+                    (SIGKILL): after an `exit`, process teardown and backoff are downtime.
   other             inside an attempt but in none of the above (logging, shutdown, unrecorded steps)
 
 How overlaps resolve: each record that covers time becomes a segment on the wall clock (a `steps`
@@ -35,7 +40,8 @@ CATEGORIES = ("productive", "startup_compile", "data_wait", "checkpoint", "eval"
               "downtime", "other")
 # Segment priority where segments overlap (higher wins); kept progress beats all of them.
 _PRIORITY = {"other": 0, "startup_compile": 1, "hang": 2, "steps": 3, "rollback": 4, "eval": 5, "checkpoint": 6}
-_STEP_KINDS = {ev.FIRST_STEP, ev.STEPS, ev.EVAL, ev.CHECKPOINT_SAVE_START, ev.CHECKPOINT_SAVE_END,
+_STEP_KINDS = {ev.FIRST_STEP, ev.STEPS, ev.EVAL, ev.CHECKPOINT_SAVE_START, ev.CHECKPOINT_BLOCKED,
+               ev.CHECKPOINT_SAVE_END,
                ev.RESTORE, ev.ROLLBACK}
 
 
@@ -132,7 +138,10 @@ def _segments(records: list[dict], live: _LiveSteps) -> tuple[list[_Segment], li
   """Walks the records in wall order: step bookkeeping, segments, step-time samples, event counts."""
   reporter = _reporting_processes(records)
   spans: dict[int, list[float]] = {}
+  exited = {r["attempt"] for r in records if r["kind"] == ev.EXIT and r["process"] >= 0}
   for r in records:
+    if r["process"] < 0 and r["kind"] != ev.RESTART and r["attempt"] in exited:
+      continue  # after the trainer's own exit record, the supervisor's notice is teardown, not the attempt
     span = spans.setdefault(r["attempt"], [r["wall"], r["wall"]])
     span[0], span[1] = min(span[0], r["wall"]), max(span[1], r["wall"])
 
@@ -143,6 +152,7 @@ def _segments(records: list[dict], live: _LiveSteps) -> tuple[list[_Segment], li
   first_step_wall: dict[int, float] = {}
   last_progress_wall: dict[int, float] = {}
   save_start: dict[tuple[int, Any], float] = {}
+  blocked: set[tuple[int, Any]] = set()
   seen: set[tuple] = set()
   all_steps: list[_StepsRecord] = []
 
@@ -188,7 +198,11 @@ def _segments(records: list[dict], live: _LiveSteps) -> tuple[list[_Segment], li
       segments.append(_Segment(wall - _num(r, "seconds"), wall, attempt, "eval", {"eval": 1.0}))
     elif kind == ev.CHECKPOINT_SAVE_START:
       save_start[(attempt, r["step"])] = wall
-    elif kind == ev.CHECKPOINT_SAVE_END:
+    elif kind == ev.CHECKPOINT_BLOCKED:
+      blocked.add((attempt, r["step"]))
+      start = save_start.pop((attempt, r["step"]), wall - _num(r, "blocking_s"))
+      segments.append(_Segment(start, wall, attempt, "checkpoint", {"checkpoint": 1.0}))
+    elif kind == ev.CHECKPOINT_SAVE_END and (attempt, r["step"]) not in blocked:
       blocking = _num(r, "blocking_s")
       start = save_start.pop((attempt, r["step"]), wall - blocking)
       segments.append(_Segment(start, start + blocking, attempt, "checkpoint", {"checkpoint": 1.0}))
