@@ -70,9 +70,10 @@ def run(cfg: ml_collections.ConfigDict) -> dict:
            train_store.prefix, train_store.num_tokens, val_store.prefix, val_store.num_tokens)
 
   model_cfg = ModelConfig.from_config(cfg.model)
-  tx, lr_schedule = optim.make(cfg.optimizer, cfg.steps)
-  graphdef, state, state_shardings = state_lib.create(model_cfg, tx, mesh, cfg.seed)
-  log.info("model: %.2fM parameters", param_count(state.params) / 1e6)
+  optimizer = optim.make(cfg.optimizer, cfg.steps)
+  graphdef, state, state_shardings = state_lib.create(model_cfg, optimizer.tx, mesh, cfg.seed)
+  log.info("model: %.2fM parameters; optimizer %s: %s", param_count(state.params) / 1e6, cfg.optimizer.name,
+           optim.describe_groups(state.params, optimizer.labels(state.params)))
 
   batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
   seq_len, batch_size = cfg.data.seq_len, cfg.data.batch_size
@@ -83,7 +84,8 @@ def run(cfg: ml_collections.ConfigDict) -> dict:
 
   replicated = state_lib.replicated(mesh)
   with jax.set_mesh(mesh):
-    train_step = jax.jit(step_lib.make_train_step(graphdef, tx, lr_schedule),
+    train_step = jax.jit(step_lib.make_train_step(graphdef, optimizer, z_loss=cfg.optimizer.z_loss,
+                                                  grad_accum_steps=cfg.optimizer.grad_accum_steps),
                          in_shardings=(state_shardings, batch_sharding),
                          out_shardings=(state_shardings, replicated), donate_argnums=0)
     eval_step = jax.jit(step_lib.make_eval_step(graphdef),
