@@ -65,14 +65,22 @@ def check_replication(abstract_params: Any, shardings: Any, mesh: Mesh, max_shar
     )
 
 
+def plan(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
+         rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES) -> tuple[TrainState, Any]:
+  """(abstract state, its shardings on `mesh`) without creating it. Optimizer moments carry their
+  parameters' logical axes (optax builds them with tree maps over the params), so they are
+  sharded like them."""
+  abstract = jax.eval_shape(_init_fn(model_cfg, tx, seed, rules))
+  return abstract, sharding_rules.named_shardings(logical_specs(abstract), mesh, rules)
+
+
 def create(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
            rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES):
   """Returns (graphdef, state, state_shardings). Parameters are born sharded: the init runs under
   jit with out_shardings, so no host ever holds a full copy."""
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(params=seed), rules=rules)))
   init = _init_fn(model_cfg, tx, seed, rules)
-  abstract = jax.eval_shape(init)
-  shardings = sharding_rules.named_shardings(logical_specs(abstract), mesh, rules)
+  abstract, shardings = plan(model_cfg, tx, mesh, seed, rules)
   check_replication(abstract.params, shardings.params, mesh)
   with jax.set_mesh(mesh):
     state = jax.jit(init, out_shardings=shardings)()
