@@ -8,6 +8,16 @@ the output head, norm scales and biases stay on AdamW. Parameters are classified
 to Adam: with scanned layers every hidden matrix is 3-D or 4-D, and optax's default (Muon for 2-D
 leaves only) would send all of them to Adam and the 2-D embedding and head to Muon.
 
+The Muon update of one hidden matrix W, viewed as [fan_in, fan_out] (a scanned weight: each
+layer's slice on its own), with gradient G_t at step t = 1, 2, ... (optax's scale_by_muon, then
+`_scale_by_shape`, decoupled weight decay and the learning rate):
+
+  M_t = beta M_{t-1} + (1 - beta) G_t                                       momentum
+  Mh  = beta M_t / (1 - beta^(t+1)) + (1 - beta) G_t / (1 - beta^t)          Nesterov, bias-corrected
+  X   = Mh / (|Mh|_F + 1e-8), transposed to be wide; muon_ns_steps times: X <- aX + (bA + cA^2)X, A = XX^T
+  W  <- W - lr_t (s X + weight_decay W),  s = sqrt(max(1, fan_out / fan_in))
+        (or s = muon_consistent_rms * sqrt(max(fan_in, fan_out)) when that is > 0)
+
 Shape legend: L layers (scanned models only), D model, N heads, K kv heads, H head dim, F ffn.
 """
 
