@@ -35,17 +35,15 @@ from optax.contrib import MuonDimensionNumbers
 
 from maxtrain.state import param_name
 
-# Hidden weight matrices -> (rank without the layers dim, how Muon sees them as a matrix). Axes are
-# negative so the same numbers hold with and without a leading scanned `layers` dim, which Muon then
-# treats as a batch axis: each layer's slice is orthogonalised on its own.
+# How Muon sees a hidden weight as a matrix [fan_in, fan_out], with the weight's rank without the
+# layers dim. Axes are negative so the same numbers hold with and without a leading scanned `layers`
+# dim, which Muon then treats as a batch axis: each layer's slice is orthogonalised on its own.
+_IN_TO_HEADS = (3, MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1)))  # [D, N, H]: D -> N*H
+_HEADS_TO_OUT = (3, MuonDimensionNumbers(reduction_axis=(-3, -2), output_axis=-1))  # [N, H, D]: N*H -> D
+_IN_TO_OUT = (2, MuonDimensionNumbers(reduction_axis=-2, output_axis=-1))  # [D, F] or [F, D]
 HIDDEN_MATRICES: dict[str, tuple[int, MuonDimensionNumbers]] = {
-    "attn/wq": (3, MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1))),  # [D, N, H]: D -> N*H
-    "attn/wk": (3, MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1))),  # [D, K, H]: D -> K*H
-    "attn/wv": (3, MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1))),  # [D, K, H]: D -> K*H
-    "attn/wo": (3, MuonDimensionNumbers(reduction_axis=(-3, -2), output_axis=-1)),  # [N, H, D]: N*H -> D
-    "mlp/gate": (2, MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)),  # [D, F]
-    "mlp/up": (2, MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)),  # [D, F]
-    "mlp/down": (2, MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)),  # [F, D]
+    "attn/wq": _IN_TO_HEADS, "attn/wk": _IN_TO_HEADS, "attn/wv": _IN_TO_HEADS, "attn/wo": _HEADS_TO_OUT,
+    "mlp/gate": _IN_TO_OUT, "mlp/up": _IN_TO_OUT, "mlp/down": _IN_TO_OUT,
 }
 
 
