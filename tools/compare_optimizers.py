@@ -5,14 +5,17 @@ steps the better one needs to reach the other's final eval loss.
 
 Trains the configured model (default: the default config) once per learning rate: AdamW first,
 then Muon with its AdamW group (embeddings, head, norms) at the best AdamW learning rate. Prints
-each run's eval-loss curve and a summary; the figures go into BENCHMARKS.md.
+each run's eval-loss curve and a summary; the figures go into BENCHMARKS.md. A run already finished
+under --out with the same config is reused, so the grid can be extended without recomputing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -48,8 +51,14 @@ def run(argv: list[str], name: str, lr: float, adam_lr: float, root: Path) -> di
   tag = f"{name}_lr{lr:g}"
   cfg = config_lib.load(argv + [f"--config.optimizer.name={name}", f"--config.optimizer.lr={lr}",
                                 f"--config.optimizer.adam_lr={adam_lr}", f"--config.output_dir={root / tag}"])
-  summary = trainer.run(cfg)
-  steps, losses = eval_curve(root / tag)
+  out = root / tag
+  done = out / "summary.json"
+  if done.exists() and json.loads((out / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict())):
+    summary = json.loads(done.read_text())  # finished earlier with this exact config: reuse
+  else:
+    shutil.rmtree(out, ignore_errors=True)  # an unfinished run's events would mix with the new ones
+    summary = trainer.run(cfg)
+  steps, losses = eval_curve(out)
   print(f"{tag}: final eval loss {summary['final_eval_loss']:.4f}; curve "
         + " ".join(f"{int(s)}:{v:.3f}" for s, v in zip(steps, losses)), flush=True)
   return {"name": name, "lr": lr, "adam_lr": adam_lr, "final": summary["final_eval_loss"], "steps": steps,
