@@ -63,6 +63,10 @@ def main() -> None:
   print(f"compile {compile_s:.1f}s; step {step_s:.3f}s; {tokens / step_s:,.0f} tokens/s; "
         f"{flops / step_s / 1e9:.1f} model GFLOP/s ({model_cfg.train_flops_per_token(cfg.data.seq_len) / 1e6:.1f} "
         f"MFLOP/token)")
+  memory = compiled.memory_analysis()
+  if memory is not None:  # per device; activations and other temporaries of the step
+    print(f"optimizer {cfg.optimizer.name}, grad_accum_steps {cfg.optimizer.grad_accum_steps}: "
+          f"temporary memory {memory.temp_size_in_bytes / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":
