@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import json
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -21,6 +22,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.py"
 REMAT_CHOICES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd", "constant")
+WSD_DECAYS = ("linear", "cosine")
+STATE_DTYPES = ("float32", "bfloat16")
+PARAM_KINDS = ("embed", "head", "norm", "bias", "matrix")  # maxtrain.optim.param_kind's classes
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -58,15 +64,28 @@ def base_config() -> ml_collections.ConfigDict:
   d.batch_size = 16  # Global batch, in sequences, across all processes.
 
   c.optimizer = o = ml_collections.ConfigDict()
-  o.lr = 3e-3  # Peak learning rate.
-  o.warmup_steps = 20  # Linear warmup from 0 to lr.
-  o.min_lr_ratio = 0.1  # Cosine decay ends at lr * min_lr_ratio.
+  o.name = "adamw"  # adamw | muon (Muon for hidden weight matrices, AdamW for embeddings, head, norms, biases).
+  o.lr = 3e-3  # Peak learning rate: of every parameter (adamw), of the Muon matrices (muon).
+  o.adam_lr = 3e-3  # Peak learning rate of the AdamW group when name=muon; unused by adamw.
+  o.schedule = "cosine"  # cosine | wsd (warmup-stable-decay) | constant; every group follows the same shape.
+  o.warmup_steps = 20  # Linear warmup from 0 at step 0 to the peak at step warmup_steps.
+  o.min_lr_ratio = 0.1  # cosine and wsd decay to peak * min_lr_ratio (a ratio: each group has its own peak).
   o.decay_steps = 0  # Length of the LR schedule; 0 = steps. Set it to stop a run early on its planned schedule.
-  o.weight_decay = 0.1  # Decoupled (AdamW) weight decay; not applied to norms.
+  o.decay_fraction = 0.2  # wsd: the last decay_fraction of the steps decay; the rest after warmup is flat.
+  o.wsd_decay = "linear"  # wsd decay shape: linear | cosine.
+  o.weight_decay = 0.1  # Decoupled weight decay, multiplied by the group's learning rate.
+  o.no_decay = "embed,norm,bias"  # Parameter kinds without weight decay (of embed, head, norm, bias, matrix).
   o.clip_norm = 1.0  # Global gradient-norm clip; 0 disables.
+  o.z_loss = 0.0  # Coefficient of the z-loss, mean log(Z)^2 of the softmax normaliser (PaLM: 1e-4); 0 disables.
+  o.grad_accum_steps = 1  # Microbatches per step (scanned in the one jitted step): activation memory / k.
+  o.state_dtype = "float32"  # Dtype of optimizer moments (Adam mu and nu, Muon momentum).
   o.b1 = 0.9  # Adam first-moment decay.
   o.b2 = 0.95  # Adam second-moment decay.
   o.eps = 1e-8  # Adam epsilon.
+  o.muon_momentum = 0.95  # Muon (Nesterov) momentum decay.
+  o.muon_ns_steps = 5  # Newton-Schulz iterations orthogonalising the Muon momentum.
+  o.muon_ns_coeffs = "3.4445,-4.7750,2.0315"  # a,b,c of the quintic step X <- aX + (bA + cA^2)X, A = XX^T.
+  o.muon_consistent_rms = 0.0  # > 0: scale Muon updates to this RMS x sqrt(max dim) (Moonlight: 0.2); 0: sqrt(max(1, out/in)).
 
   c.checkpoint = k = ml_collections.ConfigDict()
   k.dir = ""  # Where checkpoints go; "" = <output_dir>/checkpoints.
@@ -220,16 +239,13 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
            "prefix (tools/index_data.py) or data.corpus to 'python-stdlib'")
   _require(0 < d.seq_len <= m.max_seq_len,
            f"config.data.seq_len={d.seq_len} must be in 1..model.max_seq_len={m.max_seq_len}")
-  _require(o.lr > 0, f"config.optimizer.lr={o.lr}: must be > 0")
   _require(o.decay_steps >= 0, f"config.optimizer.decay_steps={o.decay_steps}: must be >= 0 (0 = steps)")
-  _require(o.warmup_steps >= 0, f"config.optimizer.warmup_steps={o.warmup_steps}: must be >= 0")
-  _require(0 <= o.min_lr_ratio <= 1, f"config.optimizer.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
-  _require(o.clip_norm >= 0, f"config.optimizer.clip_norm={o.clip_norm}: must be >= 0 (0 disables)")
-  k = cfg.checkpoint
+  _validate_optimizer(o, o.decay_steps or cfg.steps)
+  ck = cfg.checkpoint
   for key in ("every_steps", "max_to_keep", "keep_every"):
-    _require(k[key] >= 0, f"config.checkpoint.{key}={k[key]}: must be >= 0")
-  _require(k.resume in ("auto", "never") or k.resume.isdigit() or "/" in k.resume,
-           f"config.checkpoint.resume={k.resume!r}: use auto, never, a step number or a checkpoint path")
+    _require(ck[key] >= 0, f"config.checkpoint.{key}={ck[key]}: must be >= 0")
+  _require(ck.resume in ("auto", "never") or ck.resume.isdigit() or "/" in ck.resume,
+           f"config.checkpoint.resume={ck.resume!r}: use auto, never, a step number or a checkpoint path")
   _require(cfg.eval.every_steps >= 0, f"config.eval.every_steps={cfg.eval.every_steps}: must be >= 0")
   _require(cfg.eval.batches > 0, f"config.eval.batches={cfg.eval.batches}: must be > 0")
 
@@ -250,7 +266,56 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
            f"{batch_shards} ({mesh_txt}): each batch shard needs the same number of sequences.")
   _require(d.batch_size % num_processes == 0,
            f"config.data.batch_size={d.batch_size} is not divisible by the {num_processes} processes")
+  k = o.grad_accum_steps
+  per_process, per_shard = d.batch_size // num_processes, d.batch_size // batch_shards
+  _require(per_process % k == 0 and per_shard % k == 0,
+           f"config.optimizer.grad_accum_steps={k} does not divide the batch: data.batch_size={d.batch_size} "
+           f"is {per_process} sequences per process ({num_processes} processes) and {per_shard} per batch shard "
+           f"(data x fsdp = {batch_shards}, {mesh_txt}); every shard must split into {k} equal microbatches. "
+           f"Choose grad_accum_steps dividing {math.gcd(per_process, per_shard)}, or a batch_size that is a "
+           f"multiple of {k} x {batch_shards} = {k * batch_shards}.")
   return shape
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+  if value not in choices:
+    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise UserError(f"config.{key}={value!r}: choose one of {', '.join(choices)}.{hint}")
+
+
+def _validate_optimizer(o: ml_collections.ConfigDict, steps: int) -> None:
+  _choice("optimizer.name", o.name, OPTIMIZERS)
+  _choice("optimizer.schedule", o.schedule, SCHEDULES)
+  _choice("optimizer.wsd_decay", o.wsd_decay, WSD_DECAYS)
+  _choice("optimizer.state_dtype", o.state_dtype, STATE_DTYPES)
+  for key in ("lr", "adam_lr"):
+    _require(o[key] > 0, f"config.optimizer.{key}={o[key]}: a learning rate must be > 0 (the peak of the schedule)")
+  _require(o.warmup_steps >= 0, f"config.optimizer.warmup_steps={o.warmup_steps}: must be >= 0")
+  _require(0 <= o.min_lr_ratio <= 1, f"config.optimizer.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+  _require(0 < o.decay_fraction <= 1, f"config.optimizer.decay_fraction={o.decay_fraction}: must be in (0, 1]")
+  if o.schedule == "wsd":
+    decay_start = steps - max(round(o.decay_fraction * steps), 1)
+    _require(o.warmup_steps <= decay_start,
+             f"config.optimizer.warmup_steps={o.warmup_steps} runs into the wsd decay, which starts at step "
+             f"steps - round(decay_fraction x steps) = {steps} - round({o.decay_fraction} x {steps}) = {decay_start}. "
+             "Shorten the warmup or the decay_fraction.")
+  for key in ("weight_decay", "clip_norm", "z_loss"):
+    _require(o[key] >= 0, f"config.optimizer.{key}={o[key]}: must be >= 0 (0 disables)")
+  unknown = [k for k in (k.strip() for k in o.no_decay.split(",")) if k and k not in PARAM_KINDS]
+  _require(not unknown, f"config.optimizer.no_decay={o.no_decay!r}: {', '.join(map(repr, unknown))} is not a "
+           f"parameter kind; list some of {', '.join(PARAM_KINDS)}, comma-separated (empty: decay everything)")
+  _require(o.grad_accum_steps >= 1, f"config.optimizer.grad_accum_steps={o.grad_accum_steps}: must be >= 1")
+  _require(0 <= o.muon_momentum < 1, f"config.optimizer.muon_momentum={o.muon_momentum}: must be in [0, 1)")
+  _require(o.muon_ns_steps >= 1, f"config.optimizer.muon_ns_steps={o.muon_ns_steps}: must be >= 1")
+  try:
+    three_numbers = len([float(c) for c in o.muon_ns_coeffs.split(",")]) == 3
+  except ValueError:
+    three_numbers = False
+  _require(three_numbers, f"config.optimizer.muon_ns_coeffs={o.muon_ns_coeffs!r}: expected three numbers 'a,b,c', "
+           "e.g. '3.4445,-4.7750,2.0315'")
+  _require(o.muon_consistent_rms >= 0,
+           f"config.optimizer.muon_consistent_rms={o.muon_consistent_rms}: must be >= 0 (0: width scaling)")
 
 
 def save(cfg: ml_collections.ConfigDict, path: str | Path) -> None:

@@ -1,39 +1,217 @@
-"""Optimizer and learning-rate schedule (optax)."""
+"""Optimizers (AdamW, Muon), learning-rate schedules and weight-decay masks, on optax.
+
+Routing is decided by one function, `param_labels`: every parameter leaf is labelled `muon` or
+`adam`, and `optax.partition` applies one transformation per label. Muon (momentum orthogonalised
+by Newton-Schulz, `optax.contrib.scale_by_muon`) is for hidden weight matrices only; embeddings,
+the output head, norm scales and biases stay on AdamW. Parameters are classified by name
+(`param_kind`), and a parameter the table does not know is an error rather than a silent fallback
+to Adam: with scanned layers every hidden matrix is 3-D or 4-D, and optax's default (Muon for 2-D
+leaves only) would send all of them to Adam and the 2-D embedding and head to Muon.
+
+The Muon update of one hidden matrix W, viewed as [fan_in, fan_out] (a scanned weight: each
+layer's slice on its own), with gradient G_t at step t = 1, 2, ... (optax's scale_by_muon, then
+`_scale_by_shape`, decoupled weight decay and the learning rate):
+
+  M_t = beta M_{t-1} + (1 - beta) G_t                                       momentum
+  Mh  = beta M_t / (1 - beta^(t+1)) + (1 - beta) G_t / (1 - beta^t)          Nesterov, bias-corrected
+  X   = Mh / (|Mh|_F + 1e-8), transposed to be wide; muon_ns_steps times: X <- aX + (bA + cA^2)X, A = XX^T
+  W  <- W - lr_t (s X + weight_decay W),  s = sqrt(max(1, fan_out / fan_in))
+        (or s = muon_consistent_rms * sqrt(max(fan_in, fan_out)) when that is > 0)
+
+Shape legend: L layers (scanned models only), D model, N heads, K kv heads, H head dim, F ffn.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Any, Callable
+
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
+from optax.contrib import MuonDimensionNumbers
+
+from maxtrain.state import param_name
+
+# How Muon sees a hidden weight as a matrix [fan_in, fan_out], with the weight's rank without the
+# layers dim. Axes are negative so the same numbers hold with and without a leading scanned `layers`
+# dim, which Muon then treats as a batch axis: each layer's slice is orthogonalised on its own.
+_IN_TO_HEADS = (3, MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1)))  # [D, N, H]: D -> N*H
+_HEADS_TO_OUT = (3, MuonDimensionNumbers(reduction_axis=(-3, -2), output_axis=-1))  # [N, H, D]: N*H -> D
+_IN_TO_OUT = (2, MuonDimensionNumbers(reduction_axis=-2, output_axis=-1))  # [D, F] or [F, D]
+HIDDEN_MATRICES: dict[str, tuple[int, MuonDimensionNumbers]] = {
+    "attn/wq": _IN_TO_HEADS, "attn/wk": _IN_TO_HEADS, "attn/wv": _IN_TO_HEADS, "attn/wo": _HEADS_TO_OUT,
+    "mlp/gate": _IN_TO_OUT, "mlp/up": _IN_TO_OUT, "mlp/down": _IN_TO_OUT,
+}
 
 
-def schedule(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
-  """Linear warmup 0 -> lr, then cosine decay to lr * min_lr_ratio at `total_steps`."""
-  warmup = min(opt_cfg.warmup_steps, total_steps)
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0,
-      peak_value=opt_cfg.lr,
-      warmup_steps=warmup,
-      decay_steps=max(total_steps, warmup + 1),
-      end_value=opt_cfg.lr * opt_cfg.min_lr_ratio,
-  )
+def _matrix_key(name: str) -> str:
+  """'blocks/3/attn/wq' or 'blocks/attn/wq' -> 'attn/wq'."""
+  return "/".join(name.split("/")[-2:])
 
 
-def decay_mask(params):
-  """Weight decay on matrices only: not on norm scales (1-D) nor on the embedding table."""
+def param_kind(name: str, ndim: int) -> str:
+  """One of config.PARAM_KINDS for the parameter `name` ('blocks/attn/wq', 'final_norm/scale', ...)."""
+  leaf = name.split("/")[-1]
+  if name in ("embed", "head"):
+    return name
+  if leaf == "scale":
+    return "norm"
+  if leaf == "bias":
+    return "bias"
+  key = _matrix_key(name)
+  if key in HIDDEN_MATRICES:
+    rank = HIDDEN_MATRICES[key][0]
+    if ndim not in (rank, rank + 1):
+      raise ValueError(f"parameter {name} has rank {ndim}; maxtrain/optim.py HIDDEN_MATRICES expects "
+                       f"{rank} (or {rank + 1} with scanned layers)")
+    return "matrix"
+  raise ValueError(f"parameter {name} (rank {ndim}) has no optimizer routing: add it to HIDDEN_MATRICES in "
+                   "maxtrain/optim.py with its Muon dimension numbers, or name it so param_kind classifies it")
 
-  def label(path, leaf) -> bool:
-    name = str(getattr(path[-1], "key", path[-1])) if path else ""
-    return leaf.ndim >= 2 and name != "embed"
 
-  return jax.tree_util.tree_map_with_path(label, params)
+def _map_named(fn: Callable[[str, Any], Any], tree: Any) -> Any:
+  """Maps fn(name, leaf) over parameter leaves. Leaves another optax.partition group owns are
+  MaskedNodes, which have no leaves, so they pass through untouched."""
+  return jax.tree_util.tree_map_with_path(lambda path, leaf: fn(param_name(path), leaf), tree)
 
 
-def make(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  lr = schedule(opt_cfg, total_steps)
-  parts = []
-  if opt_cfg.clip_norm > 0:
-    parts.append(optax.clip_by_global_norm(opt_cfg.clip_norm))
-  parts.append(optax.adamw(lr, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
-                           weight_decay=opt_cfg.weight_decay, mask=decay_mask))
-  return optax.chain(*parts), lr
+def param_labels(params: Any, optimizer_name: str) -> Any:
+  """The routing: a tree like `params` of 'muon' (hidden matrices, when optimizer_name is muon)
+  or 'adam' (everything else)."""
+  def label(name: str, leaf) -> str:
+    is_matrix = param_kind(name, leaf.ndim) == "matrix"
+    return "muon" if optimizer_name == "muon" and is_matrix else "adam"
+
+  return _map_named(label, params)
+
+
+def muon_dimension_numbers(params: Any) -> Any:
+  return _map_named(lambda name, leaf: HIDDEN_MATRICES[_matrix_key(name)][1], params)
+
+
+def decay_mask(no_decay: str) -> Callable[[Any], Any]:
+  """Weight decay on every parameter whose kind is not listed in `no_decay` ('embed,norm,bias')."""
+  excluded = {kind.strip() for kind in no_decay.split(",") if kind.strip()}
+  return lambda params: _map_named(lambda name, leaf: param_kind(name, leaf.ndim) not in excluded, params)
+
+
+def lr_multiplier(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+  """Schedule shape in [0, 1], shared by every parameter group (each scales its own peak lr).
+
+  Warmup: step / warmup_steps (optax's convention: 0 at step 0, the peak at step warmup_steps). Then
+    cosine:   min + (1 - min) (1 + cos(pi p)) / 2, p = (step - warmup) / (total - warmup);
+    wsd:      1 until the last `decay_fraction` of steps, then linear (1 - (1 - min) p) or cosine
+              decay with p over those steps;
+    constant: 1.
+  `min` is min_lr_ratio; p is clipped to [0, 1].
+  """
+  warmup, floor = opt_cfg.warmup_steps, opt_cfg.min_lr_ratio
+  decay_steps = max(round(opt_cfg.decay_fraction * total_steps), 1)
+  decay_start = total_steps - decay_steps
+
+  def cosine(p):
+    return floor + (1.0 - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * p))
+
+  def multiplier(step):
+    step = jnp.asarray(step, jnp.float32)
+    warm = step / max(warmup, 1)
+    if opt_cfg.schedule == "cosine":
+      after = cosine(jnp.clip((step - warmup) / max(total_steps - warmup, 1), 0.0, 1.0))
+    elif opt_cfg.schedule == "wsd":
+      p = jnp.clip((step - decay_start) / decay_steps, 0.0, 1.0)
+      after = cosine(p) if opt_cfg.wsd_decay == "cosine" else 1.0 - (1.0 - floor) * p
+    else:
+      after = jnp.ones_like(step)
+    return jnp.where(step < warmup, warm, after)
+
+  return multiplier
+
+
+def _scale_by_shape(consistent_rms: float) -> optax.GradientTransformation:
+  """Muon's shape scaling of the orthogonalised update, per matrix (fan_in = product of the
+  reduction dims, fan_out of the output dims): sqrt(max(1, fan_out / fan_in)) (Jordan's Muon), or
+  consistent_rms * sqrt(max(fan_in, fan_out)) when consistent_rms > 0 (update RMS ~ AdamW's; Liu
+  et al. 2025). Written here because optax exports scale_by_muon but not its scaling step."""
+  def scale(name: str, u: jax.Array) -> jax.Array:
+    dims = HIDDEN_MATRICES[_matrix_key(name)][1]
+    axes = lambda a: (a,) if isinstance(a, int) else a
+    fan_in = math.prod(u.shape[a] for a in axes(dims.reduction_axis))
+    fan_out = math.prod(u.shape[a] for a in axes(dims.output_axis))
+    if consistent_rms > 0:
+      return u * (consistent_rms * math.sqrt(max(fan_in, fan_out)))
+    return u * math.sqrt(max(1.0, fan_out / fan_in))
+
+  def update(updates, state, params=None):
+    del params
+    return _map_named(scale, updates), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def _init_state_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+  """Creates the optimizer state from params cast to `dtype`: Adam's second moment takes the
+  params' dtype (optax has no nu_dtype), and both moments then keep it across updates."""
+  return optax.GradientTransformation(lambda params: tx.init(optax.tree.cast(params, dtype)), tx.update)
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+  tx: optax.GradientTransformation
+  learning_rates: dict[str, optax.Schedule]  # metric name ('lr', 'adam_lr') -> lr at a step
+  labels: Callable[[Any], Any]  # params -> tree of 'muon' / 'adam'
+
+
+def make(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
+  """The optimizer of a validated `config.optimizer` for a run of `total_steps`."""
+  multiplier = lr_multiplier(opt_cfg, total_steps)
+  lr = lambda step: opt_cfg.lr * multiplier(step)
+  state_dtype = jnp.dtype(opt_cfg.state_dtype)
+  mask = decay_mask(opt_cfg.no_decay)
+  labels = lambda params: param_labels(params, opt_cfg.name)
+  learning_rates = {"lr": lr}
+  transforms = {}
+  if opt_cfg.name == "muon":
+    adam_lr = lambda step: opt_cfg.adam_lr * multiplier(step)
+    learning_rates["adam_lr"] = adam_lr
+    transforms["muon"] = optax.chain(
+        optax.contrib.scale_by_muon(ns_coeffs=parse_ns_coeffs(opt_cfg.muon_ns_coeffs),
+                                    ns_steps=opt_cfg.muon_ns_steps, beta=opt_cfg.muon_momentum,
+                                    mu_dtype=state_dtype, weight_dimension_numbers=muon_dimension_numbers),
+        _scale_by_shape(opt_cfg.muon_consistent_rms),
+        optax.add_decayed_weights(opt_cfg.weight_decay, mask),
+        optax.scale_by_learning_rate(lr),
+    )
+  else:
+    adam_lr = lr
+  transforms["adam"] = optax.adamw(adam_lr, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps, mu_dtype=state_dtype,
+                                   weight_decay=opt_cfg.weight_decay, mask=mask)
+  parts = [optax.clip_by_global_norm(opt_cfg.clip_norm)] if opt_cfg.clip_norm > 0 else []
+  tx = optax.chain(*parts, optax.partition(transforms, labels))
+  return Optimizer(tx=_init_state_in(tx, state_dtype), learning_rates=learning_rates, labels=labels)
+
+
+def parse_ns_coeffs(text: str) -> tuple[float, float, float]:
+  """'a,b,c' -> (a, b, c) of the quintic Newton-Schulz step X <- a X + (b A + c A^2) X, A = X X^T."""
+  a, b, c = (float(x) for x in text.split(","))
+  return a, b, c
+
+
+def update_norms(updates: Any, labels: Any) -> dict[str, jax.Array]:
+  """Global norm of the applied update per group: {'update_norm/muon': ..., 'update_norm/adam': ...}."""
+  squares: dict[str, jax.Array] = {}
+  for u, label in zip(jax.tree.leaves(updates), jax.tree.leaves(labels)):
+    squares[label] = squares.get(label, 0.0) + jnp.sum(jnp.square(u.astype(jnp.float32)))
+  return {f"update_norm/{label}": jnp.sqrt(sq) for label, sq in sorted(squares.items())}
+
+
+def describe_groups(params: Any, labels: Any) -> str:
+  """'muon: 7 tensors, 3.15M params; adam: 5 tensors, 0.20M params' for the start-up log."""
+  counts: dict[str, list[int]] = {}
+  for p, label in zip(jax.tree.leaves(params), jax.tree.leaves(labels)):
+    tensors_size = counts.setdefault(label, [0, 0])
+    tensors_size[0] += 1
+    tensors_size[1] += p.size
+  return "; ".join(f"{label}: {n} tensors, {size / 1e6:.2f}M params" for label, (n, size) in sorted(counts.items()))

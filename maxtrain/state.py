@@ -81,6 +81,8 @@ def spec(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, s
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(params=seed), rules=rules)))
   init = _init_fn(model_cfg, tx, seed, rules)
   abstract = jax.eval_shape(init)
+  # Optimizer moments carry their parameters' logical axes (optax builds them with tree maps over
+  # the params), so they are sharded like them.
   shardings = sharding_rules.named_shardings(logical_specs(abstract), mesh, rules)
   check_replication(abstract.params, shardings.params, mesh)
   return StateSpec(graphdef, abstract, shardings, init)

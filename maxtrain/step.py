@@ -2,6 +2,8 @@
 
 Everything happens in the graph: no host callbacks, no lax.cond, no data-dependent Python,
 so the same step compiles on every backend.
+
+Shape legend: B batch, T length, V vocab.
 """
 
 from __future__ import annotations
@@ -13,39 +15,68 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from maxtrain import microbatch, optim
 from maxtrain.state import TrainState
 
 Batch = dict[str, jax.Array]
 
 
+def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per-token cross-entropy and log partition function log Z (the z-loss input), fp32."""
+  logits_BTV = logits_BTV.astype(jnp.float32)
+  log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+  target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+  return log_z_BT - target_logit_BT, log_z_BT
+
+
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Returns (sum of masked token losses, number of loss tokens); fp32."""
-  losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT)
+  ce_BT, _ = token_losses(logits_BTV, targets_BT)
   mask_BT = mask_BT.astype(jnp.float32)
-  return jnp.sum(losses_BT * mask_BT), jnp.sum(mask_BT)
+  return jnp.sum(ce_BT * mask_BT), jnp.sum(mask_BT)
 
 
-def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
-  """Mean loss over loss tokens, and their count."""
+def loss_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, z_loss: float = 0.0
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """(objective summed over loss tokens, its parts): sums, not means, so that microbatches add up.
+
+  objective = sum of (cross-entropy + z_loss * log(Z)^2) over loss tokens; the z term keeps the
+  softmax normaliser near 1 (PaLM), which keeps bf16 logits well conditioned.
+  """
   model = nnx.merge(graphdef, params)
   logits_BTV = model(batch["inputs"], batch["segment_ids"], batch["positions"])
-  total, count = cross_entropy(logits_BTV, batch["targets"], batch["loss_mask"])
-  return total / jnp.maximum(count, 1.0), count
+  ce_BT, log_z_BT = token_losses(logits_BTV, batch["targets"])
+  mask_BT = batch["loss_mask"].astype(jnp.float32)
+  parts = {"ce": jnp.sum(ce_BT * mask_BT), "z": jnp.sum(jnp.square(log_z_BT) * mask_BT), "count": jnp.sum(mask_BT)}
+  return parts["ce"] + z_loss * parts["z"], parts
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    lr_schedule: optax.Schedule) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z_loss: float = 0.0,
+                   grad_accum_steps: int = 1) -> tuple[dict[str, jax.Array], nnx.State]:
+  """Metrics (mean cross-entropy `loss`, `z_loss` term, `loss_tokens`) and the gradient of the mean
+  objective over the batch's loss tokens."""
+  def sums_and_grads(p, b):
+    (_, parts), grads = jax.value_and_grad(lambda p: loss_sums(graphdef, p, b, z_loss), has_aux=True)(p)
+    return parts, grads
+
+  parts, grads = microbatch.accumulate(sums_and_grads, params, batch, grad_accum_steps)
+  count = jnp.maximum(parts["count"], 1.0)
+  grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
+  metrics = {"loss": parts["ce"] / count, "loss_tokens": parts["count"]}
+  if z_loss:
+    metrics["z_loss"] = z_loss * parts["z"] / count  # the term added to the objective
+  return metrics, grads
+
+
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_loss: float = 0.0,
+                    grad_accum_steps: int = 1) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-    grad_fn = jax.value_and_grad(lambda p: loss_fn(graphdef, p, batch), has_aux=True)
-    (loss, num_tokens), grads = grad_fn(state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss, grad_accum_steps=grad_accum_steps)
+    updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {
-        "loss": loss,
-        "grad_norm": optax.tree.norm(grads),  # before clipping
-        "lr": lr_schedule(state.step),
-        "loss_tokens": num_tokens,
-    }
+    metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping
+    metrics.update({name: lr(state.step) for name, lr in optimizer.learning_rates.items()})
+    metrics.update(optim.update_norms(updates, optimizer.labels(state.params)))
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return train_step

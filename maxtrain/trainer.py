@@ -80,8 +80,8 @@ class Trainer:
              self.train_store.num_tokens, self.val_store.prefix, self.val_store.num_tokens)
 
     self.model_cfg = ModelConfig.from_config(cfg.model)
-    self.tx, self.lr_schedule = optim.make(cfg.optimizer, cfg.optimizer.decay_steps or cfg.steps)
-    self.spec = state_lib.spec(self.model_cfg, self.tx, self.mesh, cfg.seed)
+    self.optimizer = optim.make(cfg.optimizer, cfg.optimizer.decay_steps or cfg.steps)
+    self.spec = state_lib.spec(self.model_cfg, self.optimizer.tx, self.mesh, cfg.seed)
     self.seq_len, self.batch_size = cfg.data.seq_len, cfg.data.batch_size
     self.loader = pipeline.TrainLoader(self.train_store.prefix, self.seq_len, self.batch_size, cfg.seed,
                                        jax.process_index(), jax.process_count())
@@ -105,11 +105,14 @@ class Trainer:
       self.events.emit(ev.RESTORE, restored.step, seconds=time.monotonic() - t0, path=str(self.resume_path))
       log.info("restored step %d from %s in %.2fs (saved on mesh %s)", restored.step, self.resume_path,
                time.monotonic() - t0, restored.meta.get("mesh"))
-    log.info("model: %.2fM parameters", param_count(self.state.params) / 1e6)
+    log.info("model: %.2fM parameters; optimizer %s: %s", param_count(self.state.params) / 1e6,
+             self.cfg.optimizer.name, optim.describe_groups(self.state.params, self.optimizer.labels(self.state.params)))
 
   def _compile(self, batch):
     replicated = state_lib.replicated(self.mesh)
-    train_step = jax.jit(step_lib.make_train_step(self.spec.graphdef, self.tx, self.lr_schedule),
+    opt_cfg = self.cfg.optimizer
+    train_step = jax.jit(step_lib.make_train_step(self.spec.graphdef, self.optimizer, z_loss=opt_cfg.z_loss,
+                                                  grad_accum_steps=opt_cfg.grad_accum_steps),
                          in_shardings=(self.spec.shardings, self.batch_sharding),
                          out_shardings=(self.spec.shardings, replicated), donate_argnums=0)
     self.eval_step = jax.jit(step_lib.make_eval_step(self.spec.graphdef),

@@ -113,7 +113,7 @@ def test_restore_reshards_onto_other_meshes(store, tmp_path):
   assert code == 0
   cfg = config_lib.load(TINY)
   model_cfg = ModelConfig.from_config(cfg.model)
-  tx, _ = optim.make(cfg.optimizer, 2)
+  tx = optim.make(cfg.optimizer, 2).tx
   saved = restore_raw(out / "checkpoints", 2)
   ckpt = Checkpointer(cfg.checkpoint, str(out / "checkpoints"))
   for shape, devices in (((2, 1, 4), jax.devices()), ((1, 1, 1), jax.devices()[:1])):

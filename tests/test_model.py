@@ -1,7 +1,6 @@
 """Model math against an independent NumPy reference; causality and document isolation."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

@@ -47,15 +47,16 @@ def opt_config():
 
 def run_on_mesh(shape, num_devices):
   mesh = make_mesh(dict(zip(AXES, shape)), jax.devices()[:num_devices])
-  tx, lr = optim.make(opt_config(), total_steps=10)
-  graphdef, state, shardings = state_lib.create(MODEL, tx, mesh, seed=0)
+  optimizer = optim.make(opt_config(), total_steps=10)
+  graphdef, state, shardings = state_lib.create(MODEL, optimizer.tx, mesh, seed=0)
   batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
   data = [jax.device_put(b, batch_sharding) for b in batches()]
   with jax.set_mesh(mesh):
-    grad_fn = jax.jit(jax.value_and_grad(lambda p, b: step_lib.loss_fn(graphdef, p, b)[0]),
+    grad_fn = jax.jit(lambda p, b: step_lib.loss_and_grads(graphdef, p, b),
                       in_shardings=(shardings.params, batch_sharding))
-    loss0, grads0 = jax.device_get(grad_fn(state.params, data[0]))
-    train_step = jax.jit(step_lib.make_train_step(graphdef, tx, lr), in_shardings=(shardings, batch_sharding),
+    metrics0, grads0 = jax.device_get(grad_fn(state.params, data[0]))
+    loss0 = metrics0["loss"]
+    train_step = jax.jit(step_lib.make_train_step(graphdef, optimizer), in_shardings=(shardings, batch_sharding),
                          out_shardings=(shardings, state_lib.replicated(mesh)), donate_argnums=0)
     for batch in data:
       state, _ = train_step(state, batch)
@@ -98,8 +99,7 @@ EXPECTED_PARAM_SPECS = {
 
 def test_every_parameter_is_sharded_as_the_rules_say():
   mesh = make_mesh(dict(zip(AXES, (2, 2, 2))))
-  tx, _ = optim.make(opt_config(), total_steps=10)
-  _, state, _ = state_lib.create(MODEL, tx, mesh, seed=0)
+  _, state, _ = state_lib.create(MODEL, optim.make(opt_config(), total_steps=10).tx, mesh, seed=0)
   abstract = nnx.eval_shape(lambda: Llama(MODEL, rngs=nnx.Rngs(0)))
   logical = dict(jax.tree_util.tree_leaves_with_path(nnx.get_partition_spec(nnx.state(abstract)),
                                                      is_leaf=lambda x: isinstance(x, P)))
@@ -113,14 +113,14 @@ def test_every_parameter_is_sharded_as_the_rules_say():
     assert leaf.sharding.is_equivalent_to(from_rules, leaf.ndim), (name, leaf.sharding.spec)
   assert seen == set(EXPECTED_PARAM_SPECS)
   # Adam moments follow their parameters.
-  mu = state.opt_state[1][0].mu
+  mu = state.opt_state[1].inner_states["adam"].inner_state[0].mu
   for (path, m), p in zip(jax.tree_util.tree_leaves_with_path(mu), jax.tree.leaves(state.params)):
     assert m.sharding.is_equivalent_to(p.sharding, p.ndim), jax.tree_util.keystr(path)
 
 
 def test_replicated_parameters_are_refused():
   mesh = make_mesh(dict(zip(AXES, (1, 8, 1))))
-  tx, _ = optim.make(opt_config(), total_steps=10)
+  tx = optim.make(opt_config(), total_steps=10).tx
   no_fsdp = {**DEFAULT_RULES, "embed": None}
   with pytest.raises(UserError, match=r"100% of parameter bytes would be replicated .* largest: blocks/mlp/down"):
     state_lib.create(MODEL, tx, mesh, seed=0, rules=no_fsdp)

@@ -1,6 +1,5 @@
 """The supervisor and the watchdog, end to end with injected faults: real processes, real signals."""
 
-import json
 import os
 import subprocess
 import sys

@@ -38,11 +38,15 @@ def run_main(args, capsys):
 
 
 def test_train_end_to_end_writes_tensorboard(store, tmp_path, capsys, caplog):
+  # Muon, WSD and z-loss here; AdamW, the default, goes through the same step in test_sharding.
   out = tmp_path / "run"
-  code, _ = run_main(TINY + [f"--config.data.path={store}", "--config.steps=6", "--config.eval.every_steps=3",
-                             f"--config.output_dir={out}", "--config.profile.start_step=3",
-                             "--config.profile.num_steps=2"], capsys)
-  assert code == 0
+  code, output = run_main(TINY + [f"--config.data.path={store}", "--config.steps=6", "--config.eval.every_steps=3",
+                                  "--config.optimizer.name=muon", "--config.optimizer.lr=0.02",
+                                  "--config.optimizer.schedule=wsd", "--config.optimizer.warmup_steps=2",
+                                  "--config.optimizer.z_loss=1e-4", f"--config.output_dir={out}",
+                                  "--config.profile.start_step=3", "--config.profile.num_steps=2"], capsys)
+  assert code == 0, output
+  assert "optimizer muon: adam: 5 tensors" in caplog.text and "muon: 7 tensors" in caplog.text
   resolved = json.loads((out / "config.json").read_text())
   assert resolved["steps"] == 6 and resolved["model"]["d_model"] == 32
   events = EventAccumulator(str(out / "tensorboard"))
@@ -56,6 +60,9 @@ def test_train_end_to_end_writes_tensorboard(store, tmp_path, capsys, caplog):
   assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
   assert [e.step for e in events.Scalars("eval/loss")] == [3, 6]
   assert all(np.isfinite(e.value) for e in events.Scalars("train/loss"))
+  for tag in ("train/update_norm/muon", "train/update_norm/adam", "train/z_loss", "train/adam_lr"):
+    values = [e.value for e in events.Scalars(tag)]
+    assert len(values) == 3 and all(np.isfinite(values)) and all(v > 0 for v in values), (tag, values)
   summary = json.loads((out / "summary.json").read_text())
   assert summary["steps"] == 6 and np.isfinite(summary["final_eval_loss"])
   assert "unigram entropy" in caplog.text
@@ -86,6 +93,14 @@ def write_store(prefix, docs, vocab_size=259):
     (["--config.mesh.tensor=8", "--config.mesh.fsdp=1"], "config.model.num_heads=4 is not divisible by mesh.tensor=8"),
     (["--config.model.vocab_size=128"], "more than config.model.vocab_size=128"),
     (["--config=configs/nope.py"], "no such file"),
+    (["--config.optimizer.name=adam"], "config.optimizer.name='adam': choose one of adamw, muon. Did you mean 'adamw'?"),
+    (["--config.optimizer.schedule=linear"], "config.optimizer.schedule='linear': choose one of cosine, wsd, constant"),
+    (["--config.optimizer.lr=0"], "config.optimizer.lr=0.0: a learning rate must be > 0"),
+    (["--config.optimizer.name=muon", "--config.optimizer.adam_lr=-1e-3"], "config.optimizer.adam_lr=-0.001: a learning"),
+    (["--config.optimizer.grad_accum_steps=3"],
+     "config.optimizer.grad_accum_steps=3 does not divide the batch: data.batch_size=8 is 8 sequences per process"),
+    (["--config.optimizer.grad_accum_steps=2"],  # 8 sequences over fsdp=8 shards: one per shard
+     "and 1 per batch shard (data x fsdp = 8, mesh data=1 x fsdp=8 x tensor=1)"),
 ])
 def test_bad_config_exits_2_before_compiling(store, tmp_path, capsys, args, expected):
   code, output = run_main(TINY + [f"--config.data.path={store}", f"--config.output_dir={tmp_path}"] + args, capsys)

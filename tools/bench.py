@@ -37,13 +37,15 @@ def main() -> None:
   train_store, _ = open_stores(cfg.data, cfg.model.vocab_size)
   mesh = make_mesh(dict(zip(AXES, shape)))
   model_cfg = ModelConfig.from_config(cfg.model)
-  tx, lr = optim.make(cfg.optimizer, cfg.steps)
-  graphdef, state, shardings = state_lib.create(model_cfg, tx, mesh, cfg.seed)
+  optimizer = optim.make(cfg.optimizer, cfg.steps)
+  graphdef, state, shardings = state_lib.create(model_cfg, optimizer.tx, mesh, cfg.seed)
   batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
   loader = pipeline.TrainLoader(train_store.prefix, cfg.data.seq_len, cfg.data.batch_size, cfg.seed)
   batches = [pipeline.to_global(next(loader), batch_sharding) for _ in range(args.steps + 1)]
   with jax.set_mesh(mesh):
-    step = jax.jit(step_lib.make_train_step(graphdef, tx, lr), in_shardings=(shardings, batch_sharding),
+    step = jax.jit(step_lib.make_train_step(graphdef, optimizer, z_loss=cfg.optimizer.z_loss,
+                                            grad_accum_steps=cfg.optimizer.grad_accum_steps),
+                   in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, state_lib.replicated(mesh)), donate_argnums=0)
     t0 = time.perf_counter()
     compiled = step.lower(state, batches[0]).compile()
@@ -69,6 +71,10 @@ def main() -> None:
         f"MFLOP/token)")
   print(f"peak: {peak * jax.device_count() / 1e9:,.1f} GFLOP/s over {jax.device_count()} device(s) ({peak_source})")
   print(f"MFU: {utilisation:.1%}" if utilisation is not None else "MFU: unavailable (unknown peak; set --config.mfu.peak_flops)")
+  memory = compiled.memory_analysis()
+  if memory is not None:  # per device; activations and other temporaries of the step
+    print(f"optimizer {cfg.optimizer.name}, grad_accum_steps {cfg.optimizer.grad_accum_steps}: "
+          f"temporary memory {memory.temp_size_in_bytes / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

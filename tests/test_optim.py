@@ -1,0 +1,204 @@
+"""Optimizer routing, Muon against a NumPy reference, schedules in closed form, state shardings and dtypes."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from maxtrain import config as config_lib
+from maxtrain import optim
+from maxtrain import state as state_lib
+from maxtrain.models.llama import Llama, ModelConfig
+from maxtrain.sharding.mesh import AXES, make_mesh
+
+D, N, K, H, F, V, L = 32, 4, 2, 8, 48, 64, 2
+MODEL = ModelConfig(num_layers=L, d_model=D, num_heads=N, num_kv_heads=K, d_ff=F, vocab_size=V, max_seq_len=16)
+
+
+def abstract_params(**overrides):
+  cfg = dataclasses.replace(MODEL, **overrides)
+  return nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))[1]
+
+
+def random_params(seed=0, **overrides):
+  """Parameters with random values (the model's init is slow eagerly, and values do not matter here)."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda s: jnp.asarray(0.02 * rng.normal(size=s.shape), s.dtype), abstract_params(**overrides))
+
+
+def named(tree) -> dict:
+  return {state_lib.param_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def opt_config(**overrides):
+  cfg = config_lib.base_config().optimizer
+  for key, value in overrides.items():
+    cfg[key] = value
+  return cfg
+
+
+# Which optimizer each parameter gets under optimizer.name=muon. A change here changes the method.
+MUON_ROUTING = {
+    "embed": "adam", "head": "adam", "final_norm/scale": "adam",
+    "blocks/attn_norm/scale": "adam", "blocks/mlp_norm/scale": "adam",
+    "blocks/attn/wq": "muon", "blocks/attn/wk": "muon", "blocks/attn/wv": "muon", "blocks/attn/wo": "muon",
+    "blocks/mlp/gate": "muon", "blocks/mlp/up": "muon", "blocks/mlp/down": "muon",
+}
+
+
+def test_routing_lists_muon_and_adam_leaves():
+  scanned = named(optim.param_labels(abstract_params(), "muon"))
+  assert scanned == MUON_ROUTING
+  # Unscanned layers (an nnx.List): the same routing per layer; matrices are 2-D and 3-D there.
+  unscanned = named(optim.param_labels(abstract_params(scan_layers=False), "muon"))
+  expected = {name.replace("blocks/", f"blocks/{i}/"): label
+              for name, label in MUON_ROUTING.items() for i in range(L) if name.startswith("blocks/")}
+  expected.update({name: label for name, label in MUON_ROUTING.items() if not name.startswith("blocks/")})
+  assert unscanned == expected
+  # Tied embeddings: no head; the shared table stays on Adam.
+  tied = named(optim.param_labels(abstract_params(tie_embeddings=True), "muon"))
+  assert tied == {k: v for k, v in MUON_ROUTING.items() if k != "head"}
+  # AdamW: everything on Adam.
+  assert set(named(optim.param_labels(abstract_params(), "adamw")).values()) == {"adam"}
+
+
+def test_weight_decay_mask_by_kind():
+  mask = named(optim.decay_mask("embed,norm,bias")(abstract_params()))
+  assert {name for name, decay in mask.items() if decay} == {n for n, g in MUON_ROUTING.items() if g == "muon"} | {"head"}
+  assert all(named(optim.decay_mask("")(abstract_params())).values())
+
+
+def test_an_unknown_parameter_is_an_error_not_a_silent_adam_fallback():
+  params = {"blocks": {"attn": {"w_new": jnp.zeros((L, D, D))}}}
+  with pytest.raises(ValueError, match="blocks/attn/w_new .* has no optimizer routing"):
+    optim.param_labels(params, "muon")
+
+
+def newton_schulz_np(x, coeffs, steps):
+  a, b, c = coeffs
+  transposed = x.shape[0] > x.shape[1]
+  if transposed:
+    x = x.T
+  x = x / (np.linalg.norm(x) + 1e-8)
+  for _ in range(steps):
+    gram = x @ x.T
+    x = a * x + (b * gram + c * gram @ gram) @ x
+  return x.T if transposed else x
+
+
+def muon_reference(param, grads, *, lr, wd, beta, coeffs, ns_steps, fan_in, fan_out):
+  """Muon as documented in maxtrain/optim.py, in float64: Nesterov momentum with bias correction,
+  Newton-Schulz on the [fan_in, fan_out] matrix, scaling sqrt(max(1, fan_out / fan_in)),
+  decoupled weight decay, learning rate. Returns the parameter after each step."""
+  param, mu, out = param.astype(np.float64), np.zeros_like(param, np.float64), []
+  for t, g in enumerate(grads, start=1):
+    g = g.astype(np.float64)
+    mu = beta * mu + (1 - beta) * g
+    mu_hat = beta * mu / (1 - beta ** (t + 1)) + (1 - beta) * g / (1 - beta ** t)
+    ortho = newton_schulz_np(mu_hat.reshape(fan_in, fan_out), coeffs, ns_steps).reshape(param.shape)
+    param = param - lr * (math.sqrt(max(1.0, fan_out / fan_in)) * ortho + wd * param)
+    out.append(param)
+  return out
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["layer-list", "scanned"])
+def test_muon_update_matches_numpy(scan_layers):
+  cfg = opt_config(name="muon", lr=0.05, adam_lr=1e-3, schedule="constant", warmup_steps=0, clip_norm=0.0,
+                   weight_decay=0.1, muon_momentum=0.9, muon_ns_steps=5)
+  tx = optim.make(cfg, total_steps=10).tx
+  params = random_params(scan_layers=scan_layers)
+  initial = named(jax.device_get(params))
+  grads = [random_params(seed, scan_layers=scan_layers) for seed in (1, 2, 3)]
+  opt_state, history = tx.init(params), []
+  update = jax.jit(tx.update)
+  for g in grads:
+    updates, opt_state = update(g, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    history.append(named(jax.device_get(params)))
+
+  grads_named = [named(jax.device_get(g)) for g in grads]
+  coeffs = optim.parse_ns_coeffs(cfg.muon_ns_coeffs)
+  # (parameter, index of the slice or (), fan_in, fan_out): a 2-D matrix, heads folded into a dim,
+  # and one layer's slice of a stacked weight, which Muon must orthogonalise on its own.
+  prefix = "blocks/" if scan_layers else "blocks/1/"
+  layer = (1,) if scan_layers else ()
+  cases = [(prefix + "mlp/gate", layer, D, F), (prefix + "mlp/down", layer, F, D),
+           (prefix + "attn/wq", layer, D, N * H), (prefix + "attn/wo", layer, N * H, D)]
+  if scan_layers:
+    cases.append((prefix + "attn/wk", (0,), D, K * H))
+  for name, index, fan_in, fan_out in cases:
+    expected = muon_reference(initial[name][index], [g[name][index] for g in grads_named], lr=cfg.lr,
+                              wd=cfg.weight_decay, beta=cfg.muon_momentum, coeffs=coeffs,
+                              ns_steps=cfg.muon_ns_steps, fan_in=fan_in, fan_out=fan_out)
+    for step, (got, want) in enumerate(zip(history, expected)):
+      np.testing.assert_allclose(got[name][index], want, rtol=1e-4, atol=1e-6, err_msg=f"{name}{index} step {step}")
+
+
+def test_schedules_at_chosen_steps_match_closed_form():
+  total, warmup, floor = 100, 10, 0.1
+  base = dict(warmup_steps=warmup, min_lr_ratio=floor, decay_fraction=0.2)
+
+  def at(steps, **overrides):
+    multiplier = optim.lr_multiplier(opt_config(**base, **overrides), total)
+    return [float(multiplier(s)) for s in steps]
+
+  cos = lambda p: floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p))
+  # Warmup, then cosine over steps 10..100.
+  np.testing.assert_allclose(at([0, 5, 10, 25, 55, 100, 150], schedule="cosine"),
+                             [0.0, 0.5, 1.0, cos(15 / 90), 0.55, floor, floor], rtol=1e-6, atol=1e-7)
+  # WSD: flat until step 80 = 100 - 0.2 x 100, then 20 steps of decay.
+  np.testing.assert_allclose(at([5, 10, 50, 80, 85, 90, 100], schedule="wsd", wsd_decay="linear"),
+                             [0.5, 1.0, 1.0, 1.0, 1 - 0.9 * 0.25, 0.55, floor], rtol=1e-6)
+  np.testing.assert_allclose(at([50, 80, 85, 90, 100], schedule="wsd", wsd_decay="cosine"),
+                             [1.0, 1.0, cos(0.25), 0.55, floor], rtol=1e-6)
+  np.testing.assert_allclose(at([0, 5, 10, 99], schedule="constant"), [0.0, 0.5, 1.0, 1.0], rtol=1e-6)
+  # The cosine schedule is optax's warmup_cosine_decay_schedule, which the trainer used before.
+  reference = optax.warmup_cosine_decay_schedule(0.0, 1.0, warmup, total, end_value=floor)
+  np.testing.assert_allclose(at(range(0, 120, 7), schedule="cosine"),
+                             [float(reference(s)) for s in range(0, 120, 7)], rtol=1e-6, atol=1e-7)
+  # Every group follows the shape from its own peak.
+  opt = optim.make(opt_config(**base, name="muon", schedule="cosine", lr=0.02, adam_lr=3e-3), total)
+  np.testing.assert_allclose([float(opt.learning_rates[k](55)) for k in ("lr", "adam_lr")],
+                             [0.02 * 0.55, 3e-3 * 0.55], rtol=1e-6)
+
+
+def test_muon_state_is_sharded_like_its_parameters():
+  # The shardings state.create lays the state out with (test_sharding checks a created state for
+  # AdamW; planning only keeps this test fast).
+  mesh = make_mesh(dict(zip(AXES, (2, 2, 2))))
+  tx = optim.make(opt_config(name="muon", lr=0.02), total_steps=10).tx
+  spec = state_lib.spec(MODEL, tx, mesh, seed=0)
+  abstract, shardings = spec.abstract, spec.shardings
+  ndim = {name: leaf.ndim for name, leaf in named(abstract.params).items()}
+  params = named(shardings.params)
+  for group, moment in [("muon", "mu"), ("adam", "mu"), ("adam", "nu")]:
+    # Names from the abstract state: the other group's leaves are MaskedNodes there (no leaves).
+    leaves = named(getattr(abstract.opt_state[1].inner_states[group].inner_state[0], moment))
+    assert set(leaves) == {n for n, g in MUON_ROUTING.items() if g == group}, (group, moment)
+    specs = named(getattr(shardings.opt_state[1].inner_states[group].inner_state[0], moment))
+    for name in leaves:
+      assert specs[name].is_equivalent_to(params[name], ndim[name]), (group, moment, name, specs[name].spec)
+  assert params["blocks/attn/wq"].spec == P(None, "fsdp", "tensor", None)  # the check above is not vacuous
+
+
+@pytest.mark.parametrize("param_dtype, state_dtype", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_optimizer_state_dtype_holds_across_updates(param_dtype, state_dtype):
+  # Shapes and dtypes only: a step whose output dtypes differ from its inputs' breaks the donated,
+  # sharded train step, and eval_shape shows that without compiling.
+  params = abstract_params(param_dtype=jnp.dtype(param_dtype))
+  tx = optim.make(opt_config(name="muon", state_dtype=state_dtype), total_steps=10).tx
+  opt_state = jax.eval_shape(tx.init, params)
+  grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)  # fp32 gradients
+  updates, opt_state = jax.eval_shape(tx.update, grads, opt_state, params)
+  params = jax.eval_shape(optax.apply_updates, params, updates)
+  moments = {jax.tree_util.keystr(path): x.dtype for path, x in jax.tree_util.tree_leaves_with_path(opt_state)
+             if ".mu" in jax.tree_util.keystr(path) or ".nu" in jax.tree_util.keystr(path)}
+  assert len(moments) == 7 + 2 * 5  # Muon momentum per matrix; Adam mu and nu for the rest
+  assert set(moments.values()) == {jnp.dtype(state_dtype)}, moments
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(param_dtype)}
