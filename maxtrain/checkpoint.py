@@ -105,7 +105,7 @@ class Checkpointer:
     local = set(self._manager.all_steps())
     return sorted(local | set(self.remote.complete_steps() if self.remote else ()))
 
-  def _local(self, step: int) -> Path:
+  def local_path(self, step: int) -> Path:
     """The local directory of a complete step, downloading it first if only the mirror has it."""
     path = self.directory / str(step)
     if step not in self._manager.all_steps():
@@ -120,7 +120,7 @@ class Checkpointer:
     resume = str(self.cfg.resume)
     steps = self.steps()
     if resume == "auto":
-      return self._local(steps[-1]) if steps else None
+      return self.local_path(steps[-1]) if steps else None
     if resume == "never":
       if steps:
         raise UserError(
@@ -131,7 +131,7 @@ class Checkpointer:
       if int(resume) not in steps:
         raise UserError(f"checkpoint.resume={resume}: no complete checkpoint at step {resume} in "
                         f"{self.location}; found steps {steps or 'none'}")
-      return self._local(int(resume))
+      return self.local_path(int(resume))
     path = Path(resume)
     if not path.is_dir():
       raise UserError(f"checkpoint.resume={resume!r}: not 'auto', 'never', a step number, nor an existing "

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import ml_collections
 
 from maxtrain.errors import UserError
+from maxtrain.guards import SPIKE_ACTIONS
 from maxtrain.sharding.mesh import AXES, resolve_mesh_shape
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -110,6 +111,17 @@ def base_config() -> ml_collections.ConfigDict:
   f.kill_during_save_at_step = -1  # SIGKILL itself while this step's checkpoint is being written.
   f.crash_at_step = -1  # Raise an exception after this step (exit 1, a crash).
   f.hang_at_step = -1  # Block forever after this step (the watchdog must fire).
+  f.nan_at_step = -1  # Make this step's loss and gradients NaN (in-graph).
+  f.spike_at_step = -1  # Multiply this step's loss and gradients by spike_factor (in-graph).
+  f.spike_factor = 100.0
+
+  c.guards = g = ml_collections.ConfigDict()
+  g.max_consecutive_bad = 3  # Non-finite steps in a row (each skipped in-graph) before a rollback.
+  g.spike_window = 32  # Recorded losses the spike statistics use.
+  g.spike_warmup = 20  # Recorded losses needed before spikes are detected.
+  g.spike_zscore = 6.0  # A loss above mean + spike_zscore x std of the window is a spike (its update is skipped).
+  g.spike_action = "skip"  # skip (just the update) | rollback (to the newest checkpoint, data skips ahead) | abort.
+  g.max_rollbacks = 3  # Rollbacks allowed per run (counted across restarts), then abort.
 
   c.watchdog = ml_collections.ConfigDict()
   c.watchdog.timeout_s = 600.0  # Exit 76 with stack dumps when no step completes for this long; 0 = off.
@@ -241,6 +253,13 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
            f"config.data.seq_len={d.seq_len} must be in 1..model.max_seq_len={m.max_seq_len}")
   _require(o.decay_steps >= 0, f"config.optimizer.decay_steps={o.decay_steps}: must be >= 0 (0 = steps)")
   _validate_optimizer(o, o.decay_steps or cfg.steps)
+  gd = cfg.guards
+  _choice("guards.spike_action", gd.spike_action, SPIKE_ACTIONS)
+  for key in ("max_consecutive_bad", "spike_window"):
+    _require(gd[key] >= 1, f"config.guards.{key}={gd[key]}: must be >= 1")
+  for key in ("spike_warmup", "max_rollbacks"):
+    _require(gd[key] >= 0, f"config.guards.{key}={gd[key]}: must be >= 0")
+  _require(gd.spike_zscore > 0, f"config.guards.spike_zscore={gd.spike_zscore}: must be > 0")
   ck = cfg.checkpoint
   for key in ("every_steps", "max_to_keep", "keep_every"):
     _require(ck[key] >= 0, f"config.checkpoint.{key}={ck[key]}: must be >= 0")

@@ -10,3 +10,7 @@ class UserError(Exception):
 
 class Preempted(Exception):
   """The run was asked to stop (SIGTERM/SIGINT) and saved a checkpoint: exit 75, restartable."""
+
+
+class Aborted(Exception):
+  """A guard stopped the run (a loss spike with spike_action=abort, or rollbacks exhausted)."""

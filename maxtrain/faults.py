@@ -40,6 +40,14 @@ class Faults:
     if self._fire("hang_at_step", step):
       threading.Event().wait()  # blocks forever, like a hung collective; the watchdog must fire
 
+  def in_graph(self, step: int) -> tuple[float, float]:
+    """(NaN flag, loss scale) for the step that will complete as `step`: the step's `fault` input."""
+    if self._fire("nan_at_step", step):
+      return 1.0, 1.0
+    if self._fire("spike_at_step", step):
+      return 0.0, float(self.cfg.spike_factor)
+    return 0.0, 1.0
+
   def after_save_started(self, step: int) -> None:
     # The async write is in flight: SIGKILL now leaves an incomplete checkpoint behind.
     if self._fire("kill_during_save_at_step", step):

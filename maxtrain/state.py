@@ -15,6 +15,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from maxtrain import guards
 from maxtrain.errors import UserError
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.sharding import rules as sharding_rules
@@ -22,15 +23,17 @@ from maxtrain.sharding import rules as sharding_rules
 
 @struct.dataclass
 class TrainState:
-  step: jax.Array  # int32 scalar: optimizer steps taken.
+  step: jax.Array  # int32 scalar: steps taken (batches consumed; a guarded step may skip its update).
   params: nnx.State
   opt_state: optax.OptState
+  guard: guards.GuardState
 
 
-def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, rules):
+def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, rules, guard_window: int):
   def init() -> TrainState:
     _, params = nnx.split(Llama(model_cfg, rngs=nnx.Rngs(params=seed), rules=rules))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      guard=guards.init(guard_window))
 
   return init
 
@@ -76,10 +79,10 @@ class StateSpec:
 
 
 def spec(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
-         rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES) -> StateSpec:
+         rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES, guard_window: int = 32) -> StateSpec:
   """Shapes and placement of the state, without allocating it."""
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(params=seed), rules=rules)))
-  init = _init_fn(model_cfg, tx, seed, rules)
+  init = _init_fn(model_cfg, tx, seed, rules, guard_window)
   abstract = jax.eval_shape(init)
   # Optimizer moments carry their parameters' logical axes (optax builds them with tree maps over
   # the params), so they are sharded like them.

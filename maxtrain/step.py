@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from maxtrain import microbatch, optim
+from maxtrain import guards, microbatch, optim
 from maxtrain.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -69,15 +69,29 @@ def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_loss: float = 0.0,
-                    grad_accum_steps: int = 1) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    grad_accum_steps: int = 1, spike_zscore: float = 6.0,
+                    spike_warmup: int = 20) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+  """The step. `batch` may carry `fault`: f32[2] = (make this step NaN?, loss scale), replicated, for
+  fault injection (`maxtrain.faults`); absent, nothing is injected."""
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    batch = dict(batch)
+    fault = batch.pop("fault", None)
     metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss, grad_accum_steps=grad_accum_steps)
+    if fault is not None:
+      scale = jnp.where(fault[0] > 0, jnp.nan, fault[1])
+      metrics["loss"] = metrics["loss"] * scale
+      grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+    grad_norm = optax.tree.norm(grads)  # before clipping
     updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping
+    guard, skip, guard_metrics = guards.check(state.guard, metrics["loss"], grad_norm, zscore=spike_zscore,
+                                              warmup=spike_warmup)
+    metrics["grad_norm"] = grad_norm
+    metrics.update(guard_metrics)
     metrics.update({name: lr(state.step) for name, lr in optimizer.learning_rates.items()})
     metrics.update(optim.update_norms(updates, optimizer.labels(state.params)))
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return state.replace(step=state.step + 1, params=guards.keep_if(skip, state.params, params),
+                         opt_state=guards.keep_if(skip, state.opt_state, opt_state), guard=guard), metrics
 
   return train_step
 

@@ -12,10 +12,11 @@ import time
 from typing import Sequence
 
 from maxtrain import config as config_lib
-from maxtrain.errors import Preempted, UserError
+from maxtrain.errors import Aborted, Preempted, UserError
 
 EXIT_BAD_INPUT = 2
 EXIT_PREEMPTED = 75
+EXIT_ABORTED = 1  # a guard stopped the run: a crash by the contract (DESIGN.md), restartable
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,6 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   except Preempted as e:
     print(f"maxtrain: {e}", file=sys.stderr)
     return EXIT_PREEMPTED
+  except Aborted as e:
+    print(f"maxtrain: aborted: {e}", file=sys.stderr)
+    return EXIT_ABORTED
   return 0
 
 

@@ -7,6 +7,7 @@ runs the loop. Every attempt appends to `<output_dir>/events.jsonl` (see monitor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import jax
 import ml_collections
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxtrain import config as config_lib
@@ -23,7 +25,7 @@ from maxtrain import step as step_lib
 from maxtrain.checkpoint import Checkpointer, SaveTiming
 from maxtrain.data import corpus, pipeline
 from maxtrain.data.store import TokenStore
-from maxtrain.errors import Preempted, UserError
+from maxtrain.errors import Aborted, Preempted, UserError
 from maxtrain.faults import Faults
 from maxtrain.models.llama import ModelConfig, param_count
 from maxtrain.monitor import events as ev
@@ -81,11 +83,14 @@ class Trainer:
 
     self.model_cfg = ModelConfig.from_config(cfg.model)
     self.optimizer = optim.make(cfg.optimizer, cfg.optimizer.decay_steps or cfg.steps)
-    self.spec = state_lib.spec(self.model_cfg, self.optimizer.tx, self.mesh, cfg.seed)
+    self.spec = state_lib.spec(self.model_cfg, self.optimizer.tx, self.mesh, cfg.seed,
+                               guard_window=cfg.guards.spike_window)
     self.seq_len, self.batch_size = cfg.data.seq_len, cfg.data.batch_size
     self.loader = pipeline.TrainLoader(self.train_store.prefix, self.seq_len, self.batch_size, cfg.seed,
                                        jax.process_index(), jax.process_count())
     self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES, None))
+    self.train_batch_sharding = {**{k: self.batch_sharding for k in pipeline.KEYS},
+                                 "fault": state_lib.replicated(self.mesh)}
     self.eval_data = [pipeline.to_global(b, self.batch_sharding) for b in pipeline.eval_batches(
         self.val_store.prefix, self.seq_len, self.batch_size, cfg.eval.batches, jax.process_index(),
         jax.process_count())]
@@ -108,15 +113,20 @@ class Trainer:
     log.info("model: %.2fM parameters; optimizer %s: %s", param_count(self.state.params) / 1e6,
              self.cfg.optimizer.name, optim.describe_groups(self.state.params, self.optimizer.labels(self.state.params)))
 
+  def _eval_step(self):
+    return jax.jit(step_lib.make_eval_step(self.spec.graphdef), in_shardings=(self.spec.shardings.params,
+                   self.batch_sharding), out_shardings=state_lib.replicated(self.mesh))
+
   def _compile(self, batch):
     replicated = state_lib.replicated(self.mesh)
     opt_cfg = self.cfg.optimizer
     train_step = jax.jit(step_lib.make_train_step(self.spec.graphdef, self.optimizer, z_loss=opt_cfg.z_loss,
-                                                  grad_accum_steps=opt_cfg.grad_accum_steps),
-                         in_shardings=(self.spec.shardings, self.batch_sharding),
+                                                  grad_accum_steps=opt_cfg.grad_accum_steps,
+                                                  spike_zscore=self.cfg.guards.spike_zscore,
+                                                  spike_warmup=self.cfg.guards.spike_warmup),
+                         in_shardings=(self.spec.shardings, self.train_batch_sharding),
                          out_shardings=(self.spec.shardings, replicated), donate_argnums=0)
-    self.eval_step = jax.jit(step_lib.make_eval_step(self.spec.graphdef),
-                             in_shardings=(self.spec.shardings.params, self.batch_sharding), out_shardings=replicated)
+    self.eval_step = self._eval_step()
     self.events.emit(ev.COMPILE_START, int(self.state.step))
     t0 = time.monotonic()
     compiled = train_step.lower(self.state, batch).compile()
@@ -124,15 +134,62 @@ class Trainer:
     log.info("compiled train step in %.1fs", time.monotonic() - t0)
     return compiled
 
-  def _next_batch(self) -> dict:
+  def _next_batch(self, step: int) -> dict:
+    """The batch of the step that will complete as `step`."""
     t0 = time.monotonic()
     batch = pipeline.to_global(next(self.loader), self.batch_sharding)
     if self.summary is not None:
       self.summary.add_data_wait(time.monotonic() - t0)
+    fault = np.asarray(self.faults.in_graph(step), np.float32)
+    batch["fault"] = jax.device_put(fault, self.train_batch_sharding["fault"])
     return batch
 
+  def _check_guards(self, step: int, metrics: dict) -> int | None:
+    """Host side of the guards, for a step already finished. Returns the step to roll back to."""
+    flags = jax.device_get({k: metrics[k] for k in ("nonfinite", "spike", "loss_zscore", "consecutive_bad", "loss")})
+    g = self.cfg.guards
+    if flags["nonfinite"]:
+      self.events.emit(ev.NAN_SKIP, step, count=1, consecutive=int(flags["consecutive_bad"]))
+      log.warning("step %d: non-finite loss or gradients; update skipped (%d in a row)", step,
+                  flags["consecutive_bad"])
+      if flags["consecutive_bad"] >= g.max_consecutive_bad:
+        return self._rollback(step, first_bad=step - int(flags["consecutive_bad"]) + 1,
+                              reason=f"{flags['consecutive_bad']} non-finite steps in a row")
+    if flags["spike"]:
+      self.events.emit(ev.SPIKE, step, loss=float(flags["loss"]), zscore=float(flags["loss_zscore"]),
+                       action=g.spike_action)
+      log.warning("step %d: loss spike %.4f (z-score %.1f > %.1f); update skipped; action %s", step, flags["loss"],
+                  flags["loss_zscore"], g.spike_zscore, g.spike_action)
+      if g.spike_action == "abort":
+        raise Aborted(f"loss spike at step {step}: loss {flags['loss']:.4f}, z-score {flags['loss_zscore']:.1f} > "
+                      f"guards.spike_zscore={g.spike_zscore} (guards.spike_action=abort)")
+      if g.spike_action == "rollback":
+        return self._rollback(step, first_bad=step, reason=f"loss spike (z-score {flags['loss_zscore']:.1f})")
+    return None
+
+  def _rollback(self, step: int, first_bad: int, reason: str) -> int:
+    """Restores the newest checkpoint before `first_bad`; the data loader keeps going forward, so the
+    batches that led to the fault are not replayed."""
+    if self.rollbacks >= self.cfg.guards.max_rollbacks:
+      raise Aborted(f"{reason} at step {step}, and guards.max_rollbacks={self.cfg.guards.max_rollbacks} rollbacks "
+                    "were already used in this run")
+    self.rollbacks += 1
+    t0 = time.monotonic()
+    self._log_saves(self.ckpt.wait())
+    good = [s for s in self.ckpt.steps() if s < first_bad]
+    if good:
+      self.state = self.ckpt.restore(self.ckpt.local_path(good[-1]), self.spec.abstract, self.spec.shardings).state
+    else:
+      self.state = state_lib.initialize(self.spec, self.mesh)
+    to_step = int(self.state.step)
+    self.events.emit(ev.ROLLBACK, to_step, from_step=step, to_step=to_step, seconds=time.monotonic() - t0,
+                     reason=reason)
+    log.warning("rollback %d/%d: %s at step %d; restored step %d; the data skips ahead past the fault",
+                self.rollbacks, self.cfg.guards.max_rollbacks, reason, step, to_step)
+    return to_step
+
   def _evaluate(self, step: int) -> float:
-    with self.summary.outside(step):
+    with self.summary.outside(step) if self.summary is not None else contextlib.nullcontext():
       t0 = time.monotonic()
       total, count = 0.0, 0.0
       for batch in self.eval_data:
@@ -195,6 +252,8 @@ class Trainer:
     self.writer = MetricWriter(self.out_dir / "tensorboard")
     self.prometheus = prometheus.start(cfg.monitor.prometheus_port, self.out_dir.name, jax.process_index())
     self.faults = Faults(cfg.faults, self.out_dir)
+    self.rollbacks = sum(r["kind"] == ev.ROLLBACK for r in ev.read_events(self.out_dir / ev.FILENAME)
+                         if r["process"] == jax.process_index())
     profiler = Profiler(self.out_dir / "tensorboard", cfg.profile.start_step, cfg.profile.num_steps)
     stop = StopRequest().install()
     watchdog = Watchdog(self.out_dir, self.events, cfg.watchdog.timeout_s, cfg.watchdog.startup_timeout_s).start()
@@ -202,12 +261,20 @@ class Trainer:
     try:
       self._load_state()
       step = int(self.state.step)
+      if step >= cfg.steps:
+        log.info("the checkpoint is already at step %d of %d: nothing to train (use a new output_dir, or "
+                 "raise steps to continue)", step, cfg.steps)
+        self.eval_step = self._eval_step()
+        with jax.set_mesh(self.mesh):
+          eval_loss = self._evaluate(step)
       if step == 0:
         self.writer.text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n```")
       with jax.set_mesh(self.mesh):
         data_state = self.loader.get_state()  # the loader position matching `state`
-        batch = self._next_batch()
-        compiled = self._compile(batch)
+        if step < cfg.steps:
+          batch = self._next_batch(step + 1)
+          compiled = self._compile(batch)
+        unchecked = None  # (step, metrics) whose guard flags the host reads one step late
         while step < cfg.steps:
           profiler.maybe_start(step + 1)
           with profiler.step_annotation(step + 1):
@@ -218,7 +285,24 @@ class Trainer:
           data_state = self.loader.get_state()
           if step < cfg.steps:
             # Host work for the next batch overlaps the device running this step (async dispatch).
-            batch = self._next_batch()
+            batch = self._next_batch(step + 1)
+          # The previous step is done (or nearly): reading its flags does not stall the device. The
+          # last step has nothing to overlap with and is checked at once.
+          to_check = [unchecked] if unchecked else []
+          unchecked = (step, metrics)
+          if step == cfg.steps:
+            to_check, unchecked = to_check + [unchecked], None
+          rolled_back_to = None
+          for checked_step, checked_metrics in to_check:
+            rolled_back_to = self._check_guards(checked_step, checked_metrics)
+            if rolled_back_to is not None:
+              break
+          if rolled_back_to is not None:
+            step, unchecked = rolled_back_to, None
+            data_state = self.loader.get_state()
+            if self.summary is not None:
+              self.summary.reset(step)
+            continue
           if self.summary is None:
             jax.block_until_ready(metrics)
             self.events.emit(ev.FIRST_STEP, step)

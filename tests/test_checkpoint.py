@@ -166,6 +166,16 @@ def test_bad_checkpoint_input_exits_2(store, tmp_path, capsys):
   assert "not a complete maxtrain checkpoint" in bad(f"--config.checkpoint.resume={tmp_path}")
 
 
+def test_rerunning_a_finished_run_trains_nothing(store, tmp_path, caplog):
+  args = TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", f"--config.output_dir={tmp_path}",
+                 "--config.steps=2"]
+  assert train.main(args) == 0
+  caplog.clear()
+  assert train.main(args) == 0
+  assert "already at step 2 of 2: nothing to train" in caplog.text
+  assert "compiled train step" not in caplog.text and "eval loss" in caplog.text
+
+
 @pytest.fixture()
 def s3_server(monkeypatch):
   """A real S3-compatible server (moto) on localhost, with the standard AWS variables pointing at it."""

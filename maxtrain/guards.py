@@ -1,0 +1,63 @@
+"""In-graph guards: skip updates whose loss or gradients are non-finite, and detect loss spikes.
+
+Everything is `jnp.where` masking inside the jitted step (no `lax.cond`, no host callbacks), so it
+compiles on every backend. A skipped step leaves parameters and optimizer state bit-for-bit
+unchanged; the step counter still advances (its batch was consumed). The host reads the flags one
+step late (so dispatch never waits) and decides rollbacks and aborts (`maxtrain.trainer`).
+
+Spike: after `warmup` recorded losses, a finite loss above mean + zscore * std of the last `window`
+recorded losses. Spikes and non-finite losses are not recorded, so they cannot mask the next one.
+A spike's update is skipped in-graph whatever `guards.spike_action` says, so a checkpoint written
+before the host reacts never holds a spiked state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+SPIKE_ACTIONS = ("skip", "rollback", "abort")
+
+
+@struct.dataclass
+class GuardState:
+  losses: jax.Array  # f32[window] ring buffer of recorded (finite, non-spike) losses
+  recorded: jax.Array  # i32: losses recorded so far (the ring's write position is recorded % window)
+  consecutive_bad: jax.Array  # i32: non-finite steps in a row
+  skipped: jax.Array  # i32: updates skipped so far (non-finite or spike)
+
+
+def init(window: int) -> GuardState:
+  zero = jnp.zeros((), jnp.int32)
+  return GuardState(losses=jnp.zeros((window,), jnp.float32), recorded=zero, consecutive_bad=zero, skipped=zero)
+
+
+def check(guard: GuardState, loss: jax.Array, grad_norm: jax.Array, *, zscore: float,
+          warmup: int) -> tuple[GuardState, jax.Array, dict[str, jax.Array]]:
+  """Returns (new guard state, skip this update?, metrics)."""
+  window = guard.losses.shape[0]
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  n = jnp.minimum(guard.recorded, window)
+  valid = jnp.arange(window) < n
+  mean = jnp.sum(jnp.where(valid, guard.losses, 0.0)) / jnp.maximum(n, 1)
+  var = jnp.sum(jnp.where(valid, jnp.square(guard.losses - mean), 0.0)) / jnp.maximum(n, 1)
+  z = (loss - mean) / jnp.maximum(jnp.sqrt(var), 1e-6 * jnp.maximum(jnp.abs(mean), 1.0))
+  spike = finite & (guard.recorded >= warmup) & (z > zscore)
+  skip = ~finite | spike
+  record = finite & ~spike
+  losses = jnp.where(record, guard.losses.at[guard.recorded % window].set(loss.astype(jnp.float32)), guard.losses)
+  new = GuardState(losses=losses, recorded=guard.recorded + record.astype(jnp.int32),
+                   consecutive_bad=jnp.where(finite, 0, guard.consecutive_bad + 1),
+                   skipped=guard.skipped + skip.astype(jnp.int32))
+  metrics = {"nonfinite": (~finite).astype(jnp.int32), "spike": spike.astype(jnp.int32),
+             "loss_zscore": jnp.where(finite, z, 0.0), "consecutive_bad": new.consecutive_bad,
+             "skipped_steps": new.skipped}
+  return new, skip, metrics
+
+
+def keep_if(skip: jax.Array, old: Any, new: Any) -> Any:
+  """`old` where `skip`, else `new`, leaf by leaf: a masked update, not a branch."""
+  return jax.tree.map(lambda o, n: jnp.where(skip, o, n), old, new)

@@ -1,0 +1,124 @@
+"""Guards: the in-graph NaN/spike logic against NumPy, and end-to-end NaN skip, rollback and abort."""
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtrain import config as config_lib, guards, optim, state as state_lib, step as step_lib, train
+from maxtrain.data.indexing import index_files
+from maxtrain.models.llama import ModelConfig
+from maxtrain.monitor.events import read_events
+from maxtrain.sharding.mesh import AXES, make_mesh
+from test_checkpoint import TINY, assert_bitwise_equal, flat, restore_raw
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_check_matches_numpy():
+  window, warmup, zscore = 4, 3, 3.0
+  g = guards.init(window)
+  check = jax.jit(lambda g, loss: guards.check(g, loss, jnp.float32(1.0), zscore=zscore, warmup=warmup))
+  recorded, skipped = [], 0
+  for loss in [5.0, 4.9, 4.95, 4.8, np.nan, 4.7, 9.0, 4.75, np.inf, 4.72]:
+    g, skip, m = check(g, jnp.float32(loss))
+    hist = np.array(recorded[-window:], np.float64)
+    finite = np.isfinite(loss)
+    z = (loss - hist.mean()) / max(hist.std(), 1e-6 * max(abs(hist.mean()), 1.0)) if len(hist) else 0.0
+    spike = finite and len(recorded) >= warmup and z > zscore
+    assert bool(skip) == (not finite or spike), loss
+    assert int(m["spike"]) == spike and int(m["nonfinite"]) == (not finite)
+    if finite and len(hist):
+      np.testing.assert_allclose(float(m["loss_zscore"]), z, rtol=1e-4)
+    if finite and not spike:
+      recorded.append(loss)
+    skipped += int(not finite or spike)
+    assert int(m["skipped_steps"]) == skipped
+  assert skipped == 3  # nan, the 9.0 spike, inf
+  old, new = {"a": jnp.ones(3)}, {"a": jnp.zeros(3)}
+  assert np.array_equal(guards.keep_if(jnp.bool_(True), old, new)["a"], np.ones(3))
+  assert np.array_equal(guards.keep_if(jnp.bool_(False), old, new)["a"], np.zeros(3))
+
+
+def test_compiled_step_has_no_conditionals_or_host_callbacks():
+  """Neuron rejects `conditional` and host callbacks; the guards must stay masks."""
+  cfg = config_lib.load(TINY)
+  model_cfg = ModelConfig.from_config(cfg.model)
+  optimizer = optim.make(cfg.optimizer, 10)
+  mesh = make_mesh(dict(zip(AXES, (1, 1, 1))), jax.devices()[:1])
+  spec = state_lib.spec(model_cfg, optimizer.tx, mesh, seed=0)
+  b, t = cfg.data.batch_size, cfg.data.seq_len
+  ints = jax.ShapeDtypeStruct((b, t), jnp.int32)
+  batch = {"inputs": ints, "targets": ints, "segment_ids": ints, "positions": ints,
+           "loss_mask": jax.ShapeDtypeStruct((b, t), jnp.float32), "fault": jax.ShapeDtypeStruct((2,), jnp.float32)}
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(step_lib.make_train_step(spec.graphdef, optimizer)).lower(spec.abstract, batch).compile().as_text()
+  assert "select" in hlo  # the masks are there
+  assert " conditional(" not in hlo
+  targets = set(re.findall(r'custom_call_target="([^"]+)"', hlo))
+  assert not [t for t in targets if "callback" in t.lower()], targets
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+  prefix = tmp_path_factory.mktemp("store") / "code"
+  index_files([str(REPO / "maxtrain")], str(prefix), val_fraction=0.2, workers=1, progress=False)
+  return str(prefix)
+
+
+def base_args(store, out):
+  return TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", f"--config.output_dir={out}",
+                 "--config.guards.spike_warmup=3", "--config.guards.spike_zscore=50"]
+
+
+def kinds(out):
+  return [r["kind"] for r in read_events(out / "events.jsonl")]
+
+
+def test_nan_step_is_skipped_and_training_continues(store, tmp_path):
+  out = tmp_path / "run"
+  args = base_args(store, out) + ["--config.steps=6", "--config.checkpoint.every_steps=1",
+                                  "--config.checkpoint.max_to_keep=0", "--config.faults.nan_at_step=3"]
+  assert train.main(args) == 0
+  before, after, later = (restore_raw(out / "checkpoints", s) for s in (2, 3, 4))
+  assert_bitwise_equal({"p": before["params"], "o": before["opt_state"]}, {"p": after["params"], "o": after["opt_state"]})
+  assert not np.array_equal(flat(after["params"])["embed"], flat(later["params"])["embed"])  # step 4 updates
+  assert int(flat(after)["guard/skipped"]) == 1 and int(flat(after)["step"]) == 3
+  assert "nan_skip" in kinds(out) and "rollback" not in kinds(out)
+  assert np.isfinite(json.loads((out / "summary.json").read_text())["final_eval_loss"])
+
+
+def test_nan_with_max_consecutive_bad_1_rolls_back(store, tmp_path):
+  out = tmp_path / "run"
+  args = base_args(store, out) + ["--config.steps=8", "--config.checkpoint.every_steps=2",
+                                  "--config.faults.nan_at_step=5", "--config.guards.max_consecutive_bad=1"]
+  assert train.main(args) == 0
+  rollback = next(r for r in read_events(out / "events.jsonl") if r["kind"] == "rollback")
+  assert rollback["from_step"] == 5 and rollback["to_step"] == 4
+  assert json.loads((out / "summary.json").read_text())["steps"] == 8
+
+
+def test_spike_rollback_then_abort(store, tmp_path, capsys):
+  out = tmp_path / "rollback"
+  args = base_args(store, out) + ["--config.steps=10", "--config.checkpoint.every_steps=2",
+                                  "--config.faults.spike_at_step=7", "--config.guards.spike_action=rollback"]
+  assert train.main(args) == 0
+  records = read_events(out / "events.jsonl")
+  spike = next(r for r in records if r["kind"] == "spike")
+  assert spike["step"] == 7 and spike["zscore"] > 50
+  rollback = next(r for r in records if r["kind"] == "rollback")
+  assert rollback["from_step"] == 7 and rollback["to_step"] == 6
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["steps"] == 10 and np.isfinite(summary["final_eval_loss"])
+
+  out = tmp_path / "abort"
+  args = base_args(store, out) + ["--config.steps=10", "--config.faults.spike_at_step=7",
+                                  "--config.guards.spike_action=abort"]
+  capsys.readouterr()
+  assert train.main(args) == train.EXIT_ABORTED
+  err = capsys.readouterr().err
+  assert "aborted: loss spike at step 7" in err and "z-score" in err
