@@ -96,6 +96,9 @@ def base_config() -> ml_collections.ConfigDict:
   k.resume = "auto"  # auto (newest complete checkpoint, if any) | never | a step number | a checkpoint path.
   k.async_save = True  # Write in the background; the loop blocks only for the device-to-host copy.
 
+  c.runtime = ml_collections.ConfigDict()
+  c.runtime.compile_cache_dir = ""  # Persistent XLA compile cache: "" = <maxtrain cache>/xla, "none" = off.
+
   c.mfu = ml_collections.ConfigDict()
   c.mfu.peak_flops = 0.0  # Peak FLOP/s per device for MFU; 0 = the device table, or measured on CPU.
 

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxtrain import config as config_lib
 from maxtrain import optim
+from maxtrain import runtime
 from maxtrain import state as state_lib
 from maxtrain import step as step_lib
 from maxtrain.checkpoint import Checkpointer, SaveTiming
@@ -66,6 +67,7 @@ class Trainer:
     self.t_start = time.monotonic() if t_process_start is None else t_process_start
     mesh_shape = config_lib.validate(cfg, jax.device_count(), jax.process_count())
     self.train_store, self.val_store = open_stores(cfg.data, cfg.model.vocab_size)
+    runtime.configure_compile_cache(cfg.runtime.compile_cache_dir)
     self.mesh = make_mesh(dict(zip(AXES, mesh_shape)))
     self.out_dir = Path(cfg.output_dir)
     self.out_dir.mkdir(parents=True, exist_ok=True)
