@@ -87,6 +87,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
     guard, skip, guard_metrics = guards.check(state.guard, metrics["loss"], grad_norm, zscore=spike_zscore,
                                               warmup=spike_warmup)
     metrics["grad_norm"] = grad_norm
+    metrics["param_norm"] = optax.tree.norm(state.params)
     metrics.update(guard_metrics)
     metrics.update({name: lr(state.step) for name, lr in optimizer.learning_rates.items()})
     metrics.update(optim.update_norms(updates, optimizer.labels(state.params)))

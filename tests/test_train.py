@@ -54,7 +54,7 @@ def test_train_end_to_end_writes_tensorboard(store, tmp_path, capsys, caplog):
   tags = set(events.Tags()["scalars"])
   assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/step_time_s",
           "eval/loss"} <= tags
-  assert {"train/mfu", "train/data_wait_s", "memory/host_in_use_gib", "checkpoint/blocking_s",
+  assert {"train/mfu", "train/data_wait_s", "train/param_norm", "train/skipped_steps", "memory/host_in_use_gib", "checkpoint/blocking_s",
           "checkpoint/save_s"} <= tags
   assert all(0 < e.value < 1 for e in events.Scalars("train/mfu"))
   assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
