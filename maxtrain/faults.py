@@ -33,6 +33,8 @@ class Faults:
     return True
 
   def after_step(self, step: int) -> None:
+    for name in ("nan_at_step", "spike_at_step"):
+      self._fire(name, step)
     if self._fire("sigterm_at_step", step):
       os.kill(os.getpid(), signal.SIGTERM)
     if self._fire("crash_at_step", step):
@@ -40,11 +42,16 @@ class Faults:
     if self._fire("hang_at_step", step):
       threading.Event().wait()  # blocks forever, like a hung collective; the watchdog must fire
 
+  def _armed(self, name: str, step: int) -> bool:
+    return self.cfg[name] == step and name not in self._fired
+
   def in_graph(self, step: int) -> tuple[float, float]:
-    """(NaN flag, loss scale) for the step that will complete as `step`: the step's `fault` input."""
-    if self._fire("nan_at_step", step):
+    """(NaN flag, loss scale) for the step that will complete as `step`: the step's `fault` input.
+    Recorded as fired only when that step completes (`after_step`): a batch built but never run
+    (the process died first) does not use the fault up."""
+    if self._armed("nan_at_step", step):
       return 1.0, 1.0
-    if self._fire("spike_at_step", step):
+    if self._armed("spike_at_step", step):
       return 0.0, float(self.cfg.spike_factor)
     return 0.0, 1.0
 

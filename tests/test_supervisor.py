@@ -32,17 +32,18 @@ def launch(launcher_args, train_args, env=ENV, timeout=600) -> subprocess.Comple
 
 
 @pytest.mark.slow
-def test_crash_hang_and_preemption_are_recovered(store, tmp_path):
+def test_crash_hang_rollback_and_preemption_are_recovered(store, tmp_path):
   timeout_s = 4.0
-  train_args = TINY + [f"--config.data.path={store}", f"--config.output_dir={tmp_path}", "--config.steps=8",
+  train_args = TINY + [f"--config.data.path={store}", f"--config.output_dir={tmp_path}", "--config.steps=10",
                        "--config.checkpoint.every_steps=2", f"--config.watchdog.timeout_s={timeout_s}",
                        "--config.faults.crash_at_step=3", "--config.faults.hang_at_step=5",
-                       "--config.faults.sigterm_at_step=7"]
+                       "--config.faults.nan_at_step=6", "--config.guards.max_consecutive_bad=1",
+                       "--config.faults.sigterm_at_step=8"]
   result = launch(["--backoff=0.1", "--max-restarts=2"], train_args)
   assert result.returncode == 0, result.stderr[-3000:]
   codes = [line.split("exit ")[1].split()[0] for line in result.stderr.splitlines()
            if line.startswith("maxtrain.launch: attempt")]
-  assert codes == ["1", "76", "75", "0"], result.stderr[-3000:]  # crash, hang, preemption, finished
+  assert codes == ["1", "76", "75", "0"], result.stderr[-3000:]  # crash, hang, (rollback,) preemption, finished
 
   records = read_events(tmp_path / "events.jsonl")
   hang = next(r for r in records if r["kind"] == "hang")
@@ -50,12 +51,14 @@ def test_crash_hang_and_preemption_are_recovered(store, tmp_path):
   dump = Path(hang["dump"]).read_text()
   assert "Python stacks of all threads" in dump and "faults.py" in dump and "last events" in dump
   restores = [r["step"] for r in records if r["kind"] == "restore"]
-  assert restores == [2, 4, 7]  # newest checkpoint before each fault (7: saved on SIGTERM)
+  assert restores == [2, 4, 8]  # newest checkpoint before each fault (8: saved on SIGTERM)
+  rollback = next(r for r in records if r["kind"] == "rollback")
+  assert (rollback["from_step"], rollback["to_step"]) == (6, 4)
 
   report = goodput.compute(records)
-  assert report["attempts"] == 4 and report["steps"]["kept"] == 8
-  # Lost: step 3 (crash after it, resumed from 2); step 5 (hang after it, resumed from 4).
-  assert report["steps"]["lost"] == 2
+  assert report["attempts"] == 4 and report["steps"]["kept"] == 10
+  # Lost: step 3 (crash, resumed from 2), step 5 (hang, resumed from 4), steps 5-6 (rolled back to 4).
+  assert report["steps"]["lost"] >= 4 and report["events"]["rollback"] == 1
   assert report["seconds"]["downtime"] > 0 and report["seconds"]["hang"] >= timeout_s
   assert report["seconds"]["lost_progress"] > 0
   assert sum(report["seconds"].values()) == pytest.approx(report["total_s"], rel=1e-9)
