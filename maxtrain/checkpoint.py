@@ -146,7 +146,10 @@ class Checkpointer:
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
     meta = checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     self._check_compatible(path, meta, abstract_state)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
+    # `shardings` is a prefix of the state (an optax MaskedNode is an empty subtree under one sharding).
+    target = jax.tree.map(
+        lambda s, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if hasattr(a, "shape") else a,
+        shardings, abstract_state)
     restored = checkpointer.restore(path, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
     step = int(restored.state.step)

@@ -73,11 +73,15 @@ def losses(out: Path) -> dict[int, float]:
   return {e.step: e.value for e in events.Scalars("train/loss")}
 
 
+OPTIMIZERS = {"adamw": [], "muon": ["--config.optimizer.name=muon", "--config.optimizer.lr=0.02"]}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("mesh", MESHES)
-def test_resume_is_bitwise_identical(store, tmp_path, mesh):
+def test_resume_is_bitwise_identical(store, tmp_path, mesh, optimizer):
   devices, mesh_args = MESHES[mesh]
-  base = TINY + mesh_args + [f"--config.data.path={store}"]
+  base = TINY + mesh_args + OPTIMIZERS[optimizer] + [f"--config.data.path={store}"]
   # B's first process stops at step 4 of the same 8-step LR schedule (optimizer.decay_steps).
 
   def run(name, steps, *extra):
@@ -223,14 +227,13 @@ def test_unreachable_bucket_exits_2(store, tmp_path, s3_server, capsys):
   assert "bucket 'no-such-bucket' is not reachable" in capsys.readouterr().err
 
 
-def _file_size_limit():
-  # A real write failure (EFBIG, like a full disk): files may not grow past 100 kB, which the
-  # checkpoint's tensor files exceed while logs and TensorBoard events stay below it.
-  import resource
-  import signal
-
-  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-  resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+# A real write failure (EFBIG, like a full disk): files may not grow past 100 kB, which the
+# checkpoint's tensor files exceed while logs and TensorBoard events stay below it. Set in a tiny
+# launcher that then execs the trainer (limits and ignored signals survive exec), not in a
+# preexec_fn, which would run Python between fork and exec in a multithreaded process.
+LIMITED = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+           "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)); "
+           "os.execv(sys.executable, [sys.executable, '-m', 'maxtrain.train', *sys.argv[1:]])")
 
 
 @pytest.mark.slow
@@ -241,8 +244,8 @@ def test_failed_saves_keep_the_last_good_checkpoint(store, tmp_path):
   first = trainer(args + ["--config.steps=2"], devices=1)
   assert first.returncode == 0, first.stderr
   good = restore_raw(tmp_path / "checkpoints", 2)
-  limited = subprocess.run([sys.executable, "-m", "maxtrain.train", *args, "--config.steps=6"], capture_output=True,
-                           text=True, env=env, timeout=300, cwd=REPO, preexec_fn=_file_size_limit)
+  limited = subprocess.run([sys.executable, "-c", LIMITED, *args, "--config.steps=6"], capture_output=True,
+                           text=True, env=env, timeout=300, cwd=REPO)
   assert "checkpoint save at step 4 failed" in limited.stderr and "File too large" in limited.stderr
   assert "step 6/6" in limited.stderr  # training went on after the failed save
   assert limited.returncode == 1 and "the final checkpoint (step 6) could not be written" in limited.stderr
