@@ -15,3 +15,16 @@ jax.config.update("jax_default_matmul_precision", "highest")
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
   assert jax.device_count() == 8, "tests expect 8 fake CPU devices (XLA_FLAGS set too late?)"
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory) -> str:
+  """A small token store (train + val) from this repository's own Python sources."""
+  from pathlib import Path
+
+  from maxtrain.data.indexing import index_files
+
+  prefix = tmp_path_factory.mktemp("store") / "code"
+  index_files([str(Path(__file__).resolve().parent.parent / "maxtrain")], str(prefix), val_fraction=0.2,
+              workers=1, progress=False)
+  return str(prefix)

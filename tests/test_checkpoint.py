@@ -14,7 +14,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from maxtrain import config as config_lib, optim, state as state_lib, train
 from maxtrain.checkpoint import Checkpointer
-from maxtrain.data.indexing import index_files
 from maxtrain.models.llama import ModelConfig
 from maxtrain.sharding.mesh import AXES, make_mesh
 
@@ -27,13 +26,6 @@ MESHES = {
     "1 device": (1, ["--config.mesh.fsdp=1"]),
     "fsdp=4 x tensor=2": (8, ["--config.mesh.fsdp=4", "--config.mesh.tensor=2"]),
 }
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> str:
-  prefix = tmp_path_factory.mktemp("store") / "code"
-  index_files([str(REPO / "maxtrain")], str(prefix), val_fraction=0.2, workers=1, progress=False)
-  return str(prefix)
 
 
 def trainer(args, devices=8) -> subprocess.CompletedProcess:

@@ -7,16 +7,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from maxtrain import config as config_lib, guards, optim, state as state_lib, step as step_lib, train
-from maxtrain.data.indexing import index_files
 from maxtrain.models.llama import ModelConfig
 from maxtrain.monitor.events import read_events
 from maxtrain.sharding.mesh import AXES, make_mesh
 from test_checkpoint import TINY, assert_bitwise_equal, flat, restore_raw
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_check_matches_numpy():
@@ -61,13 +58,6 @@ def test_compiled_step_has_no_conditionals_or_host_callbacks():
   assert " conditional(" not in hlo
   targets = set(re.findall(r'custom_call_target="([^"]+)"', hlo))
   assert not [t for t in targets if "callback" in t.lower()], targets
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> str:
-  prefix = tmp_path_factory.mktemp("store") / "code"
-  index_files([str(REPO / "maxtrain")], str(prefix), val_fraction=0.2, workers=1, progress=False)
-  return str(prefix)
 
 
 def base_args(store, out):

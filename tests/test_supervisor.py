@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from maxtrain.data.indexing import index_files
 from maxtrain.monitor import goodput
 from maxtrain.monitor.events import read_events
 
@@ -17,13 +16,6 @@ TINY = ["--config.model.num_layers=2", "--config.model.d_model=32", "--config.mo
         "--config.data.batch_size=8", "--config.eval.batches=1", "--config.eval.every_steps=0",
         "--config.log_every=1", "--config.mesh.fsdp=1"]
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> str:
-  prefix = tmp_path_factory.mktemp("store") / "code"
-  index_files([str(REPO / "maxtrain")], str(prefix), val_fraction=0.2, workers=1, progress=False)
-  return str(prefix)
 
 
 def launch(launcher_args, train_args, env=ENV, timeout=600) -> subprocess.CompletedProcess:

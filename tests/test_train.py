@@ -12,7 +12,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from maxtrain import config as config_lib
 from maxtrain import train
-from maxtrain.data.indexing import index_files
 from maxtrain.data.store import StoreWriter
 from maxtrain.monitor import goodput
 from maxtrain.monitor.events import read_events
@@ -21,14 +20,6 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = ["--config.model.num_layers=2", "--config.model.d_model=32", "--config.model.num_heads=4",
         "--config.model.num_kv_heads=2", "--config.model.d_ff=64", "--config.data.seq_len=32",
         "--config.data.batch_size=8", "--config.eval.batches=1", "--config.log_every=2"]
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> str:
-  """A small token store from this repository's own Python sources."""
-  prefix = tmp_path_factory.mktemp("store") / "code"
-  index_files([str(REPO / "maxtrain")], str(prefix), val_fraction=0.2, workers=1, progress=False)
-  return str(prefix)
 
 
 def run_main(args, capsys):
