@@ -2,7 +2,6 @@
 
 import json
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
