@@ -98,6 +98,9 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.runtime = ml_collections.ConfigDict()
   c.runtime.compile_cache_dir = ""  # Persistent XLA compile cache: "" = <maxtrain cache>/xla, "none" = off.
+  c.runtime.num_processes = 1  # JAX processes of the job; > 1 calls jax.distributed.initialize.
+  c.runtime.process_id = 0  # This process's index in 0..num_processes-1.
+  c.runtime.coordinator = ""  # host:port of process 0's coordinator service.
 
   c.mfu = ml_collections.ConfigDict()
   c.mfu.peak_flops = 0.0  # Peak FLOP/s per device for MFU; 0 = the device table, or measured on CPU.

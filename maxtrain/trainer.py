@@ -65,6 +65,7 @@ class Trainer:
   def __init__(self, cfg: ml_collections.ConfigDict, t_process_start: float | None = None):
     self.cfg = cfg
     self.t_start = time.monotonic() if t_process_start is None else t_process_start
+    runtime.initialize_distributed(cfg.runtime)
     mesh_shape = config_lib.validate(cfg, jax.device_count(), jax.process_count())
     self.train_store, self.val_store = open_stores(cfg.data, cfg.model.vocab_size)
     runtime.configure_compile_cache(cfg.runtime.compile_cache_dir)

@@ -35,9 +35,14 @@ def trainer(args, devices=8) -> subprocess.CompletedProcess:
 
 
 def restore_raw(ckpt_dir: Path, step: int):
-  """The saved TrainState as host arrays, restored without a target (as saved)."""
-  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-  restored = checkpointer.restore(ckpt_dir / str(step), args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  """The saved TrainState as host arrays, whatever devices saved it (restored onto one device)."""
+  path = ckpt_dir / str(step)
+  meta = ocp.StandardCheckpointer().metadata(path / "state").item_metadata
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), meta,
+                        is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+  restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+      path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
   return jax.tree.map(np.asarray, restored.state)
 
 

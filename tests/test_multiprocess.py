@@ -1,0 +1,51 @@
+"""Two JAX processes on localhost (2 x 4 CPU devices, jax.distributed over gloo) train exactly like
+one process with 8 devices."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_checkpoint import TINY, flat, losses, restore_raw
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def start(args, devices, **env) -> subprocess.Popen:
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+         **env}
+  return subprocess.Popen([sys.executable, "-m", "maxtrain.train", *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(store, tmp_path):
+  base = TINY + ["--config.mesh.fsdp=-1", f"--config.data.path={store}", "--config.steps=4",
+                 "--config.checkpoint.every_steps=0"]
+  single = start(base + [f"--config.output_dir={tmp_path / 'one'}"], devices=8)
+  port = free_port()
+  procs = [start(base + [f"--config.output_dir={tmp_path / 'two'}", "--config.runtime.num_processes=2",
+                         f"--config.runtime.process_id={i}", f"--config.runtime.coordinator=127.0.0.1:{port}"],
+                 devices=4) for i in range(2)]
+  outputs = [p.communicate(timeout=600)[0] for p in [single, *procs]]
+  for p, out in zip([single, *procs], outputs):
+    assert p.returncode == 0, out[-3000:]
+  assert "process 1 of 2" in outputs[2] and "8 global devices" in outputs[2]
+
+  one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+  assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+  np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-6)
+  final_one, final_two = flat(restore_raw(tmp_path / "one/checkpoints", 4)), flat(restore_raw(tmp_path / "two/checkpoints", 4))
+  assert sorted(final_one) == sorted(final_two)
+  for key in final_one:
+    np.testing.assert_allclose(final_two[key], final_one[key], rtol=1e-5, atol=1e-7, err_msg=key)
