@@ -66,8 +66,8 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.optimizer = o = ml_collections.ConfigDict()
   o.name = "adamw"  # adamw | muon (Muon for hidden weight matrices, AdamW for embeddings, head, norms, biases).
-  o.lr = 3e-3  # Peak learning rate: of every parameter (adamw), of the Muon matrices (muon).
-  o.adam_lr = 3e-3  # Peak learning rate of the AdamW group when name=muon; unused by adamw.
+  o.lr = 1.5e-3  # Peak learning rate: of every parameter (adamw), of the Muon matrices (muon).
+  o.adam_lr = 1.5e-3  # Peak learning rate of the AdamW group when name=muon; unused by adamw.
   o.schedule = "cosine"  # cosine | wsd (warmup-stable-decay) | constant; every group follows the same shape.
   o.warmup_steps = 20  # Linear warmup from 0 at step 0 to the peak at step warmup_steps.
   o.min_lr_ratio = 0.1  # cosine and wsd decay to peak * min_lr_ratio (a ratio: each group has its own peak).
