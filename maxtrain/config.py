@@ -17,7 +17,7 @@ import ml_collections
 
 from maxtrain.errors import UserError
 from maxtrain.guards import SPIKE_ACTIONS
-from maxtrain.sharding.mesh import AXES, resolve_mesh_shape
+from maxtrain.sharding.mesh import AXES, DCN_AXES, MeshLayout, resolve_layout
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.py"
@@ -32,6 +32,7 @@ PARAM_KINDS = ("embed", "head", "norm", "bias", "matrix")  # maxtrain.optim.para
 
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
+  c.hardware = ""  # Hardware preset (e.g. cpu, h100x8, trn2.48xlarge) applied before --config.* overrides; "" = none.
   c.seed = 0  # All randomness (init, data order) derives from this.
   c.steps = 200  # Optimizer steps to train.
   c.output_dir = "runs/default"  # config.json, tensorboard/ and logs go here.
@@ -56,6 +57,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.data = 1  # Pure data parallel replicas.
   c.mesh.fsdp = -1  # Parameter-sharded data parallel; -1 takes the remaining devices.
   c.mesh.tensor = 1  # Tensor (model) parallel: heads, MLP and vocab dims.
+  # The three above lay out one granule (a node: NVLink/NeuronLink/ICI); these lay out the granules
+  # (across the network). At most one of all five may be -1.
+  c.mesh.dcn_data = 1  # Data-parallel replicas across nodes.
+  c.mesh.dcn_fsdp = 1  # FSDP across nodes (parameters sharded over the network too).
 
   c.data = d = ml_collections.ConfigDict()
   d.corpus = "python-stdlib"  # Embedded corpus, built and cached on first use; ignored when data.path is set.
@@ -101,6 +106,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.runtime.num_processes = 1  # JAX processes of the job; > 1 calls jax.distributed.initialize.
   c.runtime.process_id = 0  # This process's index in 0..num_processes-1.
   c.runtime.coordinator = ""  # host:port of process 0's coordinator service.
+  c.runtime.platform = "auto"  # auto | cpu | gpu | neuron | tpu.
+  c.runtime.neuron_target = ""  # trn1 | trn2 (Neuron only).
 
   c.mfu = ml_collections.ConfigDict()
   c.mfu.peak_flops = 0.0  # Peak FLOP/s per device for MFU; 0 = the device table, or measured on CPU.
@@ -187,7 +194,8 @@ def set_override(cfg: ml_collections.ConfigDict, key: str, text: str) -> None:
   node[parts[-1]] = _parse_value(key, text, node[parts[-1]])
 
 
-def load_file(path: str | Path) -> ml_collections.ConfigDict:
+def load_file(path: str | Path) -> tuple[ml_collections.ConfigDict, dict[str, dict[str, Any]]]:
+  """The config of a preset file and its model-specific hardware presets (`HARDWARE`, may be absent)."""
   path = Path(path)
   if not path.is_file():
     raise UserError(f"--config={path}: no such file. Configs live in {REPO_ROOT / 'configs'}.")
@@ -196,11 +204,21 @@ def load_file(path: str | Path) -> ml_collections.ConfigDict:
   spec.loader.exec_module(module)
   if not hasattr(module, "get_config"):
     raise UserError(f"--config={path}: the file must define get_config() returning a ConfigDict")
-  return module.get_config()
+  return module.get_config(), getattr(module, "HARDWARE", {})
+
+
+def apply_hardware(cfg: ml_collections.ConfigDict, name: str, model_presets: dict[str, dict[str, Any]]) -> None:
+  """Sets the keys of hardware preset `name` (maxtrain/hardware.py, then the config file's HARDWARE)."""
+  from maxtrain import hardware
+
+  for key, value in hardware.preset(name, model_presets).items():
+    set_override(cfg, key, str(value))
+  cfg.hardware = name
 
 
 def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
-  """`--config=PATH` (default configs/default.py) then `--config.a.b=value` overrides, in order."""
+  """`--config=PATH` (default configs/default.py), its hardware preset (`hardware`, from the file or the
+  command line), then `--config.a.b=value` overrides, in order."""
   path, overrides = DEFAULT_CONFIG, []
   args = list(argv)
   while args:
@@ -221,7 +239,11 @@ def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
       path = value
     else:
       overrides.append((name[len("config."):], value))
-  cfg = load_file(path)
+  cfg, model_presets = load_file(path)
+  # The hardware preset goes first so that every explicit --config.* override wins over it.
+  hardware_name = next((v for k, v in reversed(overrides) if k == "hardware"), cfg.hardware)
+  if hardware_name:
+    apply_hardware(cfg, hardware_name, model_presets)
   for key, value in overrides:
     set_override(cfg, key, value)
   cfg.lock()
@@ -233,10 +255,12 @@ def _require(ok: bool, message: str) -> None:
     raise UserError(message)
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1) -> tuple[int, ...]:
-  """Checks everything that can be checked before touching data or compiling.
+def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, *,
+             require_data: bool = True) -> MeshLayout:
+  """Checks everything that can be checked before touching data or compiling (`require_data=False`:
+  everything but the data source, for ahead-of-time compiles).
 
-  Returns the resolved mesh shape (data, fsdp, tensor).
+  Returns the resolved mesh layout (its `.shape` is the combined (data, fsdp, tensor)).
   """
   m, d, o = cfg.model, cfg.data, cfg.optimizer
   for key in ("steps", "log_every"):
@@ -252,7 +276,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   _require(m.remat in REMAT_CHOICES, f"config.model.remat={m.remat!r}: choose one of {REMAT_CHOICES}")
   for key in ("param_dtype", "compute_dtype"):
     _require(m[key] in DTYPES, f"config.model.{key}={m[key]!r}: choose one of {DTYPES}")
-  _require(bool(d.corpus) or bool(d.path),
+  _require(bool(d.corpus) or bool(d.path) or not require_data,
            "config.data.corpus and config.data.path are both empty: set data.path to a token store "
            "prefix (tools/index_data.py) or data.corpus to 'python-stdlib'")
   _require(0 < d.seq_len <= m.max_seq_len,
@@ -274,8 +298,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   _require(cfg.eval.every_steps >= 0, f"config.eval.every_steps={cfg.eval.every_steps}: must be >= 0")
   _require(cfg.eval.batches > 0, f"config.eval.batches={cfg.eval.batches}: must be > 0")
 
-  shape = resolve_mesh_shape({a: cfg.mesh[a] for a in AXES}, num_devices)
-  data, fsdp, tensor = shape
+  layout = resolve_layout({a: cfg.mesh[a] for a in AXES + DCN_AXES}, num_devices)
+  data, fsdp, tensor = layout.shape
   mesh_txt = f"mesh data={data} x fsdp={fsdp} x tensor={tensor}"
   for key in ("num_heads", "num_kv_heads", "d_ff", "vocab_size"):
     _require(m[key] % tensor == 0,
@@ -299,7 +323,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
            f"(data x fsdp = {batch_shards}, {mesh_txt}); every shard must split into {k} equal microbatches. "
            f"Choose grad_accum_steps dividing {math.gcd(per_process, per_shard)}, or a batch_size that is a "
            f"multiple of {k} x {batch_shards} = {k * batch_shards}.")
-  return shape
+  return layout
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:

@@ -13,10 +13,15 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
+import ml_collections
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtrain import guards, microbatch, optim
-from maxtrain.state import TrainState
+from maxtrain.data import pipeline
+from maxtrain.sharding.mesh import BATCH_AXES
+from maxtrain.state import StateSpec, TrainState, replicated
 
 Batch = dict[str, jax.Array]
 
@@ -103,3 +108,29 @@ def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[nnx.State, Batch], tuple
     return cross_entropy(logits_BTV, batch["targets"], batch["loss_mask"])
 
   return eval_step
+
+
+def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
+  """Shardings of a train batch: rows over (data, fsdp); the fault input replicated."""
+  rows = NamedSharding(mesh, P(BATCH_AXES, None))
+  return {**{k: rows for k in pipeline.KEYS}, "fault": replicated(mesh)}
+
+
+def abstract_batch(batch_size: int, seq_len: int, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+  """A train batch's shapes, dtypes and shardings, for compiling without data."""
+  shardings = batch_shardings(mesh)
+  batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=shardings[k])
+           for k, dtype in pipeline.DTYPES.items()}
+  batch["fault"] = jax.ShapeDtypeStruct((2,), np.float32, sharding=shardings["fault"])
+  return batch
+
+
+def jit_train_step(cfg: ml_collections.ConfigDict, state_spec: StateSpec, optimizer: optim.Optimizer,
+                   mesh: Mesh) -> Callable:
+  """The train step of `cfg` jitted with explicit shardings and the state donated: the one program
+  the trainer runs and `python -m maxtrain.compile` compiles ahead of time."""
+  step = make_train_step(state_spec.graphdef, optimizer, z_loss=cfg.optimizer.z_loss,
+                         grad_accum_steps=cfg.optimizer.grad_accum_steps, spike_zscore=cfg.guards.spike_zscore,
+                         spike_warmup=cfg.guards.spike_warmup)
+  return jax.jit(step, in_shardings=(state_spec.shardings, batch_shardings(mesh)),
+                 out_shardings=(state_spec.shardings, replicated(mesh)), donate_argnums=0)

@@ -16,7 +16,6 @@ from pathlib import Path
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxtrain import config as config_lib
 from maxtrain import optim
@@ -35,7 +34,7 @@ from maxtrain.monitor.profiler import Profiler
 from maxtrain.monitor.tensorboard import MetricWriter
 from maxtrain.monitor.watchdog import Watchdog
 from maxtrain.preemption import StopRequest
-from maxtrain.sharding.mesh import AXES, BATCH_AXES, make_mesh
+from maxtrain.sharding.mesh import make_mesh
 
 log = logging.getLogger("maxtrain")
 EXIT_CODES = {Preempted: 75, UserError: 2}
@@ -66,10 +65,10 @@ class Trainer:
     self.cfg = cfg
     self.t_start = time.monotonic() if t_process_start is None else t_process_start
     runtime.initialize_distributed(cfg.runtime)
-    mesh_shape = config_lib.validate(cfg, jax.device_count(), jax.process_count())
+    layout = config_lib.validate(cfg, jax.device_count(), jax.process_count())
     self.train_store, self.val_store = open_stores(cfg.data, cfg.model.vocab_size)
     runtime.configure_compile_cache(cfg.runtime.compile_cache_dir)
-    self.mesh = make_mesh(dict(zip(AXES, mesh_shape)))
+    self.mesh = make_mesh(layout)
     self.out_dir = Path(cfg.output_dir)
     self.out_dir.mkdir(parents=True, exist_ok=True)
     self.ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(self.out_dir / "checkpoints"),
@@ -81,7 +80,7 @@ class Trainer:
     if jax.process_index() == 0:
       config_lib.save(cfg, self.out_dir / "config.json")
     log.info("devices: %d x %s; mesh %s; train %s (%d tokens), val %s (%d tokens)",
-             jax.device_count(), jax.devices()[0].device_kind, dict(self.mesh.shape), self.train_store.prefix,
+             jax.device_count(), jax.devices()[0].device_kind, layout.describe(), self.train_store.prefix,
              self.train_store.num_tokens, self.val_store.prefix, self.val_store.num_tokens)
 
     self.model_cfg = ModelConfig.from_config(cfg.model)
@@ -91,9 +90,8 @@ class Trainer:
     self.seq_len, self.batch_size = cfg.data.seq_len, cfg.data.batch_size
     self.loader = pipeline.TrainLoader(self.train_store.prefix, self.seq_len, self.batch_size, cfg.seed,
                                        jax.process_index(), jax.process_count())
-    self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES, None))
-    self.train_batch_sharding = {**{k: self.batch_sharding for k in pipeline.KEYS},
-                                 "fault": state_lib.replicated(self.mesh)}
+    self.train_batch_sharding = step_lib.batch_shardings(self.mesh)
+    self.batch_sharding = self.train_batch_sharding["inputs"]
     self.eval_data = [pipeline.to_global(b, self.batch_sharding) for b in pipeline.eval_batches(
         self.val_store.prefix, self.seq_len, self.batch_size, cfg.eval.batches, jax.process_index(),
         jax.process_count())]
@@ -121,14 +119,7 @@ class Trainer:
                    self.batch_sharding), out_shardings=state_lib.replicated(self.mesh))
 
   def _compile(self, batch):
-    replicated = state_lib.replicated(self.mesh)
-    opt_cfg = self.cfg.optimizer
-    train_step = jax.jit(step_lib.make_train_step(self.spec.graphdef, self.optimizer, z_loss=opt_cfg.z_loss,
-                                                  grad_accum_steps=opt_cfg.grad_accum_steps,
-                                                  spike_zscore=self.cfg.guards.spike_zscore,
-                                                  spike_warmup=self.cfg.guards.spike_warmup),
-                         in_shardings=(self.spec.shardings, self.train_batch_sharding),
-                         out_shardings=(self.spec.shardings, replicated), donate_argnums=0)
+    train_step = step_lib.jit_train_step(self.cfg, self.spec, self.optimizer, self.mesh)
     self.eval_step = self._eval_step()
     self.events.emit(ev.COMPILE_START, int(self.state.step))
     t0 = time.monotonic()

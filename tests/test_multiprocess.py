@@ -1,5 +1,5 @@
 """Two JAX processes on localhost (2 x 4 CPU devices, jax.distributed over gloo) train exactly like
-one process with 8 devices."""
+one process with 8 devices, the two-level (per-node x across-node) mesh included."""
 
 import os
 import socket
@@ -34,7 +34,9 @@ def test_two_processes_match_one(store, tmp_path):
                  "--config.checkpoint.every_steps=0"]
   single = start(base + [f"--config.output_dir={tmp_path / 'one'}"], devices=8)
   port = free_port()
-  procs = [start(base + [f"--config.output_dir={tmp_path / 'two'}", "--config.runtime.num_processes=2",
+  # The two processes stand for two nodes: FSDP over 4 devices inside each x 2 across them (mesh.dcn_fsdp).
+  procs = [start(base + [f"--config.output_dir={tmp_path / 'two'}", "--config.mesh.fsdp=4", "--config.mesh.dcn_fsdp=2",
+                         "--config.runtime.num_processes=2",
                          f"--config.runtime.process_id={i}", f"--config.runtime.coordinator=127.0.0.1:{port}"],
                  devices=4) for i in range(2)]
   outputs = [p.communicate(timeout=600)[0] for p in [single, *procs]]

@@ -22,6 +22,8 @@ MESHES = {  # name: ((data, fsdp, tensor), number of devices)
     "data=8": ((8, 1, 1), 8),
     "fsdp=8": ((1, 8, 1), 8),
     "data=2 x fsdp=2 x tensor=2": ((2, 2, 2), 8),
+    # Two granules of 4 devices (as two nodes would be): data across them, fsdp x tensor inside.
+    "dcn_data=2 x fsdp=2 x tensor=2": ({"data": 1, "fsdp": 2, "tensor": 2, "dcn_data": 2}, 8),
 }
 
 
@@ -46,7 +48,8 @@ def opt_config():
 
 
 def run_on_mesh(shape, num_devices):
-  mesh = make_mesh(dict(zip(AXES, shape)), jax.devices()[:num_devices])
+  sizes = shape if isinstance(shape, dict) else dict(zip(AXES, shape))
+  mesh = make_mesh(sizes, jax.devices()[:num_devices])
   optimizer = optim.make(opt_config(), total_steps=10)
   graphdef, state, shardings = state_lib.create(MODEL, optimizer.tx, mesh, seed=0)
   batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))

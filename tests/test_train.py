@@ -1,6 +1,7 @@
 """The real entry point: a short run end to end, and bad input rejected with exit 2 before compiling."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -131,6 +132,9 @@ def test_entry_point_exit_code_in_a_fresh_process(tmp_path):
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.py")), ids=lambda p: p.name)
 def test_shipped_configs_parse_and_validate(path):
-  cfg = config_lib.load([f"--config={path}"])
-  data, fsdp, tensor = (max(1, cfg.mesh[a]) for a in ("data", "fsdp", "tensor"))
-  config_lib.validate(cfg, num_devices=data * fsdp * tensor)
+  """Every config file, alone and with each hardware preset it lists (and cpu), validates on one node."""
+  _, model_presets = config_lib.load_file(path)
+  for name in ["", *sorted({"cpu", *model_presets})]:
+    cfg = config_lib.load([f"--config={path}", f"--config.hardware={name}"] if name else [f"--config={path}"])
+    node = math.prod(max(1, cfg.mesh[a]) for a in ("data", "fsdp", "tensor")) if cfg.mesh.fsdp != -1 else 8
+    config_lib.validate(cfg, num_devices=node, require_data=bool(cfg.data.corpus or cfg.data.path))

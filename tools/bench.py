@@ -18,13 +18,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import numpy as np  # noqa: E402
 
 from maxtrain import config as config_lib, optim, state as state_lib, step as step_lib  # noqa: E402
 from maxtrain.data import pipeline  # noqa: E402
 from maxtrain.models.llama import ModelConfig, param_count  # noqa: E402
 from maxtrain.monitor import mfu  # noqa: E402
-from maxtrain.sharding.mesh import AXES, BATCH_AXES, make_mesh  # noqa: E402
+from maxtrain.sharding.mesh import make_mesh  # noqa: E402
 from maxtrain.trainer import open_stores  # noqa: E402
 
 
@@ -33,20 +33,20 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=10, help="timed steps")
   args, rest = parser.parse_known_args()
   cfg = config_lib.load(rest)
-  shape = config_lib.validate(cfg, jax.device_count(), jax.process_count())
+  layout = config_lib.validate(cfg, jax.device_count(), jax.process_count())
   train_store, _ = open_stores(cfg.data, cfg.model.vocab_size)
-  mesh = make_mesh(dict(zip(AXES, shape)))
+  mesh = make_mesh(layout)
   model_cfg = ModelConfig.from_config(cfg.model)
   optimizer = optim.make(cfg.optimizer, cfg.steps)
-  graphdef, state, shardings = state_lib.create(model_cfg, optimizer.tx, mesh, cfg.seed)
-  batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
+  state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, guard_window=cfg.guards.spike_window)
+  state = state_lib.initialize(state_spec, mesh)
+  shardings = step_lib.batch_shardings(mesh)
   loader = pipeline.TrainLoader(train_store.prefix, cfg.data.seq_len, cfg.data.batch_size, cfg.seed)
-  batches = [pipeline.to_global(next(loader), batch_sharding) for _ in range(args.steps + 1)]
+  no_fault = jax.device_put(np.asarray([0.0, 1.0], np.float32), shardings["fault"])
+  batches = [{**pipeline.to_global(next(loader), shardings["inputs"]), "fault": no_fault}
+             for _ in range(args.steps + 1)]
   with jax.set_mesh(mesh):
-    step = jax.jit(step_lib.make_train_step(graphdef, optimizer, z_loss=cfg.optimizer.z_loss,
-                                            grad_accum_steps=cfg.optimizer.grad_accum_steps),
-                   in_shardings=(shardings, batch_sharding),
-                   out_shardings=(shardings, state_lib.replicated(mesh)), donate_argnums=0)
+    step = step_lib.jit_train_step(cfg, state_spec, optimizer, mesh)
     t0 = time.perf_counter()
     compiled = step.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0

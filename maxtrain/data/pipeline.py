@@ -25,6 +25,8 @@ from maxtrain.data.store import TokenStore
 from maxtrain.errors import UserError
 
 KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+DTYPES = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
+          "loss_mask": np.float32}  # of every [batch, seq_len] array pack_window makes
 
 
 def pack_window(tokens: np.ndarray, offsets: np.ndarray, start: int,

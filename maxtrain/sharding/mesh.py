@@ -1,49 +1,109 @@
-"""The device mesh: named axes `data`, `fsdp`, `tensor`, all `AxisType.Auto` (GSPMD propagation)."""
+"""The device mesh: named axes `data`, `fsdp`, `tensor`, all `AxisType.Auto` (GSPMD propagation).
+
+A mesh has two levels. `mesh.data/fsdp/tensor` lay out the devices of one granule (a node, or a
+slice: devices joined by the fast interconnect, ICI/NVLink/NeuronLink); `mesh.dcn_data/dcn_fsdp`
+lay out the granules (across the slower data-centre network). Each mesh axis is the product of its
+two levels, with the granule index varying slowest, so tensor parallelism never leaves a node and
+only data/FSDP collectives cross the network.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from maxtrain.errors import UserError
 
 AXES = ("data", "fsdp", "tensor")
+DCN_AXES = ("dcn_data", "dcn_fsdp")  # across granules; tensor parallelism stays inside one
 BATCH_AXES = ("data", "fsdp")
 
 
-def resolve_mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
-  """Fills at most one -1 axis with the remaining devices; checks the product."""
-  shape = [int(sizes[a]) for a in AXES]
-  described = " x ".join(f"{a}({s})" for a, s in zip(AXES, shape))
-  for a, s in zip(AXES, shape):
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+  ici: tuple[int, int, int]  # (data, fsdp, tensor) within a granule
+  dcn: tuple[int, int, int]  # (data, fsdp, tensor=1) across granules
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    return tuple(i * d for i, d in zip(self.ici, self.dcn))
+
+  @property
+  def granules(self) -> int:
+    return math.prod(self.dcn)
+
+  def describe(self) -> str:
+    text = " x ".join(f"{a}={s}" for a, s in zip(AXES, self.shape))
+    if self.granules > 1:
+      text += (f" (per granule {' x '.join(map(str, self.ici))}, across {self.granules} granules "
+               f"{' x '.join(map(str, self.dcn))})")
+    return text
+
+
+def resolve_layout(sizes: Mapping[str, int], num_devices: int) -> MeshLayout:
+  """Fills at most one -1 axis (of all five) with the remaining devices and checks the product.
+  `sizes` holds `data`, `fsdp`, `tensor` and optionally `dcn_data`, `dcn_fsdp` (default 1)."""
+  names = AXES + DCN_AXES
+  values = [int(sizes.get(a, 1)) for a in names]
+  described = " x ".join(f"{a}({s})" for a, s in zip(names, values) if a in AXES or s != 1)
+  for a, s in zip(names, values):
     if s == 0 or s < -1:
       raise UserError(f"mesh.{a}={s}: each mesh axis must be a positive size or -1 (fill the rest)")
-  if shape.count(-1) > 1:
-    raise UserError(f"mesh: at most one axis may be -1, got {described}")
-  if -1 in shape:
-    known = math.prod(s for s in shape if s != -1)
+  if values.count(-1) > 1:
+    raise UserError(f"mesh: at most one of mesh.{', mesh.'.join(names)} may be -1, got {described}")
+  if -1 in values:
+    known = math.prod(s for s in values if s != -1)
     if num_devices % known:
       raise UserError(
           f"mesh: {described} cannot fill {num_devices} devices: {num_devices} is not divisible by "
           f"{known}. Set the mesh.* sizes so their product is {num_devices}."
       )
-    shape[shape.index(-1)] = num_devices // known
-  if math.prod(shape) != num_devices:
+    values[values.index(-1)] = num_devices // known
+  if math.prod(values) != num_devices:
     raise UserError(
-        f"mesh: {described} = {math.prod(shape)} devices, but {num_devices} are available. "
-        f"Set mesh.data/fsdp/tensor so the product is {num_devices} (one of them may be -1)."
+        f"mesh: {described} = {math.prod(values)} devices, but {num_devices} are available. "
+        f"Set mesh.data/fsdp/tensor (x mesh.dcn_data/dcn_fsdp) so the product is {num_devices} (one may be -1)."
     )
-  return tuple(shape)
+  data, fsdp, tensor, dcn_data, dcn_fsdp = values
+  return MeshLayout(ici=(data, fsdp, tensor), dcn=(dcn_data, dcn_fsdp, 1))
 
 
-def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
+  """The combined (data, fsdp, tensor) shape."""
+  return resolve_layout(sizes, num_devices).shape
+
+
+def granule_devices(devices: Sequence[jax.Device], per_granule: int) -> list[list[jax.Device]]:
+  """Consecutive processes' devices form a granule: one process per node (8 GPUs each) or one per
+  device (launchers number ranks node by node) both give whole nodes. A process's devices must not
+  be split unevenly between granules."""
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  local = sum(1 for d in ordered if d.process_index == ordered[0].process_index)
+  if jax.process_count() > 1 and per_granule % local and local % per_granule:
+    raise UserError(f"mesh: a granule of {per_granule} devices (mesh.data x fsdp x tensor) neither holds whole "
+                    f"processes nor divides a process's {local} devices; choose per-node mesh sizes that match "
+                    "the devices per node")
+  return [ordered[i:i + per_granule] for i in range(0, len(ordered), per_granule)]
+
+
+def make_mesh(layout: MeshLayout | Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
   devices = list(jax.devices() if devices is None else devices)
-  shape = resolve_mesh_shape(sizes, len(devices))
-  if devices == list(jax.devices()):
-    # Lets jax pick a topology-aware device order (ICI rings on GPU/TPU).
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
-  return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+  if not isinstance(layout, MeshLayout):
+    layout = resolve_layout(layout, len(devices))
+  axis_types = (AxisType.Auto,) * len(AXES)
+  if layout.granules == 1:
+    if devices == list(jax.devices()):
+      # Lets jax pick a topology-aware device order (ICI rings on GPU/TPU).
+      return jax.make_mesh(layout.shape, AXES, axis_types=axis_types)
+    return Mesh(np.asarray(devices).reshape(layout.shape), AXES, axis_types=axis_types)
+  per_granule = [mesh_utils.create_device_mesh(layout.ici, g, allow_split_physical_axes=True)
+                 for g in granule_devices(devices, math.prod(layout.ici))]
+  # (dcn_data, dcn_fsdp, 1, data, fsdp, tensor) -> interleave so each axis is (dcn, ici), dcn slowest.
+  grid = np.stack(per_granule).reshape(layout.dcn + layout.ici).transpose(0, 3, 1, 4, 2, 5)
+  return Mesh(grid.reshape(layout.shape), AXES, axis_types=axis_types)
