@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 
 import maxtrain
 from maxtrain.errors import UserError
+from maxtrain import state as state_lib
 from maxtrain.state import param_name
 
 log = logging.getLogger("maxtrain")
@@ -146,10 +147,7 @@ class Checkpointer:
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
     meta = checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     self._check_compatible(path, meta, abstract_state)
-    # `shardings` is a prefix of the state (an optax MaskedNode is an empty subtree under one sharding).
-    target = jax.tree.map(
-        lambda s, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if hasattr(a, "shape") else a,
-        shardings, abstract_state)
+    target = state_lib.with_shardings(abstract_state, shardings)
     restored = checkpointer.restore(path, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
     step = int(restored.state.step)

@@ -91,6 +91,14 @@ def spec(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, s
   return StateSpec(graphdef, abstract, shardings, init)
 
 
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs that carry their shardings: the inputs of an ahead-of-time lowering or a
+  sharded restore. `shardings` is a prefix of the state (an optax MaskedNode is an empty subtree
+  under one sharding)."""
+  return jax.tree.map(lambda s, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if hasattr(a, "shape") else a,
+                      shardings, abstract)
+
+
 def initialize(state_spec: StateSpec, mesh: Mesh) -> TrainState:
   """Parameters are born sharded: the init runs under jit with out_shardings, so no host ever
   holds a full copy."""

@@ -1,0 +1,137 @@
+"""A lint of a lowered program's HLO for what the Neuron compiler rejects (DESIGN.md, Trainium facts):
+conditionals, host callbacks, while loops without a compile-time trip count, variadic reductions
+(argmax), integer matmuls, the f8e4m3fn type, and random bits drawn with the threefry PRNG (Neuron
+wants rbg, whose bits come from `rng-bit-generator`; rbg still derives keys (split, fold_in) with
+threefry on a few words, which is allowed).
+
+It reads the HLO text of `jax.jit(f).lower(...).as_text(dialect="hlo")`: the module before XLA's
+own optimisation passes, which is what a PJRT plugin receives. Detection is textual and
+conservative; a loop counts as static when its condition compares against a constant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
+_OPERANDS = re.compile(r"%?([\w.\-]+)")
+_INT_TYPE = re.compile(r"^[su]\d+\[")
+_DIMS = re.compile(r"\[([\d,]*)\]")
+KEY_WORDS = 16  # threefry on at most this many words is key derivation, not random bits
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  name: str
+  type: str
+  op: str
+  operands: tuple[str, ...]
+  attrs: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  kind: str
+  computation: str
+  instruction: str
+  why: str
+
+  def __str__(self) -> str:
+    return f"{self.kind}: {self.instruction} in {self.computation} ({self.why})"
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+  """'(s32[], f32[3]{0}) while(x), ...' -> ('(s32[], f32[3]{0})', 'while(x), ...')."""
+  if not rest.startswith("("):
+    head, _, tail = rest.partition(" ")
+    return head, tail
+  depth = 0
+  for i, ch in enumerate(rest):
+    depth += ch == "("
+    depth -= ch == ")"
+    if depth == 0:
+      return rest[:i + 1], rest[i + 1:].lstrip()
+  return rest, ""
+
+
+def _matching_paren(text: str, start: int) -> int:
+  depth = 0
+  for i in range(start, len(text)):
+    depth += text[i] == "("
+    depth -= text[i] == ")"
+    if depth == 0:
+      return i
+  return len(text)
+
+
+def parse(hlo: str) -> dict[str, list[Instruction]]:
+  """Computation name -> its instructions."""
+  computations: dict[str, list[Instruction]] = {}
+  current = None
+  for line in hlo.splitlines():
+    if current is None:
+      m = _COMPUTATION.match(line)
+      if m and not line.startswith("HloModule"):
+        current = computations.setdefault(m["name"], [])
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    type_, tail = _split_type(m["rest"])
+    op, paren, _ = tail.partition("(")
+    if not paren:
+      continue
+    close = _matching_paren(tail, len(op))
+    operands = tuple(_OPERANDS.findall(tail[len(op) + 1:close]))
+    current.append(Instruction(m["name"], type_, op.strip(), operands, tail[close + 1:]))
+  return computations
+
+
+def _attr(attrs: str, key: str) -> str | None:
+  m = re.search(rf"\b{key}=%?([\w.\-]+)", attrs)
+  return m.group(1) if m else None
+
+
+def _elements(type_: str) -> int:
+  """Elements of the (first) array in an HLO type, e.g. '(u32[64,8]{1,0}, ...)' -> 512."""
+  m = _DIMS.search(type_)
+  return math.prod(int(d) for d in m.group(1).split(",") if d) if m else 1
+
+
+def _static_condition(instructions: list[Instruction]) -> bool:
+  constants = {i.name for i in instructions if i.op == "constant"}
+  return any(i.op == "compare" and constants.intersection(i.operands) for i in instructions)
+
+
+def neuron_problems(hlo: str, *, check_prng: bool = True) -> list[Problem]:
+  """Everything in `hlo` the Neuron compiler would reject. `check_prng`: also flag threefry (the
+  platform preset switches JAX to rbg; a threefry left in the program means it was not applied)."""
+  computations = parse(hlo)
+  problems = []
+  for comp, instructions in computations.items():
+    for ins in instructions:
+      found = None
+      if check_prng and ins.op == "call" and "threefry" in (_attr(ins.attrs, "to_apply") or "") and (
+          _elements(ins.type) > KEY_WORDS):
+        found = "threefry PRNG", f"random bits {ins.type} from threefry: set jax_default_prng_impl=rbg"
+      elif ins.op == "conditional":
+        found = "conditional", "lax.cond/switch: use jnp.where masks"
+      elif ins.op == "custom-call" and re.search(r'custom_call_target="[^"]*callback', ins.attrs, re.IGNORECASE):
+        found = "host callback", "jax.debug.*, pure_callback, io_callback or checkify"
+      elif ins.op == "while" and not _static_condition(computations.get(_attr(ins.attrs, "condition") or "", [])):
+        found = "dynamic while loop", "trip count not a compile-time constant: use scan/fori_loop with static bounds"
+      elif ins.op == "reduce" and ins.type.startswith("("):
+        found = "variadic reduce", "argmax/argmin-style reduction over several operands"
+      elif ins.op == "dot" and _INT_TYPE.match(ins.type):
+        found = "integer matmul", f"dot producing {ins.type}"
+      elif "f8e4m3fn" in ins.type:
+        found = "f8e4m3fn", f"{ins.op} producing {ins.type}"
+      if found:
+        problems.append(Problem(found[0], comp, ins.name, found[1]))
+  return problems

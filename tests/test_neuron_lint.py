@@ -1,0 +1,70 @@
+"""The train steps of the default and preset configs lower to HLO the Neuron compiler accepts, and
+the lint really catches each construct Neuron rejects."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from maxtrain import config as config_lib, optim, state as state_lib, step as step_lib
+from maxtrain.hlo_lint import neuron_problems
+from maxtrain.models.llama import ModelConfig
+from maxtrain.sharding.mesh import make_mesh
+
+# Reduced depth; real widths and vocabularies. The trn2 node's tensor=4 groups on 8 devices.
+TRN2_ON_8 = ["--config.hardware=trn2.48xlarge", "--config.mesh.fsdp=2", "--config.mesh.tensor=4",
+             "--config.mesh.dcn_data=1", "--config.model.num_layers=2", "--config.data.seq_len=512",
+             "--config.data.batch_size=8"]
+CONFIGS = {
+    "default": ["--config=configs/default.py"],
+    "default muon, grad accumulation, z-loss": ["--config=configs/default.py", "--config.optimizer.name=muon",
+                                                "--config.optimizer.grad_accum_steps=2", "--config.optimizer.z_loss=1e-4"],
+    "llama3_8b on trn2": ["--config=configs/llama3_8b.py", *TRN2_ON_8],
+    "llama3_70b on trn2": ["--config=configs/llama3_70b.py", *TRN2_ON_8],
+}
+
+
+def lowered_step_and_init(args):
+  cfg = config_lib.load(args)
+  layout = config_lib.validate(cfg, jax.device_count(), require_data=False)
+  mesh = make_mesh(layout)
+  optimizer = optim.make(cfg.optimizer, cfg.steps)
+  spec = state_lib.spec(ModelConfig.from_config(cfg.model), optimizer.tx, mesh, cfg.seed,
+                        guard_window=cfg.guards.spike_window)
+  state = state_lib.with_shardings(spec.abstract, spec.shardings)
+  batch = step_lib.abstract_batch(cfg.data.batch_size, cfg.data.seq_len, mesh)
+  with jax.set_mesh(mesh):
+    step = step_lib.jit_train_step(cfg, spec, optimizer, mesh).lower(state, batch).as_text(dialect="hlo")
+    init = jax.jit(spec.init, out_shardings=spec.shardings).lower().as_text(dialect="hlo")
+  return step, init
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_train_step_and_init_pass_the_neuron_lint(name):
+  with jax.default_prng_impl("rbg"):  # what runtime.platform=neuron sets
+    step, init = lowered_step_and_init(CONFIGS[name])
+  assert " while(" in step or name == "default"  # scanned layers / microbatches: static loops are allowed
+  assert neuron_problems(step) == []
+  assert neuron_problems(init) == []
+
+
+def test_default_prng_is_flagged():
+  _, init = lowered_step_and_init(CONFIGS["default"])
+  assert {p.kind for p in neuron_problems(init)} == {"threefry PRNG"}
+
+
+def test_lint_catches_each_rejected_construct():
+  def f(x, key):
+    y = jax.lax.cond(x.sum() > 0, lambda: x * 2, lambda: x)
+    jax.debug.print("{}", x.sum())
+    n = jax.lax.while_loop(lambda c: c[0] < c[1], lambda c: (c[0] + 1, c[1]), (0, x.astype(jnp.int32)[0]))
+    static = jax.lax.fori_loop(0, 3, lambda i, a: a + 1, x)  # allowed
+    i = jnp.argmax(x)
+    m = jnp.ones((2, 2), jnp.int32) @ jnp.ones((2, 2), jnp.int32)
+    f8 = x.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return y, n, static, i, m, f8, jax.random.normal(key, (64, 8))
+
+  hlo = jax.jit(f).lower(jnp.ones(3), jax.random.key(0)).as_text(dialect="hlo")
+  kinds = sorted(p.kind for p in neuron_problems(hlo))
+  assert kinds == sorted(["conditional", "host callback", "dynamic while loop", "variadic reduce", "integer matmul",
+                          "f8e4m3fn", "threefry PRNG"])
+  assert [p.kind for p in neuron_problems(hlo, check_prng=False)].count("threefry PRNG") == 0
