@@ -82,7 +82,17 @@ class Trainer:
     log.info("devices: %d x %s; mesh %s; train %s (%d tokens), val %s (%d tokens)",
              jax.device_count(), jax.devices()[0].device_kind, layout.describe(), self.train_store.prefix,
              self.train_store.num_tokens, self.val_store.prefix, self.val_store.num_tokens)
+    self.resume_path = resume_path
+    try:
+      self._prepare()
+    except UserError as e:  # the attempt's record ends here: a bad-input exit, not a crash
+      self.events.emit(ev.EXIT, code=EXIT_CODES[UserError], error=str(e))
+      self.events.close()
+      raise
 
+  def _prepare(self) -> None:
+    """Model, optimizer, state layout, data loaders: what is left to check before compiling."""
+    cfg = self.cfg
     self.model_cfg = ModelConfig.from_config(cfg.model)
     self.optimizer = optim.make(cfg.optimizer, cfg.optimizer.decay_steps or cfg.steps)
     self.spec = state_lib.spec(self.model_cfg, self.optimizer.tx, self.mesh, cfg.seed,
@@ -95,7 +105,6 @@ class Trainer:
     self.eval_data = [pipeline.to_global(b, self.batch_sharding) for b in pipeline.eval_batches(
         self.val_store.prefix, self.seq_len, self.batch_size, cfg.eval.batches, jax.process_index(),
         jax.process_count())]
-    self.resume_path = resume_path
     self.flops_per_token = self.model_cfg.train_flops_per_token(self.seq_len)
     self.peak_flops, source = mfu_lib.peak_flops(jax.local_devices()[0], cfg.mfu.peak_flops)
     log.info("MFU peak: %s; model FLOPs/token %.3g", source, self.flops_per_token)

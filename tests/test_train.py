@@ -120,6 +120,8 @@ def test_bad_token_stores_exit_2(store, tmp_path, capsys):
   write_store(f"{empty}.val", [[1, 2, 3]])
   code, output = run_main(TINY + [f"--config.data.path={empty}", f"--config.output_dir={tmp_path}"], capsys)
   assert code == 2 and "empty.train" in output
+  # The attempt opened the event log before the loader found the store empty: it still ends with an exit record.
+  assert [(r["kind"], r.get("code")) for r in read_events(tmp_path / "events.jsonl")][-1] == ("exit", 2)
 
 
 def test_entry_point_exit_code_in_a_fresh_process(tmp_path):
