@@ -24,6 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                       datefmt="%H:%M:%S")
   logging.getLogger("maxtrain").setLevel(logging.INFO)
+  # Orbax logs every save step at INFO through absl (~20 lines per checkpoint); keep its warnings.
+  logging.getLogger("absl").setLevel(logging.WARNING)
   argv = sys.argv[1:] if argv is None else argv
   try:
     cfg = config_lib.load(argv)
