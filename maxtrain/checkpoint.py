@@ -84,7 +84,8 @@ class Checkpointer:
     else:
       directory = Path(location)
     self.location = location
-    self.directory = directory
+    self.directory = directory.absolute()  # Orbax refuses relative paths (the default output_dir is one)
+    directory = self.directory
     check_writable(directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=ckpt_cfg.max_to_keep if ckpt_cfg.max_to_keep > 0 else None,
@@ -133,7 +134,7 @@ class Checkpointer:
         raise UserError(f"checkpoint.resume={resume}: no complete checkpoint at step {resume} in "
                         f"{self.location}; found steps {steps or 'none'}")
       return self.local_path(int(resume))
-    path = Path(resume)
+    path = Path(resume).absolute()
     if not path.is_dir():
       raise UserError(f"checkpoint.resume={resume!r}: not 'auto', 'never', a step number, nor an existing "
                       "checkpoint directory")

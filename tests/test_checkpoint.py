@@ -16,12 +16,10 @@ from maxtrain import config as config_lib, optim, state as state_lib, train
 from maxtrain.checkpoint import Checkpointer
 from maxtrain.models.llama import ModelConfig
 from maxtrain.sharding.mesh import AXES, make_mesh
+from tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["--config.model.num_layers=2", "--config.model.d_model=32", "--config.model.num_heads=4",
-        "--config.model.num_kv_heads=4", "--config.model.d_ff=64", "--config.data.seq_len=32",
-        "--config.data.batch_size=8", "--config.eval.batches=1", "--config.eval.every_steps=0",
-        "--config.log_every=1", "--config.checkpoint.every_steps=4"]
+TINY = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=1", "--config.checkpoint.every_steps=4"]
 MESHES = {
     "1 device": (1, ["--config.mesh.fsdp=1"]),
     "fsdp=4 x tensor=2": (8, ["--config.mesh.fsdp=4", "--config.mesh.tensor=2"]),

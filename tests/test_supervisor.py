@@ -9,12 +9,10 @@ import pytest
 
 from maxtrain.monitor import goodput
 from maxtrain.monitor.events import read_events
+from tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["--config.model.num_layers=2", "--config.model.d_model=32", "--config.model.num_heads=4",
-        "--config.model.num_kv_heads=4", "--config.model.d_ff=64", "--config.data.seq_len=32",
-        "--config.data.batch_size=8", "--config.eval.batches=1", "--config.eval.every_steps=0",
-        "--config.log_every=1", "--config.mesh.fsdp=1"]
+TINY = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=1", "--config.mesh.fsdp=1"]
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
 
 

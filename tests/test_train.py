@@ -16,11 +16,10 @@ from maxtrain import train
 from maxtrain.data.store import StoreWriter
 from maxtrain.monitor import goodput
 from maxtrain.monitor.events import read_events
+from tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["--config.model.num_layers=2", "--config.model.d_model=32", "--config.model.num_heads=4",
-        "--config.model.num_kv_heads=2", "--config.model.d_ff=64", "--config.data.seq_len=32",
-        "--config.data.batch_size=8", "--config.eval.batches=1", "--config.log_every=2"]
+TINY = TINY_MODEL + ["--config.model.num_kv_heads=2", "--config.log_every=2"]  # GQA
 
 
 def run_main(args, capsys):
@@ -29,13 +28,15 @@ def run_main(args, capsys):
   return code, captured.out + captured.err
 
 
-def test_train_end_to_end_writes_tensorboard(store, tmp_path, capsys, caplog):
+def test_train_end_to_end_writes_tensorboard(store, tmp_path, capsys, caplog, monkeypatch):
   # Muon, WSD and z-loss here; AdamW, the default, goes through the same step in test_sharding.
+  # A relative output_dir, like the default `runs/default`: checkpoints must still be written.
+  monkeypatch.chdir(tmp_path)
   out = tmp_path / "run"
   code, output = run_main(TINY + [f"--config.data.path={store}", "--config.steps=6", "--config.eval.every_steps=3",
                                   "--config.optimizer.name=muon", "--config.optimizer.lr=0.02",
                                   "--config.optimizer.schedule=wsd", "--config.optimizer.warmup_steps=2",
-                                  "--config.optimizer.z_loss=1e-4", f"--config.output_dir={out}",
+                                  "--config.optimizer.z_loss=1e-4", "--config.output_dir=run",
                                   "--config.profile.start_step=3", "--config.profile.num_steps=2"], capsys)
   assert code == 0, output
   assert "optimizer muon: adam: 5 tensors" in caplog.text and "muon: 7 tensors" in caplog.text
@@ -57,6 +58,7 @@ def test_train_end_to_end_writes_tensorboard(store, tmp_path, capsys, caplog):
     assert len(values) == 3 and all(np.isfinite(values)) and all(v > 0 for v in values), (tag, values)
   summary = json.loads((out / "summary.json").read_text())
   assert summary["steps"] == 6 and np.isfinite(summary["final_eval_loss"])
+  assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["6"]
   assert "unigram entropy" in caplog.text
   # The profiler trace of steps 3-4 is in the TensorBoard log dir, for the profile plugin.
   assert list((out / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
