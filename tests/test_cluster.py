@@ -1,5 +1,5 @@
 """Multi-process layout detection from launcher environments (plain dicts, as srun / mpirun /
-Kubernetes would set them) and explicit config winning."""
+Kubernetes would set them), explicit config winning, and the launch templates' config keys."""
 
 import os
 import re
@@ -120,6 +120,58 @@ def test_bad_layouts():
     cluster.resolve(runtime(num_processes=2, process_id=0), {})
   with pytest.raises(UserError, match="runtime.cluster"):
     cluster.resolve(runtime(cluster="pbs"), {})
+
+
+# Keys added on main at the same time as the templates (mesh over hosts, hardware presets).
+KEYS_FROM_MAIN = {"hardware", "mesh.dcn_data", "mesh.dcn_fsdp"}
+
+
+def config_keys(cfg, prefix=""):
+  keys = set()
+  for k, v in cfg.items():
+    keys |= config_keys(v, f"{prefix}{k}.") if hasattr(v, "items") else {prefix + k}
+  return keys
+
+
+def test_launch_templates_use_real_config_keys():
+  templates = sorted((REPO / "launch").iterdir())
+  assert {t.name for t in templates} >= {"slurm_gpu.sbatch", "slurm_trn2.sbatch", "k8s_jobset.yaml"}
+  known = config_keys(base_config()) | KEYS_FROM_MAIN
+  for template in templates:
+    text = template.read_text()
+    used = set(re.findall(r"--config\.([A-Za-z0-9_.]+)=", text))
+    assert used, f"{template.name} passes no --config.KEY=VALUE"
+    assert used <= known, f"{template.name}: unknown config keys {sorted(used - known)}"
+    for path in re.findall(r"--config=(\S+?\.py)", text):
+      assert (REPO / path).is_file(), f"{template.name}: --config={path} does not exist"
+    assert "maxtrain.train" in text
+
+
+def test_jobset_template_parses():
+  yaml = pytest.importorskip("yaml")
+  docs = [d for d in yaml.safe_load_all((REPO / "launch" / "k8s_jobset.yaml").read_text()) if d]
+  jobset = next(d for d in docs if d["kind"] == "JobSet")
+  assert jobset["spec"]["network"]["enableDNSHostnames"] is True
+  replicated = jobset["spec"]["replicatedJobs"][0]
+  job, replicas = replicated["template"]["spec"], replicated.get("replicas", 1)
+  assert job["completionMode"] == "Indexed" and job["completions"] == job["parallelism"]
+  container = job["template"]["spec"]["containers"][0]
+  # What JobSet puts in each pod's annotations; the template maps them to env with fieldRefs.
+  name = jobset["metadata"]["name"]
+  layouts = []
+  for job_index in range(replicas):
+    annotations = {"jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"],
+                   "jobset.sigs.k8s.io/job-index": str(job_index),
+                   "jobset.sigs.k8s.io/replicatedjob-replicas": str(replicas)}
+    for pod_index in range(job["completions"]):
+      environ = {"JOB_COMPLETION_INDEX": str(pod_index)}
+      for e in container["env"]:
+        environ[e["name"]] = e["value"] if "value" in e else \
+            annotations[re.fullmatch(r"metadata\.annotations\['(.+)'\]", e["valueFrom"]["fieldRef"]["fieldPath"])[1]]
+      layouts.append(cluster.resolve(runtime(), environ))
+  assert [lay.process_id for lay in layouts] == list(range(len(layouts)))
+  assert {lay.num_processes for lay in layouts} == {len(layouts)}  # MAXTRAIN_NUM_PROCESSES matches the pods
+  assert {lay.coordinator.split(":")[0] for lay in layouts} == {f"{name}-{replicated['name']}-0-0.{name}"}
 
 
 INIT_SCRIPT = """
