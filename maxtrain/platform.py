@@ -262,11 +262,15 @@ def apply(runtime_cfg, environ: MutableMapping[str, str] | None = None) -> Platf
   environ = os.environ if environ is None else environ
   penv = compose(runtime_cfg, environ)
   require_plugin(penv.platform, installed_plugins())
-  if penv.env and xla_bridge.backends_are_initialized():
+  changed_env = {k: v for k, v in penv.env.items() if environ.get(k) != v}
+  changed_jax = {k: v for k, v in penv.jax_config.items() if getattr(jax.config, k) != v}
+  # Re-applying what is already in effect (a second run in one process) is harmless; changing it is not.
+  if (changed_env or changed_jax) and xla_bridge.backends_are_initialized():
     raise RuntimeError("platform.apply after the JAX backend started: XLA_FLAGS and plugin variables would be "
-                       "ignored. Call it before jax.devices() or any computation.")
-  environ.update(penv.env)
-  for key, value in penv.jax_config.items():
+                       f"ignored ({', '.join([*changed_env, *changed_jax])}). Call it before jax.devices() or any "
+                       "computation.")
+  environ.update(changed_env)
+  for key, value in changed_jax.items():
     jax.config.update(key, value)
   log.info("platform %s: %d setting(s)%s", penv.platform, len(penv.sources),
            "".join(f"\n  {s}" for s in penv.sources))

@@ -230,8 +230,10 @@ from maxtrain import config, platform
 cfg = config.load(sys.argv[1:])
 penv = platform.apply(cfg.runtime)
 print("devices", jax.device_count(), jax.devices()[0].platform)
+platform.apply(cfg.runtime)  # what is already in effect may be applied again
+print("again ok")
 try:
-  platform.apply(cfg.runtime)
+  platform.apply(config.load(sys.argv[1:] + ["--config.runtime.xla_flags=--xla_force_host_platform_device_count=5"]).runtime)
 except RuntimeError as e:
   print("late:", e)
 """
@@ -242,7 +244,8 @@ def test_apply_takes_effect_after_jax_import_and_refuses_after_backend_start():
                         "--config.runtime.xla_flags=--xla_force_host_platform_device_count=3"],
                        capture_output=True, text=True, env=clean_env(), timeout=120, cwd=REPO)
   assert out.returncode == 0, out.stderr[-2000:]
-  assert "devices 3 cpu" in out.stdout and "late: platform.apply after the JAX backend started" in out.stdout
+  assert "devices 3 cpu" in out.stdout and "again ok" in out.stdout
+  assert "late: platform.apply after the JAX backend started" in out.stdout and "(XLA_FLAGS)" in out.stdout
   assert "XLA_FLAGS --xla_force_host_platform_device_count=3: config.runtime.xla_flags" in out.stderr
 
 
