@@ -103,11 +103,17 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.runtime = ml_collections.ConfigDict()
   c.runtime.compile_cache_dir = ""  # Persistent XLA compile cache: "" = <maxtrain cache>/xla, "none" = off.
-  c.runtime.num_processes = 1  # JAX processes of the job; > 1 calls jax.distributed.initialize.
-  c.runtime.process_id = 0  # This process's index in 0..num_processes-1.
-  c.runtime.coordinator = ""  # host:port of process 0's coordinator service.
-  c.runtime.platform = "auto"  # auto | cpu | gpu | neuron | tpu.
-  c.runtime.neuron_target = ""  # trn1 | trn2 (Neuron only).
+  c.runtime.num_processes = 0  # JAX processes of the job; 0 = detect (SLURM, Open MPI, Kubernetes; none found: 1).
+  c.runtime.process_id = -1  # This process's index in 0..num_processes-1; -1 = detect (none found: 0).
+  c.runtime.coordinator = ""  # host:port of process 0's coordinator service; "" = detect.
+  c.runtime.cluster = "auto"  # Launcher to detect the layout from: auto | none | slurm | openmpi | kubernetes.
+  c.runtime.coordinator_port = 0  # Port of a detected coordinator; 0 = derived from the job id (maxtrain/cluster.py).
+  c.runtime.platform = "auto"  # auto (JAX picks, no presets) | cpu | gpu | neuron | tpu: sets the platform's flags and env.
+  c.runtime.neuron_target = ""  # trn1 | trn2; "" = --target of $NEURON_CC_FLAGS, else trn2 (checked against the devices).
+  c.runtime.neuron_lnc = 0  # Logical NeuronCore config, 1 or 2, for compiler and runtime alike; 0 = the target's default.
+  c.runtime.xla_flags = ""  # Extra XLA flags ("--a=1 --b=2"); replace preset and $XLA_FLAGS flags of the same name.
+  c.runtime.neuron_cc_flags = ""  # Extra Neuron compiler flags; replace preset and $NEURON_CC_FLAGS flags by name.
+  c.runtime.env = ""  # Extra environment variables "KEY=VALUE,KEY=VALUE"; win over presets and the environment.
 
   c.mfu = ml_collections.ConfigDict()
   c.mfu.peak_flops = 0.0  # Peak FLOP/s per device for MFU; 0 = the device table, or measured on CPU.
@@ -365,6 +371,21 @@ def _validate_optimizer(o: ml_collections.ConfigDict, steps: int) -> None:
            "e.g. '3.4445,-4.7750,2.0315'")
   _require(o.muon_consistent_rms >= 0,
            f"config.optimizer.muon_consistent_rms={o.muon_consistent_rms}: must be >= 0 (0: width scaling)")
+
+
+def validate_runtime(r: ml_collections.ConfigDict) -> None:
+  """The runtime keys, checked before the platform environment is composed (maxtrain/platform.py)."""
+  from maxtrain import cluster, platform
+
+  _choice("runtime.platform", r.platform, platform.PLATFORMS)
+  _choice("runtime.cluster", r.cluster, cluster.KINDS)
+  _choice("runtime.neuron_target", r.neuron_target, ("",) + platform.NEURON_TARGETS)
+  _require(r.neuron_lnc in (0, 1, 2), f"config.runtime.neuron_lnc={r.neuron_lnc}: use 1 or 2 (0 = the target's "
+           "default: 2 on trn2, 1 on trn1)")
+  _require(r.num_processes >= 0, f"config.runtime.num_processes={r.num_processes}: must be >= 0 (0 = detect)")
+  _require(r.process_id >= -1, f"config.runtime.process_id={r.process_id}: must be >= 0, or -1 to detect it")
+  _require(0 <= r.coordinator_port <= 65535,
+           f"config.runtime.coordinator_port={r.coordinator_port}: must be a port, 1..65535 (0 = derived)")
 
 
 def save(cfg: ml_collections.ConfigDict, path: str | Path) -> None:

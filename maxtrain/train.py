@@ -29,6 +29,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   try:
     cfg = config_lib.load(argv)
+    from maxtrain import platform
+
+    platform.apply(cfg.runtime)  # XLA_FLAGS and plugin variables count only before the backend starts
     from maxtrain import trainer  # imported late: config errors surface before any backend work
 
     trainer.run(cfg, t_start)
