@@ -21,6 +21,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from maxtrain import config as config_lib, optim, state as state_lib, step as step_lib  # noqa: E402
+from maxtrain import platform as platform_env  # noqa: E402
 from maxtrain.data import pipeline  # noqa: E402
 from maxtrain.models.llama import ModelConfig, param_count  # noqa: E402
 from maxtrain.monitor import mfu  # noqa: E402
@@ -33,6 +34,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=10, help="timed steps")
   args, rest = parser.parse_known_args()
   cfg = config_lib.load(rest)
+  platform_env.apply(cfg.runtime)  # XLA/Neuron flags of runtime.platform, before the backend starts
   layout = config_lib.validate(cfg, jax.device_count(), jax.process_count())
   train_store, _ = open_stores(cfg.data, cfg.model.vocab_size)
   mesh = make_mesh(layout)
