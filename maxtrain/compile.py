@@ -208,8 +208,9 @@ def check_fits(report: CompileReport, device_memory_gib: float) -> str:
     activation_fixes.append(f"model.remat=full (now {cfg.model.remat})")
   if micro > 1:
     activation_fixes.append(f"more optimizer.grad_accum_steps (now {k}: {micro} sequences per device per microbatch)")
-  activation_fixes.append(f"a smaller data.batch_size (now {cfg.data.batch_size}) or data.seq_len (now "
-                          f"{cfg.data.seq_len}; attention scores grow with its square)")
+    activation_fixes.append(f"a smaller data.batch_size (now {cfg.data.batch_size})")
+  activation_fixes.append(f"a shorter data.seq_len (now {cfg.data.seq_len}; each sequence's attention scores grow "
+                          "with its square)")
   arguments = mem.arguments
   fixes = state_fixes + activation_fixes if arguments > mem.temporaries else activation_fixes + state_fixes
   raise UserError(

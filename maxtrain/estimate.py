@@ -181,7 +181,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
                  + cfg.guards.spike_window * 4 + 4 * 4 + 4 * len(moments))  # guard window + counters + counts
 
   # Temporaries: a model of the live set at the step's peak (see COMPONENTS).
-  p_bytes, c_bytes = _itemsize(m.param_dtype), _itemsize(m.compute_dtype)
+  c_bytes = _itemsize(m.compute_dtype)
   gradients = sum(p.local_size * _itemsize(p.dtype) for p in table)
   vocab_params = [p for p in table if p.name in ("embed", "head")]
   vocab_whole = {p.name: p.size // tensor for p in vocab_params}  # [V, D] / tensor: not split over fsdp
@@ -207,10 +207,12 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
   else:  # everything: the matmul outputs, the norms' and SwiGLU's elementwise results, softmax probabilities
     saved = m.num_layers * (tokens * (dots_per_token + 3 * d + 2 * f_t) * c_bytes
                             + b * h_t * seq * seq * (4 + c_bytes))
+  # With FSDP a weight is all-gathered (in the compute dtype) where it is used, and its gradient is
+  # whole (fp32) until it is reduce-scattered.
   gathered = fsdp > 1
-  loss_phase = (head and gathered) * (m.d_model * v_t * c_bytes) + m.d_model * v_t * 4 \
-      + LOGIT_BUFFERS * tokens * v_t * 4
-  layer_phase = (gathered * layer_weights * c_bytes + layer_weights * 4
+  head_gathered = d * v_t * c_bytes if gathered and head else 0
+  loss_phase = head_gathered + d * v_t * 4 + LOGIT_BUFFERS * tokens * v_t * 4
+  layer_phase = ((layer_weights * c_bytes if gathered else 0) + layer_weights * 4
                  + b * h_t * seq * seq * ATTENTION_BYTES_PER_SCORE + tokens * dots_per_token * 4)
   memory = {
       "weights": weights, "optimizer_state": optimizer_state, "other_state": other_state,
