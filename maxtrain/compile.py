@@ -172,8 +172,7 @@ def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int) -> Comp
   model_cfg = ModelConfig.from_config(cfg.model)
   optimizer = optim.make(cfg.optimizer, cfg.optimizer.decay_steps or cfg.steps)
   state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, guard_window=cfg.guards.spike_window)
-  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                state_spec.abstract, state_spec.shardings)
+  abstract_state = state_lib.with_shardings(state_spec.abstract, state_spec.shardings)
   batch = step_lib.abstract_batch(cfg.data.batch_size, cfg.data.seq_len, mesh)
   with jax.set_mesh(mesh):  # as the trainer compiles it
     step = step_lib.jit_train_step(cfg, state_spec, optimizer, mesh)
