@@ -53,7 +53,8 @@ def test_hardware_preset_then_overrides():
   assert (cfg.mesh.fsdp, cfg.mesh.tensor) == (8, 8)  # the command line wins over the preset
   cfg = config_lib.load(["--config=configs/llama3_70b.py", "--config.hardware=h100x8"])
   assert (cfg.mesh.dcn_fsdp, cfg.mesh.dcn_data) == (-1, 1)  # the model's own preset over the generic one
-  assert config_lib.validate(cfg, 64, require_data=False).describe().startswith("data=1 x fsdp=64 x tensor=1")
+  # 8 nodes: FSDP across them, tensor parallelism over each node's 8 GPUs.
+  assert config_lib.validate(cfg, 64, require_data=False).describe().startswith("data=1 x fsdp=8 x tensor=8")
   with pytest.raises(UserError, match="h100x8"):
     config_lib.load(["--config=configs/llama3_8b.py", "--config.hardware=h100"])
 
@@ -64,7 +65,10 @@ from maxtrain import config as config_lib
 from maxtrain.sharding.mesh import make_mesh
 out = {}
 for nodes in (1, 2):
-  cfg = config_lib.load(["--config=configs/llama3_8b.py", "--config.hardware=trn2.48xlarge"])
+  # The global batch is fixed and the preset microbatches one node's share (4 sequences per batch
+  # shard): on 2 nodes each shard has 2.
+  cfg = config_lib.load(["--config=configs/llama3_8b.py", "--config.hardware=trn2.48xlarge",
+                         f"--config.optimizer.grad_accum_steps={4 // nodes}"])
   layout = config_lib.validate(cfg, 64 * nodes, require_data=False)
   mesh = make_mesh(layout, jax.devices()[:64 * nodes])
   out[nodes] = {"shape": dict(mesh.shape), "ids": np.vectorize(lambda d: d.id)(mesh.devices).tolist()}

@@ -1,0 +1,228 @@
+"""Will it fit? Parameters, FLOPs and per-device memory of a config, by arithmetic: no compile, no devices.
+
+Each parameter's per-device size comes from its logical axis names (the model's annotations), the
+rules table (`maxtrain/sharding/rules.py`) and the mesh shape (`config.validate`): a dim mapped to
+mesh axes is split over their product, rounded up as XLA pads uneven shards. The state terms
+(weights, optimizer moments) are therefore exact. The temporaries are a model of what the compiled
+step keeps alive at its peak; `python -m maxtrain.compile` measures the real thing (README.md, "Will
+it fit?", gives the agreement).
+
+Shape legend (per device): b sequences per microbatch, T length, D model, V_t vocab / tensor,
+H_t heads / tensor, F_t ffn / tensor, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from maxtrain import config as config_lib
+from maxtrain import optim
+from maxtrain.models.llama import Llama, ModelConfig
+from maxtrain.sharding import rules as sharding_rules
+from maxtrain.sharding.mesh import AXES
+from maxtrain.state import logical_specs, param_name
+
+GiB = 2**30
+# XLA:CPU's attention working set per score element while one layer runs: three fp32 B x H x T x T
+# buffers (masked scores, the broadcast fill value of the mask, exp/softmax) and the mask itself as
+# one byte per head (measured on the compiled step's peak, LLaMA 3 8B/70B shapes).
+ATTENTION_BYTES_PER_SCORE = 3 * 4 + 1
+# fp32 logits-sized buffers alive at the loss phase's peak: the logits' gradient (the logits are dead by then).
+LOGIT_BUFFERS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+  name: str  # 'blocks/attn/wq'
+  shape: tuple[int, ...]
+  dtype: Any
+  local_shape: tuple[int, ...]  # on one device
+  label: str  # optimizer group: 'adam' or 'muon'
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def local_size(self) -> int:
+    return math.prod(self.local_shape)
+
+
+def local_shape(shape: tuple[int, ...], logical: Any, mesh_shape: dict[str, int],
+                rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES) -> tuple[int, ...]:
+  """The per-device block of an array with logical axis names `logical` on a mesh of `mesh_shape`."""
+  spec = sharding_rules.logical_to_mesh(tuple(logical) + (None,) * (len(shape) - len(logical)), rules)
+  out = []
+  for dim, axes in zip(shape, spec):
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    out.append(-(-dim // math.prod(mesh_shape[a] for a in axes)))
+  return tuple(out)
+
+
+def param_table(model_cfg: ModelConfig, mesh_shape: dict[str, int], optimizer_name: str) -> list[Param]:
+  """Every parameter with its per-device shape and optimizer group, from the abstract model."""
+  _, params = nnx.split(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(params=0))))
+  specs = jax.tree.leaves(logical_specs(params), is_leaf=sharding_rules.is_spec)
+  labels = jax.tree.leaves(optim.param_labels(params, optimizer_name))
+  table = []
+  for (path, leaf), spec, label in zip(jax.tree_util.tree_leaves_with_path(params), specs, labels, strict=True):
+    table.append(Param(param_name(path), tuple(leaf.shape), leaf.dtype,
+                       local_shape(tuple(leaf.shape), tuple(spec), mesh_shape), label))
+  return table
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  num_devices: int
+  mesh_shape: dict[str, int]
+  params: dict[str, int]  # total, embedding, head, per_layer, layers (all L), other
+  flops_per_token: float
+  microbatch: int  # sequences per device per microbatch
+  memory: dict[str, int]  # bytes per device, by component (see COMPONENTS)
+  notes: list[str]
+
+  @property
+  def arguments(self) -> int:
+    """What the compiled step takes as arguments: the train state (and the batch)."""
+    return sum(self.memory[k] for k in ARGUMENTS)
+
+  @property
+  def temporaries(self) -> int:
+    return sum(v for k, v in self.memory.items() if k not in ARGUMENTS)
+
+  @property
+  def peak(self) -> int:
+    return self.arguments + self.temporaries
+
+  def to_json(self) -> dict[str, Any]:
+    return {"num_devices": self.num_devices, "mesh": self.mesh_shape, "params": self.params,
+            "flops_per_token": self.flops_per_token, "microbatch_sequences_per_device": self.microbatch,
+            "memory_bytes_per_device": {**self.memory, "arguments": self.arguments, "temporaries": self.temporaries,
+                                        "peak": self.peak}, "notes": self.notes}
+
+  def table(self) -> str:
+    p = self.params
+    mesh = " x ".join(f"{a}={s}" for a, s in self.mesh_shape.items())
+    lines = [f"devices: {self.num_devices} (mesh {mesh}); {self.microbatch} sequence(s) per device per microbatch",
+             "parameters:",
+             f"  total           {p['total']:>16,}",
+             f"  embedding       {p['embedding']:>16,}",
+             f"  head            {p['head']:>16,}",
+             f"  per layer       {p['per_layer']:>16,}  (x {p['num_layers']} layers = {p['layers']:,})",
+             f"  other (norms)   {p['other']:>16,}",
+             f"FLOPs per token:  {self.flops_per_token:>16.4g}  (train: 6 x matmul params + causal attention)",
+             "memory per device:"]
+    for key, (label, _) in COMPONENTS.items():
+      if self.memory.get(key):
+        lines.append(f"  {label:<34s} {self.memory[key] / GiB:9.3f} GiB")
+    lines += [f"  {'= arguments (train state + batch)':<34s} {self.arguments / GiB:9.3f} GiB",
+              f"  {'+ temporaries':<34s} {self.temporaries / GiB:9.3f} GiB",
+              f"  {'= peak':<34s} {self.peak / GiB:9.3f} GiB"]
+    lines += [f"note: {n}" for n in self.notes]
+    return "\n".join(lines)
+
+
+# key -> (label, what it is). The first group are the step's arguments; the rest its temporaries.
+COMPONENTS: dict[str, tuple[str, str]] = {
+    "weights": ("weights", "parameters at model.param_dtype, sharded"),
+    "optimizer_state": ("optimizer state", "Adam mu + nu, or Muon momentum, at optimizer.state_dtype"),
+    "other_state": ("step, guards, batch", "step counters, the loss-spike window, the token batch"),
+    "state_copy": ("state copy (guarded update)", "XLA keeps the old state until the guarded update "
+                   "(guards.keep_if) has written the new one: a copy of weights + optimizer state"),
+    "gradients": ("gradients", "one per parameter at param_dtype, sharded like it"),
+    "grad_accumulators": ("grad accumulators (fp32)", "grad_accum_steps > 1: fp32 sums; XLA leaves the "
+                          "embedding's and head's whole (not FSDP-sharded)"),
+    "saved_activations": ("saved activations", "what the backward pass keeps from the forward, per remat"),
+    "working_set": ("working set (peak phase)", "the larger of: the loss phase (gathered head, its full "
+                    "gradient, fp32 logits) and one layer's recompute + backward (attention scores, "
+                    "gathered layer weights and their full gradients)"),
+}
+ARGUMENTS = ("weights", "optimizer_state", "other_state")
+
+
+def _itemsize(dtype: Any) -> int:
+  return jnp.dtype(dtype).itemsize
+
+
+def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
+  """Per-device memory and FLOPs of `cfg`'s train step on `num_devices` devices."""
+  layout = config_lib.validate(cfg, num_devices, require_data=False)
+  mesh_shape = dict(zip(AXES, layout.shape))
+  data, fsdp, tensor = layout.shape
+  model_cfg = ModelConfig.from_config(cfg.model)
+  o, m = cfg.optimizer, model_cfg
+  table = param_table(model_cfg, mesh_shape, o.name)
+
+  # Parameter counts.
+  by_name = {p.name: p for p in table}
+  embedding, head = by_name["embed"].size, by_name["head"].size if "head" in by_name else 0
+  layers = sum(p.size for p in table if p.name.startswith("blocks/"))
+  total = sum(p.size for p in table)
+  params = {"total": total, "embedding": embedding, "head": head, "per_layer": layers // m.num_layers,
+            "num_layers": m.num_layers, "layers": layers, "other": total - embedding - head - layers}
+
+  # The train state: exact, from the per-device shapes.
+  state_bytes = _itemsize(o.state_dtype)
+  moments = {"adam": 2, "muon": 1}
+  weights = sum(p.local_size * _itemsize(p.dtype) for p in table)
+  optimizer_state = sum(moments[p.label] * p.local_size * state_bytes for p in table)
+  k = o.grad_accum_steps
+  b = cfg.data.batch_size // (data * fsdp) // k
+  seq, d = cfg.data.seq_len, m.d_model
+  batch_rows = cfg.data.batch_size // (data * fsdp)
+  other_state = (5 * batch_rows * seq * 4 + 2 * 4  # inputs, targets, segment_ids, positions, loss_mask; fault
+                 + cfg.guards.spike_window * 4 + 4 * 4 + 4 * len(moments))  # guard window + counters + counts
+
+  # Temporaries: a model of the live set at the step's peak (see COMPONENTS).
+  c_bytes = _itemsize(m.compute_dtype)
+  gradients = sum(p.local_size * _itemsize(p.dtype) for p in table)
+  vocab_params = [p for p in table if p.name in ("embed", "head")]
+  vocab_whole = {p.name: p.size // tensor for p in vocab_params}  # [V, D] / tensor: not split over fsdp
+  grad_accumulators = 0
+  if k > 1:
+    # XLA's sharding propagation leaves the embedding's and head's accumulators whole (over fsdp) when
+    # their gradients arrive in another dtype (bf16 compute, fp32 params); with fp32 compute it shards them.
+    whole = m.compute_dtype != m.param_dtype
+    grad_accumulators = 4 * sum(vocab_whole[p.name] if whole and p.name in vocab_whole else p.local_size
+                                for p in table)
+
+  v_t, h_t, kv_t, f_t = m.vocab_size // tensor, m.num_heads // tensor, m.num_kv_heads // tensor, m.d_ff // tensor
+  hd = m.head_dim
+  tokens = b * seq
+  layer_weights = params["per_layer"] // tensor  # what one layer's weights are when all-gathered over fsdp
+  # Per token of one layer: the matmul outputs (q, k, v, attention output, its projection, gate, up,
+  # down) and the layer input.
+  dots_per_token = h_t * hd * 2 + kv_t * hd * 2 + 2 * d + 2 * f_t + d
+  if m.remat == "full":
+    saved = m.num_layers * tokens * d * c_bytes  # each layer's input; the rest is recomputed
+  elif m.remat == "dots":
+    saved = m.num_layers * tokens * dots_per_token * c_bytes
+  else:  # everything: the matmul outputs, the norms' and SwiGLU's elementwise results, softmax probabilities
+    saved = m.num_layers * (tokens * (dots_per_token + 3 * d + 2 * f_t) * c_bytes
+                            + b * h_t * seq * seq * (4 + c_bytes))
+  # With FSDP a weight is all-gathered (in the compute dtype) where it is used, and its gradient is
+  # whole (fp32) until it is reduce-scattered.
+  gathered = fsdp > 1
+  head_gathered = d * v_t * c_bytes if gathered and head else 0
+  loss_phase = head_gathered + d * v_t * 4 + LOGIT_BUFFERS * tokens * v_t * 4
+  layer_phase = ((layer_weights * c_bytes if gathered else 0) + layer_weights * 4
+                 + b * h_t * seq * seq * ATTENTION_BYTES_PER_SCORE + tokens * dots_per_token * 4)
+  memory = {
+      "weights": weights, "optimizer_state": optimizer_state, "other_state": other_state,
+      "state_copy": weights + optimizer_state, "gradients": gradients, "grad_accumulators": grad_accumulators,
+      "saved_activations": saved, "working_set": max(loss_phase, layer_phase),
+  }
+  notes = []
+  if m.compute_dtype != jnp.float32:
+    notes.append("compute dtype is not fp32: XLA:CPU (maxtrain.compile) keeps some matmul outputs and saved "
+                 "activations in fp32 where a GPU/Neuron compiler keeps them in "
+                 f"{jnp.dtype(m.compute_dtype).name}, so its figures can exceed this estimate")
+  return Estimate(num_devices=num_devices, mesh_shape=mesh_shape, params=params,
+                  flops_per_token=model_cfg.train_flops_per_token(seq), microbatch=b, memory=memory, notes=notes)
