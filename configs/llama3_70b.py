@@ -36,9 +36,9 @@ def get_config():
 _ACROSS_NODES = {"mesh.dcn_data": 1, "mesh.dcn_fsdp": -1}  # parameters and optimizer state sharded over all nodes
 # On 8 GPUs per node: tensor parallelism over the node's 8 GPUs splits the 64 heads' 8192^2 attention
 # scores 8 ways (one sequence with all heads on one GPU is ~52 GiB of scores alone); FSDP across nodes.
-# On 8 nodes the 256 sequences are 32 per batch shard, taken one at a time (grad_accum_steps=32; with
-# N nodes use 256 / N). `python -m maxtrain.compile ... --devices 64`: ~55 GiB of 80 per GPU (BENCHMARKS.md).
-_GPU_NODE = {**_ACROSS_NODES, "mesh.fsdp": 1, "mesh.tensor": 8, "optimizer.grad_accum_steps": 32}
+# The 256 sequences go one per batch shard at a time (`optimizer.microbatch_size=1`: on 8 nodes, 32
+# microbatches). `python -m maxtrain.compile ... --devices 64`: BENCHMARKS.md.
+_GPU_NODE = {**_ACROSS_NODES, "mesh.fsdp": 1, "mesh.tensor": 8, "optimizer.microbatch_size": 1}
 HARDWARE = {
     "h100x8": _GPU_NODE,
     "h200x8": _GPU_NODE,

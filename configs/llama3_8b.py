@@ -35,16 +35,15 @@ def get_config():
   return c
 
 
-# Global batch 64 x 8192 tokens = 0.5M tokens per step on one node. Attention is plain softmax, so each
-# sequence in flight holds heads x 8192^2 fp32 scores (8 GiB for 32 heads): the batch goes through in
-# microbatches of one sequence per batch shard (`python -m maxtrain.compile`, BENCHMARKS.md: 8 sequences
-# per GPU at once need ~284 GiB per GPU; one at a time ~60 GiB of 80). The batch is global and the
-# preset is per node: on N nodes each shard holds 1/N of these sequences, so use grad_accum_steps / N.
+# Global batch 64 x 8192 tokens = 0.5M tokens per step. Attention is plain softmax, so each sequence in
+# flight holds heads x 8192^2 fp32 scores (8 GiB for 32 heads): the batch goes through in microbatches
+# of one sequence per batch shard (`optimizer.microbatch_size=1`, so the same on any node count;
+# `python -m maxtrain.compile`, BENCHMARKS.md: 8 sequences per GPU at once need ~284 GiB per GPU).
 HARDWARE = {
-    "h100x8": {"data.batch_size": 64, "optimizer.grad_accum_steps": 8},
-    "h200x8": {"data.batch_size": 64, "optimizer.grad_accum_steps": 8},
-    # 16 batch shards (fsdp=16 x tensor=4) of 4 sequences: one at a time, ~16 GiB of a core's 24 GiB.
-    "trn2.48xlarge": {"data.batch_size": 64, "optimizer.grad_accum_steps": 4},
+    "h100x8": {"data.batch_size": 64, "optimizer.microbatch_size": 1},
+    "h200x8": {"data.batch_size": 64, "optimizer.microbatch_size": 1},
+    # 16 batch shards (fsdp=16 x tensor=4) of 4 sequences, one at a time.
+    "trn2.48xlarge": {"data.batch_size": 64, "optimizer.microbatch_size": 1},
     # Compile/debug only: the real shapes will not train on a CPU.
     "cpu": {"data.batch_size": 8},
 }

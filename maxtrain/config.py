@@ -84,6 +84,7 @@ def base_config() -> ml_collections.ConfigDict:
   o.clip_norm = 1.0  # Global gradient-norm clip; 0 disables.
   o.z_loss = 0.0  # Coefficient of the z-loss, mean log(Z)^2 of the softmax normaliser (PaLM: 1e-4); 0 disables.
   o.grad_accum_steps = 1  # Microbatches per step (scanned in the one jitted step): activation memory / k.
+  o.microbatch_size = 0  # > 0: sequences per batch shard in each microbatch; sets grad_accum_steps for any node count.
   o.state_dtype = "float32"  # Dtype of optimizer moments (Adam mu and nu, Muon momentum).
   o.b1 = 0.9  # Adam first-moment decay.
   o.b2 = 0.95  # Adam second-moment decay.
@@ -264,7 +265,8 @@ def _require(ok: bool, message: str) -> None:
 def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, *,
              require_data: bool = True) -> MeshLayout:
   """Checks everything that can be checked before touching data or compiling (`require_data=False`:
-  everything but the data source, for ahead-of-time compiles).
+  everything but the data source, for ahead-of-time compiles), and sets the derived
+  `optimizer.grad_accum_steps` when `optimizer.microbatch_size` is given.
 
   Returns the resolved mesh layout (its `.shape` is the combined (data, fsdp, tensor)).
   """
@@ -321,8 +323,15 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
            f"{batch_shards} ({mesh_txt}): each batch shard needs the same number of sequences.")
   _require(d.batch_size % num_processes == 0,
            f"config.data.batch_size={d.batch_size} is not divisible by the {num_processes} processes")
-  k = o.grad_accum_steps
   per_process, per_shard = d.batch_size // num_processes, d.batch_size // batch_shards
+  _require(o.microbatch_size >= 0, f"config.optimizer.microbatch_size={o.microbatch_size}: must be >= 0 (0 = off)")
+  if o.microbatch_size:
+    # The one derived key: activation memory per device stays the same whatever the node count.
+    _require(per_shard % o.microbatch_size == 0,
+             f"config.optimizer.microbatch_size={o.microbatch_size} does not divide the {per_shard} sequences per "
+             f"batch shard (data.batch_size={d.batch_size} / data x fsdp = {batch_shards}, {mesh_txt})")
+    o.grad_accum_steps = per_shard // o.microbatch_size
+  k = o.grad_accum_steps
   _require(per_process % k == 0 and per_shard % k == 0,
            f"config.optimizer.grad_accum_steps={k} does not divide the batch: data.batch_size={d.batch_size} "
            f"is {per_process} sequences per process ({num_processes} processes) and {per_shard} per batch shard "

@@ -65,11 +65,10 @@ from maxtrain import config as config_lib
 from maxtrain.sharding.mesh import make_mesh
 out = {}
 for nodes in (1, 2):
-  # The global batch is fixed and the preset microbatches one node's share (4 sequences per batch
-  # shard): on 2 nodes each shard has 2.
-  cfg = config_lib.load(["--config=configs/llama3_8b.py", "--config.hardware=trn2.48xlarge",
-                         f"--config.optimizer.grad_accum_steps={4 // nodes}"])
+  cfg = config_lib.load(["--config=configs/llama3_8b.py", "--config.hardware=trn2.48xlarge"])
   layout = config_lib.validate(cfg, 64 * nodes, require_data=False)
+  # One sequence per batch shard per microbatch: the global batch of 64 over 16 / 32 shards.
+  assert cfg.optimizer.grad_accum_steps == 4 // nodes
   mesh = make_mesh(layout, jax.devices()[:64 * nodes])
   out[nodes] = {"shape": dict(mesh.shape), "ids": np.vectorize(lambda d: d.id)(mesh.devices).tolist()}
 print(json.dumps(out))

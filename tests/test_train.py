@@ -95,6 +95,9 @@ def write_store(prefix, docs, vocab_size=259):
      "config.optimizer.grad_accum_steps=3 does not divide the batch: data.batch_size=8 is 8 sequences per process"),
     (["--config.optimizer.grad_accum_steps=2"],  # 8 sequences over fsdp=8 shards: one per shard
      "and 1 per batch shard (data x fsdp = 8, mesh data=1 x fsdp=8 x tensor=1)"),
+    (["--config.mesh.fsdp=2", "--config.mesh.data=4", "--config.optimizer.microbatch_size=3"],
+     "config.optimizer.microbatch_size=3 does not divide the 1 sequences per batch shard"),
+    (["--config.mesh.dcn_fsdp=3"], "mesh: data(1) x fsdp(-1) x tensor(1) x dcn_fsdp(3) cannot fill 8 devices"),
 ])
 def test_bad_config_exits_2_before_compiling(store, tmp_path, capsys, args, expected):
   code, output = run_main(TINY + [f"--config.data.path={store}", f"--config.output_dir={tmp_path}"] + args, capsys)
