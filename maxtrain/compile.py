@@ -9,7 +9,11 @@ whatever `runtime.platform` says, so a laptop can check a 64-device Trainium or 
 memory figures are XLA:CPU's for the same sharded program; the GPU and Neuron compilers fuse and
 schedule differently, so they are an estimate to keep a margin against, not a guarantee.
 
-Exit codes: 0 compiled (and fits under --device-memory-gb when given), 2 bad config or does not fit.
+With `runtime.platform=neuron` it also lints the lowered step for what the Neuron compiler rejects
+(`maxtrain/hlo_lint.py`).
+
+Exit codes: 0 compiled (and fits under --device-memory-gb when given, and passes the Neuron lint on
+neuron), 2 bad config, does not fit, or fails the lint.
 """
 
 from __future__ import annotations
@@ -218,6 +222,18 @@ def check_fits(report: CompileReport, device_memory_gib: float) -> str:
       f"--device-memory-gb={device_memory_gib:g}. To fit, try: {'; '.join(fixes)}.")
 
 
+def neuron_lint(report: CompileReport) -> str:
+  """The lowered step (what the Neuron plugin would be given) checked for what neuronx-cc rejects;
+  raises UserError listing the problems. The step draws no random numbers, so the PRNG is not checked."""
+  from maxtrain.hlo_lint import neuron_problems
+
+  problems = neuron_problems(report.lowered.as_text(dialect="hlo"), check_prng=False)
+  if problems:
+    raise UserError("the train step would not compile on Neuron: " + "; ".join(map(str, problems[:10])))
+  return "Neuron lint of the lowered train step: clean (no conditional, host callback, dynamic loop, variadic " \
+         "reduce, integer matmul or f8e4m3fn)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m maxtrain.compile", description=__doc__.split("\n\n")[0],
                                    epilog="Other arguments: --config=PATH and --config.KEY=VALUE, as for maxtrain.train.")
@@ -232,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"maxtrain.compile: {num_devices} devices, hardware preset {cfg.hardware or '(none)'}", flush=True)
     report = compile_train_step(cfg, num_devices)
     print(report.describe())
+    if cfg.runtime.platform == "neuron":
+      print(neuron_lint(report))
     if args.device_memory_gb > 0:
       print(check_fits(report, args.device_memory_gb))
   except UserError as e:

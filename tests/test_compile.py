@@ -121,10 +121,11 @@ def test_device_memory_too_small_exits_2_from_a_fresh_process():
 
 
 def test_other_device_count_in_a_fresh_process():
-  proc = run(["-m", "maxtrain.compile", "--devices", "4", "--device-memory-gb", "8"])
+  proc = run(["-m", "maxtrain.compile", "--devices", "4", "--device-memory-gb", "8", "--config.runtime.platform=neuron"])
   assert proc.returncode == 0, proc.stderr
   assert "compiled on 4 fake CPU devices" in proc.stdout and "mesh: data=1 x fsdp=4 x tensor=1" in proc.stdout
   assert "fits: peak" in proc.stdout
+  assert "Neuron lint of the lowered train step: clean" in proc.stdout
 
 
 def test_bad_config_exits_2():

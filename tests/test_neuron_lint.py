@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from maxtrain import config as config_lib, optim, state as state_lib, step as step_lib
+from maxtrain import config as config_lib, optim, platform, state as state_lib, step as step_lib
 from maxtrain.hlo_lint import neuron_problems
 from maxtrain.models.llama import ModelConfig
 from maxtrain.sharding.mesh import make_mesh
@@ -14,17 +14,27 @@ from maxtrain.sharding.mesh import make_mesh
 TRN2_ON_8 = ["--config.hardware=trn2.48xlarge", "--config.mesh.fsdp=2", "--config.mesh.tensor=4",
              "--config.mesh.dcn_data=1", "--config.model.num_layers=2", "--config.data.seq_len=512",
              "--config.data.batch_size=8"]
+ON_NEURON = ["--config=configs/default.py", "--config.runtime.platform=neuron"]
 CONFIGS = {
-    "default": ["--config=configs/default.py"],
-    "default muon, grad accumulation, z-loss": ["--config=configs/default.py", "--config.optimizer.name=muon",
-                                                "--config.optimizer.grad_accum_steps=2", "--config.optimizer.z_loss=1e-4"],
+    "default": ON_NEURON,
+    "default muon, grad accumulation, z-loss": ON_NEURON + ["--config.optimizer.name=muon",
+                                                            "--config.optimizer.grad_accum_steps=2",
+                                                            "--config.optimizer.z_loss=1e-4"],
     "llama3_8b on trn2": ["--config=configs/llama3_8b.py", *TRN2_ON_8],
     "llama3_70b on trn2": ["--config=configs/llama3_70b.py", *TRN2_ON_8],
 }
 
 
-def lowered_step_and_init(args):
+def lowered_step_and_init(args, prng_impl=None):
+  """HLO of the train step and of the state's initialisation, lowered with the PRNG the config's
+  platform preset selects (rbg on Neuron) unless `prng_impl` is given."""
   cfg = config_lib.load(args)
+  prng_impl = prng_impl or platform.compose(cfg.runtime, {}).jax_config.get("jax_default_prng_impl", "threefry2x32")
+  with jax.default_prng_impl(prng_impl):
+    return _lower(cfg)
+
+
+def _lower(cfg):
   layout = config_lib.validate(cfg, jax.device_count(), require_data=False)
   mesh = make_mesh(layout)
   optimizer = optim.make(cfg.optimizer, cfg.steps)
@@ -40,15 +50,14 @@ def lowered_step_and_init(args):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_train_step_and_init_pass_the_neuron_lint(name):
-  with jax.default_prng_impl("rbg"):  # what runtime.platform=neuron sets
-    step, init = lowered_step_and_init(CONFIGS[name])
+  step, init = lowered_step_and_init(CONFIGS[name])
   assert " while(" in step or name == "default"  # scanned layers / microbatches: static loops are allowed
   assert neuron_problems(step) == []
   assert neuron_problems(init) == []
 
 
 def test_default_prng_is_flagged():
-  _, init = lowered_step_and_init(CONFIGS["default"])
+  _, init = lowered_step_and_init(CONFIGS["default"], prng_impl="threefry2x32")
   assert {p.kind for p in neuron_problems(init)} == {"threefry PRNG"}
 
 
