@@ -41,7 +41,7 @@ _ACROSS_NODES = {"mesh.dcn_data": 1, "mesh.dcn_fsdp": -1}  # parameters and opti
 _GPU_NODE = {**_ACROSS_NODES, "mesh.fsdp": 1, "mesh.tensor": 8, "optimizer.microbatch_size": 1}
 HARDWARE = {
     "h100x8": _GPU_NODE,
-    "h200x8": _GPU_NODE,
+    "h200x8": {**_GPU_NODE, "optimizer.microbatch_size": 2},  # 141 GB per GPU: ~87 GiB of 131 (BENCHMARKS.md)
     # Does not fit at 24 GiB per logical core (LNC=2) with 8192-token sequences: the saved layer inputs
     # alone are 80 x 8192 x 8192 bf16 = 10 GiB per sequence on every core (no sequence parallelism yet),
     # and the train state with its copy is ~25 GiB on one node (BENCHMARKS.md).

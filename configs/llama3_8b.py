@@ -41,7 +41,8 @@ def get_config():
 # `python -m maxtrain.compile`, BENCHMARKS.md: 8 sequences per GPU at once need ~284 GiB per GPU).
 HARDWARE = {
     "h100x8": {"data.batch_size": 64, "optimizer.microbatch_size": 1},
-    "h200x8": {"data.batch_size": 64, "optimizer.microbatch_size": 1},
+    # H200: 141 GB (131 GiB) per GPU holds two sequences at a time (~93 GiB, BENCHMARKS.md).
+    "h200x8": {"data.batch_size": 64, "optimizer.microbatch_size": 2},
     # 16 batch shards (fsdp=16 x tensor=4) of 4 sequences, one at a time.
     "trn2.48xlarge": {"data.batch_size": 64, "optimizer.microbatch_size": 1},
     # Compile/debug only: the real shapes will not train on a CPU.
