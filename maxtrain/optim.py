@@ -33,6 +33,7 @@ import ml_collections
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from maxtrain.guards import keep_if
 from maxtrain.state import param_name
 
 # How Muon sees a hidden weight as a matrix [fan_in, fan_out], with the weight's rank without the
@@ -151,10 +152,48 @@ def _scale_by_shape(consistent_rms: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-def _init_state_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+def _init_state_in(tx: optax.GradientTransformationExtraArgs, dtype) -> optax.GradientTransformationExtraArgs:
   """Creates the optimizer state from params cast to `dtype`: Adam's second moment takes the
   params' dtype (optax has no nu_dtype), and both moments then keep it across updates."""
-  return optax.GradientTransformation(lambda params: tx.init(optax.tree.cast(params, dtype)), tx.update)
+  return optax.GradientTransformationExtraArgs(lambda params: tx.init(optax.tree.cast(params, dtype)), tx.update)
+
+
+# The guard (maxtrain/guards.py) skips an update by passing `skip` (a bool scalar) to `tx.update`:
+# every stateful transform keeps its state exactly as it was, so a skipped step leaves the optimizer
+# bit-identical. The select sits inside each transform rather than after the whole update because
+# Adam's update is computed from its new moments: selecting afterwards keeps old and new moments
+# alive together (one more copy of the moments per device); computing the update from the selected
+# moments lets XLA update them in place.
+
+
+def guarded(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """`tx` whose state stays as it was when `skip` is true (its update is then discarded)."""
+  def update(updates, state, params=None, *, skip=None, **extra_args):
+    del extra_args
+    updates, new_state = tx.update(updates, state, params)
+    return updates, new_state if skip is None else keep_if(skip, state, new_state)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
+def scale_by_adam_guarded(b1: float, b2: float, eps: float, mu_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
+  """`optax.scale_by_adam` (same state, same arithmetic: bit-identical updates) with the guard's
+  select applied to the new moments before the update is computed from them (see above)."""
+  adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype)
+
+  def update(updates, state, params=None, *, skip=None, **extra_args):
+    del extra_args
+    if skip is None:
+      return adam.update(updates, state, params)
+    mu = keep_if(skip, state.mu, optax.tree.update_moment(updates, state.mu, b1, 1))
+    nu = keep_if(skip, state.nu, optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2))
+    count = jnp.where(skip, state.count, optax.safe_increment(state.count))
+    mu_hat, nu_hat = optax.tree.bias_correction(mu, b1, count), optax.tree.bias_correction(nu, b2, count)
+    updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + 0.0) + eps), mu_hat, nu_hat)
+    return updates, optax.ScaleByAdamState(count=count, mu=optax.tree.cast(mu, mu_dtype),
+                                           nu=optax.tree.cast_like(nu, state.nu))
+
+  return optax.GradientTransformationExtraArgs(adam.init, update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,18 +215,24 @@ def make(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
   if opt_cfg.name == "muon":
     adam_lr = lambda step: opt_cfg.adam_lr * multiplier(step)
     learning_rates["adam_lr"] = adam_lr
+    # Muon's momentum is guarded by a select after its update (optax computes the orthogonalised
+    # update inside scale_by_muon), so it keeps the extra copy Adam avoids.
     transforms["muon"] = optax.chain(
-        optax.contrib.scale_by_muon(ns_coeffs=parse_ns_coeffs(opt_cfg.muon_ns_coeffs),
-                                    ns_steps=opt_cfg.muon_ns_steps, beta=opt_cfg.muon_momentum,
-                                    mu_dtype=state_dtype, weight_dimension_numbers=muon_dimension_numbers),
+        guarded(optax.contrib.scale_by_muon(ns_coeffs=parse_ns_coeffs(opt_cfg.muon_ns_coeffs),
+                                            ns_steps=opt_cfg.muon_ns_steps, beta=opt_cfg.muon_momentum,
+                                            mu_dtype=state_dtype, weight_dimension_numbers=muon_dimension_numbers)),
         _scale_by_shape(opt_cfg.muon_consistent_rms),
         optax.add_decayed_weights(opt_cfg.weight_decay, mask),
-        optax.scale_by_learning_rate(lr),
+        guarded(optax.scale_by_learning_rate(lr)),
     )
   else:
     adam_lr = lr
-  transforms["adam"] = optax.adamw(adam_lr, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps, mu_dtype=state_dtype,
-                                   weight_decay=opt_cfg.weight_decay, mask=mask)
+  # optax.adamw's chain, with the guard inside its stateful parts (same state tree as optax.adamw).
+  transforms["adam"] = optax.chain(
+      scale_by_adam_guarded(b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps, mu_dtype=state_dtype),
+      optax.add_decayed_weights(opt_cfg.weight_decay, mask),  # stateless
+      guarded(optax.scale_by_learning_rate(adam_lr)),  # its count is the schedule's step
+  )
   parts = [optax.clip_by_global_norm(opt_cfg.clip_norm)] if opt_cfg.clip_norm > 0 else []
   tx = optax.chain(*parts, optax.partition(transforms, labels))
   return Optimizer(tx=_init_state_in(tx, state_dtype), learning_rates=learning_rates, labels=labels)

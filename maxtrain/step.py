@@ -87,17 +87,18 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
       metrics["loss"] = metrics["loss"] * scale
       grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
     grad_norm = optax.tree.norm(grads)  # before clipping
-    updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
     guard, skip, guard_metrics = guards.check(state.guard, metrics["loss"], grad_norm, zscore=spike_zscore,
                                               warmup=spike_warmup)
+    # A skipped step keeps the optimizer state inside the optimizer (maxtrain.optim.guarded: the moments
+    # are updated in place) and the parameters here.
+    updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params, skip=skip)
+    params = guards.keep_if(skip, state.params, optax.apply_updates(state.params, updates))
     metrics["grad_norm"] = grad_norm
     metrics["param_norm"] = optax.tree.norm(state.params)
     metrics.update(guard_metrics)
     metrics.update({name: lr(state.step) for name, lr in optimizer.learning_rates.items()})
     metrics.update(optim.update_norms(updates, optimizer.labels(state.params)))
-    return state.replace(step=state.step + 1, params=guards.keep_if(skip, state.params, params),
-                         opt_state=guards.keep_if(skip, state.opt_state, opt_state), guard=guard), metrics
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, guard=guard), metrics
 
   return train_step
 

@@ -202,3 +202,29 @@ def test_optimizer_state_dtype_holds_across_updates(param_dtype, state_dtype):
   assert len(moments) == 7 + 2 * 5  # Muon momentum per matrix; Adam mu and nu for the rest
   assert set(moments.values()) == {jnp.dtype(state_dtype)}, moments
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(param_dtype)}
+
+
+@pytest.mark.parametrize("name, state_dtype", [("adamw", "float32"), ("adamw", "bfloat16"), ("muon", "float32")])
+def test_guarded_update_is_optax_and_a_skip_is_exact(name, state_dtype):
+  """skip=False: the guarded transforms (maxtrain.optim.guarded, scale_by_adam_guarded) give optax's
+  updates and state (skip=None runs optax's own update functions; the two programs are compiled
+  differently, so equal up to fp32 rounding: 1e-5 of each leaf's scale). skip=True: the whole state
+  comes back bit-identical, whatever the gradients."""
+  optimizer = optim.make(opt_config(name=name, lr=1e-2 if name == "adamw" else 0.02, state_dtype=state_dtype,
+                                    warmup_steps=2), total_steps=10)
+  params = random_params()
+  update = jax.jit(lambda g, s, p, skip: optimizer.tx.update(g, s, p, skip=skip))
+  reference = jax.jit(lambda g, s, p: optimizer.tx.update(g, s, p))
+  state = optimizer.tx.init(params)
+  for step in range(4):
+    grads = random_params(seed=10 + step)
+    ours, new_state = update(grads, state, params, jnp.bool_(False))
+    theirs, their_state = reference(grads, state, params)
+    for a, b in zip(jax.tree.leaves((ours, new_state)), jax.tree.leaves((theirs, their_state))):
+      assert a.dtype == b.dtype
+      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+      np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.max(np.abs(b)))
+    _, kept = update(jax.tree.map(lambda g: g * jnp.nan, grads), their_state, params, jnp.bool_(True))
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(their_state)):
+      assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    state = their_state
