@@ -145,6 +145,22 @@ def test_partial_interval_loss_is_split_by_step_times():
   assert report["steps"]["lost"] == 5 and report["steps"]["last"] == 16
 
 
+def test_teardown_after_the_trainers_own_crash_record_is_downtime():
+  records = [
+      rec(0, ev.JOB_START),
+      rec(10, ev.FIRST_STEP, 10),  # 0..10 start-up
+      rec(20, ev.STEPS, 20, first=11, count=10, seconds=10.0, data_wait_s=0.0),  # 10..20 lost (resume from 10)
+      rec(21, ev.CRASH, 20, code=1, reason="RuntimeError"),  # 20..21 other: after the last record of progress
+      rec(24, ev.EXIT, 20, code=1),  # 21..24: the dead trainer closing files: downtime
+      rec(25, ev.JOB_START, attempt=1),
+      rec(26, ev.RESTORE, 10, attempt=1),
+      rec(30, ev.FIRST_STEP, 11, attempt=1),  # 25..30 start-up; 24..25 downtime
+      rec(30, ev.EXIT, 11, attempt=1, code=0),
+  ]
+  report = goodput.compute(records)
+  check(report, 30.0, startup_compile=15.0, lost_progress=10.0, other=1.0, downtime=4.0)
+
+
 @pytest.mark.parametrize("idle_s,hang,other", [(None, 60.0, 1.0), (50.0, 50.0, 11.0)])
 def test_hang_then_fresh_restart(idle_s, hang, other):
   records = [

@@ -167,8 +167,9 @@ class StepsSummary:
       summary.flush(step)                    # at each log point: one record for the steps since the last
       with summary.outside(step): evaluate() # eval / checkpoint / rollback: flushed before, not counted
 
-  Wall time between the end of one interval and the start of the next (the `outside` blocks, logging
-  after `flush`) is left to its own events or to the report's `other`.
+  Wall time between the end of one interval and the start of the next (the `outside` blocks) is left
+  to its own events or to the report's `other`; log before `flush` (`pending` gives the open
+  interval's figures) so that logging time stays inside an interval.
   """
 
   def __init__(self, log: EventLog, step: int):
@@ -183,6 +184,13 @@ class StepsSummary:
 
   def add_data_wait(self, seconds: float) -> None:
     self.data_wait_s += seconds
+
+  def pending(self, step: int) -> tuple[float, int, float] | None:
+    """(seconds, steps, data_wait_s) of the open interval up to now, or None if no step ran in it."""
+    if step < self.first:
+      return None
+    seconds = time.monotonic() - self._t0
+    return seconds, step - self.first + 1, min(self.data_wait_s, seconds)
 
   def flush(self, step: int, **fields: Any) -> dict | None:
     """Emits the record for steps first..step (None if no step ran) and starts the next interval."""

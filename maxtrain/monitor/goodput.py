@@ -17,7 +17,9 @@ all attempts. Every second of that span goes to exactly one category, so they su
                     attempt's span runs from its supervisor `restart` record (written after the
                     backoff) or its first trainer record to its last trainer record, or to the
                     supervisor's `crash` record when the trainer died without an `exit` record
-                    (SIGKILL): after an `exit`, process teardown and backoff are downtime.
+                    (SIGKILL): after an `exit`, process teardown and backoff are downtime. A trainer
+                    that recorded its own `crash` is dead from then on: its teardown up to `exit`
+                    (closing files, waiting for an in-flight save) is downtime too.
   other             inside an attempt but in none of the above (logging, shutdown, unrecorded steps)
 
 How overlaps resolve: each record that covers time becomes a segment on the wall clock (a `steps`
@@ -144,6 +146,13 @@ def _segments(records: list[dict], live: _LiveSteps) -> tuple[list[_Segment], li
       continue  # after the trainer's own exit record, the supervisor's notice is teardown, not the attempt
     span = spans.setdefault(r["attempt"], [r["wall"], r["wall"]])
     span[0], span[1] = min(span[0], r["wall"]), max(span[1], r["wall"])
+
+  crashed: dict[int, float] = {}  # attempt -> its trainer's (last) crash record
+  for r in records:
+    if r["kind"] == ev.CRASH and r["process"] >= 0:
+      crashed[r["attempt"]] = max(crashed.get(r["attempt"], r["wall"]), r["wall"])
+  for attempt, wall in crashed.items():
+    spans[attempt][1] = min(spans[attempt][1], wall)
 
   segments = [_Segment(s, e, a, "other", {"other": 1.0}) for a, (s, e) in spans.items()]
   step_segments: list[tuple[_Segment, _StepsRecord]] = []
