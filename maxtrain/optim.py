@@ -177,8 +177,9 @@ def guarded(tx: optax.GradientTransformation) -> optax.GradientTransformationExt
 
 
 def scale_by_adam_guarded(b1: float, b2: float, eps: float, mu_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
-  """`optax.scale_by_adam` (same state, same arithmetic: bit-identical updates) with the guard's
-  select applied to the new moments before the update is computed from them (see above)."""
+  """`optax.scale_by_adam` (same state tree, same formulas; XLA may round differently in a different
+  program, tests/test_optim.py) with the guard's select applied to the new moments before the
+  update is computed from them (see above)."""
   adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype)
 
   def update(updates, state, params=None, *, skip=None, **extra_args):
@@ -189,7 +190,7 @@ def scale_by_adam_guarded(b1: float, b2: float, eps: float, mu_dtype: Any = None
     nu = keep_if(skip, state.nu, optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2))
     count = jnp.where(skip, state.count, optax.safe_increment(state.count))
     mu_hat, nu_hat = optax.tree.bias_correction(mu, b1, count), optax.tree.bias_correction(nu, b2, count)
-    updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + 0.0) + eps), mu_hat, nu_hat)
+    updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + 0.0) + eps), mu_hat, nu_hat)  # + optax's eps_root=0
     return updates, optax.ScaleByAdamState(count=count, mu=optax.tree.cast(mu, mu_dtype),
                                            nu=optax.tree.cast_like(nu, state.nu))
 
