@@ -30,11 +30,10 @@ import jax
 import ml_collections
 
 from maxtrain import config as config_lib
-from maxtrain.errors import UserError
+from maxtrain.errors import EXIT_BAD_INPUT, UserError
 from maxtrain.sharding.mesh import AXES, MeshLayout
 
 GiB = 2**30
-EXIT_BAD_INPUT = 2  # as maxtrain.train: a restart would fail the same way
 
 CPU_CAVEAT = ("These are XLA:CPU's figures for the same sharded program: the GPU and Neuron compilers fuse and "
               "schedule differently, so treat the memory as an estimate and keep a margin.")
@@ -162,34 +161,43 @@ class CompileReport:
     return "\n".join(lines)
 
 
-def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int) -> CompileReport:
-  """Compiles `cfg`'s train step for `num_devices` fake CPU devices (set up here when the backend has
-  not started; otherwise it must already be that many CPU devices)."""
-  use_cpu_devices(num_devices)
-  layout = config_lib.validate(cfg, num_devices, require_data=False)
-  # Imported here: these build models and meshes, and nothing above may start the backend.
+def lower_train_step(cfg: ml_collections.ConfigDict, layout: MeshLayout) -> tuple[Any, Any, Any]:
+  """(Lowered step, StateSpec, mesh): the trainer's step lowered from abstract sharded inputs on the
+  running backend's devices, with no parameter allocated."""
+  # Imported here: these build models and meshes, and the caller must set up the backend first.
   from maxtrain import optim, state as state_lib, step as step_lib
   from maxtrain.models.llama import ModelConfig
   from maxtrain.sharding.mesh import make_mesh
 
   mesh = make_mesh(layout)
-  model_cfg = ModelConfig.from_config(cfg.model)
   optimizer = optim.make(cfg.optimizer, cfg.optimizer.decay_steps or cfg.steps)
-  state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, guard_window=cfg.guards.spike_window)
+  state_spec = state_lib.spec(ModelConfig.from_config(cfg.model), optimizer.tx, mesh, cfg.seed,
+                              guard_window=cfg.guards.spike_window)
   abstract_state = state_lib.with_shardings(state_spec.abstract, state_spec.shardings)
   batch = step_lib.abstract_batch(cfg.data.batch_size, cfg.data.seq_len, mesh)
   with jax.set_mesh(mesh):  # as the trainer compiles it
-    step = step_lib.jit_train_step(cfg, state_spec, optimizer, mesh)
-    t0 = time.perf_counter()
-    lowered = step.lower(abstract_state, batch)
-    t1 = time.perf_counter()
+    lowered = step_lib.jit_train_step(cfg, state_spec, optimizer, mesh).lower(abstract_state, batch)
+  return lowered, state_spec, mesh
+
+
+def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int) -> CompileReport:
+  """Compiles `cfg`'s train step for `num_devices` fake CPU devices (set up here when the backend has
+  not started; otherwise it must already be that many CPU devices)."""
+  use_cpu_devices(num_devices)
+  layout = config_lib.validate(cfg, num_devices, require_data=False)
+  t0 = time.perf_counter()
+  lowered, state_spec, mesh = lower_train_step(cfg, layout)
+  t1 = time.perf_counter()
+  with jax.set_mesh(mesh):
     compiled = lowered.compile()
-    t2 = time.perf_counter()
+  t2 = time.perf_counter()
+  from maxtrain.models.llama import ModelConfig
+
   tokens = cfg.data.batch_size * cfg.data.seq_len
   return CompileReport(
       cfg=cfg, num_devices=num_devices, layout=layout, lowered=lowered, compiled=compiled,
       memory=Memory.of(compiled), num_params=sum(x.size for x in jax.tree.leaves(state_spec.abstract.params)),
-      model_flops=model_cfg.train_flops_per_token(cfg.data.seq_len) * tokens / num_devices,
+      model_flops=ModelConfig.from_config(cfg.model).train_flops_per_token(cfg.data.seq_len) * tokens / num_devices,
       xla_flops=xla_flops(compiled), lower_seconds=t1 - t0, compile_seconds=t2 - t1)
 
 

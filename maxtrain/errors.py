@@ -1,4 +1,8 @@
-"""User-facing errors. Anything raised as `UserError` exits the trainer with code 2."""
+"""User-facing errors and the process exit codes they map to (the contract in DESIGN.md)."""
+
+EXIT_BAD_INPUT = 2  # UserError: a restart would fail the same way
+EXIT_PREEMPTED = 75  # Preempted: checkpoint saved, restartable
+EXIT_ABORTED = 1  # Aborted: a guard stopped the run; a crash by the contract, restartable
 
 
 class UserError(Exception):
@@ -14,3 +18,11 @@ class Preempted(Exception):
 
 class Aborted(Exception):
   """A guard stopped the run (a loss spike with spike_action=abort, or rollbacks exhausted)."""
+
+
+def exit_code(error: BaseException) -> int:
+  """The process exit code for an exception that ends a run (1 = crash for anything unexpected)."""
+  for kind, code in ((UserError, EXIT_BAD_INPUT), (Preempted, EXIT_PREEMPTED), (Aborted, EXIT_ABORTED)):
+    if isinstance(error, kind):
+      return code
+  return 1

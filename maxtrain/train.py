@@ -12,11 +12,7 @@ import time
 from typing import Sequence
 
 from maxtrain import config as config_lib
-from maxtrain.errors import Aborted, Preempted, UserError
-
-EXIT_BAD_INPUT = 2
-EXIT_PREEMPTED = 75
-EXIT_ABORTED = 1  # a guard stopped the run: a crash by the contract (DESIGN.md), restartable
+from maxtrain.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_PREEMPTED, Aborted, Preempted, UserError
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from maxtrain import step as step_lib
 from maxtrain.checkpoint import Checkpointer, SaveTiming
 from maxtrain.data import corpus, pipeline
 from maxtrain.data.store import TokenStore
-from maxtrain.errors import Aborted, Preempted, UserError
+from maxtrain.errors import Aborted, Preempted, UserError, exit_code
 from maxtrain.faults import Faults
 from maxtrain.models.llama import ModelConfig, param_count
 from maxtrain.monitor import events as ev
@@ -37,7 +37,6 @@ from maxtrain.preemption import StopRequest
 from maxtrain.sharding.mesh import make_mesh
 
 log = logging.getLogger("maxtrain")
-EXIT_CODES = {Preempted: 75, UserError: 2}
 
 
 def open_stores(data_cfg: ml_collections.ConfigDict, vocab_size: int) -> tuple[TokenStore, TokenStore]:
@@ -86,7 +85,7 @@ class Trainer:
     try:
       self._prepare()
     except UserError as e:  # the attempt's record ends here: a bad-input exit, not a crash
-      self.events.emit(ev.EXIT, code=EXIT_CODES[UserError], error=str(e))
+      self.events.emit(ev.EXIT, code=exit_code(e), error=str(e))
       self.events.close()
       raise
 
@@ -337,7 +336,7 @@ class Trainer:
                              f"{self.ckpt.last_error}")
       code = 0
     except BaseException as e:
-      code = next((c for kind, c in EXIT_CODES.items() if isinstance(e, kind)), 1)
+      code = exit_code(e)
       if code == 1:
         self.events.emit(ev.CRASH, step, code=1, reason=f"{type(e).__name__}: {e}"[:1000])
       raise

@@ -74,11 +74,6 @@ def resolve_layout(sizes: Mapping[str, int], num_devices: int) -> MeshLayout:
   return MeshLayout(ici=(data, fsdp, tensor), dcn=(dcn_data, dcn_fsdp, 1))
 
 
-def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
-  """The combined (data, fsdp, tensor) shape."""
-  return resolve_layout(sizes, num_devices).shape
-
-
 def granule_devices(devices: Sequence[jax.Device], per_granule: int) -> list[list[jax.Device]]:
   """Consecutive processes' devices form a granule: one process per node (8 GPUs each) or one per
   device (launchers number ranks node by node) both give whole nodes. A process's devices must not
