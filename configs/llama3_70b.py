@@ -29,7 +29,6 @@ def get_config():
   c.checkpoint.every_steps = 250
   c.eval.every_steps, c.eval.batches = 1000, 16
   c.log_every = 10
-  c.hardware = "cpu"
   return c
 
 

@@ -25,9 +25,10 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 import maxtrain
-from maxtrain.errors import UserError
+from maxtrain.errors import UserError, require
+from maxtrain.monitor import events as ev
 from maxtrain import state as state_lib
-from maxtrain.state import param_name
+from maxtrain.sharding.layout import param_name
 
 log = logging.getLogger("maxtrain")
 
@@ -50,6 +51,14 @@ class SaveTiming:
 
 def _param_shapes(state) -> dict[str, list[int]]:
   return {param_name(path): list(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
+
+
+def validate(ck: Any) -> None:
+  """UserError naming the key for a bad `config.checkpoint`."""
+  for key in ("every_steps", "max_to_keep", "keep_every"):
+    require(ck[key] >= 0, f"config.checkpoint.{key}={ck[key]}: must be >= 0")
+  require(ck.resume in ("auto", "never") or ck.resume.isdigit() or "/" in ck.resume,
+          f"config.checkpoint.resume={ck.resume!r}: use auto, never, a step number or a checkpoint path")
 
 
 def check_writable(directory: Path) -> None:
@@ -238,3 +247,78 @@ class Checkpointer:
       t0 = time.monotonic()
       self.remote.close()
       log.info("uploads to %s finished %.2fs after the end of training", self.location, time.monotonic() - t0)
+
+
+class Checkpoints:
+  """The run's checkpoint component: where (`checkpoint.dir`, default `<output_dir>/checkpoints`), when
+  (every `checkpoint.every_steps`, at the end, on preemption), restoring onto the run's state spec,
+  and the record of every save (events, TensorBoard, the log)."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, output_dir: Path, events: Any, metrics: Any,
+               on_save_started: Any = None):
+    local = output_dir / "checkpoints"
+    self.cfg = cfg
+    self.store = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(local), local)
+    self.events, self.metrics = events, metrics
+    self.on_save_started = on_save_started or (lambda step: None)
+
+  @property
+  def location(self) -> str:
+    return self.store.location
+
+  def resolve_resume(self) -> Path | None:
+    return self.store.resolve_resume()
+
+  def restore(self, path: Path, state_spec: Any) -> Restored:
+    t0 = time.monotonic()
+    restored = self.store.restore(path, state_spec.abstract, state_spec.shardings)
+    self.events.emit(ev.RESTORE, restored.step, seconds=time.monotonic() - t0, path=str(path))
+    log.info("restored step %d from %s in %.2fs (saved on mesh %s)", restored.step, path, time.monotonic() - t0,
+             restored.meta.get("mesh"))
+    return restored
+
+  def restore_before(self, step: int, state_spec: Any) -> Any | None:
+    """The newest checkpoint's state from before `step` (waiting for a save in flight), or None."""
+    self._log(self.store.wait())
+    good = [s for s in self.store.steps() if s < step]
+    if not good:
+      return None
+    return self.store.restore(self.store.local_path(good[-1]), state_spec.abstract, state_spec.shardings).state
+
+  def after_step(self, step: int, state: Any, data_state: dict, mesh_shape: dict, *, final: bool) -> None:
+    """Saves when the schedule says so (the final step synchronously); else collects finished saves."""
+    if final or self.store.should_save(step):
+      self.save(step, state, data_state, mesh_shape, sync=final)
+    else:
+      self._log(self.store.poll())
+
+  def save(self, step: int, state: Any, data_state: dict, mesh_shape: dict, *, sync: bool) -> None:
+    with self.metrics.outside(step):
+      self.events.emit(ev.CHECKPOINT_SAVE_START, step)
+      t0 = time.monotonic()
+      timing = self.store.save(step, state, data_state, self.cfg, mesh_shape)
+      if timing is not None:
+        self.on_save_started(step)
+        done = self.store.wait() if sync else self.store.poll()
+        if sync:
+          timing.blocking_s = time.monotonic() - t0  # the loop waited for all of it
+        self.events.emit(ev.CHECKPOINT_BLOCKED, step, blocking_s=time.monotonic() - t0)
+        self._log(done)
+
+  def check_final(self, step: int) -> None:
+    """Exiting 0 would lose this run's work silently when its last save failed; a crash exit lets a
+    supervisor restart from the newest complete checkpoint."""
+    if self.store.failed_step == step:
+      raise RuntimeError(f"the final checkpoint (step {step}) could not be written to {self.location}: "
+                         f"{self.store.last_error}")
+
+  def _log(self, timings: list[SaveTiming]) -> None:
+    for timing in timings:
+      self.events.emit(ev.CHECKPOINT_SAVE_END, timing.step, blocking_s=timing.blocking_s, save_s=timing.save_s)
+      self.metrics.scalars(timing.step, {"checkpoint/blocking_s": timing.blocking_s,
+                                         "checkpoint/save_s": timing.save_s})
+      log.info("checkpoint step %d saved: loop blocked %.3fs, complete on disk after %.3fs",
+               timing.step, timing.blocking_s, timing.save_s)
+
+  def close(self) -> None:
+    self.store.close()

@@ -1,38 +1,42 @@
-"""Config: the base definition (every key documented where declared), loading with overrides,
-and validation with errors that name the key, the values and the fix.
+"""Config: the base definition (every key documented where it is declared), loading with overrides,
+hardware presets, and `--help` generated from the declarations. Validation lives in
+`maxtrain/validate.py`, next to what it checks.
+
+No jax import, directly or through other modules: the supervisor (`maxtrain.launch`) loads configs,
+and the platform environment must be set before JAX starts.
 
 `configs/*.py` presets call `base_config()` and change a few keys.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
+import functools
 import importlib.util
+import inspect
+import io
 import json
-import math
+import logging
+import textwrap
+import tokenize
 from pathlib import Path
 from typing import Any, Sequence
 
 import ml_collections
 
 from maxtrain.errors import UserError
-from maxtrain.guards import SPIKE_ACTIONS
-from maxtrain.sharding.mesh import AXES, DCN_AXES, MeshLayout, resolve_layout
+from maxtrain.runtime import hardware
 
+log = logging.getLogger("maxtrain")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.py"
-REMAT_CHOICES = ("none", "full", "dots")
-DTYPES = ("float32", "bfloat16", "float16")
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("cosine", "wsd", "constant")
-WSD_DECAYS = ("linear", "cosine")
-STATE_DTYPES = ("float32", "bfloat16")
-PARAM_KINDS = ("embed", "head", "norm", "bias", "matrix")  # maxtrain.optim.param_kind's classes
+USAGE = "usage: python -m {prog} [--config=PATH] [--config.KEY=VALUE ...]"
 
 
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.hardware = ""  # Hardware preset (e.g. cpu, h100x8, trn2.48xlarge) applied before --config.* overrides; "" = none.
+  c.hardware = "auto"  # Hardware preset applied before --config.* overrides: auto (detected), "" (none), cpu, h100x8, ...
   c.seed = 0  # All randomness (init, data order) derives from this.
   c.steps = 200  # Optimizer steps to train.
   c.output_dir = "runs/default"  # config.json, tensorboard/ and logs go here.
@@ -61,6 +65,7 @@ def base_config() -> ml_collections.ConfigDict:
   # (across the network). At most one of all five may be -1.
   c.mesh.dcn_data = 1  # Data-parallel replicas across nodes.
   c.mesh.dcn_fsdp = 1  # FSDP across nodes (parameters sharded over the network too).
+  c.mesh.rules = "default"  # Sharding rule set (logical axis -> mesh axes), of maxtrain/sharding/rules.py RULE_SETS.
 
   c.data = d = ml_collections.ConfigDict()
   d.corpus = "python-stdlib"  # Embedded corpus, built and cached on first use; ignored when data.path is set.
@@ -133,7 +138,7 @@ def base_config() -> ml_collections.ConfigDict:
   f.hang_at_step = -1  # Block forever after this step (the watchdog must fire).
   f.nan_at_step = -1  # Make this step's loss and gradients NaN (in-graph).
   f.spike_at_step = -1  # Multiply this step's loss and gradients by spike_factor (in-graph).
-  f.spike_factor = 100.0
+  f.spike_factor = 100.0  # Loss and gradient multiplier of spike_at_step.
 
   c.guards = g = ml_collections.ConfigDict()
   g.max_consecutive_bad = 3  # Non-finite steps in a row (each skipped in-graph) before a rollback.
@@ -208,24 +213,34 @@ def load_file(path: str | Path) -> tuple[ml_collections.ConfigDict, dict[str, di
     raise UserError(f"--config={path}: no such file. Configs live in {REPO_ROOT / 'configs'}.")
   spec = importlib.util.spec_from_file_location(f"maxtrain_config_{path.stem}", path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, "get_config"):
-    raise UserError(f"--config={path}: the file must define get_config() returning a ConfigDict")
-  return module.get_config(), getattr(module, "HARDWARE", {})
+  try:
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+      raise UserError(f"--config={path}: the file must define get_config() returning a ConfigDict")
+    cfg = module.get_config()
+  except UserError:
+    raise
+  except Exception as e:  # noqa: BLE001 - any error in user code is a bad config, not a crash
+    where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
+    raise UserError(f"--config={path}: loading it failed{where}: {type(e).__name__}: {e}. Fix the file.") from None
+  if not isinstance(cfg, ml_collections.ConfigDict):
+    raise UserError(f"--config={path}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
+  return cfg, getattr(module, "HARDWARE", {})
 
 
 def apply_hardware(cfg: ml_collections.ConfigDict, name: str, model_presets: dict[str, dict[str, Any]]) -> None:
-  """Sets the keys of hardware preset `name` (maxtrain/hardware.py, then the config file's HARDWARE)."""
-  from maxtrain import hardware
-
-  for key, value in hardware.preset(name, model_presets).items():
+  """Sets the keys of hardware preset `name` (runtime/hardware.py, then the config file's HARDWARE);
+  `auto` picks the preset of the machine's accelerators (runtime/hardware.py `detect`)."""
+  if name == "auto":
+    name, reason = hardware.detect()
+    log.info("hardware=auto: %s", reason)
+  for key, value in hardware.preset(name, model_presets).items() if name else ():
     set_override(cfg, key, str(value))
   cfg.hardware = name
 
 
-def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
-  """`--config=PATH` (default configs/default.py), its hardware preset (`hardware`, from the file or the
-  command line), then `--config.a.b=value` overrides, in order."""
+def parse_args(argv: Sequence[str]) -> tuple[str | Path, list[tuple[str, str]]]:
+  """`--config=PATH` (default configs/default.py) and the `--config.a.b=value` overrides, in order."""
   path, overrides = DEFAULT_CONFIG, []
   args = list(argv)
   while args:
@@ -241,161 +256,74 @@ def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
         raise UserError("--config: missing path")
       name, value = "config", args.pop(0)
     else:
-      raise UserError(f"unexpected argument {arg!r}: use --config=PATH and --config.KEY=VALUE")
+      raise UserError(f"unexpected argument {arg!r}: use --config=PATH and --config.KEY=VALUE (--help lists the keys)")
     if name == "config":
       path = value
     else:
       overrides.append((name[len("config."):], value))
+  return path, overrides
+
+
+def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
+  """The config file, its hardware preset (`hardware`, from the file or the command line), then the
+  `--config.a.b=value` overrides, in order; locked."""
+  path, overrides = parse_args(argv)
   cfg, model_presets = load_file(path)
   # The hardware preset goes first so that every explicit --config.* override wins over it.
-  hardware_name = next((v for k, v in reversed(overrides) if k == "hardware"), cfg.hardware)
-  if hardware_name:
-    apply_hardware(cfg, hardware_name, model_presets)
+  apply_hardware(cfg, next((v for k, v in reversed(overrides) if k == "hardware"), cfg.hardware), model_presets)
   for key, value in overrides:
-    set_override(cfg, key, value)
+    if key != "hardware":
+      set_override(cfg, key, value)
   cfg.lock()
   return cfg
 
 
-def _require(ok: bool, message: str) -> None:
-  if not ok:
-    raise UserError(message)
+@functools.cache
+def key_docs() -> dict[str, str]:
+  """Dotted key -> its one-line meaning: the comment on the line that declares it in `base_config`."""
+  source = textwrap.dedent(inspect.getsource(base_config))
+  comments = {tok.start[0]: tok.string.lstrip("# ").strip()
+              for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+  prefixes, docs = {}, {}
+  for node in ast.walk(ast.parse(source)):
+    if not isinstance(node, ast.Assign):
+      continue
+    paths = [_dotted(t, prefixes) for t in node.targets]
+    if isinstance(node.value, ast.Call):  # `c.model = m = ml_collections.ConfigDict()`: m is "model."
+      section = next((p + "." for p in paths if p is not None), "")  # `c = ConfigDict()`: the root
+      prefixes.update({t.id: section for t in node.targets if isinstance(t, ast.Name)})
+      continue
+    for path in paths:
+      docs[path] = comments.get(node.lineno, "")
+  return docs
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, *,
-             require_data: bool = True) -> MeshLayout:
-  """Checks everything that can be checked before touching data or compiling (`require_data=False`:
-  everything but the data source, for ahead-of-time compiles), and sets the derived
-  `optimizer.grad_accum_steps` when `optimizer.microbatch_size` is given.
-
-  Returns the resolved mesh layout (its `.shape` is the combined (data, fsdp, tensor)).
-  """
-  m, d, o = cfg.model, cfg.data, cfg.optimizer
-  for key in ("steps", "log_every"):
-    _require(cfg[key] > 0, f"config.{key}={cfg[key]}: must be > 0")
-  for key in ("num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
-    _require(m[key] > 0, f"config.model.{key}={m[key]}: must be > 0")
-  _require(m.d_model % m.num_heads == 0,
-           f"config.model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
-  _require((m.d_model // m.num_heads) % 2 == 0,
-           f"head_dim = model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even for RoPE")
-  _require(m.num_heads % m.num_kv_heads == 0,
-           f"config.model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
-  _require(m.remat in REMAT_CHOICES, f"config.model.remat={m.remat!r}: choose one of {REMAT_CHOICES}")
-  for key in ("param_dtype", "compute_dtype"):
-    _require(m[key] in DTYPES, f"config.model.{key}={m[key]!r}: choose one of {DTYPES}")
-  _require(bool(d.corpus) or bool(d.path) or not require_data,
-           "config.data.corpus and config.data.path are both empty: set data.path to a token store "
-           "prefix (tools/index_data.py) or data.corpus to 'python-stdlib'")
-  _require(0 < d.seq_len <= m.max_seq_len,
-           f"config.data.seq_len={d.seq_len} must be in 1..model.max_seq_len={m.max_seq_len}")
-  _require(o.decay_steps >= 0, f"config.optimizer.decay_steps={o.decay_steps}: must be >= 0 (0 = steps)")
-  _validate_optimizer(o, o.decay_steps or cfg.steps)
-  gd = cfg.guards
-  _choice("guards.spike_action", gd.spike_action, SPIKE_ACTIONS)
-  for key in ("max_consecutive_bad", "spike_window"):
-    _require(gd[key] >= 1, f"config.guards.{key}={gd[key]}: must be >= 1")
-  for key in ("spike_warmup", "max_rollbacks"):
-    _require(gd[key] >= 0, f"config.guards.{key}={gd[key]}: must be >= 0")
-  _require(gd.spike_zscore > 0, f"config.guards.spike_zscore={gd.spike_zscore}: must be > 0")
-  ck = cfg.checkpoint
-  for key in ("every_steps", "max_to_keep", "keep_every"):
-    _require(ck[key] >= 0, f"config.checkpoint.{key}={ck[key]}: must be >= 0")
-  _require(ck.resume in ("auto", "never") or ck.resume.isdigit() or "/" in ck.resume,
-           f"config.checkpoint.resume={ck.resume!r}: use auto, never, a step number or a checkpoint path")
-  _require(cfg.eval.every_steps >= 0, f"config.eval.every_steps={cfg.eval.every_steps}: must be >= 0")
-  _require(cfg.eval.batches > 0, f"config.eval.batches={cfg.eval.batches}: must be > 0")
-
-  layout = resolve_layout({a: cfg.mesh[a] for a in AXES + DCN_AXES}, num_devices)
-  data, fsdp, tensor = layout.shape
-  mesh_txt = f"mesh data={data} x fsdp={fsdp} x tensor={tensor}"
-  for key in ("num_heads", "num_kv_heads", "d_ff", "vocab_size"):
-    _require(m[key] % tensor == 0,
-             f"config.model.{key}={m[key]} is not divisible by mesh.tensor={tensor}: tensor parallelism "
-             f"splits this dim across {tensor} devices. Choose mesh.tensor dividing it, or change the model.")
-  for key in ("d_model", "vocab_size"):
-    _require(m[key] % fsdp == 0,
-             f"config.model.{key}={m[key]} is not divisible by mesh.fsdp={fsdp} ({mesh_txt}): FSDP shards "
-             "this dim. Choose another mesh.fsdp or model size.")
-  batch_shards = data * fsdp
-  _require(d.batch_size % batch_shards == 0,
-           f"config.data.batch_size={d.batch_size} is not divisible by data x fsdp = {data} x {fsdp} = "
-           f"{batch_shards} ({mesh_txt}): each batch shard needs the same number of sequences.")
-  _require(d.batch_size % num_processes == 0,
-           f"config.data.batch_size={d.batch_size} is not divisible by the {num_processes} processes")
-  per_process, per_shard = d.batch_size // num_processes, d.batch_size // batch_shards
-  _require(o.microbatch_size >= 0, f"config.optimizer.microbatch_size={o.microbatch_size}: must be >= 0 (0 = off)")
-  if o.microbatch_size:
-    # The one derived key: activation memory per device stays the same whatever the node count.
-    _require(per_shard % o.microbatch_size == 0,
-             f"config.optimizer.microbatch_size={o.microbatch_size} does not divide the {per_shard} sequences per "
-             f"batch shard (data.batch_size={d.batch_size} / data x fsdp = {batch_shards}, {mesh_txt})")
-    o.grad_accum_steps = per_shard // o.microbatch_size
-  k = o.grad_accum_steps
-  _require(per_process % k == 0 and per_shard % k == 0,
-           f"config.optimizer.grad_accum_steps={k} does not divide the batch: data.batch_size={d.batch_size} "
-           f"is {per_process} sequences per process ({num_processes} processes) and {per_shard} per batch shard "
-           f"(data x fsdp = {batch_shards}, {mesh_txt}); every shard must split into {k} equal microbatches. "
-           f"Choose grad_accum_steps dividing {math.gcd(per_process, per_shard)}, or a batch_size that is a "
-           f"multiple of {k} x {batch_shards} = {k * batch_shards}.")
-  return layout
+def _dotted(target: ast.expr, prefixes: dict[str, str]) -> str | None:
+  """`c.runtime.env` -> 'runtime.env'; `m.d_ff` -> 'model.d_ff' (m declared as the model section)."""
+  parts = []
+  while isinstance(target, ast.Attribute):
+    parts.append(target.attr)
+    target = target.value
+  if not isinstance(target, ast.Name) or not parts:
+    return None
+  return prefixes.get(target.id, "") + ".".join(reversed(parts))
 
 
-def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-  if value not in choices:
-    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise UserError(f"config.{key}={value!r}: choose one of {', '.join(choices)}.{hint}")
-
-
-def _validate_optimizer(o: ml_collections.ConfigDict, steps: int) -> None:
-  _choice("optimizer.name", o.name, OPTIMIZERS)
-  _choice("optimizer.schedule", o.schedule, SCHEDULES)
-  _choice("optimizer.wsd_decay", o.wsd_decay, WSD_DECAYS)
-  _choice("optimizer.state_dtype", o.state_dtype, STATE_DTYPES)
-  for key in ("lr", "adam_lr"):
-    _require(o[key] > 0, f"config.optimizer.{key}={o[key]}: a learning rate must be > 0 (the peak of the schedule)")
-  _require(o.warmup_steps >= 0, f"config.optimizer.warmup_steps={o.warmup_steps}: must be >= 0")
-  _require(0 <= o.min_lr_ratio <= 1, f"config.optimizer.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
-  _require(0 < o.decay_fraction <= 1, f"config.optimizer.decay_fraction={o.decay_fraction}: must be in (0, 1]")
-  if o.schedule == "wsd":
-    decay_start = steps - max(round(o.decay_fraction * steps), 1)
-    _require(o.warmup_steps <= decay_start,
-             f"config.optimizer.warmup_steps={o.warmup_steps} runs into the wsd decay, which starts at step "
-             f"steps - round(decay_fraction x steps) = {steps} - round({o.decay_fraction} x {steps}) = {decay_start}. "
-             "Shorten the warmup or the decay_fraction.")
-  for key in ("weight_decay", "clip_norm", "z_loss"):
-    _require(o[key] >= 0, f"config.optimizer.{key}={o[key]}: must be >= 0 (0 disables)")
-  unknown = [k for k in (k.strip() for k in o.no_decay.split(",")) if k and k not in PARAM_KINDS]
-  _require(not unknown, f"config.optimizer.no_decay={o.no_decay!r}: {', '.join(map(repr, unknown))} is not a "
-           f"parameter kind; list some of {', '.join(PARAM_KINDS)}, comma-separated (empty: decay everything)")
-  _require(o.grad_accum_steps >= 1, f"config.optimizer.grad_accum_steps={o.grad_accum_steps}: must be >= 1")
-  _require(0 <= o.muon_momentum < 1, f"config.optimizer.muon_momentum={o.muon_momentum}: must be in [0, 1)")
-  _require(o.muon_ns_steps >= 1, f"config.optimizer.muon_ns_steps={o.muon_ns_steps}: must be >= 1")
-  try:
-    three_numbers = len([float(c) for c in o.muon_ns_coeffs.split(",")]) == 3
-  except ValueError:
-    three_numbers = False
-  _require(three_numbers, f"config.optimizer.muon_ns_coeffs={o.muon_ns_coeffs!r}: expected three numbers 'a,b,c', "
-           "e.g. '3.4445,-4.7750,2.0315'")
-  _require(o.muon_consistent_rms >= 0,
-           f"config.optimizer.muon_consistent_rms={o.muon_consistent_rms}: must be >= 0 (0: width scaling)")
-
-
-def validate_runtime(r: ml_collections.ConfigDict) -> None:
-  """The runtime keys, checked before the platform environment is composed (maxtrain/platform.py)."""
-  from maxtrain import cluster, platform
-
-  _choice("runtime.platform", r.platform, platform.PLATFORMS)
-  _choice("runtime.cluster", r.cluster, cluster.KINDS)
-  _choice("runtime.neuron_target", r.neuron_target, ("",) + platform.NEURON_TARGETS)
-  _require(r.neuron_lnc in (0, 1, 2), f"config.runtime.neuron_lnc={r.neuron_lnc}: use 1 or 2 (0 = the target's "
-           "default: 2 on trn2, 1 on trn1)")
-  _require(r.num_processes >= 0, f"config.runtime.num_processes={r.num_processes}: must be >= 0 (0 = detect)")
-  _require(r.process_id >= -1, f"config.runtime.process_id={r.process_id}: must be >= 0, or -1 to detect it")
-  _require(0 <= r.coordinator_port <= 65535,
-           f"config.runtime.coordinator_port={r.coordinator_port}: must be a port, 1..65535 (0 = derived)")
+def help_text(argv: Sequence[str], prog: str) -> str:
+  """Usage and every config key with its value (the defaults, or those of `--config=PATH`) and meaning."""
+  path, _ = parse_args([a for a in argv if a not in ("--help", "-h")])
+  cfg, _ = load_file(path)
+  docs = key_docs()
+  lines = [USAGE.format(prog=prog), "", f"config keys (values from {path}; set with --config.KEY=VALUE):"]
+  declared = [k for k in docs if k in set(_flat_keys(cfg))]
+  for key in declared + sorted(set(_flat_keys(cfg)) - set(declared)):
+    value = cfg
+    for part in key.split("."):
+      value = value[part]
+    lines.append(f"  {key} = {value!r}\n      {docs.get(key) or '(undocumented)'}")
+  return "\n".join(lines)
 
 
 def save(cfg: ml_collections.ConfigDict, path: str | Path) -> None:
+  """The resolved config as JSON (config.json of a run)."""
   Path(path).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")

@@ -1,8 +1,22 @@
-"""User-facing errors and the process exit codes they map to (the contract in DESIGN.md)."""
+"""User-facing errors and the process exit codes (the contract in DESIGN.md), defined here only.
 
+No jax import: the supervisor (`maxtrain.launch`) reads the codes without starting JAX.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Sequence
+
+EXIT_OK = 0  # finished
+EXIT_CRASH = 1  # anything unexpected: restarted with backoff
 EXIT_BAD_INPUT = 2  # UserError: a restart would fail the same way
-EXIT_PREEMPTED = 75  # Preempted: checkpoint saved, restartable
 EXIT_ABORTED = 1  # Aborted: a guard stopped the run; a crash by the contract, restartable
+EXIT_PREEMPTED = 75  # Preempted: checkpoint saved, restartable at once
+EXIT_HANG = 76  # the watchdog saw no progress: restartable
+
+MEANINGS = {EXIT_OK: "finished", EXIT_BAD_INPUT: "bad config or input", EXIT_PREEMPTED: "preempted",
+            EXIT_HANG: "hang (watchdog)"}
 
 
 class UserError(Exception):
@@ -25,4 +39,18 @@ def exit_code(error: BaseException) -> int:
   for kind, code in ((UserError, EXIT_BAD_INPUT), (Preempted, EXIT_PREEMPTED), (Aborted, EXIT_ABORTED)):
     if isinstance(error, kind):
       return code
-  return 1
+  return EXIT_CRASH
+
+
+def require(ok: bool, message: str) -> None:
+  """Raises UserError(message) unless `ok`: for checks of user input, where `assert` is wrong."""
+  if not ok:
+    raise UserError(message)
+
+
+def choice(key: str, value: str, choices: Sequence[str]) -> None:
+  """`config.<key>` must be one of `choices`; the error suggests the nearest one."""
+  if value not in choices:
+    close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise UserError(f"config.{key}={value!r}: choose one of {', '.join(choices)}.{hint}")

@@ -19,7 +19,19 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from maxtrain.errors import choice, require
+
 SPIKE_ACTIONS = ("skip", "rollback", "abort")
+
+
+def validate(g: Any) -> None:
+  """UserError naming the key for bad `config.guards`."""
+  choice("guards.spike_action", g.spike_action, SPIKE_ACTIONS)
+  for key in ("max_consecutive_bad", "spike_window"):
+    require(g[key] >= 1, f"config.guards.{key}={g[key]}: must be >= 1")
+  for key in ("spike_warmup", "max_rollbacks"):
+    require(g[key] >= 0, f"config.guards.{key}={g[key]}: must be >= 0")
+  require(g.spike_zscore > 0, f"config.guards.spike_zscore={g.spike_zscore}: must be > 0")
 
 
 @struct.dataclass

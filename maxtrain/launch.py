@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from maxtrain.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED, MEANINGS
 from maxtrain.monitor import events as ev
-
-FINISHED, BAD_INPUT, PREEMPTED, HANG = 0, 2, 75, 76
 
 
 @dataclasses.dataclass
@@ -33,8 +32,7 @@ class Attempt:
   seconds: float
 
   def describe(self) -> str:
-    meaning = {FINISHED: "finished", BAD_INPUT: "bad config or input", PREEMPTED: "preempted",
-               HANG: "hang (watchdog)"}.get(self.code, "killed by signal" if self.code < 0 else "crash")
+    meaning = MEANINGS.get(self.code, "killed by signal" if self.code < 0 else "crash")
     return f"attempt {self.number}: exit {self.code} ({meaning}) after {self.seconds:.1f}s"
 
 
@@ -64,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = output_dir(train_args)
   except Exception as e:  # noqa: BLE001 - a bad config: the trainer would exit 2, so do we
     print(f"maxtrain.launch: error: {e}", file=sys.stderr)
-    return BAD_INPUT
+    return EXIT_BAD_INPUT
   out.mkdir(parents=True, exist_ok=True)
   attempts: list[Attempt] = []
   counted: list[float] = []  # monotonic times of counted restarts
@@ -91,12 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = child.wait()
     attempts.append(Attempt(number, code, time.monotonic() - t0))
     print(f"maxtrain.launch: {attempts[-1].describe()}", file=sys.stderr, flush=True)
-    if code not in (FINISHED, BAD_INPUT, PREEMPTED):
+    if code not in (EXIT_OK, EXIT_BAD_INPUT, EXIT_PREEMPTED):
       log.emit(ev.CRASH, code=code, reason=attempts[-1].describe())
     log.close()
-    if code in (FINISHED, BAD_INPUT) or stopping:
+    if code in (EXIT_OK, EXIT_BAD_INPUT) or stopping:
       return code
-    if code == PREEMPTED:
+    if code == EXIT_PREEMPTED:
       reason, backoff = "preempted", 0.0
       continue
     now = time.monotonic()
@@ -105,9 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(f"maxtrain.launch: giving up: {len(counted)} failed attempts within {args.window:.0f}s exceed "
             f"--max-restarts={args.max_restarts} (a crash loop). Attempts:\n  "
             + "\n  ".join(a.describe() for a in attempts), file=sys.stderr)
-      return 1
+      return EXIT_CRASH
     backoff = min(args.backoff * 2 ** (len(counted) - 1), args.max_backoff)
-    reason = "hang" if code == HANG else "crash"
+    reason = "hang" if code == EXIT_HANG else "crash"
     print(f"maxtrain.launch: restarting in {backoff:.1f}s ({len(counted)}/{args.max_restarts} restarts "
           f"within {args.window:.0f}s)", file=sys.stderr, flush=True)
     time.sleep(backoff)  # the backoff itself, not synchronisation

@@ -33,8 +33,15 @@ import ml_collections
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from maxtrain.errors import choice, require
 from maxtrain.guards import keep_if
-from maxtrain.state import param_name
+from maxtrain.sharding.layout import param_name
+
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd", "constant")
+WSD_DECAYS = ("linear", "cosine")
+STATE_DTYPES = ("float32", "bfloat16")
+PARAM_KINDS = ("embed", "head", "norm", "bias", "matrix")  # what param_kind returns
 
 # How Muon sees a hidden weight as a matrix [fan_in, fan_out], with the weight's rank without the
 # layers dim. Axes are negative so the same numbers hold with and without a leading scanned `layers`
@@ -54,7 +61,7 @@ def _matrix_key(name: str) -> str:
 
 
 def param_kind(name: str, ndim: int) -> str:
-  """One of config.PARAM_KINDS for the parameter `name` ('blocks/attn/wq', 'final_norm/scale', ...)."""
+  """One of PARAM_KINDS for the parameter `name` ('blocks/attn/wq', 'final_norm/scale', ...)."""
   leaf = name.split("/")[-1]
   if name in ("embed", "head"):
     return name
@@ -202,6 +209,40 @@ class Optimizer:
   tx: optax.GradientTransformation
   learning_rates: dict[str, optax.Schedule]  # metric name ('lr', 'adam_lr') -> lr at a step
   labels: Callable[[Any], Any]  # params -> tree of 'muon' / 'adam'
+
+
+def validate(o: ml_collections.ConfigDict, steps: int) -> None:
+  """UserError naming the key for a bad `config.optimizer` of a run of `steps` steps."""
+  choice("optimizer.name", o.name, OPTIMIZERS)
+  choice("optimizer.schedule", o.schedule, SCHEDULES)
+  choice("optimizer.wsd_decay", o.wsd_decay, WSD_DECAYS)
+  choice("optimizer.state_dtype", o.state_dtype, STATE_DTYPES)
+  for key in ("lr", "adam_lr"):
+    require(o[key] > 0, f"config.optimizer.{key}={o[key]}: a learning rate must be > 0 (the peak of the schedule)")
+  require(o.warmup_steps >= 0, f"config.optimizer.warmup_steps={o.warmup_steps}: must be >= 0")
+  require(0 <= o.min_lr_ratio <= 1, f"config.optimizer.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+  require(0 < o.decay_fraction <= 1, f"config.optimizer.decay_fraction={o.decay_fraction}: must be in (0, 1]")
+  if o.schedule == "wsd":
+    decay_start = steps - max(round(o.decay_fraction * steps), 1)
+    require(o.warmup_steps <= decay_start,
+             f"config.optimizer.warmup_steps={o.warmup_steps} runs into the wsd decay, which starts at step "
+             f"steps - round(decay_fraction x steps) = {steps} - round({o.decay_fraction} x {steps}) = {decay_start}. "
+             "Shorten the warmup or the decay_fraction.")
+  for key in ("weight_decay", "clip_norm", "z_loss"):
+    require(o[key] >= 0, f"config.optimizer.{key}={o[key]}: must be >= 0 (0 disables)")
+  unknown = [k for k in (k.strip() for k in o.no_decay.split(",")) if k and k not in PARAM_KINDS]
+  require(not unknown, f"config.optimizer.no_decay={o.no_decay!r}: {', '.join(map(repr, unknown))} is not a "
+          f"parameter kind; list some of {', '.join(PARAM_KINDS)}, comma-separated (empty: decay everything)")
+  require(0 <= o.muon_momentum < 1, f"config.optimizer.muon_momentum={o.muon_momentum}: must be in [0, 1)")
+  require(o.muon_ns_steps >= 1, f"config.optimizer.muon_ns_steps={o.muon_ns_steps}: must be >= 1")
+  try:
+    three_numbers = len([float(c) for c in o.muon_ns_coeffs.split(",")]) == 3
+  except ValueError:
+    three_numbers = False
+  require(three_numbers, f"config.optimizer.muon_ns_coeffs={o.muon_ns_coeffs!r}: expected three numbers 'a,b,c', "
+           "e.g. '3.4445,-4.7750,2.0315'")
+  require(o.muon_consistent_rms >= 0,
+           f"config.optimizer.muon_consistent_rms={o.muon_consistent_rms}: must be >= 0 (0: width scaling)")
 
 
 def make(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:

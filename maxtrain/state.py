@@ -16,9 +16,9 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtrain import guards
-from maxtrain.errors import UserError
-from maxtrain.models.llama import Llama, ModelConfig
+from maxtrain.models.llama import CONFIG_KEYS, Llama, ModelConfig
 from maxtrain.sharding import rules as sharding_rules
+from maxtrain.sharding.layout import Layout, check_divisible, check_replication
 
 
 @struct.dataclass
@@ -29,44 +29,13 @@ class TrainState:
   guard: guards.GuardState
 
 
-def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, rules, guard_window: int):
+def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, guard_window: int):
   def init() -> TrainState:
-    _, params = nnx.split(Llama(model_cfg, rngs=nnx.Rngs(params=seed), rules=rules))
+    _, params = nnx.split(Llama(model_cfg, rngs=nnx.Rngs(params=seed)))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       guard=guards.init(guard_window))
 
   return init
-
-
-def logical_specs(abstract_state: Any) -> Any:
-  """Logical PartitionSpec per leaf; leaves without annotations (step, counts) are replicated."""
-  return nnx.get_partition_spec(abstract_state)
-
-
-def param_name(path: tuple) -> str:
-  """'blocks/attn/wq' for a key path into an nnx.State (attribute keys like `.value` dropped)."""
-  return "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
-
-
-def check_replication(abstract_params: Any, shardings: Any, mesh: Mesh, max_share: float = 0.1) -> None:
-  """Fails when more than `max_share` of parameter bytes would sit whole on every device of a
-  mesh that could shard them: almost always a missing or wrong sharding rule."""
-  if mesh.shape["fsdp"] * mesh.shape["tensor"] == 1:
-    return
-  sizes, replicated = {}, {}
-  for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree.leaves(shardings)):
-    name = param_name(path)
-    sizes[name] = leaf.size * leaf.dtype.itemsize
-    if sharding.is_fully_replicated:
-      replicated[name] = sizes[name]
-  share = sum(replicated.values()) / max(sum(sizes.values()), 1)
-  if share > max_share:
-    worst = sorted(replicated.items(), key=lambda kv: -kv[1])[:5]
-    listing = ", ".join(f"{name} ({size / 2**20:.1f} MiB)" for name, size in worst)
-    raise UserError(
-        f"{share:.0%} of parameter bytes would be replicated on every device of mesh {dict(mesh.shape)} "
-        f"(limit {max_share:.0%}); largest: {listing}. Check the sharding rules in maxtrain/sharding/rules.py."
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +49,17 @@ class StateSpec:
 
 def spec(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
          rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES, guard_window: int = 32) -> StateSpec:
-  """Shapes and placement of the state, without allocating it."""
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(params=seed), rules=rules)))
-  init = _init_fn(model_cfg, tx, seed, rules, guard_window)
+  """Shapes and placement of the state, without allocating it. Fails (UserError) on a layout that
+  does not divide the parameters or replicates most of them."""
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(params=seed))))
+  init = _init_fn(model_cfg, tx, seed, guard_window)
   abstract = jax.eval_shape(init)
+  layout = Layout(dict(mesh.shape), rules)
+  check_divisible(abstract.params, layout, CONFIG_KEYS)
   # Optimizer moments carry their parameters' logical axes (optax builds them with tree maps over
   # the params), so they are sharded like them.
-  shardings = sharding_rules.named_shardings(logical_specs(abstract), mesh, rules)
-  check_replication(abstract.params, shardings.params, mesh)
+  shardings = sharding_rules.named_shardings(nnx.get_partition_spec(abstract), mesh, rules)
+  check_replication(abstract.params, shardings.params, layout)
   return StateSpec(graphdef, abstract, shardings, init)
 
 

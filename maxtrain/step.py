@@ -13,15 +13,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
-import ml_collections
-import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtrain import guards, microbatch, optim
-from maxtrain.data import pipeline
-from maxtrain.sharding.mesh import BATCH_AXES
-from maxtrain.state import StateSpec, TrainState, replicated
+from maxtrain.batch import FAULT
+from maxtrain.sharding import rules as sharding_rules
+from maxtrain.state import TrainState
 
 Batch = dict[str, jax.Array]
 
@@ -74,14 +71,16 @@ def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_loss: float = 0.0,
-                    grad_accum_steps: int = 1, spike_zscore: float = 6.0,
-                    spike_warmup: int = 20) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    grad_accum_steps: int = 1, spike_zscore: float = 6.0, spike_warmup: int = 20,
+                    rules: sharding_rules.Rules | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
   """The step. `batch` may carry `fault`: f32[2] = (make this step NaN?, loss scale), replicated, for
-  fault injection (`maxtrain.faults`); absent, nothing is injected."""
+  fault injection (`runtime/faults.py`); absent, nothing is injected. `rules` lay out the model's
+  activations (None: GSPMD decides alone)."""
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     batch = dict(batch)
-    fault = batch.pop("fault", None)
-    metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss, grad_accum_steps=grad_accum_steps)
+    fault = batch.pop(FAULT, None)
+    with sharding_rules.activate(rules):
+      metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss, grad_accum_steps=grad_accum_steps)
     if fault is not None:
       scale = jnp.where(fault[0] > 0, jnp.nan, fault[1])
       metrics["loss"] = metrics["loss"] * scale
@@ -103,35 +102,12 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
   return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[nnx.State, Batch], tuple[jax.Array, jax.Array]]:
+def make_eval_step(graphdef: nnx.GraphDef, rules: sharding_rules.Rules | None = None
+                   ) -> Callable[[nnx.State, Batch], tuple[jax.Array, jax.Array]]:
+  """(sum of token losses, loss tokens) of a batch: sums, so batches add up."""
   def eval_step(params: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    logits_BTV = nnx.merge(graphdef, params)(batch["inputs"], batch["segment_ids"], batch["positions"])
+    with sharding_rules.activate(rules):
+      logits_BTV = nnx.merge(graphdef, params)(batch["inputs"], batch["segment_ids"], batch["positions"])
     return cross_entropy(logits_BTV, batch["targets"], batch["loss_mask"])
 
   return eval_step
-
-
-def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
-  """Shardings of a train batch: rows over (data, fsdp); the fault input replicated."""
-  rows = NamedSharding(mesh, P(BATCH_AXES, None))
-  return {**{k: rows for k in pipeline.KEYS}, "fault": replicated(mesh)}
-
-
-def abstract_batch(batch_size: int, seq_len: int, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
-  """A train batch's shapes, dtypes and shardings, for compiling without data."""
-  shardings = batch_shardings(mesh)
-  batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=shardings[k])
-           for k, dtype in pipeline.DTYPES.items()}
-  batch["fault"] = jax.ShapeDtypeStruct((2,), np.float32, sharding=shardings["fault"])
-  return batch
-
-
-def jit_train_step(cfg: ml_collections.ConfigDict, state_spec: StateSpec, optimizer: optim.Optimizer,
-                   mesh: Mesh) -> Callable:
-  """The train step of `cfg` jitted with explicit shardings and the state donated: the one program
-  the trainer runs and `python -m maxtrain.compile` compiles ahead of time."""
-  step = make_train_step(state_spec.graphdef, optimizer, z_loss=cfg.optimizer.z_loss,
-                         grad_accum_steps=cfg.optimizer.grad_accum_steps, spike_zscore=cfg.guards.spike_zscore,
-                         spike_warmup=cfg.guards.spike_warmup)
-  return jax.jit(step, in_shardings=(state_spec.shardings, batch_shardings(mesh)),
-                 out_shardings=(state_spec.shardings, replicated(mesh)), donate_argnums=0)

@@ -1,7 +1,7 @@
 """Entry point: `python -m maxtrain.train [--config=configs/x.py] [--config.key=value ...]`.
 
-Exit codes follow the contract in DESIGN.md: 0 finished, 2 bad config or input, 75 preempted
-(checkpoint saved).
+`--help` lists every config key with its value and meaning. Exit codes are the contract in
+DESIGN.md (maxtrain/errors.py): 0 finished, 2 bad config or input, 75 preempted (checkpoint saved).
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   logging.getLogger("absl").setLevel(logging.WARNING)
   argv = sys.argv[1:] if argv is None else argv
   try:
+    if "--help" in argv or "-h" in argv:
+      print(config_lib.help_text(argv, "maxtrain.train"))
+      return 0
     cfg = config_lib.load(argv)
-    from maxtrain import platform
+    from maxtrain.runtime import platform
 
     platform.apply(cfg.runtime)  # XLA_FLAGS and plugin variables count only before the backend starts
     from maxtrain import trainer  # imported late: config errors surface before any backend work

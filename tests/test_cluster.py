@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtrain import cluster
+from maxtrain.runtime import cluster
 from maxtrain.config import base_config
 from maxtrain.errors import UserError
 
@@ -177,10 +177,11 @@ def test_jobset_template_parses():
 INIT_SCRIPT = """
 import logging, sys
 import jax
-from maxtrain import config, runtime
+from maxtrain import config
+from maxtrain.runtime import distributed
 logging.basicConfig(level=logging.INFO)
 cfg = config.load(sys.argv[1:])
-runtime.initialize_distributed(cfg.runtime)
+distributed.initialize_distributed(cfg.runtime)
 print("layout", jax.process_index(), jax.process_count(), jax.device_count(), flush=True)
 """
 

@@ -205,7 +205,7 @@ def _fake_stdlib(root: Path) -> Path:
 
 def test_prepare_corpus_builds_reuses_and_rebuilds(tmp_path, monkeypatch):
   monkeypatch.setenv("MAXTRAIN_CACHE", str(tmp_path / "cache"))
-  assert corpus.cache_dir() == tmp_path / "cache"
+  assert cache_dir() == tmp_path / "cache"
   root = _fake_stdlib(tmp_path / "stdlib")
   train, val = corpus.prepare_corpus("python-stdlib", val_fraction=0.3,
                                      _root=str(root))

@@ -13,6 +13,7 @@ import pytest
 from maxtrain import config as config_lib
 from maxtrain.errors import UserError
 from maxtrain.sharding.mesh import make_mesh, resolve_layout
+from maxtrain.validate import validate
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,7 +55,7 @@ def test_hardware_preset_then_overrides():
   cfg = config_lib.load(["--config=configs/llama3_70b.py", "--config.hardware=h100x8"])
   assert (cfg.mesh.dcn_fsdp, cfg.mesh.dcn_data) == (-1, 1)  # the model's own preset over the generic one
   # 8 nodes: FSDP across them, tensor parallelism over each node's 8 GPUs.
-  assert config_lib.validate(cfg, 64, require_data=False).describe().startswith("data=1 x fsdp=8 x tensor=8")
+  assert validate(cfg, 64, require_data=False).mesh.describe().startswith("data=1 x fsdp=8 x tensor=8")
   with pytest.raises(UserError, match="h100x8"):
     config_lib.load(["--config=configs/llama3_8b.py", "--config.hardware=h100"])
 
@@ -63,13 +64,14 @@ TRN2_SCRIPT = """
 import json, jax, numpy as np
 from maxtrain import config as config_lib
 from maxtrain.sharding.mesh import make_mesh
+from maxtrain.validate import validate
 out = {}
 for nodes in (1, 2):
   cfg = config_lib.load(["--config=configs/llama3_8b.py", "--config.hardware=trn2.48xlarge"])
-  layout = config_lib.validate(cfg, 64 * nodes, require_data=False)
+  plan = validate(cfg, 64 * nodes, require_data=False)
   # One sequence per batch shard per microbatch: the global batch of 64 over 16 / 32 shards.
-  assert cfg.optimizer.grad_accum_steps == 4 // nodes
-  mesh = make_mesh(layout, jax.devices()[:64 * nodes])
+  assert plan.batch.num_microbatches == 4 // nodes and plan.batch.per_microbatch == 1
+  mesh = make_mesh(plan.mesh, jax.devices()[:64 * nodes])
   out[nodes] = {"shape": dict(mesh.shape), "ids": np.vectorize(lambda d: d.id)(mesh.devices).tolist()}
 print(json.dumps(out))
 """

@@ -1,6 +1,5 @@
 """Gradient accumulation: k microbatches give the un-accumulated loss and gradients, in less memory."""
 
-import functools
 
 import jax
 import numpy as np
@@ -13,8 +12,8 @@ from maxtrain import microbatch
 from maxtrain import state as state_lib
 from maxtrain import step as step_lib
 from maxtrain.models.llama import Llama, ModelConfig
-from maxtrain.sharding.rules import DEFAULT_RULES
-from maxtrain.sharding.mesh import AXES, BATCH_AXES, make_mesh
+from maxtrain.sharding.rules import DEFAULT_RULES, activate
+from maxtrain.sharding.mesh import AXES, make_mesh
 
 MODEL = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, vocab_size=128, max_seq_len=64)
 B, T = 16, 64  # 4 batch shards (data=2 x fsdp=2) x 4 microbatches x 1 sequence
@@ -36,18 +35,21 @@ def compiled():
   """Params, batch and the loss-and-gradients function compiled for k = 1 and k = 4, on a
   data=2 x fsdp=2 x tensor=2 mesh."""
   mesh = make_mesh(dict(zip(AXES, (2, 2, 2))))
-  graphdef = nnx.split(nnx.eval_shape(lambda: Llama(MODEL, rngs=nnx.Rngs(0), rules=DEFAULT_RULES)))[0]
+  graphdef = nnx.split(nnx.eval_shape(lambda: Llama(MODEL, rngs=nnx.Rngs(0))))[0]
   spec = state_lib.spec(MODEL, optax.identity(), mesh, seed=0)
   abstract, shardings = spec.abstract, spec.shardings
   rng = np.random.default_rng(1)  # random weights: the model's own init would cost a compile
   params = jax.device_put(jax.tree.map(lambda s: (0.05 * rng.normal(size=s.shape)).astype(s.dtype), abstract.params),
                           shardings.params)
-  batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
+  batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
   batch = jax.device_put(random_batch(), batch_sharding)
   fns = {}
   with jax.set_mesh(mesh):
     for k in (1, 4):
-      fn = functools.partial(step_lib.loss_and_grads, graphdef, z_loss=1e-3, grad_accum_steps=k)
+      def fn(p, b, k=k):
+        with activate(DEFAULT_RULES):
+          return step_lib.loss_and_grads(graphdef, p, b, z_loss=1e-3, grad_accum_steps=k)
+
       fns[k] = jax.jit(fn, in_shardings=(shardings.params, batch_sharding)).lower(params, batch).compile()
   return params, batch, fns
 

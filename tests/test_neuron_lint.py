@@ -5,8 +5,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from maxtrain import compile as compile_lib, config as config_lib, platform
-from maxtrain.hlo_lint import neuron_problems
+from maxtrain import config as config_lib, program as program_lib
+from maxtrain.runtime import platform
+from maxtrain.aot.hlo_lint import neuron_problems
+from maxtrain.validate import validate
 
 # Reduced depth; real widths and vocabularies. The trn2 node's tensor=4 groups on 8 devices.
 TRN2_ON_8 = ["--config.hardware=trn2.48xlarge", "--config.mesh.fsdp=2", "--config.mesh.tensor=4",
@@ -33,10 +35,10 @@ def lowered_step_and_init(args, prng_impl=None):
 
 
 def _lower(cfg):
-  layout = config_lib.validate(cfg, jax.device_count(), require_data=False)
-  lowered, spec, mesh = compile_lib.lower_train_step(cfg, layout)  # the AOT tool's lowering of the real step
-  with jax.set_mesh(mesh):
-    init = jax.jit(spec.init, out_shardings=spec.shardings).lower().as_text(dialect="hlo")
+  program = program_lib.build(cfg, validate(cfg, jax.device_count(), require_data=False))
+  lowered = program.lower()  # the trainer's step, lowered as `python -m maxtrain.compile` does
+  with jax.set_mesh(program.mesh):
+    init = jax.jit(program.state.init, out_shardings=program.state.shardings).lower().as_text(dialect="hlo")
   return lowered.as_text(dialect="hlo"), init
 
 

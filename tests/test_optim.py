@@ -33,7 +33,7 @@ def random_params(seed=0, **overrides):
 
 
 def named(tree) -> dict:
-  return {state_lib.param_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+  return {param_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def opt_config(**overrides):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtrain import cluster, flags, platform
+from maxtrain.runtime import cluster, flags, platform
 from maxtrain.config import base_config
 from maxtrain.errors import UserError
 
@@ -226,7 +226,8 @@ def test_this_jaxlib_accepts_the_gpu_preset_flags():
 APPLY_SCRIPT = """
 import jax, logging, sys
 logging.basicConfig(level=logging.INFO)
-from maxtrain import config, platform
+from maxtrain import config
+from maxtrain.runtime import platform
 cfg = config.load(sys.argv[1:])
 penv = platform.apply(cfg.runtime)
 print("devices", jax.device_count(), jax.devices()[0].platform)

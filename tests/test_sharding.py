@@ -12,8 +12,9 @@ from maxtrain import state as state_lib
 from maxtrain import step as step_lib
 from maxtrain.errors import UserError
 from maxtrain.models.llama import Llama, ModelConfig
-from maxtrain.sharding.mesh import AXES, BATCH_AXES, make_mesh
-from maxtrain.sharding.rules import DEFAULT_RULES, logical_to_mesh
+from maxtrain.sharding.layout import param_name
+from maxtrain.sharding.mesh import AXES, make_mesh
+from maxtrain.sharding.rules import DEFAULT_RULES, activate, logical_to_mesh
 
 MODEL = ModelConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, vocab_size=128,
                     max_seq_len=16)
@@ -52,14 +53,17 @@ def run_on_mesh(shape, num_devices):
   mesh = make_mesh(sizes, jax.devices()[:num_devices])
   optimizer = optim.make(opt_config(), total_steps=10)
   graphdef, state, shardings = state_lib.create(MODEL, optimizer.tx, mesh, seed=0)
-  batch_sharding = NamedSharding(mesh, P(BATCH_AXES, None))
+  batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
   data = [jax.device_put(b, batch_sharding) for b in batches()]
   with jax.set_mesh(mesh):
-    grad_fn = jax.jit(lambda p, b: step_lib.loss_and_grads(graphdef, p, b),
-                      in_shardings=(shardings.params, batch_sharding))
+    def loss_and_grads(p, b):
+      with activate(DEFAULT_RULES):
+        return step_lib.loss_and_grads(graphdef, p, b)
+
+    grad_fn = jax.jit(loss_and_grads, in_shardings=(shardings.params, batch_sharding))
     metrics0, grads0 = jax.device_get(grad_fn(state.params, data[0]))
     loss0 = metrics0["loss"]
-    train_step = jax.jit(step_lib.make_train_step(graphdef, optimizer), in_shardings=(shardings, batch_sharding),
+    train_step = jax.jit(step_lib.make_train_step(graphdef, optimizer, rules=DEFAULT_RULES), in_shardings=(shardings, batch_sharding),
                          out_shardings=(shardings, state_lib.replicated(mesh)), donate_argnums=0)
     for batch in data:
       state, _ = train_step(state, batch)
@@ -108,7 +112,7 @@ def test_every_parameter_is_sharded_as_the_rules_say():
                                                      is_leaf=lambda x: isinstance(x, P)))
   seen = set()
   for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
-    name = state_lib.param_name(path)
+    name = param_name(path)
     seen.add(name)
     expected = NamedSharding(mesh, EXPECTED_PARAM_SPECS[name])
     assert leaf.sharding.is_equivalent_to(expected, leaf.ndim), (name, leaf.sharding.spec)

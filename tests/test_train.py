@@ -9,13 +9,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flax import nnx
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from maxtrain import config as config_lib
 from maxtrain import train
 from maxtrain.data.store import StoreWriter
+from maxtrain.models.llama import CONFIG_KEYS, Llama, ModelConfig
 from maxtrain.monitor import goodput
 from maxtrain.monitor.events import read_events
+from maxtrain.sharding.layout import check_divisible
+from maxtrain.validate import validate
 from tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
@@ -144,4 +148,7 @@ def test_shipped_configs_parse_and_validate(path):
   for name in ["", *sorted({"cpu", *model_presets})]:
     cfg = config_lib.load([f"--config={path}", f"--config.hardware={name}"] if name else [f"--config={path}"])
     node = math.prod(max(1, cfg.mesh[a]) for a in ("data", "fsdp", "tensor")) if cfg.mesh.fsdp != -1 else 8
-    config_lib.validate(cfg, num_devices=node, require_data=bool(cfg.data.corpus or cfg.data.path))
+    plan = validate(cfg, num_devices=node, require_data=bool(cfg.data.corpus or cfg.data.path))
+    # The model is built abstractly and its parameters divide over the layout.
+    abstract = nnx.state(nnx.eval_shape(lambda: Llama(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(0))))
+    check_divisible(abstract, plan.layout, CONFIG_KEYS)

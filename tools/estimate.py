@@ -2,7 +2,7 @@
 
   python tools/estimate.py --config=configs/llama3_8b.py --config.hardware=h100x8 --devices 8 [--json]
 
-The library is maxtrain/estimate.py; `python -m maxtrain.compile` measures the compiled step instead.
+The library is maxtrain/aot/estimate.py; `python -m maxtrain.compile` measures the compiled step instead.
 Exit codes: 0, or 2 for a bad config.
 """
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
   args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
   try:
-    from maxtrain import compile as compile_lib, estimate
+    from maxtrain.aot import compile as compile_lib, estimate
 
     cfg = config_lib.load(rest)
     num_devices = args.devices or compile_lib.default_devices(cfg)

@@ -21,17 +21,10 @@ from maxtrain.data.indexing import SourceFile, index_sources
 from maxtrain.data.store import TokenStore
 from maxtrain.data.tokenizer import load_tokenizer
 from maxtrain.errors import UserError
+from maxtrain.runtime.cache import cache_dir
 
 CORPORA = ("python-stdlib",)
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-
-
-def cache_dir() -> Path:
-  """`$MAXTRAIN_CACHE`, else the per-user cache directory."""
-  if os.environ.get("MAXTRAIN_CACHE"):
-    return Path(os.environ["MAXTRAIN_CACHE"])
-  import platformdirs  # Deferred: only needed without $MAXTRAIN_CACHE.
-  return Path(platformdirs.user_cache_dir("maxtrain"))
 
 
 def _stdlib_files(root: str) -> list[SourceFile]:

@@ -3,8 +3,8 @@
 Shape legend: B batch, T query length, S key length, D model, N query heads, K kv heads,
 G = N // K query heads per kv head, H head dim.
 
-Plain einsums, no fused kernel: this compiles on every backend (CPU, GPU, TPU, Neuron) and is
-the reference the fused kernels are checked against.
+`dot_product_attention` is plain einsums over the full [T, S] scores: it compiles on every backend
+(CPU, GPU, TPU, Neuron) and is the reference other attention kernels are checked against.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def dot_product_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> jax.Array:
 
 class Attention(nnx.Module):
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, *, rope_theta: float,
-               init_std: float, out_std: float, param_dtype, compute_dtype, rules, rngs: nnx.Rngs):
+               init_std: float, out_std: float, param_dtype, compute_dtype, rngs: nnx.Rngs):
     head_dim = d_model // num_heads
     init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
     self.wq = param(rngs, init, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
@@ -49,16 +49,16 @@ class Attention(nnx.Module):
     self.wo = param(rngs, out_init, (num_heads, head_dim, d_model), ("heads", "head_dim", "embed"), param_dtype)
     self.rope_theta = rope_theta
     self.compute_dtype = compute_dtype
-    self.rules = rules
 
   def __call__(self, x_BTD, segment_ids_BT, positions_BT) -> jax.Array:
     dt = self.compute_dtype
     q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.wq[...].astype(dt))
     k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wk[...].astype(dt))
     v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wv[...].astype(dt))
-    q_BTNH = sharding_rules.constrain(
-        apply_rope(q_BTNH, positions_BT, self.rope_theta),
-        ("act_batch", "act_length", "act_heads", None), self.rules)
-    k_BTKH = apply_rope(k_BTKH, positions_BT, self.rope_theta)
+    q_BTNH = sharding_rules.constrain(apply_rope(q_BTNH, positions_BT, self.rope_theta),
+                                      ("act_batch", "act_length", "act_heads", None))
+    k_BTKH = sharding_rules.constrain(apply_rope(k_BTKH, positions_BT, self.rope_theta),
+                                      ("act_batch", "act_length", "act_kv_heads", None))
+    v_BTKH = sharding_rules.constrain(v_BTKH, ("act_batch", "act_length", "act_kv_heads", None))
     out_BTNH = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
     return jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo[...].astype(dt))

@@ -46,19 +46,16 @@ class MLP(nnx.Module):
   """SwiGLU: down(silu(x @ gate) * (x @ up))."""
 
   def __init__(self, d_model: int, d_ff: int, *, init_std: float, out_std: float, param_dtype,
-               compute_dtype, rules, rngs: nnx.Rngs):
+               compute_dtype, rngs: nnx.Rngs):
     init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
     self.gate = param(rngs, init, (d_model, d_ff), ("embed", "mlp"), param_dtype)
     self.up = param(rngs, init, (d_model, d_ff), ("embed", "mlp"), param_dtype)
     self.down = param(rngs, out_init, (d_ff, d_model), ("mlp", "embed"), param_dtype)
     self.compute_dtype = compute_dtype
-    self.rules = rules
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     dt = self.compute_dtype
     gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate[...].astype(dt))
     up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up[...].astype(dt))
-    h_BTF = sharding_rules.constrain(
-        jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"), self.rules
-    )
+    h_BTF = sharding_rules.constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
     return jnp.einsum("btf,fd->btd", h_BTF, self.down[...].astype(dt))

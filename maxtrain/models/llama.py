@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtrain.errors import choice, require
 from maxtrain.models.attention import Attention
 from maxtrain.models.layers import MLP, RMSNorm, param
 from maxtrain.sharding import rules as sharding_rules
@@ -22,6 +23,11 @@ REMAT_POLICIES = {
     # Keep matmul outputs, recompute the cheap elementwise work in the backward pass.
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+REMAT_CHOICES = tuple(REMAT_POLICIES)
+DTYPES = ("float32", "bfloat16", "float16")
+# The config key that sets each logical parameter dim: what a layout error tells the user to change.
+CONFIG_KEYS = {"heads": "model.num_heads", "kv_heads": "model.num_kv_heads", "mlp": "model.d_ff",
+               "vocab": "model.vocab_size", "embed": "model.d_model", "layers": "model.num_layers"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,34 +76,47 @@ class ModelConfig:
     return cls(**kwargs)
 
 
+def validate(m: Any) -> None:
+  """UserError naming the key for a bad `config.model`."""
+  for key in ("num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
+    require(m[key] > 0, f"config.model.{key}={m[key]}: must be > 0")
+  require(m.d_model % m.num_heads == 0,
+          f"config.model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
+  require((m.d_model // m.num_heads) % 2 == 0,
+          f"head_dim = model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even for RoPE")
+  require(m.num_heads % m.num_kv_heads == 0,
+          f"config.model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+  choice("model.remat", m.remat, REMAT_CHOICES)
+  for key in ("param_dtype", "compute_dtype"):
+    choice(f"model.{key}", m[key], DTYPES)
+
+
 class Block(nnx.Module):
-  def __init__(self, cfg: ModelConfig, rules, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     # GPT-2/LLaMA practice: shrink residual-branch outputs with depth so activations stay O(1).
     out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
     common = dict(init_std=cfg.init_std, out_std=out_std, param_dtype=cfg.param_dtype,
-                  compute_dtype=cfg.compute_dtype, rules=rules, rngs=rngs)
+                  compute_dtype=cfg.compute_dtype, rngs=rngs)
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
     self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope_theta, **common)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
     self.mlp = MLP(cfg.d_model, cfg.d_ff, **common)
-    self.rules = rules
 
   def __call__(self, x_BTD, segment_ids_BT, positions_BT):
     x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), segment_ids_BT, positions_BT)
     x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
-    return sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"), self.rules)
+    return sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
 
 
 class Llama(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, rules: sharding_rules.Rules | None = None):
-    # Parameters carry logical names only; placement is decided once, by the jit that creates
-    # the sharded train state (`maxtrain.state`), not eagerly per variable.
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    # Parameters and activations carry logical names only; placement is decided by the rules the
+    # step activates (`sharding/rules.py`) and the jit that creates the sharded train state.
     with nnx.use_eager_sharding(False):
-      self._build(cfg, rngs, rules)
+      self._build(cfg, rngs)
 
-  def _build(self, cfg: ModelConfig, rngs: nnx.Rngs, rules) -> None:
+  def _build(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
     self.cfg = cfg
-    self.rules = rules
     self.embed = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
                        ("vocab", "embed"), cfg.param_dtype)
     if cfg.scan_layers:
@@ -107,11 +126,11 @@ class Llama(nnx.Module):
       @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers,
                 transform_metadata={nnx.PARTITION_NAME: "layers"})
       def make_blocks(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rules, rngs)
+        return Block(cfg, rngs)
 
       self.blocks = make_blocks(rngs)
     else:
-      self.blocks = nnx.List([Block(cfg, rules, rngs) for _ in range(cfg.num_layers)])
+      self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
     if not cfg.tie_embeddings:
       self.head = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
@@ -121,7 +140,7 @@ class Llama(nnx.Module):
     """Returns fp32 logits [B, T, V]."""
     cfg = self.cfg
     x_BTD = self.embed[...].astype(cfg.compute_dtype)[tokens_BT]
-    x_BTD = sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"), self.rules)
+    x_BTD = sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
 
     def apply_block(x_BTD, block_state, graphdef):
       return nnx.merge(graphdef, block_state)(x_BTD, segment_ids_BT, positions_BT)
@@ -141,7 +160,7 @@ class Llama(nnx.Module):
     x_BTD = self.final_norm(x_BTD)
     head_DV = self.embed[...].T if cfg.tie_embeddings else self.head[...]
     logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(cfg.compute_dtype))
-    logits_BTV = sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"), self.rules)
+    logits_BTV = sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
     return logits_BTV.astype(jnp.float32)
 
 

@@ -118,7 +118,7 @@ def cached_cpu_peak(cache_file: Path | None = None) -> tuple[float, str]:
   cached with a warning and measured again at the next call, keeping the best, up to MAX_MEASUREMENTS
   in all. Delete the cache file (`<maxtrain cache dir>/cpu_peak.json`) to start over."""
   if cache_file is None:
-    from maxtrain.data.corpus import cache_dir  # Deferred: pulls in the data package.
+    from maxtrain.runtime.cache import cache_dir
 
     cache_file = cache_dir() / CACHE_NAME
   identity = machine_identity()

@@ -16,10 +16,10 @@ import threading
 import time
 from pathlib import Path
 
+from maxtrain.errors import EXIT_HANG
 from maxtrain.monitor import events as ev
 
 log = logging.getLogger("maxtrain")
-EXIT_HANG = 76
 
 
 class Watchdog:

@@ -1,4 +1,4 @@
-"""The device mesh: named axes `data`, `fsdp`, `tensor`, all `AxisType.Auto` (GSPMD propagation).
+"""The device mesh: named axes `data`, `fsdp`, `tensor` (AXES), all `AxisType.Auto` (GSPMD propagation).
 
 A mesh has two levels. `mesh.data/fsdp/tensor` lay out the devices of one granule (a node, or a
 slice: devices joined by the fast interconnect, ICI/NVLink/NeuronLink); `mesh.dcn_data/dcn_fsdp`
@@ -22,17 +22,21 @@ from maxtrain.errors import UserError
 
 AXES = ("data", "fsdp", "tensor")
 DCN_AXES = ("dcn_data", "dcn_fsdp")  # across granules; tensor parallelism stays inside one
-BATCH_AXES = ("data", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshLayout:
-  ici: tuple[int, int, int]  # (data, fsdp, tensor) within a granule
-  dcn: tuple[int, int, int]  # (data, fsdp, tensor=1) across granules
+  ici: tuple[int, ...]  # size of each of AXES within a granule
+  dcn: tuple[int, ...]  # size of each of AXES across granules (1 for an axis without a dcn_ key)
 
   @property
-  def shape(self) -> tuple[int, int, int]:
+  def shape(self) -> tuple[int, ...]:
     return tuple(i * d for i, d in zip(self.ici, self.dcn))
+
+  @property
+  def sizes(self) -> dict[str, int]:
+    """Mesh axis name -> size (both levels)."""
+    return dict(zip(AXES, self.shape))
 
   @property
   def granules(self) -> int:
@@ -70,8 +74,8 @@ def resolve_layout(sizes: Mapping[str, int], num_devices: int) -> MeshLayout:
         f"mesh: {described} = {math.prod(values)} devices, but {num_devices} are available. "
         f"Set mesh.data/fsdp/tensor (x mesh.dcn_data/dcn_fsdp) so the product is {num_devices} (one may be -1)."
     )
-  data, fsdp, tensor, dcn_data, dcn_fsdp = values
-  return MeshLayout(ici=(data, fsdp, tensor), dcn=(dcn_data, dcn_fsdp, 1))
+  given = dict(zip(names, values))
+  return MeshLayout(ici=tuple(given[a] for a in AXES), dcn=tuple(given.get(f"dcn_{a}", 1) for a in AXES))
 
 
 def granule_devices(devices: Sequence[jax.Device], per_granule: int) -> list[list[jax.Device]]:
@@ -87,6 +91,11 @@ def granule_devices(devices: Sequence[jax.Device], per_granule: int) -> list[lis
   return [ordered[i:i + per_granule] for i in range(0, len(ordered), per_granule)]
 
 
+def from_config(mesh_cfg: Mapping[str, int], num_devices: int) -> MeshLayout:
+  """The layout of the config's `mesh.*` sizes on `num_devices` devices."""
+  return resolve_layout({a: mesh_cfg[a] for a in AXES + DCN_AXES}, num_devices)
+
+
 def make_mesh(layout: MeshLayout | Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
   devices = list(jax.devices() if devices is None else devices)
   if not isinstance(layout, MeshLayout):
@@ -99,6 +108,8 @@ def make_mesh(layout: MeshLayout | Mapping[str, int], devices: Sequence[jax.Devi
     return Mesh(np.asarray(devices).reshape(layout.shape), AXES, axis_types=axis_types)
   per_granule = [mesh_utils.create_device_mesh(layout.ici, g, allow_split_physical_axes=True)
                  for g in granule_devices(devices, math.prod(layout.ici))]
-  # (dcn_data, dcn_fsdp, 1, data, fsdp, tensor) -> interleave so each axis is (dcn, ici), dcn slowest.
-  grid = np.stack(per_granule).reshape(layout.dcn + layout.ici).transpose(0, 3, 1, 4, 2, 5)
+  # (dcn axes..., ici axes...) -> interleave so each axis is (dcn, ici), dcn slowest.
+  n = len(AXES)
+  grid = np.stack(per_granule).reshape(layout.dcn + layout.ici)
+  grid = grid.transpose([i for a in range(n) for i in (a, n + a)])
   return Mesh(grid.reshape(layout.shape), AXES, axis_types=axis_types)

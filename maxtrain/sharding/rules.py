@@ -1,14 +1,21 @@
-"""Logical axis names -> mesh axes. The only place that knows how the model is laid out.
+"""Logical axis names -> mesh axes. With `sharding/layout.py`, the only place that knows how the
+model is laid out on the mesh.
 
-Parameters and activations carry logical names; a rules table maps each to a mesh axis
-(or a tuple of them, or None = replicated). Parameter and activation names are kept
-separate so that, e.g., the parameter `embed` dim can be FSDP-sharded while the
-activation `act_embed` dim stays whole.
+Parameters and activations carry logical names; a rule set maps each to a mesh axis (or a tuple of
+them, or None = replicated). Parameter and activation names are kept separate so that, e.g., the
+parameter `embed` dim can be FSDP-sharded while the activation `act_embed` dim stays whole. Rule sets
+are named and chosen by `mesh.rules`; a new strategy (context or expert parallelism) is a new entry
+in `RULE_SETS`, nothing else.
+
+The model is built and traced without knowing the rules: `activate(rules)` makes them the ones that
+`constrain` applies while a step is traced (`step.py` activates the run's rules around the model).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import contextlib
+import contextvars
+from typing import Any, Iterator, Mapping
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -16,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
 
-# Default strategy: data parallel x FSDP (ZeRO-3 style parameter sharding) x tensor parallel.
+# Data parallel x FSDP (ZeRO-3 style parameter sharding) x tensor parallel.
 DEFAULT_RULES: dict[str, MeshAxes] = {
     # parameters
     "vocab": "tensor",
@@ -37,6 +44,14 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "act_vocab": "tensor",
 }
 
+RULE_SETS: dict[str, Rules] = {"default": DEFAULT_RULES}  # config key mesh.rules
+
+_ACTIVE: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("maxtrain_sharding_rules", default=None)
+
+
+def get(name: str) -> Rules:
+  return RULE_SETS[name]
+
 
 def logical_to_mesh(spec: P | tuple, rules: Rules = DEFAULT_RULES) -> P:
   """Maps a spec of logical names (or None) to a spec of mesh axes."""
@@ -45,7 +60,7 @@ def logical_to_mesh(spec: P | tuple, rules: Rules = DEFAULT_RULES) -> P:
     if name is None:
       out.append(None)
     elif name not in rules:
-      raise KeyError(f"logical axis {name!r} has no sharding rule; add it to DEFAULT_RULES")
+      raise KeyError(f"logical axis {name!r} has no sharding rule; add it to the rule sets in sharding/rules.py")
     else:
       out.append(rules[name])
   return P(*out)
@@ -62,8 +77,20 @@ def named_shardings(logical_specs: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES
   )
 
 
-def constrain(x: jax.Array, logical: tuple[str | None, ...], rules: Rules | None) -> jax.Array:
-  """Sharding constraint on an activation; a no-op when the model runs without rules."""
+@contextlib.contextmanager
+def activate(rules: Rules | None) -> Iterator[None]:
+  """Within the block, `constrain` lays activations out by `rules` (None: it does nothing)."""
+  token = _ACTIVE.set(rules)
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+  """Sharding constraint on an activation by the active rules; a no-op when none are active (a
+  model run on its own, outside a step)."""
+  rules = _ACTIVE.get()
   if rules is None:
     return x
   return jax.lax.with_sharding_constraint(x, logical_to_mesh(logical, rules))

@@ -1,14 +1,14 @@
 """Will it fit? Parameters, FLOPs and per-device memory of a config, by arithmetic: no compile, no devices.
 
-Each parameter's per-device size comes from its logical axis names (the model's annotations), the
-rules table (`maxtrain/sharding/rules.py`) and the mesh shape (`config.validate`): a dim mapped to
+Each parameter's per-device size comes from its logical axis names (the model's annotations) and the
+run's layout (`sharding/layout.py`: the rule set and the mesh shape from `validate`): a dim mapped to
 mesh axes is split over their product, rounded up as XLA pads uneven shards. The state terms
 (weights, optimizer moments) are therefore exact. The temporaries are a model of what the compiled
 step keeps alive at its peak; `python -m maxtrain.compile` measures the real thing (README.md, "Will
 it fit?", gives the agreement).
 
-Shape legend (per device): b sequences per microbatch, T length, D model, V_t vocab / tensor,
-H_t heads / tensor, F_t ffn / tensor, L layers.
+Shape legend (per device): b sequences per microbatch, T length, D model, V_t vocab / its shards,
+H_t heads / their shards, F_t ffn / its shards, L layers.
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from maxtrain import config as config_lib
 from maxtrain import optim
 from maxtrain.models.llama import Llama, ModelConfig
-from maxtrain.sharding import rules as sharding_rules
-from maxtrain.sharding.mesh import AXES
-from maxtrain.state import logical_specs, param_name
+from maxtrain.sharding.layout import Layout, named_leaves
+from maxtrain.validate import validate
 
 GiB = 2**30
 # XLA:CPU's attention working set per score element while one layer runs: three fp32 B x H x T x T
@@ -55,27 +53,12 @@ class Param:
     return math.prod(self.local_shape)
 
 
-def local_shape(shape: tuple[int, ...], logical: Any, mesh_shape: dict[str, int],
-                rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES) -> tuple[int, ...]:
-  """The per-device block of an array with logical axis names `logical` on a mesh of `mesh_shape`."""
-  spec = sharding_rules.logical_to_mesh(tuple(logical) + (None,) * (len(shape) - len(logical)), rules)
-  out = []
-  for dim, axes in zip(shape, spec):
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    out.append(-(-dim // math.prod(mesh_shape[a] for a in axes)))
-  return tuple(out)
-
-
-def param_table(model_cfg: ModelConfig, mesh_shape: dict[str, int], optimizer_name: str) -> list[Param]:
+def param_table(model_cfg: ModelConfig, layout: Layout, optimizer_name: str) -> list[Param]:
   """Every parameter with its per-device shape and optimizer group, from the abstract model."""
   _, params = nnx.split(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(params=0))))
-  specs = jax.tree.leaves(logical_specs(params), is_leaf=sharding_rules.is_spec)
   labels = jax.tree.leaves(optim.param_labels(params, optimizer_name))
-  table = []
-  for (path, leaf), spec, label in zip(jax.tree_util.tree_leaves_with_path(params), specs, labels, strict=True):
-    table.append(Param(param_name(path), tuple(leaf.shape), leaf.dtype,
-                       local_shape(tuple(leaf.shape), tuple(spec), mesh_shape), label))
-  return table
+  return [Param(name, tuple(leaf.shape), leaf.dtype, layout.local_shape(tuple(leaf.shape), logical), label)
+          for (name, leaf, logical), label in zip(named_leaves(params), labels, strict=True)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,12 +136,11 @@ def _itemsize(dtype: Any) -> int:
 
 def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
   """Per-device memory and FLOPs of `cfg`'s train step on `num_devices` devices."""
-  layout = config_lib.validate(cfg, num_devices, require_data=False)
-  mesh_shape = dict(zip(AXES, layout.shape))
-  data, fsdp, tensor = layout.shape
+  plan = validate(cfg, num_devices, require_data=False)
+  layout = plan.layout
   model_cfg = ModelConfig.from_config(cfg.model)
   o, m = cfg.optimizer, model_cfg
-  table = param_table(model_cfg, mesh_shape, o.name)
+  table = param_table(model_cfg, layout, o.name)
 
   # Parameter counts.
   by_name = {p.name: p for p in table}
@@ -173,10 +155,9 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
   moments = {"adam": 2, "muon": 1}
   weights = sum(p.local_size * _itemsize(p.dtype) for p in table)
   optimizer_state = sum(moments[p.label] * p.local_size * state_bytes for p in table)
-  k = o.grad_accum_steps
-  b = cfg.data.batch_size // (data * fsdp) // k
+  k, b = plan.batch.num_microbatches, plan.batch.per_microbatch
   seq, d = cfg.data.seq_len, m.d_model
-  batch_rows = cfg.data.batch_size // (data * fsdp)
+  batch_rows = plan.batch.per_shard
   other_state = (5 * batch_rows * seq * 4 + 2 * 4  # inputs, targets, segment_ids, positions, loss_mask; fault
                  + cfg.guards.spike_window * 4 + 4 * 4 + 4 * len(moments))  # guard window + counters + counts
 
@@ -184,7 +165,8 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
   c_bytes = _itemsize(m.compute_dtype)
   gradients = sum(p.local_size * _itemsize(p.dtype) for p in table)
   vocab_params = [p for p in table if p.name in ("embed", "head")]
-  vocab_whole = {p.name: p.size // tensor for p in vocab_params}  # [V, D] / tensor: not split over fsdp
+  # [V, D] split over the vocab's shards only, not over the embed dim's (FSDP)
+  vocab_whole = {p.name: p.size // layout.shards("vocab") for p in vocab_params}
   grad_accumulators = 0
   if k > 1:
     # XLA's sharding propagation leaves the embedding's and head's accumulators whole (over fsdp) when
@@ -193,10 +175,12 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
     grad_accumulators = 4 * sum(vocab_whole[p.name] if whole and p.name in vocab_whole else p.local_size
                                 for p in table)
 
-  v_t, h_t, kv_t, f_t = m.vocab_size // tensor, m.num_heads // tensor, m.num_kv_heads // tensor, m.d_ff // tensor
+  v_t, h_t = m.vocab_size // layout.shards("act_vocab"), m.num_heads // layout.shards("act_heads")
+  kv_t, f_t = m.num_kv_heads // layout.shards("act_kv_heads"), m.d_ff // layout.shards("act_mlp")
   hd = m.head_dim
   tokens = b * seq
-  layer_weights = params["per_layer"] // tensor  # what one layer's weights are when all-gathered over fsdp
+  # One layer's weights when all-gathered over the embed dim's shards (FSDP): split over the others only.
+  layer_weights = params["per_layer"] // layout.shards("mlp")
   # Per token of one layer: the matmul outputs (q, k, v, attention output, its projection, gate, up,
   # down) and the layer input.
   dots_per_token = h_t * hd * 2 + kv_t * hd * 2 + 2 * d + 2 * f_t + d
@@ -209,7 +193,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
                             + b * h_t * seq * seq * (4 + c_bytes))
   # With FSDP a weight is all-gathered (in the compute dtype) where it is used, and its gradient is
   # whole (fp32) until it is reduce-scattered.
-  gathered = fsdp > 1
+  gathered = layout.shards("embed") > 1
   head_gathered = d * v_t * c_bytes if gathered and head else 0
   loss_phase = head_gathered + d * v_t * 4 + LOGIT_BUFFERS * tokens * v_t * 4
   layer_phase = ((layer_weights * c_bytes if gathered else 0) + layer_weights * 4
@@ -228,5 +212,5 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
     notes.append("compute dtype is not fp32: XLA:CPU (maxtrain.compile) keeps some matmul outputs and saved "
                  "activations in fp32 where a GPU/Neuron compiler keeps them in "
                  f"{jnp.dtype(m.compute_dtype).name}, so its figures can exceed this estimate")
-  return Estimate(num_devices=num_devices, mesh_shape=mesh_shape, params=params,
+  return Estimate(num_devices=num_devices, mesh_shape=dict(plan.mesh.sizes), params=params,
                   flops_per_token=model_cfg.train_flops_per_token(seq), microbatch=b, memory=memory, notes=notes)

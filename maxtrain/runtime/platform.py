@@ -18,9 +18,10 @@ import os
 import pkgutil
 from typing import Any, Mapping, MutableMapping
 
-from maxtrain import cluster as cluster_lib
-from maxtrain import flags
-from maxtrain.errors import UserError
+from maxtrain.errors import UserError, choice, require
+from maxtrain.runtime import cluster as cluster_lib
+from maxtrain.runtime import flags
+from maxtrain.runtime.cache import compile_cache_path
 
 log = logging.getLogger("maxtrain")
 PLATFORMS = ("auto", "cpu", "gpu", "neuron", "tpu")
@@ -164,17 +165,26 @@ def _neuron(runtime_cfg, environ: Mapping[str, str], layout: cluster_lib.Cluster
 
 
 def _compile_cache(setting: str) -> str:
-  from maxtrain import runtime
-
-  path = runtime.compile_cache_path(setting)
+  path = compile_cache_path(setting)
   return str(path / "neuron") if path else ""
+
+
+def validate_runtime(r: Any) -> None:
+  """The runtime keys, checked before the platform environment is composed."""
+  choice("runtime.platform", r.platform, PLATFORMS)
+  choice("runtime.cluster", r.cluster, cluster_lib.KINDS)
+  choice("runtime.neuron_target", r.neuron_target, ("",) + NEURON_TARGETS)
+  require(r.neuron_lnc in (0, 1, 2), f"config.runtime.neuron_lnc={r.neuron_lnc}: use 1 or 2 (0 = the target's "
+           "default: 2 on trn2, 1 on trn1)")
+  require(r.num_processes >= 0, f"config.runtime.num_processes={r.num_processes}: must be >= 0 (0 = detect)")
+  require(r.process_id >= -1, f"config.runtime.process_id={r.process_id}: must be >= 0, or -1 to detect it")
+  require(0 <= r.coordinator_port <= 65535,
+           f"config.runtime.coordinator_port={r.coordinator_port}: must be a port, 1..65535 (0 = derived)")
 
 
 def compose(runtime_cfg, environ: Mapping[str, str]) -> PlatformEnv:
   """What `apply` would set for `runtime_cfg` given the process environment `environ` (not modified)."""
-  from maxtrain import config as config_lib
-
-  config_lib.validate_runtime(runtime_cfg)
+  validate_runtime(runtime_cfg)
   platform = runtime_cfg.platform
   extra = flags.parse_env_list(runtime_cfg.env, "runtime.env")
   for name in extra:

@@ -1,0 +1,254 @@
+"""Ahead-of-time compile of the train step: will this config compile, and fit, on the target mesh?
+
+  python -m maxtrain.compile --config=PATH [--config.key=value ...] [--devices N] [--device-memory-gb G]
+
+Lowers and compiles the real train step (`program.build`, the program the trainer runs) for a
+mesh of N devices, from abstract inputs (`jax.ShapeDtypeStruct`s carrying the state and batch
+shardings): no parameter is allocated and no data is read. It always compiles on N fake CPU devices,
+whatever `runtime.platform` says, so a laptop can check a 64-device Trainium or GPU layout. The
+memory figures are XLA:CPU's for the same sharded program; the GPU and Neuron compilers fuse and
+schedule differently, so they are an estimate to keep a margin against, not a guarantee.
+
+With `runtime.platform=neuron` it also lints the lowered step for what the Neuron compiler rejects
+(`maxtrain/aot/hlo_lint.py`).
+
+Exit codes: 0 compiled (and fits under --device-memory-gb when given, and passes the Neuron lint on
+neuron), 2 bad config, does not fit, or fails the lint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+
+from maxtrain import config as config_lib
+from maxtrain.errors import EXIT_BAD_INPUT, UserError
+from maxtrain.sharding.mesh import AXES
+from maxtrain.validate import Plan, validate
+
+GiB = 2**30
+
+CPU_CAVEAT = ("These are XLA:CPU's figures for the same sharded program: the GPU and Neuron compilers fuse and "
+              "schedule differently, so treat the memory as an estimate and keep a margin.")
+
+
+def backend_initialized() -> bool:
+  from jax._src import xla_bridge  # no public API says whether the backends exist yet
+
+  return xla_bridge.backends_are_initialized()
+
+
+def use_cpu_devices(num_devices: int) -> None:
+  """Makes the JAX backend N fake CPU devices. Works only before the backend starts (the first
+  `jax.devices()`): XLA reads its flags, and jax its platform list, once per process."""
+  if num_devices < 1:
+    raise UserError(f"--devices={num_devices}: must be >= 1")
+  if backend_initialized():
+    platform, count = jax.default_backend(), jax.device_count()
+    if platform != "cpu" or count != num_devices:
+      raise UserError(
+          f"the JAX backend is already running with {count} {platform} device(s); an ahead-of-time compile for "
+          f"{num_devices} devices needs {num_devices} CPU devices, set before JAX starts. Run "
+          "`python -m maxtrain.compile` in a fresh process (or call compile_train_step with the running count).")
+    return
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+  os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={num_devices}"])
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  jax.config.update("jax_platforms", "cpu")  # jax read JAX_PLATFORMS when it was imported
+
+
+def default_devices(cfg: ml_collections.ConfigDict) -> int:
+  """One granule (node) of the config's mesh when its per-node sizes are all fixed (a hardware preset)."""
+  sizes = [cfg.mesh[a] for a in AXES]
+  if -1 in sizes:
+    raise UserError(f"mesh {' x '.join(f'{a}={s}' for a, s in zip(AXES, sizes))} fills the devices it is given (-1): "
+                    "pass --devices N (e.g. 8 for one 8-GPU node, 64 for one trn2.48xlarge)")
+  return math.prod(sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """Per-device bytes from `Compiled.memory_analysis()`."""
+  arguments: int
+  outputs: int
+  aliased: int  # outputs written into donated argument buffers (the new state into the old)
+  temporaries: int
+  generated_code: int
+
+  @property
+  def peak(self) -> int:
+    return self.arguments + self.outputs - self.aliased + self.temporaries
+
+  @classmethod
+  def of(cls, compiled: Any) -> "Memory":
+    m = compiled.memory_analysis()
+    return cls(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
+               temporaries=m.temp_size_in_bytes, generated_code=m.generated_code_size_in_bytes)
+
+
+def xla_flops(compiled: Any) -> float | None:
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per program
+  return float(cost["flops"]) if cost and "flops" in cost else None
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+  cfg: ml_collections.ConfigDict
+  num_devices: int
+  plan: Plan
+  lowered: Any  # jax.stages.Lowered: .as_text() is the StableHLO the compiler was given
+  compiled: Any  # jax.stages.Compiled: .as_text() is the optimized, partitioned HLO of one device
+  memory: Memory
+  num_params: int
+  model_flops: float  # per device per step: ModelConfig.train_flops_per_token x tokens / devices
+  xla_flops: float | None  # per device per step, from XLA's cost analysis (loop bodies counted once)
+  lower_seconds: float
+  compile_seconds: float
+
+  @property
+  def loops(self) -> list[str]:
+    """The loops whose bodies XLA's cost analysis counts once."""
+    loops = []
+    if self.cfg.model.scan_layers and self.cfg.model.num_layers > 1:
+      loops.append(f"the {self.cfg.model.num_layers} scanned layers (model.scan_layers=True)")
+    if self.plan.batch.num_microbatches > 1:
+      loops.append(f"the {self.plan.batch.num_microbatches} microbatches (optimizer.grad_accum_steps)")
+    return loops
+
+  def describe(self) -> str:
+    cfg, m, mem = self.cfg, self.cfg.model, self.memory
+    k, micro = self.plan.batch.num_microbatches, self.plan.batch.per_microbatch
+    lines = [
+        f"compiled on {self.num_devices} fake CPU devices (XLA:CPU), not on runtime.platform={cfg.runtime.platform}",
+        f"mesh: {self.plan.mesh.describe()}",
+        f"model: {self.num_params / 1e9:.3f}B parameters ({m.num_layers} layers, d_model {m.d_model}, "
+        f"{m.num_heads}/{m.num_kv_heads} heads, d_ff {m.d_ff}, vocab {m.vocab_size}); params {m.param_dtype}, "
+        f"compute {m.compute_dtype}, remat {m.remat}",
+        f"batch: {cfg.data.batch_size} x {cfg.data.seq_len} tokens, grad_accum_steps {k} "
+        f"({micro} sequence(s) per device per microbatch); optimizer {cfg.optimizer.name}, state "
+        f"{cfg.optimizer.state_dtype}",
+        "per-device memory (Compiled.memory_analysis):",
+        f"  arguments       {mem.arguments / GiB:9.3f} GiB  (train state + batch)",
+        f"  outputs         {mem.outputs / GiB:9.3f} GiB",
+        f"  aliased         {mem.aliased / GiB:9.3f} GiB  (donated state reused for the new state)",
+        f"  temporaries     {mem.temporaries / GiB:9.3f} GiB  (activations, gradients, gathered weights ...)",
+        f"  generated code  {mem.generated_code / GiB:9.3f} GiB",
+        f"  peak            {mem.peak / GiB:9.3f} GiB  = arguments + outputs - aliased + temporaries",
+        f"  {CPU_CAVEAT}",
+        "FLOPs per device per step:",
+        f"  model (analytic)  {self.model_flops / 1e12:12.3f} TFLOP  = train_flops_per_token x "
+        f"{cfg.data.batch_size * cfg.data.seq_len} tokens / {self.num_devices} devices",
+    ]
+    if self.xla_flops is None:
+      lines.append("  XLA cost analysis: unavailable")
+    elif self.loops:
+      lines.append(f"  XLA cost analysis {self.xla_flops / 1e12:12.3f} TFLOP  NOT the step total: XLA:CPU counts each "
+                   f"loop body once, here {' and '.join(self.loops)}")
+    else:
+      lines.append(f"  XLA cost analysis {self.xla_flops / 1e12:12.3f} TFLOP  ({self.xla_flops / self.model_flops:.2f} x "
+                   "model: includes remat recompute, elementwise work and the optimizer)")
+    lines.append(f"time: lower {self.lower_seconds:.1f} s, compile {self.compile_seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int) -> CompileReport:
+  """Compiles `cfg`'s train step for `num_devices` fake CPU devices (set up here when the backend has
+  not started; otherwise it must already be that many CPU devices)."""
+  use_cpu_devices(num_devices)
+  from maxtrain import program as program_lib  # imported after the backend is set up
+
+  plan = validate(cfg, num_devices, require_data=False)
+  t0 = time.perf_counter()
+  program = program_lib.build(cfg, plan)
+  lowered = program.lower()
+  t1 = time.perf_counter()
+  with jax.set_mesh(program.mesh):
+    compiled = lowered.compile()
+  t2 = time.perf_counter()
+  return CompileReport(
+      cfg=cfg, num_devices=num_devices, plan=plan, lowered=lowered, compiled=compiled, memory=Memory.of(compiled),
+      num_params=sum(x.size for x in jax.tree.leaves(program.state.abstract.params)),
+      model_flops=program.flops_per_token * plan.batch.tokens / num_devices, xla_flops=xla_flops(compiled),
+      lower_seconds=t1 - t0, compile_seconds=t2 - t1)
+
+
+def check_fits(report: CompileReport, device_memory_gib: float) -> str:
+  """A line saying how the peak compares with the device memory; raises UserError when over it."""
+  mem, limit = report.memory, device_memory_gib * GiB
+  if mem.peak <= limit:
+    return (f"fits: peak {mem.peak / GiB:.2f} GiB of {device_memory_gib:g} GiB per device "
+            f"({1 - mem.peak / limit:.0%} headroom)")
+  cfg, layout = report.cfg, report.plan.layout
+  k, micro = report.plan.batch.num_microbatches, report.plan.batch.per_microbatch
+  state_fixes = [f"shard the state over more devices ({layout.describe('embed')}, or the axes of the other "
+                 "parameter dims: maxtrain/sharding/rules.py)"]
+  if cfg.optimizer.state_dtype != "bfloat16":
+    state_fixes.append("optimizer.state_dtype=bfloat16 (halves the moments)")
+  activation_fixes = []
+  if cfg.model.remat != "full":
+    activation_fixes.append(f"model.remat=full (now {cfg.model.remat})")
+  if micro > 1:
+    activation_fixes.append(f"more optimizer.grad_accum_steps (now {k}: {micro} sequences per device per microbatch)")
+    activation_fixes.append(f"a smaller data.batch_size (now {cfg.data.batch_size})")
+  activation_fixes.append(f"a shorter data.seq_len (now {cfg.data.seq_len}; each sequence's attention scores grow "
+                          "with its square)")
+  arguments = mem.arguments
+  fixes = state_fixes + activation_fixes if arguments > mem.temporaries else activation_fixes + state_fixes
+  raise UserError(
+      f"the train step needs {mem.peak / GiB:.2f} GiB per device (XLA:CPU peak: arguments {arguments / GiB:.2f} GiB "
+      f"for the train state, + temporaries {mem.temporaries / GiB:.2f} GiB for activations and gradients), over "
+      f"--device-memory-gb={device_memory_gib:g}. To fit, try: {'; '.join(fixes)}.")
+
+
+def neuron_lint(report: CompileReport) -> str:
+  """The lowered step (what the Neuron plugin would be given) checked for what neuronx-cc rejects;
+  raises UserError listing the problems. The step draws no random numbers, so the PRNG is not checked."""
+  from maxtrain.aot.hlo_lint import neuron_problems
+
+  problems = neuron_problems(report.lowered.as_text(dialect="hlo"), check_prng=False)
+  if problems:
+    raise UserError("the train step would not compile on Neuron: " + "; ".join(map(str, problems[:10])))
+  return "Neuron lint of the lowered train step: clean (no conditional, host callback, dynamic loop, variadic " \
+         "reduce, integer matmul or f8e4m3fn)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m maxtrain.compile", description=__doc__.split("\n\n")[0],
+                                   epilog="Other arguments: --config=PATH and --config.KEY=VALUE, as for maxtrain.train.",
+                                   add_help=False)
+  parser.add_argument("-h", "--help", action="store_true", help="this message and every config key")
+  parser.add_argument("--devices", type=int, default=0,
+                      help="devices of the target mesh (default: one node of the hardware preset's mesh)")
+  parser.add_argument("--device-memory-gb", type=float, default=0.0,
+                      help="memory per device in GiB; exit 2 when the compiled step's peak exceeds it (0: no check)")
+  args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+  try:
+    if args.help:
+      print(parser.format_help() + "\n" + config_lib.help_text(rest, "maxtrain.compile").split("\n", 2)[2])
+      return 0
+    cfg = config_lib.load(rest)
+    num_devices = args.devices or default_devices(cfg)
+    print(f"maxtrain.compile: {num_devices} devices, hardware preset {cfg.hardware or '(none)'}", flush=True)
+    report = compile_train_step(cfg, num_devices)
+    print(report.describe())
+    if cfg.runtime.platform == "neuron":
+      print(neuron_lint(report))
+    if args.device_memory_gb > 0:
+      print(check_fits(report, args.device_memory_gb))
+  except UserError as e:
+    print(f"maxtrain: error: {e}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,106 @@
+"""The train batch as the step sees it: the pipeline's fields (`data/pipeline.py` KEYS, DTYPES) plus
+the fault input; its layout over processes, batch shards and microbatches (computed once, as a
+value); its shardings (from the `act_batch`/`act_length` rules); and the one way host rows become
+global device arrays.
+
+Shape legend: B global batch (sequences), T sequence length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from maxtrain.data import pipeline
+from maxtrain.errors import require
+from maxtrain.sharding.layout import Layout
+
+FAULT = "fault"  # f32[2] = (make this step NaN?, loss scale), replicated: fault injection (runtime/faults.py)
+NO_FAULT = (0.0, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+  """How one global batch of `global_size` sequences of `seq_len` tokens is divided."""
+  global_size: int
+  seq_len: int
+  num_processes: int
+  shards: int  # batch shards: devices holding different rows (the act_batch mesh axes)
+  num_microbatches: int  # gradient accumulation steps, scanned in the one step
+
+  @property
+  def per_process(self) -> int:
+    return self.global_size // self.num_processes
+
+  @property
+  def per_shard(self) -> int:
+    return self.global_size // self.shards
+
+  @property
+  def per_microbatch(self) -> int:
+    """Sequences per batch shard (per device) in each microbatch."""
+    return self.per_shard // self.num_microbatches
+
+  @property
+  def tokens(self) -> int:
+    return self.global_size * self.seq_len
+
+  @classmethod
+  def plan(cls, data_cfg: Any, optimizer_cfg: Any, layout: Layout, mesh_text: str,
+           num_processes: int = 1) -> "BatchLayout":
+    """Checks that the batch divides over processes, shards and microbatches (UserError naming the
+    keys and the arithmetic otherwise). `optimizer.microbatch_size` > 0 decides the microbatch count."""
+    b, o = data_cfg.batch_size, optimizer_cfg
+    shards = layout.shards("act_batch")
+    require(b % shards == 0,
+            f"config.data.batch_size={b} is not divisible by the batch shards, {layout.describe('act_batch')} "
+            f"({mesh_text}): each batch shard needs the same number of sequences.")
+    require(b % num_processes == 0, f"config.data.batch_size={b} is not divisible by the {num_processes} processes")
+    per_process, per_shard = b // num_processes, b // shards
+    require(o.microbatch_size >= 0, f"config.optimizer.microbatch_size={o.microbatch_size}: must be >= 0 (0 = off)")
+    require(o.grad_accum_steps >= 1, f"config.optimizer.grad_accum_steps={o.grad_accum_steps}: must be >= 1")
+    k = o.grad_accum_steps
+    if o.microbatch_size:
+      # Activation memory per device stays the same whatever the node count.
+      require(per_shard % o.microbatch_size == 0,
+              f"config.optimizer.microbatch_size={o.microbatch_size} does not divide the {per_shard} sequences per "
+              f"batch shard (data.batch_size={b} / {layout.describe('act_batch')}, {mesh_text})")
+      k = per_shard // o.microbatch_size
+    require(per_process % k == 0 and per_shard % k == 0,
+            f"config.optimizer.grad_accum_steps={k} does not divide the batch: data.batch_size={b} is {per_process} "
+            f"sequences per process ({num_processes} processes) and {per_shard} per batch shard "
+            f"({layout.describe('act_batch')}, {mesh_text}); every shard must split into {k} equal microbatches. "
+            f"Choose grad_accum_steps dividing {math.gcd(per_process, per_shard)}, or a batch_size that is a "
+            f"multiple of {k} x {shards} = {k * shards}.")
+    return cls(global_size=b, seq_len=data_cfg.seq_len, num_processes=num_processes, shards=shards,
+               num_microbatches=k)
+
+
+def shardings(mesh: Mesh, layout: Layout) -> dict[str, NamedSharding]:
+  """Every field's sharding: [B, T] arrays by the batch rules; the fault input replicated."""
+  rows = layout.batch_sharding(mesh)
+  return {**{k: rows for k in pipeline.KEYS}, FAULT: NamedSharding(mesh, P())}
+
+
+def abstract(batch_layout: BatchLayout, batch_shardings: dict[str, NamedSharding]) -> dict[str, jax.ShapeDtypeStruct]:
+  """A train batch's shapes, dtypes and shardings, for compiling without data."""
+  shape = (batch_layout.global_size, batch_layout.seq_len)
+  batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_shardings[k]) for k, dtype in pipeline.DTYPES.items()}
+  batch[FAULT] = jax.ShapeDtypeStruct((2,), np.float32, sharding=batch_shardings[FAULT])
+  return batch
+
+
+def to_device(rows: dict[str, np.ndarray], batch_shardings: dict[str, NamedSharding]) -> dict[str, jax.Array]:
+  """This process's rows -> global arrays laid out for the step."""
+  return pipeline.to_global(rows, batch_shardings[pipeline.KEYS[0]])
+
+
+def with_fault(batch: dict[str, jax.Array], fault: tuple[float, float],
+               batch_shardings: dict[str, NamedSharding]) -> dict[str, jax.Array]:
+  """The train step's batch: `batch` and the fault input (NO_FAULT: nothing injected)."""
+  return {**batch, FAULT: jax.device_put(np.asarray(fault, np.float32), batch_shardings[FAULT])}

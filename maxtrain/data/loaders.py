@@ -1,0 +1,66 @@
+"""The run's data: its token stores opened and checked against the model, the resumable train
+loader, and the fixed eval batches, delivered as global device arrays laid out for the step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import jax
+import ml_collections
+
+from maxtrain import batch as batch_lib
+from maxtrain.data import corpus, pipeline
+from maxtrain.data.store import TokenStore
+from maxtrain.errors import UserError
+
+log = logging.getLogger("maxtrain")
+
+
+def open_stores(data_cfg: ml_collections.ConfigDict, vocab_size: int) -> tuple[TokenStore, TokenStore]:
+  """Opens (building the embedded corpus on first use) and checks the train and val stores."""
+  if data_cfg.path:
+    train_prefix, val_prefix = f"{data_cfg.path}.train", f"{data_cfg.path}.val"
+  else:
+    train_prefix, val_prefix = corpus.prepare_corpus(data_cfg.corpus, tokenizer_spec=data_cfg.tokenizer)
+  train, val = TokenStore.open(train_prefix), TokenStore.open(val_prefix)
+  for store in (train, val):
+    if store.vocab_size > vocab_size:
+      raise UserError(
+          f"token store {store.prefix} was built with a tokenizer of {store.vocab_size} ids "
+          f"({store.tokenizer_identity}), more than config.model.vocab_size={vocab_size}. "
+          f"Set --config.model.vocab_size to at least {store.vocab_size} (rounded up so the mesh divides it)."
+      )
+  if train.tokenizer_identity != val.tokenizer_identity:
+    raise UserError(f"{train.prefix} and {val.prefix} were built with different tokenizers "
+                    f"({train.tokenizer_identity} vs {val.tokenizer_identity}); rebuild both with tools/index_data.py")
+  return train, val
+
+
+class Data:
+  def __init__(self, cfg: ml_collections.ConfigDict, batch_shardings: dict[str, Any]):
+    d = cfg.data
+    self.train_store, self.val_store = open_stores(d, cfg.model.vocab_size)
+    self.shardings = batch_shardings
+    self.loader = pipeline.TrainLoader(self.train_store.prefix, d.seq_len, d.batch_size, cfg.seed,
+                                       jax.process_index(), jax.process_count())
+    self.eval_batches = [batch_lib.to_device(rows, batch_shardings) for rows in pipeline.eval_batches(
+        self.val_store.prefix, d.seq_len, d.batch_size, cfg.eval.batches, jax.process_index(), jax.process_count())]
+
+  def describe(self) -> str:
+    return (f"train {self.train_store.prefix} ({self.train_store.num_tokens} tokens), "
+            f"val {self.val_store.prefix} ({self.val_store.num_tokens} tokens)")
+
+  def next_batch(self, fault: tuple[float, float]) -> tuple[dict[str, jax.Array], float]:
+    """The next train batch on device (with the step's fault input) and the seconds spent waiting."""
+    t0 = time.monotonic()
+    batch = batch_lib.to_device(next(self.loader), self.shardings)
+    wait_s = time.monotonic() - t0
+    return batch_lib.with_fault(batch, fault, self.shardings), wait_s
+
+  def get_state(self) -> dict:
+    return self.loader.get_state()
+
+  def set_state(self, state: dict) -> None:
+    self.loader.set_state(state)  # O(1): the loader indexes windows, nothing is replayed

@@ -1,0 +1,104 @@
+"""The training loop's one metrics logger: TensorBoard, Prometheus, throughput and MFU, memory, the
+console line, and the `steps` records of the event log (`events.StepsSummary`).
+
+Every scalar the step returns is logged as `train/<name>`: new metrics need no change here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import jax
+
+from maxtrain.monitor import events as ev
+from maxtrain.monitor import memory, mfu as mfu_lib, prometheus
+from maxtrain.monitor.tensorboard import MetricWriter
+
+log = logging.getLogger("maxtrain")
+
+
+class MetricsLogger:
+  def __init__(self, out_dir: Path, events: ev.EventLog, *, total_steps: int, tokens_per_step: int,
+               flops_per_token: float, peak_flops: float, prometheus_port: int = 0):
+    self.events = events
+    self.total_steps = total_steps
+    self.tokens_per_step = tokens_per_step
+    self.flops_per_token = flops_per_token
+    self.peak_flops = peak_flops
+    self.writer = MetricWriter(out_dir / "tensorboard")
+    self.prometheus = prometheus.start(prometheus_port, out_dir.name, jax.process_index())
+    self.summary: ev.StepsSummary | None = None  # from the attempt's first step on
+
+  def first_step(self, step: int, metrics: Any, t_process_start: float) -> None:
+    """The attempt's first step (mostly compilation) is done: timed intervals start after it."""
+    jax.block_until_ready(metrics)
+    self.events.emit(ev.FIRST_STEP, step)
+    self.summary = ev.StepsSummary(self.events, step)
+    log.info("first step (%d) done %.1fs after process start", step, time.monotonic() - t_process_start)
+
+  def data_wait(self, seconds: float) -> None:
+    if self.summary is not None:
+      self.summary.add_data_wait(seconds)
+
+  def restart_interval(self, step: int) -> None:
+    """After a rollback: the steps interval starts again at `step`."""
+    if self.summary is not None:
+      self.summary.reset(step)
+
+  def outside(self, step: int) -> contextlib.AbstractContextManager:
+    """Time inside (eval, checkpoint) is not step time."""
+    return self.summary.outside(step) if self.summary is not None else contextlib.nullcontext()
+
+  def scalars(self, step: int, values: Mapping[str, float]) -> None:
+    self.writer.scalars(step, values)
+
+  def text(self, tag: str, value: str) -> None:
+    self.writer.text(tag, value)
+
+  def train(self, step: int, metrics: Mapping[str, Any]) -> None:
+    """A log step: the step's metrics, speed, MFU and memory; then the steps record."""
+    metrics = jax.device_get(metrics)  # note: a host-device sync point, once per log interval
+    scalars = {f"train/{k}": v for k, v in metrics.items()}
+    pending = self.summary.pending(step) if self.summary is not None else None
+    speed = ""
+    if pending is not None:  # None at the attempt's first step, whose time is mostly compilation
+      seconds, count, data_wait_s = pending
+      step_time = seconds / count
+      tokens_per_s = self.tokens_per_step / step_time
+      scalars.update({"train/step_time_s": step_time, "train/tokens_per_s": tokens_per_s,
+                      "train/data_wait_s": data_wait_s / count})
+      speed = f"  {step_time:.3f}s/step  {tokens_per_s:.0f} tok/s"
+      mfu = mfu_lib.mfu(tokens_per_s, self.flops_per_token, jax.device_count(), self.peak_flops)
+      if mfu is not None:
+        scalars["train/mfu"] = mfu
+        speed += f"  MFU {mfu:.1%}"
+    scalars.update(memory.memory_scalars())
+    self.writer.scalars(step, scalars)
+    if self.prometheus is not None:
+      self.prometheus.update(scalars)
+    log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e%s", step, self.total_steps, metrics["loss"],
+             metrics["grad_norm"], metrics["lr"], speed)
+    # Flushed after the logging above, so that its time is inside the steps interval (the loop's
+    # own cost) rather than a gap the goodput report could only call `other`.
+    if self.summary is not None:
+      self.summary.flush(step)
+
+  @contextlib.contextmanager
+  def eval(self, step: int) -> Iterator[dict]:
+    """Times an evaluation (outside step time); the body sets `result["loss"]`."""
+    result: dict[str, float] = {}
+    with self.outside(step):
+      t0 = time.monotonic()
+      yield result
+      self.events.emit(ev.EVAL, step, seconds=time.monotonic() - t0, loss=result["loss"])
+    self.writer.scalars(step, {"eval/loss": result["loss"]})
+    log.info("step %d  eval loss %.4f", step, result["loss"])
+
+  def close(self) -> None:
+    self.writer.close()
+    if self.prometheus is not None:
+      self.prometheus.close()

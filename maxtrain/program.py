@@ -1,0 +1,72 @@
+"""The one builder of what runs: model spec, optimizer, state spec, batch spec and the jitted train and
+eval steps, from a validated config. The trainer, `python -m maxtrain.compile` and `tools/bench.py`
+all build here, so none can drift from the program the trainer runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import ml_collections
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from maxtrain import batch as batch_lib
+from maxtrain import optim
+from maxtrain import state as state_lib
+from maxtrain import step as step_lib
+from maxtrain.models.llama import ModelConfig
+from maxtrain.sharding.mesh import make_mesh
+from maxtrain.validate import Plan, total_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  cfg: ml_collections.ConfigDict
+  plan: Plan
+  mesh: Mesh
+  model_cfg: ModelConfig
+  optimizer: optim.Optimizer
+  state: state_lib.StateSpec
+  batch_shardings: dict[str, NamedSharding]
+  train_step: Callable  # jitted: (state, batch) -> (state, metrics); the state is donated
+  eval_step: Callable  # jitted: (params, batch) -> (loss sum, loss tokens)
+
+  @property
+  def flops_per_token(self) -> float:
+    return self.model_cfg.train_flops_per_token(self.plan.batch.seq_len)
+
+  def abstract_state(self) -> state_lib.TrainState:
+    """ShapeDtypeStructs carrying their shardings: inputs of an ahead-of-time lowering or a restore."""
+    return state_lib.with_shardings(self.state.abstract, self.state.shardings)
+
+  def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+    return batch_lib.abstract(self.plan.batch, self.batch_shardings)
+
+  def lower(self) -> Any:
+    """The train step lowered from abstract inputs, as the trainer compiles it (no array allocated)."""
+    with jax.set_mesh(self.mesh):
+      return self.train_step.lower(self.abstract_state(), self.abstract_batch())
+
+
+def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) -> Program:
+  """Everything but the state's values and the data. Raises UserError for a layout that does not
+  divide the model or would replicate most of it."""
+  mesh = make_mesh(plan.mesh) if mesh is None else mesh
+  rules = plan.layout.rules
+  model_cfg = ModelConfig.from_config(cfg.model)
+  optimizer = optim.make(cfg.optimizer, total_steps(cfg))
+  state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window)
+  batch_shardings = batch_lib.shardings(mesh, plan.layout)
+  replicated = NamedSharding(mesh, P())
+  step = step_lib.make_train_step(state_spec.graphdef, optimizer, z_loss=cfg.optimizer.z_loss,
+                                  grad_accum_steps=plan.batch.num_microbatches, spike_zscore=cfg.guards.spike_zscore,
+                                  spike_warmup=cfg.guards.spike_warmup, rules=rules)
+  train_step = jax.jit(step, in_shardings=(state_spec.shardings, batch_shardings),
+                       out_shardings=(state_spec.shardings, replicated), donate_argnums=0)
+  eval_batch_shardings = {k: v for k, v in batch_shardings.items() if k != batch_lib.FAULT}
+  eval_step = jax.jit(step_lib.make_eval_step(state_spec.graphdef, rules),
+                      in_shardings=(state_spec.shardings.params, eval_batch_shardings), out_shardings=replicated)
+  return Program(cfg=cfg, plan=plan, mesh=mesh, model_cfg=model_cfg, optimizer=optimizer, state=state_spec,
+                 batch_shardings=batch_shardings, train_step=train_step, eval_step=eval_step)

@@ -1,0 +1,75 @@
+"""Validation of a loaded config, once, before data is touched or anything compiles. Each component
+checks its own section (`models/llama.py`, `optim.py`, `guards.py`, `checkpoint.py`); the mesh and
+the batch are laid out here, as values, and returned as a `Plan` (the config is never changed).
+
+Errors are UserErrors (exit 2) that name the key, the values, the arithmetic and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import ml_collections
+
+from maxtrain import checkpoint, guards, optim
+from maxtrain.batch import BatchLayout
+from maxtrain.errors import choice, require
+from maxtrain.models import llama
+from maxtrain.sharding import mesh as mesh_lib
+from maxtrain.sharding import rules as rules_lib
+from maxtrain.sharding.layout import Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What a validated config resolves to on the devices at hand."""
+  mesh: mesh_lib.MeshLayout
+  layout: Layout  # the mesh sizes and the rule set: how logical dims are split
+  batch: BatchLayout
+
+
+def _floats(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, float]]:
+  out = []
+  for key, value in cfg.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      out += _floats(value, f"{prefix}{key}.")
+    elif isinstance(value, float):
+      out.append((prefix + key, value))
+  return out
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, *,
+             require_data: bool = True) -> Plan:
+  """Checks everything that can be checked before touching data or compiling (`require_data=False`:
+  everything but the data source, for ahead-of-time compiles)."""
+  bad = [f"config.{k}={v}" for k, v in _floats(cfg) if not math.isfinite(v)]
+  require(not bad, f"{', '.join(bad)}: must be a finite number")
+  for key in ("steps", "log_every"):
+    require(cfg[key] > 0, f"config.{key}={cfg[key]}: must be > 0")
+  llama.validate(cfg.model)
+  d = cfg.data
+  require(bool(d.corpus) or bool(d.path) or not require_data,
+          "config.data.corpus and config.data.path are both empty: set data.path to a token store "
+          "prefix (tools/index_data.py) or data.corpus to 'python-stdlib'")
+  require(0 < d.seq_len <= cfg.model.max_seq_len,
+          f"config.data.seq_len={d.seq_len} must be in 1..model.max_seq_len={cfg.model.max_seq_len}")
+  require(cfg.optimizer.decay_steps >= 0,
+          f"config.optimizer.decay_steps={cfg.optimizer.decay_steps}: must be >= 0 (0 = steps)")
+  optim.validate(cfg.optimizer, cfg.optimizer.decay_steps or cfg.steps)
+  guards.validate(cfg.guards)
+  checkpoint.validate(cfg.checkpoint)
+  require(cfg.eval.every_steps >= 0, f"config.eval.every_steps={cfg.eval.every_steps}: must be >= 0")
+  require(cfg.eval.batches > 0, f"config.eval.batches={cfg.eval.batches}: must be > 0")
+
+  choice("mesh.rules", cfg.mesh.rules, tuple(rules_lib.RULE_SETS))
+  mesh_layout = mesh_lib.from_config(cfg.mesh, num_devices)
+  layout = Layout(mesh_layout.sizes, rules_lib.get(cfg.mesh.rules))
+  batch = BatchLayout.plan(d, cfg.optimizer, layout, f"mesh {mesh_layout.describe()}", num_processes)
+  return Plan(mesh=mesh_layout, layout=layout, batch=batch)
+
+
+def total_steps(cfg: Any) -> int:
+  """The length of the LR schedule: optimizer.decay_steps, or steps."""
+  return cfg.optimizer.decay_steps or cfg.steps
