@@ -12,6 +12,7 @@ from maxtrain.data import corpus, indexing
 from maxtrain.data.store import TokenStore
 from maxtrain.data.tokenizer import ByteTokenizer
 from maxtrain.errors import UserError
+from maxtrain.runtime.cache import cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 EOS = ByteTokenizer.eos_id

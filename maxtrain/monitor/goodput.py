@@ -135,10 +135,8 @@ def _reporting_processes(records: list[dict]) -> dict[int, int]:
   return by_attempt
 
 
-def _segments(records: list[dict], live: _LiveSteps) -> tuple[list[_Segment], list[tuple[_Segment, _StepsRecord]],
-                                                              list[_StepsRecord], list[tuple[float, float]], Counter]:
-  """Walks the records in wall order: step bookkeeping, segments, step-time samples, event counts."""
-  reporter = _reporting_processes(records)
+def _attempt_spans(records: list[dict]) -> dict[int, list[float]]:
+  """attempt -> [first, last] wall time of its records; a crashed attempt ends at its trainer's crash."""
   spans: dict[int, list[float]] = {}
   exited = {r["attempt"] for r in records if r["kind"] == ev.EXIT and r["process"] >= 0}
   for r in records:
@@ -146,14 +144,20 @@ def _segments(records: list[dict], live: _LiveSteps) -> tuple[list[_Segment], li
       continue  # after the trainer's own exit record, the supervisor's notice is teardown, not the attempt
     span = spans.setdefault(r["attempt"], [r["wall"], r["wall"]])
     span[0], span[1] = min(span[0], r["wall"]), max(span[1], r["wall"])
-
   crashed: dict[int, float] = {}  # attempt -> its trainer's (last) crash record
   for r in records:
     if r["kind"] == ev.CRASH and r["process"] >= 0:
       crashed[r["attempt"]] = max(crashed.get(r["attempt"], r["wall"]), r["wall"])
   for attempt, wall in crashed.items():
     spans[attempt][1] = min(spans[attempt][1], wall)
+  return spans
 
+
+def _segments(records: list[dict], live: _LiveSteps) -> tuple[list[_Segment], list[tuple[_Segment, _StepsRecord]],
+                                                              list[_StepsRecord], list[tuple[float, float]], Counter]:
+  """Walks the records in wall order: step bookkeeping, segments, step-time samples, event counts."""
+  reporter = _reporting_processes(records)
+  spans = _attempt_spans(records)
   segments = [_Segment(s, e, a, "other", {"other": 1.0}) for a, (s, e) in spans.items()]
   step_segments: list[tuple[_Segment, _StepsRecord]] = []
   samples: list[tuple[float, float]] = []

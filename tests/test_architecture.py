@@ -1,0 +1,169 @@
+"""The shape of the code: no import cycles, the mesh named only in `sharding/`, short functions, a
+supervisor that starts without jax, `--help` generated from the declarations, and a README layout
+that matches the tree."""
+
+import ast
+import io
+import re
+import subprocess
+import sys
+import tokenize
+from pathlib import Path
+
+import pytest
+
+from maxtrain import config as config_lib
+from maxtrain.sharding.mesh import AXES, DCN_AXES
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "maxtrain"
+MODULES = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+           for p in sorted(PACKAGE.rglob("*.py"))}
+# Mesh axis names: the ones in use and the ones the long-context and MoE work will add.
+MESH_AXES = set(AXES) | set(DCN_AXES) | {"context", "expert"}
+# Where a mesh axis may be spelled outside sharding/: the declaration of the `mesh.*` config keys.
+AXIS_ALLOWED = {"maxtrain/config.py": {"mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.dcn_data", "mesh.dcn_fsdp"}}
+MAX_FUNCTION_LINES = 80
+LONG_ALLOWED = {("maxtrain/config.py", "base_config")}  # a declaration: one documented line per key
+
+
+def imports_of(module: str, path: Path) -> set[str]:
+  """maxtrain modules imported anywhere in the file (function-level imports included)."""
+  found = set()
+  package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+      names = [f"{base}.{a.name}" for a in node.names] + [base]
+    else:
+      continue
+    found |= {n for n in names if n in MODULES and n != module}
+  return found
+
+
+def test_no_import_cycles():
+  graph = {m: imports_of(m, p) for m, p in MODULES.items()}
+  graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}  # a package's own __init__
+  state: dict[str, int] = {}
+
+  def visit(m, stack):
+    state[m] = 1
+    for d in sorted(graph[m]):
+      if state.get(d) == 1:
+        pytest.fail("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+      if d not in state:
+        visit(d, stack + [d])
+    state[m] = 2
+
+  for m in sorted(graph):
+    if m not in state:
+      visit(m, [m])
+
+
+def axis_mentions(path: Path) -> set[str]:
+  """String literals equal to a mesh axis name, and `mesh.<axis>` attribute chains."""
+  toks = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
+  found = set()
+  for i, tok in enumerate(toks):
+    if tok.type == tokenize.STRING:
+      try:
+        value = ast.literal_eval(tok.string)
+      except (ValueError, SyntaxError):
+        continue
+      if value in MESH_AXES:
+        found.add(repr(value))
+    elif tok.type == tokenize.NAME and tok.string in MESH_AXES and i >= 2 and toks[i - 1].string == "." \
+        and toks[i - 2].string == "mesh":
+      found.add(f"mesh.{tok.string}")
+  return found
+
+
+def test_only_sharding_names_mesh_axes():
+  offenders = {}
+  for path in MODULES.values():
+    rel = path.relative_to(REPO).as_posix()
+    if rel.startswith("maxtrain/sharding/"):
+      continue
+    extra = axis_mentions(path) - AXIS_ALLOWED.get(rel, set())
+    if extra:
+      offenders[rel] = sorted(extra)
+  assert not offenders, f"mesh axes named outside maxtrain/sharding/ (ask a sharding.layout.Layout): {offenders}"
+
+
+def test_the_axis_check_would_catch_a_mesh_axis(tmp_path):
+  sample = tmp_path / "x.py"
+  sample.write_text('spec = P(("data", "fsdp"), None)\nn = cfg.mesh.tensor\nkey = "mesh.fsdp"\n')
+  assert axis_mentions(sample) == {"'data'", "'fsdp'", "mesh.tensor"}
+
+
+def test_functions_are_short():
+  long = []
+  for path in MODULES.values():
+    rel = path.relative_to(REPO).as_posix()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (rel, node.name) not in LONG_ALLOWED:
+        lines = node.end_lineno - node.lineno + 1
+        if lines > MAX_FUNCTION_LINES:
+          long.append(f"{rel}:{node.name} ({lines} lines)")
+  assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_supervisor_help_does_not_import_jax():
+  script = ("import runpy, sys\nsys.argv = ['maxtrain.launch', '--help']\n"
+            "try:\n  runpy.run_module('maxtrain.launch', run_name='__main__')\nexcept SystemExit as e:\n"
+            "  assert e.code in (0, None), e.code\n"
+            "print('JAX_IMPORTED' if 'jax' in sys.modules else 'NO_JAX')\n")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert "usage: python -m maxtrain.launch" in proc.stdout
+  assert proc.stdout.strip().splitlines()[-1] == "NO_JAX"
+
+
+def test_config_loading_does_not_import_jax():
+  script = ("import sys\nfrom maxtrain import config\nconfig.load(['--config=configs/llama3_8b.py'])\n"
+            "print('JAX_IMPORTED' if 'jax' in sys.modules else 'NO_JAX')\n")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.stdout.strip().splitlines()[-1] == "NO_JAX", proc.stderr
+
+
+def flat_keys(cfg, prefix=""):
+  out = []
+  for k, v in cfg.items():
+    out += flat_keys(v, f"{prefix}{k}.") if hasattr(v, "items") else [prefix + k]
+  return out
+
+
+def test_every_key_is_documented_where_declared():
+  docs = config_lib.key_docs()
+  keys = flat_keys(config_lib.base_config())
+  assert set(docs) == set(keys)
+  assert [k for k in keys if not docs[k]] == []
+  assert docs["model.d_ff"] == "SwiGLU hidden width."
+
+
+@pytest.mark.parametrize("module", ["maxtrain.train", "maxtrain.compile"])
+def test_help_lists_every_key_with_default_and_meaning(module):
+  proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert f"python -m {module}" in proc.stdout
+  cfg, docs = config_lib.base_config(), config_lib.key_docs()
+  for key in flat_keys(cfg):
+    value = cfg
+    for part in key.split("."):
+      value = value[part]
+    assert f"  {key} = {value!r}\n      {docs[key]}" in proc.stdout, key
+
+
+def test_readme_layout_matches_the_tree():
+  readme = (REPO / "README.md").read_text()
+  section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+  listed = set(re.findall(r"\b([a-z_]+\.py)\b", section))
+  actual = {p.name for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+  assert actual - listed == set(), f"modules missing from README's Layout: {sorted(actual - listed)}"
+  assert listed - actual - {"train.py"} <= {n for n in listed if (REPO / "tools" / n).exists()}, \
+      f"README's Layout names files that do not exist: {sorted(listed - actual)}"
