@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
+from typing import Any, Callable
 
 import grain
 import jax
@@ -105,7 +105,7 @@ def _bad_id_error(store: TokenStore, vocab_size: int | None, value: int,
 
 def check_batch_ids(batch: dict[str, np.ndarray], store: TokenStore,
                     seq_len: int, vocab_size: int | None,
-                    windows: Any) -> None:
+                    windows: Callable[[int], int]) -> None:
   """Raises UserError if any id in `batch` is out of range.
 
   `windows(row)` gives the window index of a row; it is called only when the

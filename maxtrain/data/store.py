@@ -251,7 +251,10 @@ class TokenStore:
     """The largest token id (None for an empty store).
 
     From the header; a store written before the header recorded it is
-    scanned once, here, and the result kept for this object's lifetime.
+    scanned here, once per process (python-stdlib corpus: 9 ms; 10x: 0.12 s).
+    Scanning rather than refusing such a store: the scan reads the .bin once,
+    the rebuild a refusal would demand re-reads and re-tokenizes all the text,
+    and the loaders' per-batch check guards training either way.
     """
     if not self._max_known:
       bin_path = _paths(self.prefix)[0]
