@@ -335,3 +335,44 @@ def test_usage_errors_are_one_line(tmp_path):
   (tmp_path / "a.txt").write_text("text")
   _assert_exit2(_cli("--input", tmp_path / "a.txt", "--output", tmp_path / "o",
                      "--tokenizer", tmp_path / "nope.json"), "nope.json")
+
+
+# ---- Through the real entry point ----
+
+
+def _copy_store(src, dst):
+  for split in ("train", "val"):
+    for ext in ("bin", "idx", "json"):
+      Path(f"{dst}.{split}.{ext}").write_bytes(
+          Path(f"{src}.{split}.{ext}").read_bytes())
+  return str(dst)
+
+
+@pytest.mark.parametrize("split", ["val", "train"])
+def test_trainer_exits_2_on_an_id_poked_after_indexing(store, tmp_path, capsys,
+                                                       split):
+  # val: found while the eval batches are built, before compiling; train: in
+  # the first training batch. Either way exit 2 naming the store and document,
+  # never a NaN run.
+  from maxtrain import train
+  from tiny import TINY_MODEL
+
+  prefix = _copy_store(store, tmp_path / "poked")
+  target = TokenStore.open(f"{prefix}.{split}")
+  seq_len = 32  # TINY_MODEL's.
+  # A window the run reads first: eval reads windows 0, 1, ...; training
+  # starts with the first window of the seed's order.
+  window = 5 if split == "val" else pipeline._window_order(
+      (target.num_tokens - 1) // seq_len, 0, 0, 1)[0]
+  position = window * seq_len + 7
+  doc = target.doc_at(position)
+  _poke_token(target.prefix, position, 1000)
+  code = train.main(TINY_MODEL + [f"--config.data.path={prefix}",
+                                  f"--config.output_dir={tmp_path / 'out'}",
+                                  "--config.seed=0", "--config.steps=2"])
+  err = capsys.readouterr().err
+  assert code == 2, err
+  assert f"poked.{split}" in err and "holds token id 1000" in err
+  assert (f"document {doc} (token {position - int(target.offsets[doc])} of "
+          "the document)") in err
+  assert "Traceback" not in err
