@@ -60,11 +60,16 @@ def test_cli_indexes_a_directory(text_dir, tmp_path, monkeypatch):
   assert r.returncode == 0, r.stderr
   assert "32 documents from 5 files (1 binary files skipped)" in r.stdout
   assert "MB/s" in r.stdout
+  assert "zero-byte files: 1:" in r.stdout and "empty.txt" in r.stdout
+  assert "invalid UTF-8" not in r.stdout
   train, val = _docs(f"{out}.train"), _docs(f"{out}.val")
   assert val and train
   assert sorted(train + val) == sorted(expected)  # No loss, no duplicates.
   header = json.loads(Path(f"{out}.train.json").read_text())
   assert header["tokenizer"] == "byte-v1" and header["num_docs"] == len(train)
+  assert header["max_token_id"] == EOS  # Every document ends with EOS.
+  assert header["source"]["empty_files"] == [str(root / "sub" / "empty.txt")]
+  assert header["source"]["invalid_utf8_files"] == 0
   TokenStore.open(f"{out}.train").verify()
 
   # Same inputs and seed → byte-identical stores, even via a glob and with

@@ -204,17 +204,27 @@ def test_interrupted_writes_leave_no_store_or_keep_the_old_one(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["old.bin", "old.idx", "old.json"]
 
 
-def test_verify_catches_a_flipped_byte(tmp_path):
-  prefix = _write(tmp_path / "s", _random_docs(np.random.default_rng(1)))
-  TokenStore.open(prefix).verify()
-  with open(prefix + ".bin", "r+b") as f:
-    f.seek(17)
+def _flip(path, offset, mask):
+  with open(path, "r+b") as f:
+    f.seek(offset)
     b = f.read(1)
-    f.seek(17)
-    f.write(bytes([b[0] ^ 0x01]))
-  store = TokenStore.open(prefix)  # Sizes still match: O(1) checks pass.
+    f.seek(offset)
+    f.write(bytes([b[0] ^ mask]))
+
+
+def test_verify_catches_a_flipped_byte(tmp_path):
+  docs = [np.array([10, 20, 30]), np.array([40, 258])]
+  prefix = _write(tmp_path / "s", docs)
+  TokenStore.open(prefix).verify()
+  _flip(prefix + ".bin", 2, 0x01)  # Token 1: 20 -> 21, still a valid id.
+  store = TokenStore.open(prefix)  # Sizes still match: open's checks pass.
   with pytest.raises(UserError, match="checksum"):
     store.verify()
+  # A high byte: 40 -> 296, beyond the recorded max 258; named by document.
+  _flip(prefix + ".bin", 7, 0x01)
+  with pytest.raises(UserError, match=r"s\.bin.*document 1 holds token id 296 "
+                     r"at token 0.*max_token_id=258"):
+    TokenStore.open(prefix).verify()
 
 
 def test_unigram_entropy_matches_numpy(tmp_path):

@@ -6,6 +6,15 @@ any other file is one UTF-8 document, unless it contains NUL bytes, in which
 case it is skipped as binary. Every document is stored as its tokens followed
 by EOS, the document boundary the loader packs across.
 
+Text that is not valid UTF-8 follows `--errors`: `strict` stops (exit 2) at
+the first invalid byte, naming the file and byte offset; `replace` (the
+default) decodes invalid sequences as U+FFFD; `skip` leaves the document out
+(a whole file, or one .jsonl line). Either way each affected file is counted
+and listed, with zero-byte files, in the summary and the header's `source`.
+
+`--verify PREFIX` re-reads a finished store: offsets, every id against the
+header, and the checksum; it names the first bad document.
+
 The train/val split is per document and depends only on the seed and the
 document's name (its path relative to the input directory, plus the line
 number for .jsonl), so it is stable across runs, worker counts and machines.
@@ -16,6 +25,7 @@ Usage: python tools/index_data.py --input DIR --output data/mycorpus
 from __future__ import annotations
 
 import argparse
+import codecs
 import collections
 import dataclasses
 import glob
@@ -30,12 +40,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from maxtrain.data.store import StoreWriter, token_dtype
+from maxtrain.data.store import StoreWriter, TokenStore, token_dtype
 from maxtrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from maxtrain.errors import UserError
 
 _JOB_BYTES = 4 << 20  # Input bytes per worker job: amortizes IPC, bounds RAM.
 _JOB_FILES = 256
+ERRORS = ("strict", "replace", "skip")  # --errors choices; see the docstring.
+_LISTED = 100  # Files named per category in a header's `source`.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +73,13 @@ def collect_files(inputs: Sequence[str]) -> list[SourceFile]:
       key = os.path.relpath(path, base).replace(os.sep, "/")
       found[real] = SourceFile(path, key, os.path.getsize(real))
 
+  def unreadable(e: OSError) -> None:
+    raise UserError(
+        f"input directory {e.filename!r} could not be read ({e.strerror or e});"
+        " fix its permissions or leave it out of --input")
+
   def add_tree(root: str, base: str) -> None:
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
       dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
       for name in sorted(filenames):
         if not name.startswith("."):
@@ -106,14 +123,68 @@ def val_score(seed: int, key: str) -> float:
 
 _tokenizer = None
 _text_key = "text"
+_errors = "replace"
 _dtype = np.dtype(np.uint16)
+_replaced = 0  # Invalid sequences replaced since the last `_decode`.
 
 
-def _init(tokenizer_spec: str, text_key: str) -> None:
-  global _tokenizer, _text_key, _dtype
+def _count_and_replace(e: UnicodeError) -> tuple[str, int]:
+  global _replaced
+  _replaced += 1
+  return "\ufffd", e.end
+
+
+codecs.register_error("maxtrain-count-replace", _count_and_replace)
+
+
+def _init(tokenizer_spec: str, text_key: str, errors: str = "replace") -> None:
+  global _tokenizer, _text_key, _errors, _dtype
   _tokenizer = load_tokenizer(tokenizer_spec)
   _text_key = text_key
+  _errors = errors
   _dtype = token_dtype(_tokenizer.vocab_size)
+
+
+class _Invalid(Exception):
+  """Text that is not valid UTF-8 under --errors=strict|skip."""
+
+  def __init__(self, offset: int):
+    super().__init__(offset)
+    self.offset = offset
+
+
+def _decode(data: bytes) -> tuple[str, int, int]:
+  """(text, invalid sequences replaced, byte offset of the first or -1).
+
+  Raises _Invalid on invalid input unless --errors=replace.
+  """
+  global _replaced
+  try:
+    return data.decode("utf-8"), 0, -1
+  except UnicodeDecodeError as e:
+    first = e.start
+  if _errors != "replace":
+    raise _Invalid(first)
+  _replaced = 0
+  text = data.decode("utf-8", errors="maxtrain-count-replace")
+  return text, _replaced, first
+
+
+def _clean(text: str) -> tuple[str, int]:
+  """Lone surrogates (from JSON escapes such as "\\ud800"), like bad bytes."""
+  global _replaced
+  try:
+    text.encode("utf-8")
+    return text, 0
+  except UnicodeEncodeError as e:
+    first = e.start
+  _replaced = 0
+  if _errors != "replace":
+    raise _Invalid(-1 - first)  # Negative: a character index, not a byte.
+  _replaced = 0
+  text = text.encode("utf-16-le", "surrogatepass").decode(
+      "utf-16-le", errors="maxtrain-count-replace")
+  return text, _replaced
 
 
 def _encode(text: str) -> np.ndarray:
@@ -133,25 +204,43 @@ def _run_task(task: tuple[str, bool, int, int]) -> dict[str, Any]:
   try:
     return _read_task(*task)
   except OSError as e:
-    return {"error": (None, f"could not be read ({e.strerror or e})")}
+    return {"error": (None, f"could not be read ({e.strerror or e})",
+                      "fix its permissions or leave it out of --input")}
+
+
+_UTF8_FIX = ("re-encode it as UTF-8, or pass --errors=replace (decode as "
+             "U+FFFD) or --errors=skip (leave it out)")
 
 
 def _read_task(path: str, is_jsonl: bool, start: int,
                end: int) -> dict[str, Any]:
+  """Tokenizes one task. "invalid": sequences replaced, or documents skipped
+  (--errors=skip); "first_invalid": the file byte offset of the first one."""
   if not is_jsonl:
     with open(path, "rb") as f:
       data = f.read()
+    out = {"docs": [], "bytes": len(data), "lines": 0, "invalid": 0}
     if b"\0" in data:
-      return {"docs": [], "bytes": len(data), "lines": 0, "binary": True}
-    text = data.decode("utf-8", errors="replace")
-    return {"docs": [(0, _encode(text))], "bytes": len(data), "lines": 0}
-  docs, n_bytes, n_lines = [], 0, 0
+      return {**out, "binary": True}
+    try:
+      text, out["invalid"], first = _decode(data)
+    except _Invalid as e:
+      if _errors == "strict":
+        return {"error": (None, f"is not valid UTF-8 at byte {e.offset}",
+                          _UTF8_FIX)}
+      return {**out, "invalid": 1, "first_invalid": e.offset}  # Skipped.
+    if out["invalid"]:
+      out["first_invalid"] = first
+    out["docs"] = [(0, _encode(text))]
+    return out
+  docs, n_bytes, n_lines, invalid, first_invalid = [], 0, 0, 0, None
   with open(path, "rb") as f:
     if start > 0:  # Lines belong to the task in which they start.
       f.seek(start - 1)
       if f.read(1) != b"\n":
         f.readline()
     while f.tell() < end:
+      line_start = f.tell()
       line = f.readline()
       if not line:
         break
@@ -160,17 +249,37 @@ def _read_task(path: str, is_jsonl: bool, start: int,
       if not line.strip():
         continue
       try:
-        record = json.loads(line.decode("utf-8", errors="replace"))
+        decoded, replaced, first = _decode(line)
+        record = json.loads(decoded)
+        if not isinstance(record, dict) or _text_key not in record:
+          return {"error": (n_lines, f"has no {_text_key!r} field", None)}
+        text = record[_text_key]
+        if not isinstance(text, str):
+          return {"error": (n_lines, f"field {_text_key!r} is "
+                            f"{type(text).__name__}, not a string", None)}
+        text, surrogates = _clean(text)
       except ValueError as e:
-        return {"error": (n_lines, f"is not valid JSON ({e})")}
-      if not isinstance(record, dict) or _text_key not in record:
-        return {"error": (n_lines, f"has no {_text_key!r} field")}
-      text = record[_text_key]
-      if not isinstance(text, str):
-        return {"error": (n_lines, f"field {_text_key!r} is "
-                          f"{type(text).__name__}, not a string")}
+        return {"error": (n_lines, f"is not valid JSON ({e})", None)}
+      except _Invalid as e:
+        where = (f"byte {line_start + e.offset}" if e.offset >= 0 else
+                 f"character {-1 - e.offset} of its {_text_key!r} field "
+                 "(a lone surrogate escape)")
+        if _errors == "strict":
+          return {"error": (n_lines, f"is not valid UTF-8 at {where}",
+                            _UTF8_FIX)}
+        invalid += 1  # --errors=skip: one line left out.
+        if first_invalid is None:
+          first_invalid = line_start + max(e.offset, 0)
+        continue
+      if replaced or surrogates:
+        invalid += replaced + surrogates
+        if first_invalid is None:
+          first_invalid = line_start + max(first, 0)
       docs.append((n_lines, _encode(text)))
-  return {"docs": docs, "bytes": n_bytes, "lines": n_lines}
+  out = {"docs": docs, "bytes": n_bytes, "lines": n_lines, "invalid": invalid}
+  if first_invalid is not None:
+    out["first_invalid"] = first_invalid
+  return out
 
 
 def _run_job(tasks: list[tuple[str, bool, int, int]]) -> list[dict[str, Any]]:
@@ -281,13 +390,20 @@ def index_sources(files: Sequence[SourceFile], output: str,
                   tokenizer_spec: str = "byte", val_fraction: float = 0.01,
                   workers: int | None = None, text_key: str = "text",
                   seed: int = 0, progress: bool = True,
-                  source: dict | None = None) -> dict:
-  """Tokenizes `files` into `output`.train / `output`.val; returns a summary."""
+                  source: dict | None = None, errors: str = "replace") -> dict:
+  """Tokenizes `files` into `output`.train / `output`.val; returns a summary.
+
+  Without `source`, the headers' `source` describes the input, including
+  the files with invalid UTF-8 and the zero-byte ones; a given `source` (a
+  caller's fingerprint) is stored as is.
+  """
   from tqdm import tqdm  # Only the indexer needs it.
 
   if not 0.0 <= val_fraction < 1.0:
     raise UserError(
         f"val fraction {val_fraction} is outside [0, 1); pass e.g. 0.01")
+  if errors not in ERRORS:
+    raise UserError(f"errors={errors!r}; pass one of {', '.join(ERRORS)}")
   workers = (os.cpu_count() or 1) if workers is None else workers
   if workers < 1:
     raise UserError(f"workers={workers}; pass a positive number of workers")
@@ -295,17 +411,26 @@ def index_sources(files: Sequence[SourceFile], output: str,
     raise UserError("empty corpus: no input files found; check --input")
   tokenizer = load_tokenizer(tokenizer_spec)
   total_bytes = sum(f.size for f in files)
-  if source is None:
+  own_source = source is None
+  if own_source:
     source = {"num_files": len(files), "bytes": total_bytes,
-              "val_fraction": val_fraction, "seed": seed}
+              "val_fraction": val_fraction, "seed": seed, "errors": errors}
   started = time.perf_counter()
-  writers = [StoreWriter(f"{output}.{split}", tokenizer.vocab_size,
-                         tokenizer.identity, source)
-             for split in ("train", "val")]
+  writers = []
+  try:
+    for split in ("train", "val"):
+      writers.append(StoreWriter(f"{output}.{split}", tokenizer.vocab_size,
+                                 tokenizer.identity, source))
+  except UserError:
+    for w in writers:
+      w.abort()
+    raise
   splitter = _Splitter(*writers, val_fraction, seed)
   keys = {f.path: f.key for f in files}
   bytes_read = skipped_binary = 0
   lines_before = collections.Counter()  # .jsonl lines in earlier tasks.
+  file_bytes = collections.Counter()
+  invalid: dict[str, dict[str, int]] = {}  # path -> {"count", "first_byte"}
   jobs = _make_jobs(files)
   if tokenizer.identity == ByteTokenizer.identity:
     # Byte "tokenizing" is a memcpy: shipping its output between processes
@@ -313,20 +438,23 @@ def index_sources(files: Sequence[SourceFile], output: str,
     workers = 1
   bar = tqdm(total=total_bytes, unit="B", unit_scale=True, file=sys.stderr,
              desc="tokenizing", disable=not progress)
-  results = _ordered_results(jobs, workers, (tokenizer_spec, text_key))
+  results = _ordered_results(jobs, workers, (tokenizer_spec, text_key, errors))
   try:
     for job, job_results in zip(jobs, results):
       for (path, is_jsonl, _, _), r in zip(job, job_results):
         if "error" in r:
-          line, msg = r["error"]
+          line, msg, fix = r["error"]
           if line is None:
-            raise UserError(f"input file {path!r} {msg}; fix its permissions "
-                            "or leave it out of --input")
+            raise UserError(f"input file {path!r} {msg}; {fix}")
           raise UserError(
-              f"{path}:{lines_before[path] + line}: line {msg}; every .jsonl "
-              f"line must be a JSON object with a string {text_key!r} field "
-              "(choose the field with --text-key)")
+              f"{path}:{lines_before[path] + line}: line {msg}; " + (fix or
+              f"every .jsonl line must be a JSON object with a string "
+              f"{text_key!r} field (choose the field with --text-key)"))
         skipped_binary += r.get("binary", False)
+        if r.get("invalid"):
+          entry = invalid.setdefault(
+              path, {"count": 0, "first_byte": r["first_invalid"]})
+          entry["count"] += r["invalid"]
         for line, tokens in r["docs"]:
           if tokens.size <= 1:  # Only EOS: the document was empty.
             continue
@@ -335,15 +463,28 @@ def index_sources(files: Sequence[SourceFile], output: str,
             key = f"{key}:{lines_before[path] + line}"
           splitter.add(key, tokens)
         lines_before[path] += r["lines"]
+        file_bytes[path] += r["bytes"]
         bytes_read += r["bytes"]
         bar.update(r["bytes"])
     splitter.finish()
+    empty_files = [f.path for f in files if file_bytes[f.path] == 0]
+    report = _input_report(errors, invalid, empty_files)
     if splitter.num_docs == 0:
       raise UserError(
           f"empty corpus: the {len(files)} input files hold no non-empty "
-          f"documents ({skipped_binary} skipped as binary); check --input "
-          "and --text-key")
+          f"documents ({skipped_binary} skipped as binary, "
+          f"{len(empty_files)} zero-byte, {len(invalid)} with invalid UTF-8 "
+          f"under --errors={errors}); check --input and --text-key")
+    if own_source:
+      source.update(_listed(report))  # The writers hold this dict.
     headers = [w.close() for w in writers]
+  except OSError as e:  # Reading is reported by the workers: this is writing.
+    for w in writers:
+      w.abort()
+    raise UserError(
+        f"could not write token store {output!r} ({e.filename or output}: "
+        f"{e.strerror or e}); free space there or choose another --output"
+    ) from None
   except BaseException:
     for w in writers:
       w.abort()
@@ -360,6 +501,7 @@ def index_sources(files: Sequence[SourceFile], output: str,
       "vocab_size": tokenizer.vocab_size,
       "files": len(files),
       "skipped_binary": skipped_binary,
+      **report,
       "documents": train["num_docs"] + val["num_docs"],
       "train_documents": train["num_docs"],
       "val_documents": val["num_docs"],
@@ -371,10 +513,32 @@ def index_sources(files: Sequence[SourceFile], output: str,
   }
 
 
+def _input_report(errors: str, invalid: dict[str, dict[str, int]],
+                  empty_files: list[str]) -> dict[str, Any]:
+  """What the input held that was not plain UTF-8 text, per file."""
+  return {
+      "errors": errors,
+      # --errors=replace: sequences replaced; skip: documents left out.
+      "invalid_utf8_files": len(invalid),
+      "invalid_utf8_count": sum(e["count"] for e in invalid.values()),
+      "invalid_utf8": invalid,
+      "empty_files": empty_files,
+  }
+
+
+def _listed(report: dict[str, Any]) -> dict[str, Any]:
+  """The report for a header: at most _LISTED files named per category."""
+  out = dict(report)
+  out["invalid_utf8"] = dict(list(report["invalid_utf8"].items())[:_LISTED])
+  out["num_empty_files"] = len(report["empty_files"])
+  out["empty_files"] = report["empty_files"][:_LISTED]
+  return out
+
+
 def index_files(inputs: list[str], output: str, tokenizer_spec: str = "byte",
                 val_fraction: float = 0.01, workers: int | None = None,
                 text_key: str = "text", seed: int = 0, progress: bool = True,
-                source: dict | None = None) -> dict:
+                source: dict | None = None, errors: str = "replace") -> dict:
   """Indexes files/directories/globs `inputs` into `output`.{train,val}."""
   files = collect_files(inputs)
   if not files:
@@ -382,28 +546,75 @@ def index_files(inputs: list[str], output: str, tokenizer_spec: str = "byte",
         f"empty corpus: no input files found in {', '.join(inputs)}; check "
         "--input (hidden files and directories are skipped)")
   return index_sources(files, output, tokenizer_spec, val_fraction, workers,
-                       text_key, seed, progress, source)
+                       text_key, seed, progress, source, errors)
+
+
+def _names(paths: Sequence[str], shown: int = 5) -> str:
+  more = f", ... and {len(paths) - shown} more" if len(paths) > shown else ""
+  return ", ".join(paths[:shown]) + more
 
 
 def format_summary(s: dict) -> str:
-  return (
+  lines = [
       f"indexed {s['documents']} documents from {s['files']} files "
-      f"({s['skipped_binary']} binary files skipped)\n"
+      f"({s['skipped_binary']} binary files skipped)",
       f"  train: {s['train_documents']} docs, {s['train_tokens']} tokens -> "
-      f"{s['train_prefix']}.{{bin,idx,json}}\n"
+      f"{s['train_prefix']}.{{bin,idx,json}}",
       f"  val:   {s['val_documents']} docs, {s['val_tokens']} tokens -> "
-      f"{s['val_prefix']}.{{bin,idx,json}}\n"
+      f"{s['val_prefix']}.{{bin,idx,json}}",
       f"  read {s['bytes_read']} bytes in {s['seconds']:.2f} s "
-      f"({s['bytes_per_second'] / 1e6:.1f} MB/s), tokenizer {s['tokenizer']}")
+      f"({s['bytes_per_second'] / 1e6:.1f} MB/s), tokenizer {s['tokenizer']}"]
+  invalid = s.get("invalid_utf8") or {}
+  if invalid:
+    what = ("invalid sequences replaced with U+FFFD" if s["errors"] == "replace"
+            else "documents skipped")
+    per_file = [f"{p} ({e['count']}, first at byte {e['first_byte']})"
+                for p, e in invalid.items()]
+    lines.append(
+        f"  invalid UTF-8 (--errors={s['errors']}): {len(invalid)} files, "
+        f"{s['invalid_utf8_count']} {what}: {_names(per_file)}")
+  if s.get("empty_files"):
+    lines.append(f"  zero-byte files: {len(s['empty_files'])}: "
+                 f"{_names(s['empty_files'])}")
+  return "\n".join(lines)
+
+
+def verify_store(prefix: str) -> str:
+  """Fully checks the store `prefix` (or `prefix`.train and .val, as written by
+  --output); returns a one-line summary or raises UserError."""
+  prefixes = [prefix]
+  if (not os.path.exists(prefix + ".json") and
+      os.path.exists(prefix + ".train.json")):
+    prefixes = [prefix + ".train", prefix + ".val"]
+  started = time.perf_counter()
+  parts = []
+  for p in prefixes:
+    store = TokenStore.open(p)
+    store.verify()
+    parts.append(f"{p}: {store.num_docs} docs, {store.num_tokens} tokens, "
+                 f"max id {store.max_token_id} < vocab {store.vocab_size}")
+  return (f"OK {'; '.join(parts)} (offsets, ids and checksum verified in "
+          f"{time.perf_counter() - started:.2f} s)")
+
+
+class _Parser(argparse.ArgumentParser):
+  """Usage mistakes are one line too: exit 2, no usage dump."""
+
+  def error(self, message: str):
+    self.exit(2, f"error: {message} (see --help)\n")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(
-      description="Tokenize text files into maxtrain train/val token stores.")
-  parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+  parser = _Parser(
+      description="Tokenize text files into maxtrain train/val token stores, "
+      "or verify a store.")
+  parser.add_argument("--input", nargs="+", metavar="PATH",
                       help="files, directories (recursive) or globs")
-  parser.add_argument("--output", required=True, metavar="PREFIX",
+  parser.add_argument("--output", metavar="PREFIX",
                       help="writes PREFIX.train.* and PREFIX.val.*")
+  parser.add_argument("--verify", metavar="PREFIX",
+                      help="check a finished store fully (PREFIX.{bin,idx,json}"
+                      ", or PREFIX.train and PREFIX.val) and exit")
   parser.add_argument("--tokenizer", default="byte",
                       help="'byte' or a local tokenizer.json (default: byte)")
   parser.add_argument("--val-fraction", type=float, default=0.01)
@@ -414,11 +625,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="field holding the text in .jsonl files")
   parser.add_argument("--seed", type=int, default=0,
                       help="seed of the train/val split")
+  parser.add_argument("--errors", choices=ERRORS, default="replace",
+                      help="text that is not valid UTF-8: stop (strict), "
+                      "decode it as U+FFFD (replace, default) or leave the "
+                      "document out (skip); counted and listed either way")
   args = parser.parse_args(argv)
+  if args.verify is None and (args.input is None or args.output is None):
+    parser.error("pass --input and --output to index, or --verify PREFIX")
   try:
+    if args.verify is not None:
+      print(verify_store(args.verify))
+      return
     summary = index_files(args.input, args.output, args.tokenizer,
                           args.val_fraction, args.workers, args.text_key,
-                          args.seed)
+                          args.seed, progress=sys.stderr.isatty(),
+                          errors=args.errors)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
