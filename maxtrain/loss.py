@@ -1,7 +1,7 @@
 """Per-token cross-entropy and log-partition of the output head, plain and chunked.
 
 Shape legend: B batch, T length, D model, V vocab, K number of chunks, C positions per chunk (of each
-sequence; a chunk holds B x C tokens).
+sequence; a chunk holds B x C tokens), G batch shards.
 
 Both paths return `(ce_BT, log_z_BT)` in fp32: the token cross-entropy `log Z - logit[target]` and the
 log partition `log Z = logsumexp(logits)` that the z-loss squares. They are one kernel family
@@ -25,7 +25,8 @@ Algorithm (`chunked_token_losses`, a `jax.custom_vjp`):
 - Backward, per chunk, the logits are recomputed and, with cotangents `g_ce`, `g_z` of the two
   outputs, `d logits = (g_ce + g_z) * softmax - g_ce * onehot(target)` (d log Z / d logits is the
   softmax; d ce is softmax - onehot). Then `d x_BCD = d logits @ head^T` per chunk (stacked by the
-  scan) and `d head_DV += x_BCD^T @ d logits` in an fp32 carry across chunks.
+  scan) and `d head_DV += x_BCD^T @ d logits` in an fp32 carry across chunks, one partial sum per
+  batch shard, reduced across devices once at the end (see `batch_shards`).
   Peak memory is a few `[B, C, V]` fp32 buffers plus the `[D, V]` fp32 gradient accumulator,
   instead of several `[B, T, V]` ones. Cost: the head matmul runs three times forward+backward as in
   the plain path, plus one recompute (4 matmuls instead of 3).
@@ -78,28 +79,37 @@ def default_chunk_tokens(vocab_size: int) -> int:
 
 
 def head_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, chunk_tokens: int,
-                compute_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+                compute_dtype=jnp.float32, batch_shards: int = 1) -> tuple[jax.Array, jax.Array]:
   """`(ce_BT, log_z_BT)` of the head: chunked when `chunk_tokens > 0`, else the reference."""
   if chunk_tokens > 0:
     return chunked_token_losses(x_BTD, head_DV, targets_BT, chunk_tokens=chunk_tokens,
-                                compute_dtype=compute_dtype)
+                                compute_dtype=compute_dtype, batch_shards=batch_shards)
   return reference_head_losses(x_BTD, head_DV, targets_BT, compute_dtype=compute_dtype)
 
 
 def chunked_token_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *,
-                         chunk_tokens: int, compute_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+                         chunk_tokens: int, compute_dtype=jnp.float32,
+                         batch_shards: int = 1) -> tuple[jax.Array, jax.Array]:
   """`reference_head_losses` without the `[B, T, V]` logits, forward or backward.
 
   `chunk_tokens` is the number of tokens per chunk over the whole (global) batch: each chunk takes
   `C = max(1, chunk_tokens // B)` positions of every sequence, so a device holds
   `B_local x C x V_local` fp32 logits at a time. Differentiable in `x_BTD` and `head_DV`, through
   both outputs.
+
+  `batch_shards`: the number of shards of the batch dim (the product of the batch mesh axes). The
+  backward keeps one fp32 `d head` partial sum per batch shard (`[G, D, V]`, G sharded like the
+  batch, so still one `[D, V_local]` per device) and sums them once after the last chunk. With a
+  single accumulator GSPMD all-reduces `d head` across the batch shards after every chunk: K
+  all-reduces of the whole head gradient instead of the plain path's one.
   """
   if chunk_tokens <= 0:
     raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
   B, T = targets_BT.shape
+  if batch_shards <= 0 or B % batch_shards:
+    raise ValueError(f"batch_shards={batch_shards} must be positive and divide the batch size {B}")
   C = min(T, max(1, chunk_tokens // B))
-  return _chunked(x_BTD, head_DV, targets_BT, C, np.dtype(compute_dtype))
+  return _chunked(x_BTD, head_DV, targets_BT, C, np.dtype(compute_dtype), batch_shards)
 
 
 def _to_chunks(a_BT: jax.Array, C: int) -> jax.Array:
@@ -131,12 +141,12 @@ def _target_mask(targets_BC, V):
   return jax.lax.broadcasted_iota(jnp.int32, (*targets_BC.shape, V), 2) == targets_BC[..., None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _chunked(x_BTD, head_DV, targets_BT, C, compute_dtype):
-  return _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked(x_BTD, head_DV, targets_BT, C, compute_dtype, G):
+  return _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype, G)[0]
 
 
-def _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype):
+def _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype, G):
   T, V = targets_BT.shape[1], head_DV.shape[1]
   head_cd_DV = head_DV.astype(compute_dtype)
 
@@ -152,14 +162,14 @@ def _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype):
   return (_from_chunks(ce_KBC, T), log_z_BT), (x_BTD, head_DV, targets_BT, log_z_BT)
 
 
-def _chunked_bwd(C, compute_dtype, residuals, cotangents):
+def _chunked_bwd(C, compute_dtype, G, residuals, cotangents):
   x_BTD, head_DV, targets_BT, log_z_BT = residuals
   g_ce_BT, g_z_BT = cotangents
   D, V = head_DV.shape
   T = targets_BT.shape[1]
   head_cd_DV = head_DV.astype(compute_dtype)
 
-  def body(d_head_DV, chunk):
+  def body(d_head_GDV, chunk):
     x_BCD, targets_BC, log_z_BC, g_ce_BC, g_z_BC = chunk
     x_cd_BCD = x_BCD.astype(compute_dtype)
     logits_BCV = _matmul(x_cd_BCD, head_cd_DV, ((2,), (0,)))
@@ -167,14 +177,18 @@ def _chunked_bwd(C, compute_dtype, residuals, cotangents):
     d_logits_BCV = ((g_ce_BC + g_z_BC)[..., None] * softmax_BCV
                     - jnp.where(_target_mask(targets_BC, V), g_ce_BC[..., None], 0.0)).astype(compute_dtype)
     d_x_BCD = _matmul(d_logits_BCV, head_cd_DV, ((2,), (1,))).astype(x_BTD.dtype)
-    d_head_DV = d_head_DV + _matmul(x_cd_BCD, d_logits_BCV, ((0, 1), (0, 1)))
-    return d_head_DV, d_x_BCD
+    # Summed over the tokens of each batch shard only: no cross-device reduction inside the loop.
+    x_cd_GBCD = x_cd_BCD.reshape(G, -1, *x_cd_BCD.shape[1:])
+    d_logits_GBCV = d_logits_BCV.reshape(G, -1, *d_logits_BCV.shape[1:])
+    d_head_GDV = d_head_GDV + jax.lax.dot_general(x_cd_GBCD, d_logits_GBCV, (((1, 2), (1, 2)), ((0,), (0,))),
+                                                  preferred_element_type=jnp.float32)
+    return d_head_GDV, d_x_BCD
 
   # Padded positions get zero cotangents, so they add nothing to d head.
   chunks = tuple(_to_chunks(a, C) for a in (x_BTD, targets_BT, log_z_BT, g_ce_BT.astype(jnp.float32),
                                              g_z_BT.astype(jnp.float32)))
-  d_head_DV, d_x_KBCD = jax.lax.scan(body, jnp.zeros((D, V), jnp.float32), chunks)
-  return _from_chunks(d_x_KBCD, T), d_head_DV.astype(head_DV.dtype), None
+  d_head_GDV, d_x_KBCD = jax.lax.scan(body, jnp.zeros((G, D, V), jnp.float32), chunks)
+  return _from_chunks(d_x_KBCD, T), jnp.sum(d_head_GDV, axis=0).astype(head_DV.dtype), None
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
