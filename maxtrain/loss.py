@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Default for `chunk_tokens`, from `tools/bench_loss.py` (see the issue note for the figures).
-DEFAULT_CHUNK_TOKENS = 4096
+DEFAULT_CHUNK_TOKENS = 2048
 # Below this vocabulary the plain path is as fast and its [B, T, V] logits are small.
 CHUNK_MIN_VOCAB = 8192
 
@@ -92,10 +92,10 @@ def chunked_token_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.A
                          batch_shards: int = 1) -> tuple[jax.Array, jax.Array]:
   """`reference_head_losses` without the `[B, T, V]` logits, forward or backward.
 
-  `chunk_tokens` is the number of tokens per chunk over the whole (global) batch: each chunk takes
-  `C = max(1, chunk_tokens // B)` positions of every sequence, so a device holds
-  `B_local x C x V_local` fp32 logits at a time. Differentiable in `x_BTD` and `head_DV`, through
-  both outputs.
+  `chunk_tokens` is the number of tokens per chunk on each batch shard (device): each chunk takes
+  `C = max(1, chunk_tokens * batch_shards // B)` positions of every sequence, so a device holds
+  about `chunk_tokens x V_local` fp32 logits at a time, whatever the mesh size. Differentiable in
+  `x_BTD` and `head_DV`, through both outputs.
 
   `batch_shards`: the number of shards of the batch dim (the product of the batch mesh axes). The
   backward keeps one fp32 `d head` partial sum per batch shard (`[G, D, V]`, G sharded like the
@@ -108,7 +108,7 @@ def chunked_token_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.A
   B, T = targets_BT.shape
   if batch_shards <= 0 or B % batch_shards:
     raise ValueError(f"batch_shards={batch_shards} must be positive and divide the batch size {B}")
-  C = min(T, max(1, chunk_tokens // B))
+  C = min(T, max(1, chunk_tokens * batch_shards // B))
   return _chunked(x_BTD, head_DV, targets_BT, C, np.dtype(compute_dtype), batch_shards)
 
 

@@ -117,7 +117,7 @@ def _sharded_objective_and_args(mesh, fn, B_, V_):
 
 def test_sharded_equals_one_device():
   Bs, Vs = 8, 256  # divisible by the (data x fsdp) = 4 batch shards and the 2 vocab shards
-  fn = lambda x, h, t: loss.chunked_token_losses(x, h, t, chunk_tokens=64, batch_shards=4)  # 8 positions x 5
+  fn = lambda x, h, t: loss.chunked_token_losses(x, h, t, chunk_tokens=16, batch_shards=4)  # 8 positions x 5
   step, args = _sharded_objective_and_args(_mesh(), fn, Bs, Vs)
   got = step(*args)
   x_BTD, head_DV, targets_BT, mask_BT = _inputs(B=Bs, V=Vs)
@@ -141,7 +141,8 @@ def _all_reduces_of(hlo: str, shape: str) -> dict[str, int]:
 def test_head_gradient_reduced_across_devices_once(batch_shards):
   """With one partial sum per batch shard, the [D, V_local] all-reduce leaves the chunk loop."""
   Bs, Vs = 8, 256
-  fn = lambda x, h, t: loss.chunked_token_losses(x, h, t, chunk_tokens=64, batch_shards=batch_shards)
+  fn = lambda x, h, t: loss.chunked_token_losses(x, h, t, chunk_tokens=8 * Bs // batch_shards,
+                                                 batch_shards=batch_shards)  # 8 positions x 5
   step, args = _sharded_objective_and_args(_mesh(), fn, Bs, Vs)
   counts = _all_reduces_of(step.lower(*args).compile().as_text(), f"{D},{Vs // 2}]")
   if batch_shards == 4:

@@ -126,7 +126,7 @@ def main() -> None:
     memory_table(1, 8192, 4096, 128256, chunks, jnp.bfloat16)
     if args.sharded:
       mesh = jax.make_mesh((1, 8, 1), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
-      memory_table(8, 8192, 4096, 128256, [0] + [8 * c for c in chunks[1:]], jnp.bfloat16, mesh)
+      memory_table(8, 8192, 4096, 128256, chunks, jnp.bfloat16, mesh)  # chunk_tokens are per device
 
 
 if __name__ == "__main__":
