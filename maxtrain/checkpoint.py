@@ -3,7 +3,10 @@
 A checkpoint is one Orbax step directory with three items:
   state  the TrainState (params, optimizer state, step), saved sharded, restorable onto any mesh;
   data   the data-iterator state (JSON: the next window index and the loader's identity);
-  meta   the resolved config, mesh shape, package version, parameter shapes and wall time.
+  meta   the resolved config, mesh shape, package version, parameter shapes and wall time;
+and, written last once the save is complete, `maxtrain_manifest.json` (maxtrain/manifest.py): every
+file's size and checksum. A checkpoint is verified against it before anything is restored; with
+`resume=auto` a corrupt one is moved aside (renamed, never deleted) and the next older one is tried.
 
 Saves are asynchronous: the loop blocks only while device arrays are copied to host memory; the
 write happens on a background thread. Orbax writes into a temporary directory and renames it when
@@ -18,7 +21,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import ml_collections
@@ -27,6 +30,7 @@ import orbax.checkpoint as ocp
 import maxtrain
 from maxtrain.errors import UserError, require
 from maxtrain.monitor import events as ev
+from maxtrain import manifest
 from maxtrain import state as state_lib
 from maxtrain.sharding.layout import param_name
 
@@ -57,7 +61,7 @@ def validate(ck: Any) -> None:
   """UserError naming the key for a bad `config.checkpoint`."""
   for key in ("every_steps", "max_to_keep", "keep_every"):
     require(ck[key] >= 0, f"config.checkpoint.{key}={ck[key]}: must be >= 0")
-  require(ck.resume in ("auto", "never") or ck.resume.isdigit() or "/" in ck.resume,
+  require(ck.resume in ("auto", "never") or ck.resume.isdigit() or "/" in ck.resume or ck.resume.startswith("."),
           f"config.checkpoint.resume={ck.resume!r}: use auto, never, a step number or a checkpoint path")
 
 
@@ -126,12 +130,27 @@ class Checkpointer:
       log.info("downloaded checkpoint step %d from %s in %.2fs", step, self.location, time.monotonic() - t0)
     return path
 
-  def resolve_resume(self) -> Path | None:
-    """The checkpoint to restore per `checkpoint.resume`, or None for a fresh start."""
+  def resolve_resume(self, on_corrupt: Callable[[int, manifest.CorruptCheckpoint, Path], None] | None = None
+                     ) -> Path | None:
+    """The checkpoint to restore per `checkpoint.resume`, or None for a fresh start. Verified against
+    its manifest (`checkpoint.verify`): with `auto`, a corrupt step is moved aside, reported through
+    `on_corrupt(step, error, new_path)` and the next older one tried; an explicit one that fails is a
+    UserError (exit 2)."""
     resume = str(self.cfg.resume)
     steps = self.steps()
     if resume == "auto":
-      return self.local_path(steps[-1]) if steps else None
+      for step in reversed(steps):
+        path = self.local_path(step)
+        try:
+          self._verify(path)
+          return path
+        except manifest.CorruptCheckpoint as e:
+          moved = manifest.move_aside(path) if jax.process_index() == 0 else path
+          self._manager.reload()
+          log.error("%s; moved aside to %s, trying an older checkpoint", e, moved)
+          if on_corrupt is not None:
+            on_corrupt(step, e, moved)
+      return None
     if resume == "never":
       if steps:
         raise UserError(
@@ -142,15 +161,29 @@ class Checkpointer:
       if int(resume) not in steps:
         raise UserError(f"checkpoint.resume={resume}: no complete checkpoint at step {resume} in "
                         f"{self.location}; found steps {steps or 'none'}")
-      return self.local_path(int(resume))
-    path = Path(resume).absolute()
-    if not path.is_dir():
-      raise UserError(f"checkpoint.resume={resume!r}: not 'auto', 'never', a step number, nor an existing "
-                      "checkpoint directory")
-    if not ocp.step.is_checkpoint_finalized(path) or not (path / "state").is_dir():
-      raise UserError(f"checkpoint.resume={resume!r}: not a complete maxtrain checkpoint (it has no finished "
-                      "'state' item; an interrupted save is never restored)")
+      path = self.local_path(int(resume))
+    else:
+      path = Path(resume).absolute()
+      if not path.is_dir():
+        raise UserError(f"checkpoint.resume={resume!r}: not 'auto', 'never', a step number, nor an existing "
+                        "checkpoint directory")
+      if not ocp.step.is_checkpoint_finalized(path) or not (path / "state").is_dir():
+        raise UserError(f"checkpoint.resume={resume!r}: not a complete maxtrain checkpoint (it has no finished "
+                        "'state' item; an interrupted save is never restored)")
+    self._verify(path)  # a CorruptCheckpoint is a UserError: exit 2, naming the file
     return path
+
+  def _verify(self, path: Path) -> None:
+    if not self.cfg.verify:
+      return
+    result = manifest.verify(path)
+    if not result.verified:
+      log.warning("checkpoint %s has no manifest (saved before manifests, or the process died between the save "
+                  "and its manifest): restoring it unverified", path)
+      return
+    log.info("checkpoint %s verified: %d files, %.1f MB in %.2fs%s", path, result.num_files, result.num_bytes / 1e6,
+             result.seconds, f"; files not in the manifest: {', '.join(result.extra_files)}"
+             if result.extra_files else "")
 
   def restore(self, path: Path, abstract_state: Any, shardings: Any) -> Restored:
     """Restores onto the current mesh (resharding if the checkpoint was saved on another)."""
@@ -213,6 +246,12 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - see save()
       self._failed(done.step, e)
       return
+    if jax.process_index() == 0:
+      try:  # written last: a step without its manifest was never completely saved (or predates them)
+        manifest.write(self.directory / str(done.step))
+      except Exception as e:  # noqa: BLE001 - see save()
+        self._failed(done.step, e)
+        return
     done.save_s = time.monotonic() - self._pending_t0
     if self.remote is not None:
       self.remote.upload(self.directory / str(done.step), done.step, keep=list(self._manager.all_steps()))
@@ -267,7 +306,11 @@ class Checkpoints:
     return self.store.location
 
   def resolve_resume(self) -> Path | None:
-    return self.store.resolve_resume()
+    def corrupt(step: int, error: manifest.CorruptCheckpoint, moved: Path) -> None:
+      self.events.emit(ev.CHECKPOINT_CORRUPT, step, file=error.first_bad_file, reason=error.reason,
+                       moved_to=str(moved))
+
+    return self.store.resolve_resume(on_corrupt=corrupt)
 
   def restore(self, path: Path, state_spec: Any) -> Restored:
     t0 = time.monotonic()

@@ -56,6 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.remat = "none"  # Activation checkpointing per layer: none | full | dots (save matmul outputs).
   m.param_dtype = "float32"  # Storage dtype of parameters.
   m.compute_dtype = "float32"  # Matmul dtype (bf16 on accelerators; fp32 is faster on CPU).
+  m.loss_chunk_tokens = -1  # Chunked cross-entropy, tokens per device per chunk (no full [B,T,V] logits); 0 = off; -1 = auto (2048 when vocab_size >= 4096).
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1  # Pure data parallel replicas.
@@ -106,6 +107,7 @@ def base_config() -> ml_collections.ConfigDict:
   k.keep_every = 0  # Also keep every checkpoint whose step is a multiple of this, forever; 0: none.
   k.resume = "auto"  # auto (newest complete checkpoint, if any) | never | a step number | a checkpoint path.
   k.async_save = True  # Write in the background; the loop blocks only for the device-to-host copy.
+  k.verify = True  # Check a checkpoint against its manifest (sizes, checksums) before restoring it.
 
   c.runtime = ml_collections.ConfigDict()
   c.runtime.compile_cache_dir = ""  # Persistent XLA compile cache: "" = <maxtrain cache>/xla, "none" = off.

@@ -13,7 +13,7 @@ import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtrain import batch as batch_lib
-from maxtrain import optim
+from maxtrain import loss, optim
 from maxtrain import state as state_lib
 from maxtrain import step as step_lib
 from maxtrain.models.llama import ModelConfig
@@ -50,6 +50,12 @@ class Program:
       return self.train_step.lower(self.abstract_state(), self.abstract_batch())
 
 
+def loss_chunk_tokens(model_cfg: ml_collections.ConfigDict) -> int:
+  """`model.loss_chunk_tokens`, with -1 resolved by the vocabulary size."""
+  n = model_cfg.loss_chunk_tokens
+  return loss.default_chunk_tokens(model_cfg.vocab_size) if n < 0 else n
+
+
 def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) -> Program:
   """Everything but the state's values and the data. Raises UserError for a layout that does not
   divide the model or would replicate most of it."""
@@ -60,13 +66,15 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) 
   state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window)
   batch_shardings = batch_lib.shardings(mesh, plan.layout)
   replicated = NamedSharding(mesh, P())
+  # Each batch shard keeps its own partial head gradient across loss chunks (maxtrain/loss.py).
+  chunking = dict(chunk_tokens=loss_chunk_tokens(cfg.model), batch_shards=plan.layout.shards("act_batch"))
   step = step_lib.make_train_step(state_spec.graphdef, optimizer, z_loss=cfg.optimizer.z_loss,
                                   grad_accum_steps=plan.batch.num_microbatches, spike_zscore=cfg.guards.spike_zscore,
-                                  spike_warmup=cfg.guards.spike_warmup, rules=rules)
+                                  spike_warmup=cfg.guards.spike_warmup, rules=rules, **chunking)
   train_step = jax.jit(step, in_shardings=(state_spec.shardings, batch_shardings),
                        out_shardings=(state_spec.shardings, replicated), donate_argnums=0)
   eval_batch_shardings = {k: v for k, v in batch_shardings.items() if k != batch_lib.FAULT}
-  eval_step = jax.jit(step_lib.make_eval_step(state_spec.graphdef, rules),
+  eval_step = jax.jit(step_lib.make_eval_step(state_spec.graphdef, rules, **chunking),
                       in_shardings=(state_spec.shardings.params, eval_batch_shardings), out_shardings=replicated)
   return Program(cfg=cfg, plan=plan, mesh=mesh, model_cfg=model_cfg, optimizer=optimizer, state=state_spec,
                  batch_shardings=batch_shardings, train_step=train_step, eval_step=eval_step)

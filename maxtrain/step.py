@@ -3,7 +3,7 @@
 Everything happens in the graph: no host callbacks, no lax.cond, no data-dependent Python,
 so the same step compiles on every backend.
 
-Shape legend: B batch, T length, V vocab.
+Shape legend: B batch, T length, D model.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from maxtrain import guards, microbatch, optim
+from maxtrain import guards, loss, microbatch, optim
 from maxtrain.batch import FAULT
 from maxtrain.sharding import rules as sharding_rules
 from maxtrain.state import TrainState
@@ -23,42 +23,37 @@ from maxtrain.state import TrainState
 Batch = dict[str, jax.Array]
 
 
-def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Per-token cross-entropy and log partition function log Z (the z-loss input), fp32."""
-  logits_BTV = logits_BTV.astype(jnp.float32)
-  log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-  target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-  return log_z_BT - target_logit_BT, log_z_BT
+def head_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, chunk_tokens: int = 0,
+                batch_shards: int = 1) -> tuple[jax.Array, jax.Array]:
+  """Per-token (cross-entropy, log Z) of the model on `batch`, fp32: the output head through
+  `loss.head_losses` (chunked when `chunk_tokens` > 0: never the full [B, T, V] logits)."""
+  model = nnx.merge(graphdef, params)
+  x_BTD = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
+  return loss.head_losses(x_BTD, model.head_weights(), batch["targets"], chunk_tokens=chunk_tokens,
+                          compute_dtype=model.cfg.compute_dtype, batch_shards=batch_shards)
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Returns (sum of masked token losses, number of loss tokens); fp32."""
-  ce_BT, _ = token_losses(logits_BTV, targets_BT)
-  mask_BT = mask_BT.astype(jnp.float32)
-  return jnp.sum(ce_BT * mask_BT), jnp.sum(mask_BT)
-
-
-def loss_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, z_loss: float = 0.0
-              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, z_loss: float = 0.0, *,
+              chunk_tokens: int = 0, batch_shards: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(objective summed over loss tokens, its parts): sums, not means, so that microbatches add up.
 
   objective = sum of (cross-entropy + z_loss * log(Z)^2) over loss tokens; the z term keeps the
   softmax normaliser near 1 (PaLM), which keeps bf16 logits well conditioned.
   """
-  model = nnx.merge(graphdef, params)
-  logits_BTV = model(batch["inputs"], batch["segment_ids"], batch["positions"])
-  ce_BT, log_z_BT = token_losses(logits_BTV, batch["targets"])
+  ce_BT, log_z_BT = head_losses(graphdef, params, batch, chunk_tokens=chunk_tokens, batch_shards=batch_shards)
   mask_BT = batch["loss_mask"].astype(jnp.float32)
   parts = {"ce": jnp.sum(ce_BT * mask_BT), "z": jnp.sum(jnp.square(log_z_BT) * mask_BT), "count": jnp.sum(mask_BT)}
   return parts["ce"] + z_loss * parts["z"], parts
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z_loss: float = 0.0,
-                   grad_accum_steps: int = 1) -> tuple[dict[str, jax.Array], nnx.State]:
+                   grad_accum_steps: int = 1, chunk_tokens: int = 0,
+                   batch_shards: int = 1) -> tuple[dict[str, jax.Array], nnx.State]:
   """Metrics (mean cross-entropy `loss`, `z_loss` term, `loss_tokens`) and the gradient of the mean
   objective over the batch's loss tokens."""
   def sums_and_grads(p, b):
-    (_, parts), grads = jax.value_and_grad(lambda p: loss_sums(graphdef, p, b, z_loss), has_aux=True)(p)
+    objective = lambda p: loss_sums(graphdef, p, b, z_loss, chunk_tokens=chunk_tokens, batch_shards=batch_shards)
+    (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(p)
     return parts, grads
 
   parts, grads = microbatch.accumulate(sums_and_grads, params, batch, grad_accum_steps)
@@ -72,15 +67,17 @@ def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_loss: float = 0.0,
                     grad_accum_steps: int = 1, spike_zscore: float = 6.0, spike_warmup: int = 20,
-                    rules: sharding_rules.Rules | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    rules: sharding_rules.Rules | None = None, chunk_tokens: int = 0,
+                    batch_shards: int = 1) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
   """The step. `batch` may carry `fault`: f32[2] = (make this step NaN?, loss scale), replicated, for
   fault injection (`runtime/faults.py`); absent, nothing is injected. `rules` lay out the model's
-  activations (None: GSPMD decides alone)."""
+  activations (None: GSPMD decides alone); `chunk_tokens` and `batch_shards`: see `head_losses`."""
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     batch = dict(batch)
     fault = batch.pop(FAULT, None)
     with sharding_rules.activate(rules):
-      metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss, grad_accum_steps=grad_accum_steps)
+      metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss, grad_accum_steps=grad_accum_steps,
+                                      chunk_tokens=chunk_tokens, batch_shards=batch_shards)
     if fault is not None:
       scale = jnp.where(fault[0] > 0, jnp.nan, fault[1])
       metrics["loss"] = metrics["loss"] * scale
@@ -102,12 +99,12 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
   return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, rules: sharding_rules.Rules | None = None
-                   ) -> Callable[[nnx.State, Batch], tuple[jax.Array, jax.Array]]:
+def make_eval_step(graphdef: nnx.GraphDef, rules: sharding_rules.Rules | None = None, *, chunk_tokens: int = 0,
+                   batch_shards: int = 1) -> Callable[[nnx.State, Batch], tuple[jax.Array, jax.Array]]:
   """(sum of token losses, loss tokens) of a batch: sums, so batches add up."""
   def eval_step(params: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
     with sharding_rules.activate(rules):
-      logits_BTV = nnx.merge(graphdef, params)(batch["inputs"], batch["segment_ids"], batch["positions"])
-    return cross_entropy(logits_BTV, batch["targets"], batch["loss_mask"])
+      _, parts = loss_sums(graphdef, params, batch, chunk_tokens=chunk_tokens, batch_shards=batch_shards)
+    return parts["ce"], parts["count"]
 
   return eval_step

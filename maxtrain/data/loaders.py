@@ -32,6 +32,7 @@ def open_stores(data_cfg: ml_collections.ConfigDict, vocab_size: int) -> tuple[T
           f"({store.tokenizer_identity}), more than config.model.vocab_size={vocab_size}. "
           f"Set --config.model.vocab_size to at least {store.vocab_size} (rounded up so the mesh divides it)."
       )
+    store.check_vocab(vocab_size)  # the ids actually stored (the header's maximum, or one scan of old stores)
   if train.tokenizer_identity != val.tokenizer_identity:
     raise UserError(f"{train.prefix} and {val.prefix} were built with different tokenizers "
                     f"({train.tokenizer_identity} vs {val.tokenizer_identity}); rebuild both with tools/index_data.py")
@@ -43,10 +44,14 @@ class Data:
     d = cfg.data
     self.train_store, self.val_store = open_stores(d, cfg.model.vocab_size)
     self.shardings = batch_shardings
+    # Both loaders also check every batch's ids against the model's vocabulary: a file can change
+    # after it was indexed, and an id out of range would give NaN losses, not an error.
+    vocab = cfg.model.vocab_size
     self.loader = pipeline.TrainLoader(self.train_store.prefix, d.seq_len, d.batch_size, cfg.seed,
-                                       jax.process_index(), jax.process_count())
+                                       jax.process_index(), jax.process_count(), vocab_size=vocab)
     self.eval_batches = [batch_lib.to_device(rows, batch_shardings) for rows in pipeline.eval_batches(
-        self.val_store.prefix, d.seq_len, d.batch_size, cfg.eval.batches, jax.process_index(), jax.process_count())]
+        self.val_store.prefix, d.seq_len, d.batch_size, cfg.eval.batches, jax.process_index(), jax.process_count(),
+        vocab_size=vocab)]
 
   def describe(self) -> str:
     return (f"train {self.train_store.prefix} ({self.train_store.num_tokens} tokens), "

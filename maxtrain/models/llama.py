@@ -86,6 +86,8 @@ def validate(m: Any) -> None:
           f"head_dim = model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even for RoPE")
   require(m.num_heads % m.num_kv_heads == 0,
           f"config.model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+  require(m.loss_chunk_tokens >= -1, f"config.model.loss_chunk_tokens={m.loss_chunk_tokens}: use a chunk size > 0, "
+          "0 (off) or -1 (auto)")
   choice("model.remat", m.remat, REMAT_CHOICES)
   for key in ("param_dtype", "compute_dtype"):
     choice(f"model.{key}", m[key], DTYPES)
@@ -137,7 +139,19 @@ class Llama(nnx.Module):
                         ("embed", "vocab"), cfg.param_dtype)
 
   def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
-    """Returns fp32 logits [B, T, V]."""
+    """Returns fp32 logits [B, T, V] (training computes the loss from `features` and `head_weights`
+    instead, in chunks when the vocabulary is large: maxtrain/loss.py)."""
+    x_BTD = self.features(tokens_BT, segment_ids_BT, positions_BT)
+    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, self.head_weights().astype(self.cfg.compute_dtype),
+                            preferred_element_type=jnp.float32)
+    return sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
+
+  def head_weights(self) -> jax.Array:
+    """The output head [D, V] at the parameter dtype (the embedding transposed when tied)."""
+    return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+
+  def features(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    """The final-norm hidden states [B, T, D] in the compute dtype: the output head's input."""
     cfg = self.cfg
     x_BTD = self.embed[...].astype(cfg.compute_dtype)[tokens_BT]
     x_BTD = sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
@@ -157,11 +171,7 @@ class Llama(nnx.Module):
         graphdef, state = nnx.split(block)
         x_BTD = apply_block(x_BTD, state, graphdef)
 
-    x_BTD = self.final_norm(x_BTD)
-    head_DV = self.embed[...].T if cfg.tie_embeddings else self.head[...]
-    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(cfg.compute_dtype))
-    logits_BTV = sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
-    return logits_BTV.astype(jnp.float32)
+    return self.final_norm(x_BTD)
 
 
 def param_count(state: nnx.State) -> int:
