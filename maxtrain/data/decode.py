@@ -40,7 +40,7 @@ class DecodeError(Exception):
     self.line, self.what, self.fix = line, what, fix
 
   def message(self, path: str, lines_before: int, text_key: str) -> str:
-    """The user-facing message; `lines_before`: .jsonl lines in earlier tasks."""
+    """For the user; `lines_before`: the .jsonl lines of earlier tasks."""
     if self.line is None:
       return f"input file {path!r} {self.what}; {self.fix}"
     return f"{path}:{lines_before + self.line}: line {self.what}; " + (
@@ -77,8 +77,9 @@ def documents(path: str, is_jsonl: bool, start: int, end: int, text_key: str,
     else:
       yield from _file_document(path, errors, tally)
   except OSError as e:
+    fix = "fix its permissions or leave it out of --input"
     raise DecodeError(None, f"could not be read ({e.strerror or e})",
-                      "fix its permissions or leave it out of --input") from None
+                      fix) from None
 
 
 def _file_document(path: str, errors: str,
@@ -124,7 +125,7 @@ def _jsonl_documents(path: str, start: int, end: int, text_key: str,
 
 def _jsonl_text(line: bytes, line_start: int, text_key: str, errors: str,
                 tally: Tally) -> str | None:
-  """The text of the .jsonl line just counted; None if --errors=skip drops it."""
+  """The text of the .jsonl line just counted; None: --errors=skip drops it."""
   n = tally.num_lines
   try:
     decoded, replaced, first = _decode(line, errors)
@@ -143,7 +144,8 @@ def _jsonl_text(line: bytes, line_start: int, text_key: str, errors: str,
       where = (f"byte {line_start + e.offset}" if e.offset >= 0 else
                f"character {-1 - e.offset} of its {text_key!r} field "
                "(a lone surrogate escape)")
-      raise DecodeError(n, f"is not valid UTF-8 at {where}", _UTF8_FIX) from None
+      raise DecodeError(n, f"is not valid UTF-8 at {where}",
+                        _UTF8_FIX) from None
     tally.note_invalid(1, line_start + max(e.offset, 0))  # The line is skipped.
     return None
   if replaced or surrogates:

@@ -19,21 +19,20 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import glob
 import hashlib
-import multiprocessing
 import os
 import sys
 import time
-from concurrent import futures
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from maxtrain.data import decode
-from maxtrain.data.store import StoreWriter, TokenStore, token_dtype
-from maxtrain.data.tokenizer import ByteTokenizer, load_tokenizer
+from maxtrain.data import decode, tokenize_workers
+from maxtrain.data.store import StoreWriter, TokenStore
+from maxtrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from maxtrain.errors import UserError
 
 _JOB_BYTES = 4 << 20  # Input bytes per worker job: amortizes IPC, bounds RAM.
@@ -109,63 +108,8 @@ def val_score(seed: int, key: str) -> float:
   return int.from_bytes(digest, "little") / 2.0**64
 
 
-# ---- Worker side. Globals are set once per worker process by `_init`. ----
-
-_tokenizer = None
-_text_key = "text"
-_errors = "replace"
-_dtype = np.dtype(np.uint16)
-
-
-def _init(tokenizer_spec: str, text_key: str, errors: str = "replace") -> None:
-  global _tokenizer, _text_key, _errors, _dtype
-  _tokenizer = load_tokenizer(tokenizer_spec)
-  _text_key = text_key
-  _errors = errors
-  _dtype = token_dtype(_tokenizer.vocab_size)
-
-
-def _encode(text: str) -> np.ndarray:
-  ids = _tokenizer.encode(text)
-  out = np.empty(ids.size + 1, _dtype)  # Store dtype halves the IPC bytes.
-  out[:-1] = ids
-  out[-1] = _tokenizer.eos_id
-  return out
-
-
-@dataclasses.dataclass
-class _TaskResult:
-  """One task's documents as (line number within the task, tokens)."""
-  docs: list[tuple[int, np.ndarray]]
-  tally: decode.Tally
-  error: decode.DecodeError | None = None  # Set: docs and tally are partial.
-
-
-def _run_task(task: tuple[str, bool, int, int]) -> _TaskResult:
-  """Tokenizes one text file, or the lines of a .jsonl starting in [start, end).
-
-  Line numbers become absolute in the parent, which knows how many lines
-  earlier tasks had.
-  """
-  path, is_jsonl, start, end = task
-  tally, docs = decode.Tally(), []
-  try:
-    for line, text in decode.documents(path, is_jsonl, start, end, _text_key,
-                                       _errors, tally):
-      docs.append((line, _encode(text)))
-  except decode.DecodeError as e:
-    return _TaskResult([], tally, e)
-  return _TaskResult(docs, tally)
-
-
-def _run_job(tasks: list[tuple[str, bool, int, int]]) -> list[_TaskResult]:
-  return [_run_task(t) for t in tasks]
-
-
-# ---- Parent side. ----
-
-
-def _make_jobs(files: Sequence[SourceFile]) -> list[list[tuple]]:
+def _make_jobs(
+    files: Sequence[SourceFile]) -> list[list[tokenize_workers.Task]]:
   """Splits the input into jobs of about _JOB_BYTES, keeping file order."""
   tasks = []
   for f in files:
@@ -185,39 +129,6 @@ def _make_jobs(files: Sequence[SourceFile]) -> list[list[tuple]]:
   if job:
     jobs.append(job)
   return jobs
-
-
-def _ordered_results(jobs: list, workers: int, init_args: tuple):
-  """Yields each job's results in order, with at most a few jobs in flight."""
-  done = 0
-  if workers > 1 and len(jobs) > 1:
-    # spawn, not fork: the caller may be a multithreaded JAX process.
-    pool = futures.ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init, initargs=init_args)
-    try:
-      pending = collections.deque()
-      for job in jobs:  # A bounded window: backpressure keeps RAM flat.
-        pending.append(pool.submit(_run_job, job))
-        if len(pending) >= 4 * workers:
-          yield pending.popleft().result()
-          done += 1
-      while pending:
-        yield pending.popleft().result()
-        done += 1
-      return
-    except futures.process.BrokenProcessPool:
-      # Spawned workers re-import the main module; without an
-      # `if __name__ == "__main__":` guard (or from stdin) they die at start.
-      # A multiprocessing.Pool would respawn them forever; we carry on here.
-      print("warning: tokenizer worker processes failed to start (does the "
-            "main script lack an `if __name__ == '__main__':` guard?); "
-            "tokenizing in this process", file=sys.stderr)
-    finally:
-      pool.shutdown(wait=False, cancel_futures=True)
-  _init(*init_args)
-  for job in jobs[done:]:
-    yield _run_job(job)
 
 
 class _Splitter:
@@ -276,7 +187,8 @@ class _Assembler:
     self.lines_before: collections.Counter[str] = collections.Counter()
     self.bytes_read = 0
 
-  def add(self, task: tuple[str, bool, int, int], result: _TaskResult) -> None:
+  def add(self, task: tokenize_workers.Task,
+          result: tokenize_workers.TaskResult) -> None:
     path, is_jsonl = task[:2]
     if result.error is not None:
       raise UserError(result.error.message(path, self.lines_before[path],
@@ -310,7 +222,7 @@ def _check_args(files: Sequence[SourceFile], val_fraction: float, errors: str,
   return workers
 
 
-def _open_writers(output: str, tokenizer: Any,
+def _open_writers(output: str, tokenizer: Tokenizer,
                   source: dict) -> list[StoreWriter]:
   """The train and val writers; neither is left behind if one fails."""
   writers = []
@@ -325,8 +237,27 @@ def _open_writers(output: str, tokenizer: Any,
   return writers
 
 
+@contextlib.contextmanager
+def _aborting(writers: list[StoreWriter], output: str) -> Iterator[None]:
+  """Aborts the writers on any failure, so no partial store is left."""
+  try:
+    yield
+  except OSError as e:  # Reading is reported by the workers: this is writing.
+    for w in writers:
+      w.abort()
+    raise UserError(
+        f"could not write token store {output!r} ({e.filename or output}: "
+        f"{e.strerror or e}); free space there or choose another --output"
+    ) from None
+  except BaseException:
+    for w in writers:
+      w.abort()
+    raise
+
+
 def _check_not_empty(files: Sequence[SourceFile], num_docs: int,
                      report: dict[str, Any], num_binary: int) -> None:
+  """Says why nothing was indexed: what the input held instead."""
   if num_docs == 0:
     raise UserError(
         f"empty corpus: the {len(files)} input files hold no non-empty "
@@ -368,29 +299,20 @@ def index_sources(files: Sequence[SourceFile], output: str,
     workers = 1
   bar = tqdm(total=total_bytes, unit="B", unit_scale=True, file=sys.stderr,
              desc="tokenizing", disable=not progress)
-  results = _ordered_results(jobs, workers, (tokenizer_spec, text_key, errors))
+  results = tokenize_workers.ordered_results(jobs, workers, tokenizer_spec,
+                                             text_key, errors)
   try:
-    for job, job_results in zip(jobs, results):
-      for task, result in zip(job, job_results):
-        assembler.add(task, result)
-        bar.update(result.tally.num_bytes)
-    splitter.finish()
-    report = inputs.as_dict([f.path for f in files])
-    _check_not_empty(files, splitter.num_docs, report, inputs.num_binary)
-    if own_source:
-      source.update(decode.for_header(report))  # The writers hold this dict.
-    headers = [w.close() for w in writers]
-  except OSError as e:  # Reading is reported by the workers: this is writing.
-    for w in writers:
-      w.abort()
-    raise UserError(
-        f"could not write token store {output!r} ({e.filename or output}: "
-        f"{e.strerror or e}); free space there or choose another --output"
-    ) from None
-  except BaseException:
-    for w in writers:
-      w.abort()
-    raise
+    with _aborting(writers, output):
+      for job, job_results in zip(jobs, results):
+        for task, result in zip(job, job_results):
+          assembler.add(task, result)
+          bar.update(result.tally.num_bytes)
+      splitter.finish()
+      report = inputs.as_dict([f.path for f in files])
+      _check_not_empty(files, splitter.num_docs, report, inputs.num_binary)
+      if own_source:
+        source.update(decode.for_header(report))  # The writers hold this dict.
+      headers = [w.close() for w in writers]
   finally:
     results.close()  # Stops the worker pool even when we bail out early.
     bar.close()
