@@ -173,6 +173,38 @@ def _forward(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, k
   return (acc / l[..., None]).astype(q_QBKqGH.dtype), m + jnp.log(l)
 
 
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """a + b = s + e exactly (Knuth): e is the rounding error of s."""
+  s = a + b
+  b_virtual = s - a
+  return s, (a - (s - b_virtual)) + (b - b_virtual)
+
+
+def _accurate_row_dot(x_QH: jax.Array, y_QH: jax.Array) -> jax.Array:
+  """sum(x * y, -1) in fp32 to about fp32 rounding of the exact result (compensated, in the manner of
+  Ogita-Rump-Oishi's Dot2), where a plain fp32 sum is off by several ulp of the sum of |x * y|.
+
+  Why: FA2 takes D = rowsum(dO * O) for sum_s P_s dP_s, and dS = P * (dP - D) is a cancellation.
+  The reference gets the subtraction consistent by construction (a query alone in its document
+  has dQ exactly 0); here dP comes from the matmul and D from this sum, so D's own error shows up
+  directly in dQ and dK. O(T * N * H) elementwise work, nothing against the O(T^2) matmuls.
+  """
+  # Products split through bf16 (a cast, so no FMA contraction can spoil it): hi * hi and hi * lo
+  # are exact in fp32; the dropped rounding of lo * lo is ~2**-32 of the product.
+  x_hi = x_QH.astype(jnp.bfloat16).astype(jnp.float32)
+  y_hi = y_QH.astype(jnp.bfloat16).astype(jnp.float32)
+  x_lo, y_lo = x_QH - x_hi, y_QH - y_hi
+  prod = x_QH * y_QH
+  err = (((x_hi * y_hi - prod) + x_hi * y_lo) + x_lo * y_hi) + x_lo * y_lo
+  # Pairwise sum of the products, carrying each addition's exact rounding error along.
+  while prod.shape[-1] > 1:
+    if prod.shape[-1] % 2:
+      prod, err = (jnp.concatenate([a, jnp.zeros_like(a[..., :1])], axis=-1) for a in (prod, err))
+    prod, add_err = _two_sum(prod[..., 0::2], prod[..., 1::2])
+    err = err[..., 0::2] + err[..., 1::2] + add_err
+  return (prod + err)[..., 0]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs):
   return _forward(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)[0]
@@ -189,7 +221,7 @@ def _flash_bwd(pairs, residuals, dout_QBKqGH):
   qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs = ids
   scale = q_QBKqGH.shape[-1] ** -0.5
   dout_QBKqGH = dout_QBKqGH.astype(q_QBKqGH.dtype)
-  d_QBKqG = jnp.sum(dout_QBKqGH.astype(jnp.float32) * out_QBKqGH.astype(jnp.float32), axis=-1)
+  d_QBKqG = _accurate_row_dot(dout_QBKqGH.astype(jnp.float32), out_QBKqGH.astype(jnp.float32))
 
   def step(carry, ij):
     dq_QBKqGH, dk_CBKsH, dv_CBKsH = carry
