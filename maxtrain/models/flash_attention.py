@@ -78,7 +78,9 @@ def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
   Positions None (both): implicit 0..T-1 and 0..S-1, and only the block pairs on or below the
   causal diagonal are visited (static). Positions given ([B, T] / [B, S], or [1, ...] broadcast over
   the batch): any layout, e.g. a context-parallel shard's queries against gathered keys; every
-  block pair is visited and the mask comes from the positions alone.
+  block pair is visited and the mask comes from the positions alone. A query that sees no key at
+  all (impossible in self-attention, possible for a caller's partial key set) gets a finite but
+  meaningless row; merging partial results (ring attention) would need the row logsumexp too.
   """
   b, t, n, h = q_BTNH.shape
   _, s, k, _ = k_BSKH.shape
