@@ -54,6 +54,9 @@ def base_config() -> ml_collections.ConfigDict:
   m.tie_embeddings = False  # Reuse the input embedding as the output head.
   m.scan_layers = True  # Stack layers and lax.scan them: compile time independent of depth.
   m.remat = "none"  # Activation checkpointing per layer: none | full | dots (save matmul outputs).
+  m.attention = "auto"  # Attention kernel: auto (flash) | dot (einsum reference, T x T scores) | flash (blockwise, linear memory).
+  m.attention_block_q = 128  # flash: query rows per block (measured on CPU: 128 best of 64-512).
+  m.attention_block_kv = 128  # flash: key columns per block.
   m.param_dtype = "float32"  # Storage dtype of parameters.
   m.compute_dtype = "float32"  # Matmul dtype (bf16 on accelerators; fp32 is faster on CPU).
   m.loss_chunk_tokens = -1  # Chunked cross-entropy, tokens per device per chunk (no full [B,T,V] logits); 0 = off; -1 = auto (2048 when vocab_size >= 4096).

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxtrain import hlo_lint
+from maxtrain.aot import hlo_lint
 from maxtrain.models import flash_attention as fa
 from maxtrain.models.attention import dot_product_attention
 

@@ -15,6 +15,7 @@ from maxtrain import config as config_lib
 from maxtrain import optim
 from maxtrain import state as state_lib
 from maxtrain.models.llama import Llama, ModelConfig
+from maxtrain.sharding.layout import param_name
 from maxtrain.sharding.mesh import AXES, make_mesh
 
 D, N, K, H, F, V, L = 32, 4, 2, 8, 48, 64, 2

@@ -56,10 +56,11 @@ def test_crash_hang_rollback_and_preemption_are_recovered(store, tmp_path):
 
 
 def test_crash_loop_gives_up_with_a_summary(tmp_path):
-  # A backend that cannot start: every attempt crashes the same way (exit 1), quickly.
+  # A backend that cannot start: every attempt crashes the same way (exit 1), quickly. No hardware
+  # preset: the detected `cpu` one would set JAX_PLATFORMS=cpu over the environment's.
   env = {**ENV, "JAX_PLATFORMS": "no-such-platform"}
   result = launch(["--backoff=0.01", "--max-restarts=2", "--window=600"],
-                  [f"--config.output_dir={tmp_path}"], env=env, timeout=300)
+                  [f"--config.output_dir={tmp_path}", "--config.hardware="], env=env, timeout=300)
   assert result.returncode == 1
   assert "giving up: 3 failed attempts within 600s exceed --max-restarts=2" in result.stderr
   for n in range(3):

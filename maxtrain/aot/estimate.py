@@ -23,7 +23,9 @@ import ml_collections
 from flax import nnx
 
 from maxtrain import optim
+from maxtrain.models.attention import resolve_kernel
 from maxtrain.models.llama import Llama, ModelConfig
+from maxtrain.program import loss_chunk_tokens
 from maxtrain.sharding.layout import Layout, named_leaves
 from maxtrain.validate import validate
 
@@ -134,6 +136,17 @@ def _itemsize(dtype: Any) -> int:
   return jnp.dtype(dtype).itemsize
 
 
+def _attention_bytes(m: ModelConfig, b: int, seq: int, h_t: int, kv_t: int, c_bytes: int) -> tuple[int, int]:
+  """(kept for the backward pass without remat, working set of one layer's attention) per device, by
+  kernel: `dot` holds B x H x T x T scores; `flash` only per-row statistics, fp32 gradient
+  accumulators and one block of scores (linear in T)."""
+  if resolve_kernel(m.attention) == "dot":
+    return b * h_t * seq * seq * (4 + c_bytes), b * h_t * seq * seq * ATTENTION_BYTES_PER_SCORE
+  rows = b * seq * (h_t + 2 * kv_t) * m.head_dim  # q, k, v (and their gradients)
+  block_scores = 3 * b * h_t * min(m.attention_block_q, seq) * min(m.attention_block_kv, seq) * 4
+  return b * h_t * seq * 4, rows * (4 + c_bytes) + block_scores
+
+
 def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
   """Per-device memory and FLOPs of `cfg`'s train step on `num_devices` devices."""
   plan = validate(cfg, num_devices, require_data=False)
@@ -179,6 +192,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
   kv_t, f_t = m.num_kv_heads // layout.shards("act_kv_heads"), m.d_ff // layout.shards("act_mlp")
   hd = m.head_dim
   tokens = b * seq
+  attention_saved, attention_work = _attention_bytes(m, b, seq, h_t, kv_t, c_bytes)
   # One layer's weights when all-gathered over the embed dim's shards (FSDP): split over the others only.
   layer_weights = params["per_layer"] // layout.shards("mlp")
   # Per token of one layer: the matmul outputs (q, k, v, attention output, its projection, gate, up,
@@ -188,16 +202,16 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
     saved = m.num_layers * tokens * d * c_bytes  # each layer's input; the rest is recomputed
   elif m.remat == "dots":
     saved = m.num_layers * tokens * dots_per_token * c_bytes
-  else:  # everything: the matmul outputs, the norms' and SwiGLU's elementwise results, softmax probabilities
-    saved = m.num_layers * (tokens * (dots_per_token + 3 * d + 2 * f_t) * c_bytes
-                            + b * h_t * seq * seq * (4 + c_bytes))
+  else:  # everything: the matmul outputs, the norms' and SwiGLU's elementwise results, the attention's
+    saved = m.num_layers * (tokens * (dots_per_token + 3 * d + 2 * f_t) * c_bytes + attention_saved)
   # With FSDP a weight is all-gathered (in the compute dtype) where it is used, and its gradient is
   # whole (fp32) until it is reduce-scattered.
   gathered = layout.shards("embed") > 1
   head_gathered = d * v_t * c_bytes if gathered and head else 0
-  loss_phase = head_gathered + d * v_t * 4 + LOGIT_BUFFERS * tokens * v_t * 4
+  chunk = loss_chunk_tokens(cfg.model)  # the chunked loss holds one chunk's logits, not all of them
+  loss_phase = head_gathered + d * v_t * 4 + LOGIT_BUFFERS * (min(tokens, chunk) if chunk else tokens) * v_t * 4
   layer_phase = ((layer_weights * c_bytes if gathered else 0) + layer_weights * 4
-                 + b * h_t * seq * seq * ATTENTION_BYTES_PER_SCORE + tokens * dots_per_token * 4)
+                 + attention_work + tokens * dots_per_token * 4)
   # The new parameters are written while the old ones are still being read (the guard selects between
   # them); Muon's momentum is guarded by a select after its update, which keeps old and new alive.
   # Adam's moments are updated in place (maxtrain.optim.scale_by_adam_guarded).
@@ -207,10 +221,9 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
       "state_copy": state_copy, "gradients": gradients, "grad_accumulators": grad_accumulators,
       "saved_activations": saved, "working_set": max(loss_phase, layer_phase),
   }
-  notes = []
-  if m.compute_dtype != jnp.float32:
-    notes.append("compute dtype is not fp32: XLA:CPU (maxtrain.compile) keeps some matmul outputs and saved "
-                 "activations in fp32 where a GPU/Neuron compiler keeps them in "
-                 f"{jnp.dtype(m.compute_dtype).name}, so its figures can exceed this estimate")
+  notes = [] if m.compute_dtype == jnp.float32 else [
+      "compute dtype is not fp32: XLA:CPU (maxtrain.compile) keeps some matmul outputs and saved activations in "
+      f"fp32 where a GPU/Neuron compiler keeps them in {jnp.dtype(m.compute_dtype).name}, so its figures can exceed "
+      "this estimate"]
   return Estimate(num_devices=num_devices, mesh_shape=dict(plan.mesh.sizes), params=params,
                   flops_per_token=model_cfg.train_flops_per_token(seq), microbatch=b, memory=memory, notes=notes)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.errors import choice, require
+from maxtrain.models import attention
 from maxtrain.models.attention import Attention
 from maxtrain.models.layers import MLP, RMSNorm, param
 from maxtrain.sharding import rules as sharding_rules
@@ -43,6 +44,9 @@ class ModelConfig:
   tie_embeddings: bool = False
   scan_layers: bool = True
   remat: str = "none"
+  attention: str = "dot"  # a kernel of models/attention.py (the config's "auto" is resolved there)
+  attention_block_q: int = 128
+  attention_block_kv: int = 128
   norm_eps: float = 1e-5
   init_std: float = 0.02
   param_dtype: Any = jnp.float32
@@ -89,6 +93,9 @@ def validate(m: Any) -> None:
   require(m.loss_chunk_tokens >= -1, f"config.model.loss_chunk_tokens={m.loss_chunk_tokens}: use a chunk size > 0, "
           "0 (off) or -1 (auto)")
   choice("model.remat", m.remat, REMAT_CHOICES)
+  choice("model.attention", m.attention, attention.CHOICES)
+  for key in ("attention_block_q", "attention_block_kv"):
+    require(m[key] > 0, f"config.model.{key}={m[key]}: must be > 0")
   for key in ("param_dtype", "compute_dtype"):
     choice(f"model.{key}", m[key], DTYPES)
 
@@ -100,7 +107,9 @@ class Block(nnx.Module):
     common = dict(init_std=cfg.init_std, out_std=out_std, param_dtype=cfg.param_dtype,
                   compute_dtype=cfg.compute_dtype, rngs=rngs)
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
-    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope_theta, **common)
+    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope_theta,
+                          kernel=cfg.attention, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
+                          **common)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
     self.mlp = MLP(cfg.d_model, cfg.d_ff, **common)
 

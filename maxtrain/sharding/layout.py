@@ -43,10 +43,13 @@ class Layout:
     return math.prod(self.mesh_sizes[a] for a in self.axes(logical))
 
   def describe(self, logical: str) -> str:
-    """'mesh.data x mesh.fsdp = 4': the config keys whose product splits the dim."""
+    """How a dim is split, for messages: 'mesh.tensor=8', or 'data x fsdp = 8' for several axes."""
     axes = self.axes(logical)
-    return " x ".join(f"mesh.{a}" for a in axes) + f" = {self.shards(logical)}" if len(axes) > 1 else \
-        f"mesh.{axes[0]}={self.shards(logical)}" if axes else "nothing (replicated)"
+    if not axes:
+      return "nothing (replicated)"
+    if len(axes) == 1:
+      return f"mesh.{axes[0]}={self.shards(logical)}"
+    return " x ".join(axes) + f" = {self.shards(logical)}"
 
   def local_shape(self, shape: tuple[int, ...], logical: tuple[str | None, ...]) -> tuple[int, ...]:
     """The per-device block of an array; an uneven split rounds up, as XLA pads it."""
