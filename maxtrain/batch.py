@@ -18,6 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtrain.data import pipeline
 from maxtrain.errors import require
+from maxtrain.sharding import context_attention
+from maxtrain.sharding import rules as rules_lib
 from maxtrain.sharding.layout import Layout
 
 FAULT = "fault"  # f32[2] = (make this step NaN?, loss scale), replicated: fault injection (runtime/faults.py)
@@ -56,6 +58,11 @@ class BatchLayout:
     """Checks that the batch divides over processes, shards and microbatches (UserError naming the
     keys and the arithmetic otherwise). `optimizer.microbatch_size` > 0 decides the microbatch count."""
     b, o = data_cfg.batch_size, optimizer_cfg
+    context = layout.shards("act_length")
+    require(context == 1 or data_cfg.seq_len % (2 * context) == 0,
+            f"config.data.seq_len={data_cfg.seq_len} is not divisible by 2 x the context shards, 2 x "
+            f"{layout.describe('act_length')} ({mesh_text}): each context shard holds an early and a late chunk "
+            f"of every sequence (causal load balancing). Choose a seq_len that is a multiple of {2 * context}.")
     shards = layout.shards("act_batch")
     require(b % shards == 0,
             f"config.data.batch_size={b} is not divisible by the batch shards, {layout.describe('act_batch')} "
@@ -95,9 +102,27 @@ def abstract(batch_layout: BatchLayout, batch_shardings: dict[str, NamedSharding
   return batch
 
 
+def length_shards(sharding: NamedSharding) -> int:
+  """Into how many parts a [B, T] batch sharding splits T (the context shards)."""
+  spec = tuple(sharding.spec) + (None, None)
+  return math.prod(sharding.mesh.shape[a] for a in rules_lib.mesh_axes(spec[1]))
+
+
+def context_order(rows: dict[str, np.ndarray], shards: int) -> dict[str, np.ndarray]:
+  """Every [B, T] field with its tokens in the causal load-balancing order of `shards` context shards
+  (`sharding/context_attention.py` `zigzag_order`); unchanged for 1 shard. All fields move together,
+  so each token keeps its target, loss mask, segment id and position."""
+  if shards == 1:
+    return rows
+  order = context_attention.zigzag_order(next(iter(rows.values())).shape[1], shards)
+  return {k: np.asarray(v)[:, order] for k, v in rows.items()}
+
+
 def to_device(rows: dict[str, np.ndarray], batch_shardings: dict[str, NamedSharding]) -> dict[str, jax.Array]:
-  """This process's rows -> global arrays laid out for the step."""
-  return pipeline.to_global(rows, batch_shardings[pipeline.KEYS[0]])
+  """This process's rows -> global arrays laid out for the step, tokens in context order: every
+  batch the step sees must come through here (context attention relies on the order)."""
+  sharding = batch_shardings[pipeline.KEYS[0]]
+  return pipeline.to_global(context_order(rows, length_shards(sharding)), sharding)
 
 
 def with_fault(batch: dict[str, jax.Array], fault: tuple[float, float],

@@ -64,9 +64,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1  # Pure data parallel replicas.
   c.mesh.fsdp = -1  # Parameter-sharded data parallel; -1 takes the remaining devices.
+  c.mesh.context = 1  # Context (sequence) parallel: each activation's length dim; attention all-gathers K/V.
   c.mesh.tensor = 1  # Tensor (model) parallel: heads, MLP and vocab dims.
-  # The three above lay out one granule (a node: NVLink/NeuronLink/ICI); these lay out the granules
-  # (across the network). At most one of all five may be -1.
+  # The four above lay out one granule (a node: NVLink/NeuronLink/ICI); these lay out the granules
+  # (across the network). At most one of all six may be -1.
   c.mesh.dcn_data = 1  # Data-parallel replicas across nodes.
   c.mesh.dcn_fsdp = 1  # FSDP across nodes (parameters sharded over the network too).
   c.mesh.rules = "default"  # Sharding rule set (logical axis -> mesh axes), of maxtrain/sharding/rules.py RULE_SETS.

@@ -66,6 +66,10 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   choice("mesh.rules", cfg.mesh.rules, tuple(rules_lib.RULE_SETS))
   mesh_layout = mesh_lib.from_config(cfg.mesh, num_devices)
   layout = Layout(mesh_layout.sizes, rules_lib.get(cfg.mesh.rules))
+  unused = layout.unused_axes()
+  require(not unused, f"mesh {mesh_layout.describe()}: rule set mesh.rules={cfg.mesh.rules!r} maps nothing to mesh "
+          f"axis {', '.join(unused)}, so its devices would duplicate each other's work. Set "
+          f"{', '.join(f'mesh.{a}=1' for a in unused)}, or choose a rule set that uses it (maxtrain/sharding/rules.py).")
   batch = BatchLayout.plan(d, cfg.optimizer, layout, f"mesh {mesh_layout.describe()}", num_processes)
   return Plan(mesh=mesh_layout, layout=layout, batch=batch)
 

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from maxtrain import config as config_lib, optim, state as state_lib, train
 from maxtrain.checkpoint import Checkpointer
 from maxtrain.models.llama import ModelConfig
-from maxtrain.sharding.mesh import AXES, make_mesh
+from maxtrain.sharding.mesh import make_mesh
 from tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,11 +115,12 @@ def test_restore_reshards_onto_other_meshes(store, tmp_path):
   tx = optim.make(cfg.optimizer, 2).tx
   saved = restore_raw(out / "checkpoints", 2)
   ckpt = Checkpointer(cfg.checkpoint, str(out / "checkpoints"))
-  for shape, devices in (((2, 1, 4), jax.devices()), ((1, 1, 1), jax.devices()[:1])):
-    mesh = make_mesh(dict(zip(AXES, shape)), devices)
+  for sizes, devices in (({"data": 2, "fsdp": 1, "tensor": 4}, jax.devices()),
+                         ({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])):
+    mesh = make_mesh(sizes, devices)
     spec = state_lib.spec(model_cfg, tx, mesh, seed=0)
     restored = ckpt.restore(out / "checkpoints" / "2", spec.abstract, spec.shardings)
-    assert restored.step == 2 and restored.meta["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert restored.step == 2 and restored.meta["mesh"] == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
     wq = restored.state.params["blocks"]["attn"]["wq"][...]
     assert wq.sharding.mesh.shape == mesh.shape
     assert_bitwise_equal(jax.tree.map(np.asarray, restored.state), saved)

@@ -13,7 +13,7 @@ from maxtrain import state as state_lib
 from maxtrain import step as step_lib
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.sharding.rules import DEFAULT_RULES, activate
-from maxtrain.sharding.mesh import AXES, make_mesh
+from maxtrain.sharding.mesh import make_mesh
 
 MODEL = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, vocab_size=128, max_seq_len=64)
 B, T = 16, 64  # 4 batch shards (data=2 x fsdp=2) x 4 microbatches x 1 sequence
@@ -34,7 +34,7 @@ def random_batch(seed=0):
 def compiled():
   """Params, batch and the loss-and-gradients function compiled for k = 1 and k = 4, on a
   data=2 x fsdp=2 x tensor=2 mesh."""
-  mesh = make_mesh(dict(zip(AXES, (2, 2, 2))))
+  mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   graphdef = nnx.split(nnx.eval_shape(lambda: Llama(MODEL, rngs=nnx.Rngs(0))))[0]
   spec = state_lib.spec(MODEL, optax.identity(), mesh, seed=0)
   abstract, shardings = spec.abstract, spec.shardings

@@ -16,7 +16,7 @@ from maxtrain import optim
 from maxtrain import state as state_lib
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.sharding.layout import param_name
-from maxtrain.sharding.mesh import AXES, make_mesh
+from maxtrain.sharding.mesh import make_mesh
 
 D, N, K, H, F, V, L = 32, 4, 2, 8, 48, 64, 2
 MODEL = ModelConfig(num_layers=L, d_model=D, num_heads=N, num_kv_heads=K, d_ff=F, vocab_size=V, max_seq_len=16)
@@ -172,7 +172,7 @@ def test_schedules_at_chosen_steps_match_closed_form():
 def test_muon_state_is_sharded_like_its_parameters():
   # The shardings state.create lays the state out with (test_sharding checks a created state for
   # AdamW; planning only keeps this test fast).
-  mesh = make_mesh(dict(zip(AXES, (2, 2, 2))))
+  mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   tx = optim.make(opt_config(name="muon", lr=0.02), total_steps=10).tx
   spec = state_lib.spec(MODEL, tx, mesh, seed=0)
   abstract, shardings = spec.abstract, spec.shardings

@@ -13,16 +13,16 @@ from maxtrain import step as step_lib
 from maxtrain.errors import UserError
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.sharding.layout import param_name
-from maxtrain.sharding.mesh import AXES, make_mesh
+from maxtrain.sharding.mesh import make_mesh
 from maxtrain.sharding.rules import DEFAULT_RULES, activate, logical_to_mesh
 
 MODEL = ModelConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, vocab_size=128,
                     max_seq_len=16)
-MESHES = {  # name: ((data, fsdp, tensor), number of devices)
-    "1 device": ((1, 1, 1), 1),
-    "data=8": ((8, 1, 1), 8),
-    "fsdp=8": ((1, 8, 1), 8),
-    "data=2 x fsdp=2 x tensor=2": ((2, 2, 2), 8),
+MESHES = {  # name: (mesh sizes, number of devices)
+    "1 device": ({"data": 1, "fsdp": 1, "tensor": 1}, 1),
+    "data=8": ({"data": 8, "fsdp": 1, "tensor": 1}, 8),
+    "fsdp=8": ({"data": 1, "fsdp": 8, "tensor": 1}, 8),
+    "data=2 x fsdp=2 x tensor=2": ({"data": 2, "fsdp": 2, "tensor": 2}, 8),
     # Two granules of 4 devices (as two nodes would be): data across them, fsdp x tensor inside.
     "dcn_data=2 x fsdp=2 x tensor=2": ({"data": 1, "fsdp": 2, "tensor": 2, "dcn_data": 2}, 8),
 }
@@ -49,7 +49,7 @@ def opt_config():
 
 
 def run_on_mesh(shape, num_devices):
-  sizes = shape if isinstance(shape, dict) else dict(zip(AXES, shape))
+  sizes = shape
   mesh = make_mesh(sizes, jax.devices()[:num_devices])
   optimizer = optim.make(opt_config(), total_steps=10)
   graphdef, state, shardings = state_lib.create(MODEL, optimizer.tx, mesh, seed=0)
@@ -105,7 +105,7 @@ EXPECTED_PARAM_SPECS = {
 
 
 def test_every_parameter_is_sharded_as_the_rules_say():
-  mesh = make_mesh(dict(zip(AXES, (2, 2, 2))))
+  mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   _, state, _ = state_lib.create(MODEL, optim.make(opt_config(), total_steps=10).tx, mesh, seed=0)
   abstract = nnx.eval_shape(lambda: Llama(MODEL, rngs=nnx.Rngs(0)))
   logical = dict(jax.tree_util.tree_leaves_with_path(nnx.get_partition_spec(nnx.state(abstract)),
@@ -126,7 +126,7 @@ def test_every_parameter_is_sharded_as_the_rules_say():
 
 
 def test_replicated_parameters_are_refused():
-  mesh = make_mesh(dict(zip(AXES, (1, 8, 1))))
+  mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
   tx = optim.make(opt_config(), total_steps=10).tx
   no_fsdp = {**DEFAULT_RULES, "embed": None}
   with pytest.raises(UserError, match=r"100% of parameter bytes would be replicated .* largest: blocks/mlp/down"):

@@ -9,6 +9,9 @@ Kernels behind one signature (q, k, v, segment ids), chosen by `model.attention`
   flash  `flash_attention.flash_attention`: blockwise, online softmax, recomputing backward; memory
          linear in T. Measured faster than `dot` on CPU at every length tried (1.5x at T=256, 6.5x
          at 4096; BENCHMARKS.md), so `auto` picks it.
+When the active sharding rules split the sequence over devices (mesh.context > 1), attention runs
+as `sharding/context_attention.py` (flash on each shard against all-gathered keys) whatever the
+kernel: it needs per-token positions and a block-pair list, which only the flash core takes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from flax import nnx
 
 from maxtrain.models.flash_attention import flash_attention
 from maxtrain.models.layers import apply_rope, param
+from maxtrain.sharding import context_attention
 from maxtrain.sharding import rules as sharding_rules
 
 
@@ -76,7 +80,10 @@ class Attention(nnx.Module):
     k_BTKH = sharding_rules.constrain(apply_rope(k_BTKH, positions_BT, self.rope_theta),
                                       ("act_batch", "act_length", "act_kv_heads", None))
     v_BTKH = sharding_rules.constrain(v_BTKH, ("act_batch", "act_length", "act_kv_heads", None))
-    if self.kernel == "flash":
+    context_parallel = context_attention.for_active_rules(block_q=self.block_q, block_kv=self.block_kv)
+    if context_parallel is not None:  # the sequence is split over devices: flash on each shard
+      out_BTNH = context_parallel(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
+    elif self.kernel == "flash":
       out_BTNH = flash_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, block_q=self.block_q, block_kv=self.block_kv)
     else:
       out_BTNH = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)

@@ -44,7 +44,6 @@ per-iteration cost of the scan stays small at 128. GPUs will want other sizes (b
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +70,8 @@ def flash_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, seg
 def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                         q_segment_ids_BT: jax.Array, kv_segment_ids_BS: jax.Array,
                         q_positions_BT: jax.Array | None = None, kv_positions_BS: jax.Array | None = None, *,
-                        block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV) -> jax.Array:
+                        block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV,
+                        block_pairs: jax.Array | None = None) -> jax.Array:
   """Attention of queries to keys where key s is visible from query t iff their segment ids are
   equal and kv_position[s] <= q_position[t].
 
@@ -81,6 +81,10 @@ def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
   block pair is visited and the mask comes from the positions alone. A query that sees no key at
   all (impossible in self-attention, possible for a caller's partial key set) gets a finite but
   meaningless row; merging partial results (ring attention) would need the row logsumexp too.
+
+  `block_pairs` (int32 [P, 2], may be traced): the (query block, key block) pairs to visit, replacing
+  the static list, for a caller that knows which blocks are wholly masked only at run time (a
+  context shard's index); pairs left out must be wholly masked, and every query block must appear.
   """
   b, t, n, h = q_BTNH.shape
   _, s, k, _ = k_BSKH.shape
@@ -112,8 +116,9 @@ def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
   qpos_QBq = _blocks(pad(q_positions_BT.astype(jnp.int32), tp, _PAD_POSITION - 1), bq)
   kvpos_CBs = _blocks(pad(kv_positions_BS.astype(jnp.int32), sp, _PAD_POSITION), bkv)
 
-  pairs = _block_pairs(num_q, num_kv, bq, bkv, s, causal_skip)
-  out_QBKqGH = _flash(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)
+  if block_pairs is None:
+    block_pairs = _block_pairs(num_q, num_kv, bq, bkv, s, causal_skip)
+  out_QBKqGH = _flash(jnp.asarray(block_pairs, jnp.int32), q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)
   return out_QBKqGH.transpose(1, 0, 3, 2, 4, 5).reshape(b, tp, n, h)[:, :t]
 
 
@@ -154,7 +159,6 @@ def _put(x, update, i):
 
 def _forward(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs):
   """Online softmax over the pair list. Returns out (q's dtype) and the row logsumexp (fp32)."""
-  stats_shape = q_QBKqGH.shape[:-1]
 
   def step(carry, ij):
     acc_QBKqGH, m_QBKqG, l_QBKqG = carry
@@ -172,9 +176,10 @@ def _forward(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, k
     acc_new = correction[..., None] * _take(acc_QBKqGH, i) + pv_BKqGH
     return (_put(acc_QBKqGH, acc_new, i), _put(m_QBKqG, m_new, i), _put(l_QBKqG, l_new, i)), None
 
-  init = (jnp.zeros(q_QBKqGH.shape, jnp.float32), jnp.full(stats_shape, _MASK_VALUE, jnp.float32),
-          jnp.zeros(stats_shape, jnp.float32))
-  (acc, m, l), _ = jax.lax.scan(step, init, jnp.asarray(pairs, jnp.int32))
+  # *_like keeps q's varying mesh axes under shard_map (a scan carry must match its body's output).
+  init = (jnp.zeros_like(q_QBKqGH, jnp.float32), jnp.full_like(q_QBKqGH[..., 0], _MASK_VALUE, jnp.float32),
+          jnp.zeros_like(q_QBKqGH[..., 0], jnp.float32))
+  (acc, m, l), _ = jax.lax.scan(step, init, pairs)
   # Every row (padded ones included) has l >= 1: its max term is exp(0).
   return (acc / l[..., None]).astype(q_QBKqGH.dtype), m + jnp.log(l)
 
@@ -211,7 +216,7 @@ def _accurate_row_dot(x_QH: jax.Array, y_QH: jax.Array) -> jax.Array:
   return (prod + err)[..., 0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@jax.custom_vjp
 def _flash(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs):
   return _forward(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)[0]
 
@@ -219,11 +224,11 @@ def _flash(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvp
 def _flash_fwd(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs):
   ids = (qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)
   out, lse_QBKqG = _forward(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, *ids)
-  return out, (q_QBKqGH, k_CBKsH, v_CBKsH, ids, out, lse_QBKqG)
+  return out, (pairs, q_QBKqGH, k_CBKsH, v_CBKsH, ids, out, lse_QBKqG)
 
 
-def _flash_bwd(pairs, residuals, dout_QBKqGH):
-  q_QBKqGH, k_CBKsH, v_CBKsH, ids, out_QBKqGH, lse_QBKqG = residuals
+def _flash_bwd(residuals, dout_QBKqGH):
+  pairs, q_QBKqGH, k_CBKsH, v_CBKsH, ids, out_QBKqGH, lse_QBKqG = residuals
   qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs = ids
   scale = q_QBKqGH.shape[-1] ** -0.5
   dout_QBKqGH = dout_QBKqGH.astype(q_QBKqGH.dtype)
@@ -245,11 +250,11 @@ def _flash_bwd(pairs, residuals, dout_QBKqGH):
     return (_put(dq_QBKqGH, _take(dq_QBKqGH, i) + dq_BKqGH, i), _put(dk_CBKsH, _take(dk_CBKsH, j) + dk_BKsH, j),
             _put(dv_CBKsH, _take(dv_CBKsH, j) + dv_BKsH, j)), None
 
-  init = (jnp.zeros(q_QBKqGH.shape, jnp.float32), jnp.zeros(k_CBKsH.shape, jnp.float32),
-          jnp.zeros(v_CBKsH.shape, jnp.float32))
-  (dq, dk, dv), _ = jax.lax.scan(step, init, jnp.asarray(pairs, jnp.int32))
+  init = (jnp.zeros_like(q_QBKqGH, jnp.float32), jnp.zeros_like(k_CBKsH, jnp.float32),
+          jnp.zeros_like(v_CBKsH, jnp.float32))
+  (dq, dk, dv), _ = jax.lax.scan(step, init, pairs)
   # Integer ids have no cotangent.
-  return (dq.astype(q_QBKqGH.dtype), dk.astype(k_CBKsH.dtype), dv.astype(v_CBKsH.dtype), None, None, None, None)
+  return (None, dq.astype(q_QBKqGH.dtype), dk.astype(k_CBKsH.dtype), dv.astype(v_CBKsH.dtype), None, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

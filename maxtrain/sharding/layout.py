@@ -21,8 +21,7 @@ from maxtrain.sharding import rules as rules_lib
 BATCH_LOGICAL = ("act_batch", "act_length")
 
 
-def _axes(mapped: rules_lib.MeshAxes) -> tuple[str, ...]:
-  return () if mapped is None else (mapped,) if isinstance(mapped, str) else tuple(mapped)
+_axes = rules_lib.mesh_axes
 
 
 def param_name(path: tuple) -> str:
@@ -43,8 +42,10 @@ class Layout:
     return math.prod(self.mesh_sizes[a] for a in self.axes(logical))
 
   def describe(self, logical: str) -> str:
-    """How a dim is split, for messages: 'mesh.tensor=8', or 'data x fsdp = 8' for several axes."""
+    """How a dim is split, for messages: 'mesh.tensor=8', or 'data x fsdp = 8' for several axes
+    (axes of size 1 left out when others split the dim)."""
     axes = self.axes(logical)
+    axes = tuple(a for a in axes if self.mesh_sizes[a] > 1) or axes[:1]
     if not axes:
       return "nothing (replicated)"
     if len(axes) == 1:
@@ -58,6 +59,12 @@ class Layout:
 
   def spec(self, logical: tuple[str | None, ...]) -> P:
     return rules_lib.logical_to_mesh(logical, self.rules)
+
+  def unused_axes(self) -> tuple[str, ...]:
+    """Mesh axes of size > 1 that no rule maps anything to: their devices would all hold and
+    compute the same thing."""
+    used = {a for mapped in self.rules.values() for a in _axes(mapped)}
+    return tuple(a for a, n in self.mesh_sizes.items() if n > 1 and a not in used)
 
   def batch_sharding(self, mesh: Mesh) -> NamedSharding:
     """Rows over the `act_batch` axes, tokens over the `act_length` axes."""

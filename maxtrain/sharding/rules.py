@@ -23,11 +23,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
 
-# Data parallel x FSDP (ZeRO-3 style parameter sharding) x tensor parallel.
+# Data parallel x FSDP (ZeRO-3 style parameter sharding) x context parallel x tensor parallel.
+# Context parallelism splits the sequence (`act_length`) of every activation; attention, the one
+# op that mixes positions, runs under shard_map (`context_attention.py`). The context axis also
+# shards parameters FSDP-style: otherwise each of its devices would hold a full FSDP shard.
 DEFAULT_RULES: dict[str, MeshAxes] = {
     # parameters
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "context"),
     "mlp": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
@@ -36,7 +39,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "layers": None,
     # activations
     "act_batch": ("data", "fsdp"),
-    "act_length": None,
+    "act_length": "context",
     "act_embed": None,
     "act_heads": "tensor",
     "act_kv_heads": "tensor",
@@ -51,6 +54,16 @@ _ACTIVE: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("maxtrain
 
 def get(name: str) -> Rules:
   return RULE_SETS[name]
+
+
+def active() -> Rules | None:
+  """The rules `activate` made current (None outside a step's tracing)."""
+  return _ACTIVE.get()
+
+
+def mesh_axes(mapped: MeshAxes) -> tuple[str, ...]:
+  """A rule's value as a tuple of mesh axes."""
+  return () if mapped is None else (mapped,) if isinstance(mapped, str) else tuple(mapped)
 
 
 def logical_to_mesh(spec: P | tuple, rules: Rules = DEFAULT_RULES) -> P:
