@@ -1,0 +1,149 @@
+"""Context parallelism: the `context` mesh axis, attention under shard_map over it (against the einsum
+reference), the loader's load-balancing order, and the real trainer on context=4 x fsdp=2 giving the
+losses and parameters of context=1, resume included.
+
+Shape legend: B batch, T length, N heads, K kv heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtrain import batch as batch_lib
+from maxtrain import config as config_lib
+from maxtrain import train
+from maxtrain.errors import UserError
+from maxtrain.models.attention import dot_product_attention
+from maxtrain.sharding import context_attention as ca
+from maxtrain.sharding.mesh import make_mesh
+from maxtrain.sharding import rules as rules_lib
+from maxtrain.sharding.rules import DEFAULT_RULES
+from maxtrain.validate import validate
+from test_checkpoint import losses, restore_raw
+from tiny import TINY_MODEL
+
+RTOL, ATOL = 1e-5, 1e-6  # fp32 parity, as tests/test_flash_attention.py
+
+
+def _packed(seed: int, b: int, t: int, n: int, k: int, h: int, num_docs: int = 4):
+  """q, k, v, a cotangent, and packed documents (different boundaries per row) with their
+  per-document positions, as the loader makes them."""
+  rng = np.random.default_rng(seed)
+  q, kk, v, dout = (rng.standard_normal(s).astype(np.float32) for s in [(b, t, n, h), (b, t, k, h), (b, t, k, h),
+                                                                         (b, t, n, h)])
+  seg = (np.sort(rng.integers(0, num_docs, (b, t)), axis=1) + 1).astype(np.int32)
+  starts = np.concatenate([np.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  idx = np.arange(t)[None].repeat(b, 0)
+  pos = (idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=1)).astype(np.int32)
+  return q, kk, v, dout, seg, pos
+
+
+@pytest.mark.parametrize("sizes,block", [
+    ({"data": 1, "fsdp": 1, "context": 1, "tensor": 1}, 8),  # 1 device: shard_map over a size-1 axis
+    ({"data": 1, "fsdp": 2, "context": 4, "tensor": 1}, 4),  # the must-show mesh, 2 blocks per chunk
+    ({"data": 2, "fsdp": 1, "context": 2, "tensor": 2}, 16),  # heads over tensor, blocks clamped to the chunk
+])
+def test_context_attention_matches_reference(sizes, block):
+  num = int(np.prod(list(sizes.values())))
+  mesh = make_mesh(sizes, jax.devices()[:num])
+  q, k, v, dout, seg, pos = _packed(0, 4, 64, 4, 2, 8)  # GQA: 2 query heads per kv head
+  out_ref, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, jnp.asarray(seg)), q, k, v)
+  grads_ref = vjp(dout)
+
+  order = ca.zigzag_order(64, sizes["context"])
+  attend = ca.sharded(mesh, DEFAULT_RULES, block_q=block, block_kv=block)
+  with jax.set_mesh(mesh):
+    @jax.jit
+    def run(q, k, v, seg, pos, dout):
+      out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, seg, pos), q, k, v)
+      return out, vjp(dout)
+    out, grads = run(*(x[:, order] for x in (q, k, v, seg, pos, dout)))
+  natural = np.argsort(order)
+  np.testing.assert_allclose(np.asarray(out)[:, natural], out_ref, rtol=RTOL, atol=ATOL)
+  for name, g, g_ref in zip("qkv", grads, grads_ref):
+    np.testing.assert_allclose(np.asarray(g)[:, natural], g_ref, rtol=RTOL, atol=ATOL, err_msg=f"d{name}")
+
+
+def test_zigzag_order_and_block_pairs_balance_the_causal_work():
+  np.testing.assert_array_equal(ca.zigzag_order(8, 2), [0, 1, 6, 7, 2, 3, 4, 5])
+  # Every shard visits the same number of block pairs: 2C-1 full chunk pairs + 2 diagonal triangles,
+  # a bit over half of the 2c x 2Cc rectangle it would compute without skipping.
+  shards, chunk, block = 4, 16, 4
+  counts = [int(ca.block_pairs(jnp.int32(i), shards, chunk, block, block).shape[0]) for i in range(shards)]
+  nb = chunk // block
+  assert counts == [(2 * shards - 1) * nb * nb + 2 * nb * (nb + 1) // 2] * shards
+  assert counts[0] / (2 * nb * 2 * shards * nb) < 0.6
+
+
+def test_context_order_moves_every_field_together():
+  rows = {"inputs": np.arange(16).reshape(1, 16), "positions": np.arange(16).reshape(1, 16) * 10}
+  out = batch_lib.context_order(rows, 2)
+  np.testing.assert_array_equal(out["inputs"][0], [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
+  np.testing.assert_array_equal(out["positions"], out["inputs"] * 10)
+  assert batch_lib.context_order(rows, 1) is rows
+
+
+def test_mesh_keeps_tensor_innermost():
+  mesh = make_mesh({"data": 1, "fsdp": 2, "context": 2, "tensor": 2})
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}
+  ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(-1, 2)
+  for group in ids:  # each tensor group is two consecutive devices
+    assert group[1] == group[0] + 1
+
+
+def test_bad_context_layouts_are_refused(monkeypatch):
+  def plan(*args):
+    return validate(config_lib.load(TINY_MODEL + list(args)), 8, require_data=False)
+
+  with pytest.raises(UserError, match=r"seq_len=36 is not divisible by 2 x the context shards, 2 x mesh.context=4"):
+    plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.data.seq_len=36")
+  # A mesh axis the rule set never uses would only duplicate work.
+  monkeypatch.setitem(rules_lib.RULE_SETS, "no_context", {**DEFAULT_RULES, "act_length": None, "embed": "fsdp"})
+  with pytest.raises(UserError, match=r"maps nothing to mesh axis context.*Set mesh.context=1"):
+    plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.mesh.rules=no_context")
+  assert plan("--config.mesh.context=4", "--config.mesh.fsdp=2").layout.shards("act_length") == 4
+
+
+# The trainer, end to end. seq_len 64 over the repository's own sources: windows cross file
+# boundaries, so batches hold packed documents.
+TINY = TINY_MODEL + ["--config.data.seq_len=64", "--config.eval.every_steps=0", "--config.log_every=1",
+                     "--config.checkpoint.every_steps=10", "--config.optimizer.decay_steps=20"]
+CONTEXT_1 = ["--config.mesh.fsdp=8"]
+CONTEXT_4 = ["--config.mesh.fsdp=2", "--config.mesh.context=4"]
+
+
+def test_context4_trains_like_context1_and_resumes_its_checkpoint(store, tmp_path, monkeypatch):
+  traced = []  # the shards of every context-parallel attention the trainer traced
+  sharded = ca.sharded
+  monkeypatch.setattr(ca, "sharded", lambda mesh, rules, **kw: traced.append(mesh.shape["context"]) or
+                      sharded(mesh, rules, **kw))
+
+  def run(name, steps, mesh):
+    code = train.main(TINY + mesh + [f"--config.data.path={store}", f"--config.steps={steps}",
+                                     f"--config.output_dir={tmp_path / name}"])
+    assert code == 0, name
+
+  run("one", 20, CONTEXT_1)
+  assert traced == []  # context=1: the plain flash kernel
+  run("four", 20, CONTEXT_4)
+  assert traced and set(traced) == {4}
+  # Resume: the context=1 run's step-10 checkpoint, continued on context=4.
+  shutil.copytree(tmp_path / "one" / "checkpoints", tmp_path / "resumed" / "checkpoints",
+                  ignore=lambda _, names: [n for n in names if n == "20"])
+  run("resumed", 20, CONTEXT_4)
+
+  ref = losses(tmp_path / "one")
+  assert sorted(ref) == list(range(1, 21))
+  for name, steps in (("four", range(1, 21)), ("resumed", range(11, 21))):
+    got = losses(tmp_path / name)
+    assert sorted(got) == list(steps), name
+    np.testing.assert_allclose([got[s] for s in steps], [ref[s] for s in steps], rtol=1e-5, err_msg=name)
+    params = restore_raw(tmp_path / name / "checkpoints", 20)["params"]
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params),
+                            jax.tree.leaves(restore_raw(tmp_path / "one" / "checkpoints", 20)["params"])):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=f"{name} {jax.tree_util.keystr(path)}")
