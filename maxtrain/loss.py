@@ -83,11 +83,22 @@ def default_chunk_tokens(vocab_size: int) -> int:
 
 
 def head_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, chunk_tokens: int,
-                compute_dtype=jnp.float32, batch_shards: int = 1) -> tuple[jax.Array, jax.Array]:
-  """`(ce_BT, log_z_BT)` of the head: chunked when `chunk_tokens > 0`, else the reference."""
+                compute_dtype=jnp.float32, batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, jax.Array]:
+  """`(ce_BT, log_z_BT)` of the head: chunked when `chunk_tokens > 0`, else the reference.
+
+  `length_shards` > 1 (context parallelism: the length dim split into that many shards): the chunked
+  path sees each sequence as `length_shards` rows of T / length_shards tokens, so its chunks cut
+  every shard's own tokens and the scanned dim stays unsharded (cutting the sharded length dim
+  would make GSPMD gather it). Per-token values do not depend on the grouping."""
   if chunk_tokens > 0:
-    return chunked_token_losses(x_BTD, head_DV, targets_BT, chunk_tokens=chunk_tokens,
-                                compute_dtype=compute_dtype, batch_shards=batch_shards)
+    B, T = targets_BT.shape
+    if T % length_shards:
+      raise ValueError(f"length_shards={length_shards} must divide the length {T}")
+    rows, cols = B * length_shards, T // length_shards
+    ce, log_z = chunked_token_losses(x_BTD.reshape(rows, cols, -1), head_DV, targets_BT.reshape(rows, cols),
+                                     chunk_tokens=chunk_tokens, compute_dtype=compute_dtype,
+                                     batch_shards=batch_shards * length_shards)
+    return ce.reshape(B, T), log_z.reshape(B, T)
   return reference_head_losses(x_BTD, head_DV, targets_BT, compute_dtype=compute_dtype)
 
 

@@ -24,35 +24,38 @@ Batch = dict[str, jax.Array]
 
 
 def head_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, chunk_tokens: int = 0,
-                batch_shards: int = 1) -> tuple[jax.Array, jax.Array]:
+                batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, jax.Array]:
   """Per-token (cross-entropy, log Z) of the model on `batch`, fp32: the output head through
   `loss.head_losses` (chunked when `chunk_tokens` > 0: never the full [B, T, V] logits)."""
   model = nnx.merge(graphdef, params)
   x_BTD = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
   return loss.head_losses(x_BTD, model.head_weights(), batch["targets"], chunk_tokens=chunk_tokens,
-                          compute_dtype=model.cfg.compute_dtype, batch_shards=batch_shards)
+                          compute_dtype=model.cfg.compute_dtype, batch_shards=batch_shards,
+                          length_shards=length_shards)
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, z_loss: float = 0.0, *,
-              chunk_tokens: int = 0, batch_shards: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
+              chunk_tokens: int = 0, batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(objective summed over loss tokens, its parts): sums, not means, so that microbatches add up.
 
   objective = sum of (cross-entropy + z_loss * log(Z)^2) over loss tokens; the z term keeps the
   softmax normaliser near 1 (PaLM), which keeps bf16 logits well conditioned.
   """
-  ce_BT, log_z_BT = head_losses(graphdef, params, batch, chunk_tokens=chunk_tokens, batch_shards=batch_shards)
+  ce_BT, log_z_BT = head_losses(graphdef, params, batch, chunk_tokens=chunk_tokens, batch_shards=batch_shards,
+                                length_shards=length_shards)
   mask_BT = batch["loss_mask"].astype(jnp.float32)
   parts = {"ce": jnp.sum(ce_BT * mask_BT), "z": jnp.sum(jnp.square(log_z_BT) * mask_BT), "count": jnp.sum(mask_BT)}
   return parts["ce"] + z_loss * parts["z"], parts
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z_loss: float = 0.0,
-                   grad_accum_steps: int = 1, chunk_tokens: int = 0,
-                   batch_shards: int = 1) -> tuple[dict[str, jax.Array], nnx.State]:
+                   grad_accum_steps: int = 1, chunk_tokens: int = 0, batch_shards: int = 1,
+                   length_shards: int = 1) -> tuple[dict[str, jax.Array], nnx.State]:
   """Metrics (mean cross-entropy `loss`, `z_loss` term, `loss_tokens`) and the gradient of the mean
   objective over the batch's loss tokens."""
   def sums_and_grads(p, b):
-    objective = lambda p: loss_sums(graphdef, p, b, z_loss, chunk_tokens=chunk_tokens, batch_shards=batch_shards)
+    objective = lambda p: loss_sums(graphdef, p, b, z_loss, chunk_tokens=chunk_tokens, batch_shards=batch_shards,
+                                    length_shards=length_shards)
     (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(p)
     return parts, grads
 
@@ -68,16 +71,18 @@ def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_loss: float = 0.0,
                     grad_accum_steps: int = 1, spike_zscore: float = 6.0, spike_warmup: int = 20,
                     rules: sharding_rules.Rules | None = None, chunk_tokens: int = 0,
-                    batch_shards: int = 1) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    batch_shards: int = 1, length_shards: int = 1) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
   """The step. `batch` may carry `fault`: f32[2] = (make this step NaN?, loss scale), replicated, for
   fault injection (`runtime/faults.py`); absent, nothing is injected. `rules` lay out the model's
-  activations (None: GSPMD decides alone); `chunk_tokens` and `batch_shards`: see `head_losses`."""
+  activations (None: GSPMD decides alone); `chunk_tokens`, `batch_shards`, `length_shards`: see
+  `loss.head_losses`."""
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     batch = dict(batch)
     fault = batch.pop(FAULT, None)
     with sharding_rules.activate(rules):
       metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss, grad_accum_steps=grad_accum_steps,
-                                      chunk_tokens=chunk_tokens, batch_shards=batch_shards)
+                                      chunk_tokens=chunk_tokens, batch_shards=batch_shards,
+                                      length_shards=length_shards)
     if fault is not None:
       scale = jnp.where(fault[0] > 0, jnp.nan, fault[1])
       metrics["loss"] = metrics["loss"] * scale
@@ -100,11 +105,12 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
 
 
 def make_eval_step(graphdef: nnx.GraphDef, rules: sharding_rules.Rules | None = None, *, chunk_tokens: int = 0,
-                   batch_shards: int = 1) -> Callable[[nnx.State, Batch], tuple[jax.Array, jax.Array]]:
+                   batch_shards: int = 1, length_shards: int = 1) -> Callable[[nnx.State, Batch], tuple[jax.Array, jax.Array]]:
   """(sum of token losses, loss tokens) of a batch: sums, so batches add up."""
   def eval_step(params: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
     with sharding_rules.activate(rules):
-      _, parts = loss_sums(graphdef, params, batch, chunk_tokens=chunk_tokens, batch_shards=batch_shards)
+      _, parts = loss_sums(graphdef, params, batch, chunk_tokens=chunk_tokens, batch_shards=batch_shards,
+                           length_shards=length_shards)
     return parts["ce"], parts["count"]
 
   return eval_step

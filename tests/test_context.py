@@ -110,9 +110,11 @@ def test_bad_context_layouts_are_refused(monkeypatch):
 
 
 # The trainer, end to end. seq_len 64 over the repository's own sources: windows cross file
-# boundaries, so batches hold packed documents.
+# boundaries, so batches hold packed documents. The chunked loss (4 chunks either way) is forced on:
+# under context parallelism it folds each shard's tokens into rows of their own.
 TINY = TINY_MODEL + ["--config.data.seq_len=64", "--config.eval.every_steps=0", "--config.log_every=1",
-                     "--config.checkpoint.every_steps=10", "--config.optimizer.decay_steps=20"]
+                     "--config.checkpoint.every_steps=10", "--config.optimizer.decay_steps=20",
+                     "--config.model.loss_chunk_tokens=16"]
 CONTEXT_1 = ["--config.mesh.fsdp=8"]
 CONTEXT_4 = ["--config.mesh.fsdp=2", "--config.mesh.context=4"]
 
