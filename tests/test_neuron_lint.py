@@ -22,6 +22,9 @@ CONFIGS = {
                                                             "--config.optimizer.z_loss=1e-4"],
     "llama3_8b on trn2": ["--config=configs/llama3_8b.py", *TRN2_ON_8],
     "llama3_70b on trn2": ["--config=configs/llama3_70b.py", *TRN2_ON_8],
+    # Context parallelism: attention under shard_map, all-gathers, a shard-dependent block-pair list.
+    "llama3_8b on trn2, context=2": ["--config=configs/llama3_8b.py", *TRN2_ON_8, "--config.mesh.fsdp=1",
+                                     "--config.mesh.context=2"],
 }
 
 

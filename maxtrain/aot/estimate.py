@@ -136,15 +136,18 @@ def _itemsize(dtype: Any) -> int:
   return jnp.dtype(dtype).itemsize
 
 
-def _attention_bytes(m: ModelConfig, b: int, seq: int, h_t: int, kv_t: int, c_bytes: int) -> tuple[int, int]:
+def _attention_bytes(m: ModelConfig, b: int, seq: int, h_t: int, kv_t: int, c_bytes: int,
+                     context: int = 1) -> tuple[int, int]:
   """(kept for the backward pass without remat, working set of one layer's attention) per device, by
   kernel: `dot` holds B x H x T x T scores; `flash` only per-row statistics, fp32 gradient
-  accumulators and one block of scores (linear in T)."""
-  if resolve_kernel(m.attention) == "dot":
+  accumulators and one block of scores (linear in T). With `context` shards (always flash,
+  `sharding/context_attention.py`) a device holds T / context queries and all T keys and values."""
+  if resolve_kernel(m.attention) == "dot" and context == 1:
     return b * h_t * seq * seq * (4 + c_bytes), b * h_t * seq * seq * ATTENTION_BYTES_PER_SCORE
-  rows = b * seq * (h_t + 2 * kv_t) * m.head_dim  # q, k, v (and their gradients)
-  block_scores = 3 * b * h_t * min(m.attention_block_q, seq) * min(m.attention_block_kv, seq) * 4
-  return b * h_t * seq * 4, rows * (4 + c_bytes) + block_scores
+  local = seq // context
+  rows = b * (local * h_t + seq * 2 * kv_t) * m.head_dim  # q, gathered k, v (and their gradients)
+  block_scores = 3 * b * h_t * min(m.attention_block_q, local) * min(m.attention_block_kv, seq) * 4
+  return b * h_t * local * 4, rows * (4 + c_bytes) + block_scores
 
 
 def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
@@ -169,9 +172,11 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
   weights = sum(p.local_size * _itemsize(p.dtype) for p in table)
   optimizer_state = sum(moments[p.label] * p.local_size * state_bytes for p in table)
   k, b = plan.batch.num_microbatches, plan.batch.per_microbatch
+  context = layout.shards("act_length")
   seq, d = cfg.data.seq_len, m.d_model
+  seq_local = seq // context  # tokens of each sequence on one device
   batch_rows = plan.batch.per_shard
-  other_state = (5 * batch_rows * seq * 4 + 2 * 4  # inputs, targets, segment_ids, positions, loss_mask; fault
+  other_state = (5 * batch_rows * seq_local * 4 + 2 * 4  # inputs, targets, segment_ids, positions, loss_mask; fault
                  + cfg.guards.spike_window * 4 + 4 * 4 + 4 * len(moments))  # guard window + counters + counts
 
   # Temporaries: a model of the live set at the step's peak (see COMPONENTS).
@@ -191,8 +196,8 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
   v_t, h_t = m.vocab_size // layout.shards("act_vocab"), m.num_heads // layout.shards("act_heads")
   kv_t, f_t = m.num_kv_heads // layout.shards("act_kv_heads"), m.d_ff // layout.shards("act_mlp")
   hd = m.head_dim
-  tokens = b * seq
-  attention_saved, attention_work = _attention_bytes(m, b, seq, h_t, kv_t, c_bytes)
+  tokens = b * seq_local
+  attention_saved, attention_work = _attention_bytes(m, b, seq, h_t, kv_t, c_bytes, context)
   # One layer's weights when all-gathered over the embed dim's shards (FSDP): split over the others only.
   layer_weights = params["per_layer"] // layout.shards("mlp")
   # Per token of one layer: the matmul outputs (q, k, v, attention output, its projection, gate, up,

@@ -22,20 +22,22 @@ value, so the list is an array of static length, 2C-1 full chunk pairs plus 2 di
 same on every shard); nothing is computed for the masked half. The backward of the all-gather is a
 reduce-scatter of dK, dV (autodiff through shard_map).
 
-Why all-gather and not a ring (ppermute of K/V chunks overlapped with the blockwise compute):
-  - Measured on 8 fake CPU devices (tools/bench_context.py, see BENCHMARKS.md): the gathered
-    variant is what was built; a ring needs the partial results merged through their row
-    logsumexp and a hand-written backward that sends dK/dV around the ring the other way, and
-    the fake CPU devices have no interconnect to overlap with, so a ring's point cannot be measured
-    here at all.
-  - With GQA the gathered K/V are small: K/N of the query bytes (8 of 32 heads for LLaMA 3), so at
-    131072 tokens one layer's gathered bf16 K+V are 2 x 131072 x 8 x 128 x 2 B = 512 MiB,
-    transient within the layer (and the backward regathers under remat). XLA schedules the
-    all-gather asynchronously against the preceding projections.
-  - A ring's advantage, overlapping C-1 point-to-point sends with compute, matters when K/V
-    transfer time is comparable to a chunk's attention compute; that is for C beyond a node or
-    very long T, which the mesh keeps inside one granule (NVLink/NeuronLink) anyway.
-  A ring variant would be a second function behind the same signature.
+Why all-gather and not a ring (ppermute of K/V chunks overlapped with the blockwise compute), by
+measurement (tools/bench_context.py, 8 fake CPU devices, fsdp=2 x context=4, B=2, T=4096, N=8,
+K=2, H=64, fp32 forward + backward, median of 5; BENCHMARKS.md):
+  gathered (this module) 2.79 s; the same with the all-gather replaced by a local copy of the same
+  shape (the computation without any communication) 2.94 s; without the zigzag layout and skipping
+  (natural order, every block pair) 5.28 s.
+So the all-gather costs nothing measurable next to the attention itself: a ring could at most hide
+that difference, and would cost a second, harder kernel (partial results merged through their row
+logsumexp, a backward that sends dK/dV around the ring the other way). The 1.89x is load balancing
+plus skipping, which the gathered form gets with a static-length pair list. On real hardware the
+sizes say the same: with GQA the gathered K/V are K/N of the query bytes; for LLaMA 3 8B at 131072
+tokens one layer's all-gather moves 2 x 131072 x 8 x 128 x 2 B = 512 MiB (about 1 ms over NVLink at
+~450 GB/s), against ~1.8e13 FLOPs of attention forward per device at context=8 (tens of ms), and
+XLA runs collectives asynchronously. A ring pays off across slow links or at C beyond a node, which
+the mesh does not do (context stays inside a granule); it would be a second function with this
+signature.
 
 The model never names a mesh axis: `for_active_rules` returns this attention when the active rules
 split `act_length` over mesh axes of total size > 1 in the current mesh, else None.
@@ -82,6 +84,8 @@ def block_pairs(shard: jax.Array, shards: int, chunk: int, bq: int, bkv: int) ->
   fully, the late chunk 0..2C-2-i fully: 2C-1 full chunk pairs, enumerated by slot u as (early, u)
   for u < i, else (late, u - i); plus each chunk against itself, lower block triangle only.
   """
+  if chunk % bq or chunk % bkv:
+    raise ValueError(f"blocks {bq} x {bkv} must divide the chunk of {chunk} tokens")
   nq, nk = chunk // bq, chunk // bkv
   u = jnp.arange(2 * shards - 1, dtype=jnp.int32)
   side = (u >= shard).astype(jnp.int32)  # 0 early, 1 late
