@@ -141,6 +141,25 @@ def test_no_quadratic_array_in_forward_or_backward():
   assert _largest_two_dims(_lowered_fwd_bwd(_flash(128, 128), t)) < 256
 
 
+def test_no_per_pair_masks_under_a_differentiated_layer_scan():
+  """Inside a scanned, differentiated model, JAX's partial evaluation once hoisted the id-only
+  block masks out of the pair loop as a stacked pred[pairs, ...] residual (O(T^2) memory, 16 GiB
+  per device for LLaMA 3 8B at T=32768); `_pair_mask`'s barrier keeps them in the loop."""
+  b, t, n, k, h = 1, 1024, 4, 2, 16
+  pairs = len(fa._block_pairs(t // 128, t // 128, 128, 128, t, True))
+
+  def loss(w_LDF, x_BTD, seg_BT):
+    def layer(x_BTD, w_DF):
+      qkv = x_BTD @ w_DF
+      q, kk, v = (qkv[..., a:a + m * h].reshape(b, t, m, h) for a, m in ((0, n), (n * h, k), ((n + k) * h, k)))
+      return fa.flash_attention(q, kk, v, seg_BT).reshape(b, t, n * h)[..., :8] + x_BTD, None
+    return jax.lax.scan(layer, x_BTD, w_LDF)[0].sum()
+
+  text = jax.jit(jax.grad(loss)).lower(jnp.ones((2, 8, (n + 2 * k) * h)), jnp.ones((b, t, 8)),
+                                       jnp.ones((b, t), jnp.int32)).as_text()
+  assert not re.findall(rf"tensor<{pairs}x[0-9x]*xi1>", text)
+
+
 def test_lowered_program_passes_the_neuron_lint():
   """No conditional, no host callback, only static-trip-count loops (the scans), no variadic reduce."""
   hlo = _lowered_fwd_bwd(_flash(128, 128), 1024, dialect="hlo")

@@ -143,6 +143,20 @@ def _block_mask(qseg_Bq, kvseg_Bs, qpos_Bq, kvpos_Bs) -> jax.Array:
   return mask_Bqs[:, None, :, None, :]
 
 
+def _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j) -> jax.Array:
+  """`_block_mask` of pair (i, j), its ids tied to the query block by an optimization barrier.
+
+  Why: the ids are not differentiated. Inside an enclosing scan that is differentiated (the model's
+  layer scan), JAX's partial evaluation splits this loop into an id-only part and the rest, and
+  the id-only part's per-pair masks become a stacked residual, pred[pairs, B, K, q, G, s]: O(T^2)
+  memory (16 GiB per device for LLaMA 3 8B at T=32768). Through the barrier the ids depend on q,
+  so the mask is computed where it is used, one block at a time.
+  """
+  ids, _ = jax.lax.optimization_barrier(((_take(qseg_QBq, i), _take(kvseg_CBs, j), _take(qpos_QBq, i),
+                                          _take(kvpos_CBs, j)), q_BKqGH))
+  return _block_mask(*ids)
+
+
 def _scores(q_BKqGH, k_BKsH, mask_B1q1s) -> jax.Array:
   scale = q_BKqGH.shape[-1] ** -0.5
   s_BKqGs = jnp.einsum("bkqgh,bksh->bkqgs", q_BKqGH, k_BKsH, preferred_element_type=jnp.float32) * scale
@@ -163,9 +177,9 @@ def _forward(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, k
   def step(carry, ij):
     acc_QBKqGH, m_QBKqG, l_QBKqG = carry
     i, j = ij[0], ij[1]
-    k_BKsH, v_BKsH = _take(k_CBKsH, j), _take(v_CBKsH, j)
-    mask = _block_mask(_take(qseg_QBq, i), _take(kvseg_CBs, j), _take(qpos_QBq, i), _take(kvpos_CBs, j))
-    s_BKqGs = _scores(_take(q_QBKqGH, i), k_BKsH, mask)
+    k_BKsH, v_BKsH, q_BKqGH = _take(k_CBKsH, j), _take(v_CBKsH, j), _take(q_QBKqGH, i)
+    mask = _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j)
+    s_BKqGs = _scores(q_BKqGH, k_BKsH, mask)
     m_prev, l_prev = _take(m_QBKqG, i), _take(l_QBKqG, i)
     m_new = jnp.maximum(m_prev, s_BKqGs.max(axis=-1))
     correction = jnp.exp(m_prev - m_new)
@@ -239,7 +253,7 @@ def _flash_bwd(residuals, dout_QBKqGH):
     i, j = ij[0], ij[1]
     q_BKqGH, k_BKsH, v_BKsH = _take(q_QBKqGH, i), _take(k_CBKsH, j), _take(v_CBKsH, j)
     dout_BKqGH = _take(dout_QBKqGH, i)
-    mask = _block_mask(_take(qseg_QBq, i), _take(kvseg_CBs, j), _take(qpos_QBq, i), _take(kvpos_CBs, j))
+    mask = _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j)
     p_BKqGs = jnp.exp(_scores(q_BKqGH, k_BKsH, mask) - _take(lse_QBKqG, i)[..., None])
     dv_BKsH = jnp.einsum("bkqgs,bkqgh->bksh", p_BKqGs.astype(dout_BKqGH.dtype), dout_BKqGH,
                          preferred_element_type=jnp.float32)
