@@ -54,7 +54,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.tie_embeddings = False  # Reuse the input embedding as the output head.
   m.scan_layers = True  # Stack layers and lax.scan them: compile time independent of depth.
   m.remat = "none"  # Activation checkpointing per layer: none | full | dots (save matmul outputs).
-  m.attention = "auto"  # Attention kernel: auto (flash) | dot (einsum reference, T x T scores) | flash (blockwise, linear memory).
+  m.attention = "auto"  # Attention kernel: auto (flash) | dot (einsum reference, T x T scores) | flash (blockwise, linear memory) | cudnn (NVIDIA) | nki (Trainium); the last two not run here.
   m.attention_block_q = 128  # flash: query rows per block (measured on CPU: 128 best of 64-512).
   m.attention_block_kv = 128  # flash: key columns per block.
   m.param_dtype = "float32"  # Storage dtype of parameters.

@@ -49,6 +49,10 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   for key in ("steps", "log_every"):
     require(cfg[key] > 0, f"config.{key}={cfg[key]}: must be > 0")
   llama.validate(cfg.model)
+  for kernel, platform in (("cudnn", "gpu"), ("nki", "neuron")):
+    require(cfg.model.attention != kernel or cfg.runtime.platform in (platform, "auto"),
+            f"config.model.attention={kernel} runs only on runtime.platform={platform}, not "
+            f"runtime.platform={cfg.runtime.platform}: use model.attention=flash (or auto)")
   d = cfg.data
   require(bool(d.corpus) or bool(d.path) or not require_data,
           "config.data.corpus and config.data.path are both empty: set data.path to a token store "

@@ -172,8 +172,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
   weights = sum(p.local_size * _itemsize(p.dtype) for p in table)
   optimizer_state = sum(moments[p.label] * p.local_size * state_bytes for p in table)
   k, b = plan.batch.num_microbatches, plan.batch.per_microbatch
-  context = layout.shards("act_length")
-  seq, d = cfg.data.seq_len, m.d_model
+  seq, d, context = cfg.data.seq_len, m.d_model, layout.shards("act_length")
   seq_local = seq // context  # tokens of each sequence on one device
   batch_rows = plan.batch.per_shard
   other_state = (5 * batch_rows * seq_local * 4 + 2 * 4  # inputs, targets, segment_ids, positions, loss_mask; fault
@@ -195,14 +194,13 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
 
   v_t, h_t = m.vocab_size // layout.shards("act_vocab"), m.num_heads // layout.shards("act_heads")
   kv_t, f_t = m.num_kv_heads // layout.shards("act_kv_heads"), m.d_ff // layout.shards("act_mlp")
-  hd = m.head_dim
   tokens = b * seq_local
   attention_saved, attention_work = _attention_bytes(m, b, seq, h_t, kv_t, c_bytes, context)
   # One layer's weights when all-gathered over the embed dim's shards (FSDP): split over the others only.
   layer_weights = params["per_layer"] // layout.shards("mlp")
   # Per token of one layer: the matmul outputs (q, k, v, attention output, its projection, gate, up,
   # down) and the layer input.
-  dots_per_token = h_t * hd * 2 + kv_t * hd * 2 + 2 * d + 2 * f_t + d
+  dots_per_token = h_t * m.head_dim * 2 + kv_t * m.head_dim * 2 + 2 * d + 2 * f_t + d
   if m.remat == "full":
     saved = m.num_layers * tokens * d * c_bytes  # each layer's input; the rest is recomputed
   elif m.remat == "dots":

@@ -9,6 +9,9 @@ Kernels behind one signature (q, k, v, segment ids), chosen by `model.attention`
   flash  `flash_attention.flash_attention`: blockwise, online softmax, recomputing backward; memory
          linear in T. Measured faster than `dot` on CPU at every length tried (1.5x at T=256, 6.5x
          at 4096; BENCHMARKS.md), so `auto` picks it.
+  cudnn  `vendor_attention.cudnn_attention`: jax.nn.dot_product_attention on cuDNN (NVIDIA GPUs).
+  nki    `vendor_attention.nki_attention`: the Neuron NKI flash kernels (Trainium, jax-neuronx).
+         Neither vendor kernel has run on this project's machines (see that module).
 When the active sharding rules split the sequence over devices (mesh.context > 1), attention runs
 as `sharding/context_attention.py` (flash on each shard against all-gathered keys) whatever the
 kernel: it needs per-token positions and a block-pair list, which only the flash core takes.
@@ -20,18 +23,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtrain.models import vendor_attention
 from maxtrain.models.flash_attention import flash_attention
 from maxtrain.models.layers import apply_rope, param
 from maxtrain.sharding import context_attention
 from maxtrain.sharding import rules as sharding_rules
 
 
-KERNELS = ("dot", "flash")
+KERNELS = ("dot", "flash", "cudnn", "nki")
 CHOICES = ("auto",) + KERNELS
 
 
 def resolve_kernel(name: str) -> str:
-  """`auto` -> the kernel measured best: flash (the only other kernel so far; pure JAX, every backend)."""
+  """`auto` -> the kernel measured best: flash. The vendor kernels (`vendor_attention.py`: cudnn, nki)
+  have not run here (no GPU, no Trainium), so `auto` never picks them."""
   return "flash" if name == "auto" else name
 
 
@@ -85,6 +90,10 @@ class Attention(nnx.Module):
       out_BTNH = context_parallel(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
     elif self.kernel == "flash":
       out_BTNH = flash_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, block_q=self.block_q, block_kv=self.block_kv)
+    elif self.kernel == "cudnn":
+      out_BTNH = vendor_attention.cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+    elif self.kernel == "nki":
+      out_BTNH = vendor_attention.nki_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
     else:
       out_BTNH = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
     return jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo[...].astype(dt))
