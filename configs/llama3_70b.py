@@ -41,9 +41,12 @@ _GPU_NODE = {**_ACROSS_NODES, "mesh.fsdp": 1, "mesh.tensor": 8, "optimizer.micro
 HARDWARE = {
     "h100x8": _GPU_NODE,
     "h200x8": {**_GPU_NODE, "optimizer.microbatch_size": 2},  # 141 GB per GPU: ~87 GiB of 131 (BENCHMARKS.md)
-    # Does not fit at 24 GiB per logical core (LNC=2) with 8192-token sequences: the saved layer inputs
-    # alone are 80 x 8192 x 8192 bf16 = 10 GiB per sequence on every core (no sequence parallelism yet),
-    # and the train state with its copy is ~25 GiB on one node (BENCHMARKS.md).
-    "trn2.48xlarge": {**_ACROSS_NODES},
+    # 24 GiB per logical core (LNC=2). Context parallelism over the node's 16 chips (tensor=4 within
+    # each) splits every sequence 16 ways (512 tokens per core; the saved layer inputs drop from 10 GiB
+    # per sequence to 0.6), and the parameters are FSDP-sharded over fsdp x context. One node then
+    # needs bf16 optimizer moments: 23.8 GiB peak (fp32 moments: 25.3). From two nodes on fp32 moments
+    # fit (fsdp=2 x context=8 per node: 16.3 GiB); set optimizer.state_dtype=float32 there. BENCHMARKS.md.
+    "trn2.48xlarge": {**_ACROSS_NODES, "mesh.fsdp": 1, "mesh.context": 16, "optimizer.microbatch_size": 1,
+                      "optimizer.state_dtype": "bfloat16"},
     "cpu": {"data.batch_size": 8},
 }

@@ -34,14 +34,13 @@ def get_config():
   return c
 
 
-# Global batch 64 x 8192 tokens = 0.5M tokens per step. Attention is plain softmax, so each sequence in
-# flight holds heads x 8192^2 fp32 scores (8 GiB for 32 heads): the batch goes through in microbatches
-# of one sequence per batch shard (`optimizer.microbatch_size=1`, so the same on any node count;
-# `python -m maxtrain.compile`, BENCHMARKS.md: 8 sequences per GPU at once need ~284 GiB per GPU).
+# Global batch 64 x 8192 tokens = 0.5M tokens per step. With flash attention (memory linear in T) and
+# the chunked loss (no [B, T, V] logits) several sequences go through at once: 4 per GPU on an H100
+# (53.2 GiB of 80), the whole batch shard of 8 on an H200 (79.8 GiB of 131); `python -m
+# maxtrain.compile`, BENCHMARKS.md. (With the einsum attention, one sequence per GPU was what fit.)
 HARDWARE = {
-    "h100x8": {"data.batch_size": 64, "optimizer.microbatch_size": 1},
-    # H200: 141 GB (131 GiB) per GPU holds two sequences at a time (~93 GiB, BENCHMARKS.md).
-    "h200x8": {"data.batch_size": 64, "optimizer.microbatch_size": 2},
+    "h100x8": {"data.batch_size": 64, "optimizer.microbatch_size": 4},
+    "h200x8": {"data.batch_size": 64, "optimizer.microbatch_size": 8},
     # 16 batch shards (fsdp=16 x tensor=4) of 4 sequences, one at a time.
     "trn2.48xlarge": {"data.batch_size": 64, "optimizer.microbatch_size": 1},
     # Compile/debug only: the real shapes will not train on a CPU.

@@ -11,7 +11,7 @@ from maxtrain.aot.hlo_lint import neuron_problems
 from maxtrain.validate import validate
 
 # Reduced depth; real widths and vocabularies. The trn2 node's tensor=4 groups on 8 devices.
-TRN2_ON_8 = ["--config.hardware=trn2.48xlarge", "--config.mesh.fsdp=2", "--config.mesh.tensor=4",
+TRN2_ON_8 = ["--config.hardware=trn2.48xlarge", "--config.mesh.fsdp=2", "--config.mesh.context=1", "--config.mesh.tensor=4",
              "--config.mesh.dcn_data=1", "--config.model.num_layers=2", "--config.data.seq_len=512",
              "--config.data.batch_size=8"]
 ON_NEURON = ["--config=configs/default.py", "--config.runtime.platform=neuron"]
