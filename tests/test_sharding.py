@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from maxtrain import batch as batch_lib
 from maxtrain import config as config_lib
 from maxtrain import optim
 from maxtrain import state as state_lib
@@ -25,6 +26,8 @@ MESHES = {  # name: (mesh sizes, number of devices)
     "data=2 x fsdp=2 x tensor=2": ({"data": 2, "fsdp": 2, "tensor": 2}, 8),
     # Two granules of 4 devices (as two nodes would be): data across them, fsdp x tensor inside.
     "dcn_data=2 x fsdp=2 x tensor=2": ({"data": 1, "fsdp": 2, "tensor": 2, "dcn_data": 2}, 8),
+    # The sequence split 4 ways (context attention under shard_map), tokens in the loader's order.
+    "fsdp=2 x context=4": ({"data": 1, "fsdp": 2, "context": 4, "tensor": 1}, 8),
 }
 
 
@@ -48,13 +51,13 @@ def opt_config():
   return cfg
 
 
-def run_on_mesh(shape, num_devices):
-  sizes = shape
+def run_on_mesh(sizes, num_devices):
   mesh = make_mesh(sizes, jax.devices()[:num_devices])
   optimizer = optim.make(opt_config(), total_steps=10)
   graphdef, state, shardings = state_lib.create(MODEL, optimizer.tx, mesh, seed=0)
-  batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
-  data = [jax.device_put(b, batch_sharding) for b in batches()]
+  batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), "context"))
+  context = sizes.get("context", 1)
+  data = [jax.device_put(batch_lib.context_order(b, context), batch_sharding) for b in batches()]
   with jax.set_mesh(mesh):
     def loss_and_grads(p, b):
       with activate(DEFAULT_RULES):
@@ -86,21 +89,22 @@ def test_mesh_equivalence(results, name):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=f"param {jax.tree_util.keystr(path)}")
 
 
-# The layout the default rules must produce on a data x fsdp x tensor mesh (scanned layers: the
-# leading dim is `layers`, never sharded). A change here is a deliberate change of strategy.
+# The layout the default rules must produce on a data x fsdp x context x tensor mesh (scanned layers:
+# the leading dim is `layers`, never sharded). A change here is a deliberate change of strategy.
+FSDP = ("fsdp", "context")  # parameters are FSDP-sharded over the context axis too
 EXPECTED_PARAM_SPECS = {
-    "embed": P("tensor", "fsdp"),
-    "head": P("fsdp", "tensor"),
+    "embed": P("tensor", FSDP),
+    "head": P(FSDP, "tensor"),
     "final_norm/scale": P(None),
     "blocks/attn_norm/scale": P(None, None),
     "blocks/mlp_norm/scale": P(None, None),
-    "blocks/attn/wq": P(None, "fsdp", "tensor", None),
-    "blocks/attn/wk": P(None, "fsdp", "tensor", None),
-    "blocks/attn/wv": P(None, "fsdp", "tensor", None),
-    "blocks/attn/wo": P(None, "tensor", None, "fsdp"),
-    "blocks/mlp/gate": P(None, "fsdp", "tensor"),
-    "blocks/mlp/up": P(None, "fsdp", "tensor"),
-    "blocks/mlp/down": P(None, "tensor", "fsdp"),
+    "blocks/attn/wq": P(None, FSDP, "tensor", None),
+    "blocks/attn/wk": P(None, FSDP, "tensor", None),
+    "blocks/attn/wv": P(None, FSDP, "tensor", None),
+    "blocks/attn/wo": P(None, "tensor", None, FSDP),
+    "blocks/mlp/gate": P(None, FSDP, "tensor"),
+    "blocks/mlp/up": P(None, FSDP, "tensor"),
+    "blocks/mlp/down": P(None, "tensor", FSDP),
 }
 
 
