@@ -75,6 +75,13 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           f"axis {', '.join(unused)}, so its devices would duplicate each other's work. Set "
           f"{', '.join(f'mesh.{a}=1' for a in unused)}, or choose a rule set that uses it (maxtrain/sharding/rules.py).")
   batch = BatchLayout.plan(d, cfg.optimizer, layout, f"mesh {mesh_layout.describe()}", num_processes)
+  # Each process loads whole rows of its own batch shards (data/pipeline.py): a sequence split over
+  # devices must not be split over processes too.
+  per_process, split = num_devices // num_processes, layout.shards("act_length") * layout.shards("act_heads")
+  require(layout.shards("act_length") == 1 or per_process % split == 0,
+          f"mesh {mesh_layout.describe()}: a sequence is split over {layout.describe('act_length')} (x the tensor "
+          f"axis = {split} devices), more than or not dividing each process's {per_process} devices. Run one process "
+          "per node, or a smaller mesh.context.")
   return Plan(mesh=mesh_layout, layout=layout, batch=batch)
 
 

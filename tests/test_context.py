@@ -7,6 +7,7 @@ Shape legend: B batch, T length, N heads, K kv heads, H head dim.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import jax
@@ -102,6 +103,11 @@ def test_bad_context_layouts_are_refused(monkeypatch):
 
   with pytest.raises(UserError, match=r"seq_len=36 is not divisible by 2 x the context shards, 2 x mesh.context=4"):
     plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.data.seq_len=36")
+  # Each process loads whole sequences: one process per device cannot split them.
+  cfg = config_lib.load(TINY_MODEL + ["--config.mesh.context=4", "--config.mesh.fsdp=2"])
+  with pytest.raises(UserError, match=r"a sequence is split over mesh.context=4 .* each process's 1 devices"):
+    validate(cfg, 8, num_processes=8, require_data=False)
+  assert validate(cfg, 8, num_processes=2, require_data=False).layout.shards("act_length") == 4
   # A mesh axis the rule set never uses would only duplicate work.
   monkeypatch.setitem(rules_lib.RULE_SETS, "no_context", {**DEFAULT_RULES, "act_length": None, "embed": "fsdp"})
   with pytest.raises(UserError, match=r"maps nothing to mesh axis context.*Set mesh.context=1"):
@@ -145,6 +151,9 @@ def test_context4_trains_like_context1_and_resumes_its_checkpoint(store, tmp_pat
     got = losses(tmp_path / name)
     assert sorted(got) == list(steps), name
     np.testing.assert_allclose([got[s] for s in steps], [ref[s] for s in steps], rtol=1e-5, err_msg=name)
+    # The final eval (its batches also in context order) sees the same model.
+    eval_loss = lambda run: json.loads((tmp_path / run / "summary.json").read_text())["final_eval_loss"]
+    np.testing.assert_allclose(eval_loss(name), eval_loss("one"), rtol=1e-5, err_msg=name)
     params = restore_raw(tmp_path / name / "checkpoints", 20)["params"]
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params),
                             jax.tree.leaves(restore_raw(tmp_path / "one" / "checkpoints", 20)["params"])):

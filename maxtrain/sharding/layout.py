@@ -43,9 +43,9 @@ class Layout:
 
   def describe(self, logical: str) -> str:
     """How a dim is split, for messages: 'mesh.tensor=8', or 'data x fsdp = 8' for several axes
-    (axes of size 1 left out when others split the dim)."""
+    (`context` left out while it is 1, as in mesh descriptions)."""
     axes = self.axes(logical)
-    axes = tuple(a for a in axes if self.mesh_sizes[a] > 1) or axes[:1]
+    axes = tuple(a for a in axes if a != "context" or self.mesh_sizes[a] > 1) or axes[:1]
     if not axes:
       return "nothing (replicated)"
     if len(axes) == 1:
