@@ -59,7 +59,7 @@ class S3Mirror:
     # Explicit, bounded waits: botocore's defaults (60 s connect and read, retried) block for minutes on a
     # stalled endpoint before anything is said.
     self._client = boto3.client("s3", config=Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
-                                                    retries={"max_attempts": max_attempts, "mode": "standard"}))
+                                                    retries={"total_max_attempts": max_attempts, "mode": "standard"}))
     self.on_progress = on_progress or (lambda: None)
     try:
       self._client.head_bucket(Bucket=self.bucket)

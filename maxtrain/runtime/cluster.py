@@ -163,9 +163,6 @@ def resolve(runtime_cfg, environ: Mapping[str, str]) -> Cluster:
   kind = runtime_cfg.cluster
   if kind not in KINDS:
     raise UserError(f"config.runtime.cluster={kind!r}: choose one of {', '.join(KINDS)}")
-  if not 0 <= runtime_cfg.coordinator_port <= 65535:
-    raise UserError(f"config.runtime.coordinator_port={runtime_cfg.coordinator_port}: a port is 0..65535 "
-                    "(0 = derived from the job id)")
   found = None if kind == "none" else detect(environ, kind, runtime_cfg.coordinator_port)
   if found is None and kind not in ("auto", "none"):
     raise UserError(f"config.runtime.cluster={kind}: no {kind} job found in the environment ("
