@@ -59,7 +59,8 @@ def test_crash_loop_gives_up_with_a_summary(tmp_path):
   # A backend that cannot start: every attempt crashes the same way (exit 1), quickly.
   env = {**ENV, "JAX_PLATFORMS": "no-such-platform"}
   result = launch(["--backoff=0.01", "--max-restarts=2", "--window=600"],
-                  [f"--config.output_dir={tmp_path}"], env=env, timeout=300)
+                  # runtime.platform=auto: the cpu hardware preset would set JAX_PLATFORMS=cpu over the bad one.
+                  [f"--config.output_dir={tmp_path}", "--config.runtime.platform=auto"], env=env, timeout=300)
   assert result.returncode == 1
   assert "giving up: 3 failed attempts within 600s exceed --max-restarts=2" in result.stderr
   for n in range(3):
