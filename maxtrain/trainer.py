@@ -105,7 +105,7 @@ class Trainer:
       except BaseException as e:
         self.exit_code = exit_code(e)
         if self.exit_code == EXIT_CRASH:
-          self.events.emit(ev.CRASH, self.step, code=EXIT_CRASH, reason=f"{type(e).__name__}: {e}"[:1000])
+          self.events.emit(ev.CRASH, self.step, code=EXIT_CRASH, reason=config_lib.redact_text(f"{type(e).__name__}: {e}")[:1000])
         raise
     return self._summary(eval_loss)
 

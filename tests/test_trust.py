@@ -8,7 +8,6 @@ process (locks, supervisor, watchdog, what reaches stdout/stderr).
 
 import json
 import os
-import signal
 import socket
 import stat
 import subprocess
@@ -16,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -269,7 +269,7 @@ def test_overflowing_update_is_skipped_and_a_stale_lock_taken_over(store, tmp_pa
   assert [r["step"] for r in skips] == [1, 2, 3] and all("update" in r["what"] for r in skips)
   first, last = restore_raw(out / "checkpoints", 1), restore_raw(out / "checkpoints", 3)
   assert_bitwise_equal(first["params"], last["params"])
-  assert all(np.isfinite(np.asarray(x)).all() for x in __import__("jax").tree.leaves(last["params"]))
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(last["params"]))
   summary = json.loads((out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
   assert summary["steps"] == 3
 
