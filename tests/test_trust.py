@@ -8,6 +8,7 @@ process (locks, supervisor, watchdog, what reaches stdout/stderr).
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -233,17 +234,23 @@ def test_secrets_reach_no_file_log_or_mirror(store, tmp_path, s3_server):  # noq
 
 def test_second_trainer_on_one_directory_exits_2_and_the_first_finishes(store, tmp_path):
   out = tmp_path / "run"
-  first = trainer_process(base(store, out, steps=60) + ["--config.checkpoint.every_steps=20"])
+  first = trainer_process(base(store, out, steps=30) + ["--config.checkpoint.every_steps=10"])
   lock = out / ".maxtrain.lock"
   deadline = time.monotonic() + 120
   while not (lock.exists() and lock.read_text().strip()) and first.poll() is None and time.monotonic() < deadline:
-    time.sleep(0.2)  # polling a file another process writes; nothing to wait on instead
-  code, _, err = run_process(base(store, out, steps=60))
+    time.sleep(0.1)  # polling a file another process writes; nothing to wait on instead
+  # Paused while the second one tries, so that it cannot finish first however fast it trains; a
+  # stopped process keeps its lock.
+  os.kill(first.pid, signal.SIGSTOP)
+  try:
+    code, _, err = run_process(base(store, out, steps=30))
+  finally:
+    os.kill(first.pid, signal.SIGCONT)
   assert_exit(code, err, EXIT_BAD_INPUT, f"pid {first.pid}", "is in use by another trainer", str(lock))
   _, first_err = first.communicate(timeout=300)
   assert first.returncode == 0, first_err[-3000:]
   steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
-  assert steps == [20, 40, 60]
+  assert steps == [10, 20, 30]
   for step in steps:
     assert manifest.verify(out / "checkpoints" / str(step)).verified
   assert sum(r["kind"] == "job_start" for r in read_events(out / "events.jsonl")) == 1  # the second wrote nothing
