@@ -86,3 +86,92 @@ def test_export_loads_in_transformers_without_warnings_and_matches(tmp_path):
   assert np.abs(maxtrain_logits(maxtrain_model(source), x)[..., :299] - hf_logits(model.eval(), x)).max() <= TOL
   gen = json.loads((tmp_path / "hf2" / "generation_config.json").read_text())
   assert (gen["bos_token_id"], gen["eos_token_id"]) == (0, 1)
+
+
+def run_train(args, capsys):
+  from maxtrain import train
+
+  code = train.main(args)
+  captured = capsys.readouterr()
+  return code, captured.out + captured.err
+
+
+def test_training_checkpoint_to_hf_and_back_is_bitwise(store, tmp_path, capsys):
+  import transformers
+  from tiny import TINY_MODEL
+
+  run = tmp_path / "run"
+  code, out = run_train(TINY_MODEL + [f"--config.data.path={store}", "--config.steps=2", "--config.model.num_kv_heads=2",
+                                      f"--config.output_dir={run}"], capsys)
+  assert code == 0, out
+  hf_export.to_hf(run, tmp_path / "hf", max_shard_bytes=40_000)
+  hf_import.from_hf(tmp_path / "hf", tmp_path / "mt")
+  trained, converted = open_source(run), open_source(tmp_path / "mt")
+  assert sorted(trained.names()) == sorted(converted.names())
+  for name in trained.names():
+    assert np.array_equal(trained.read(name), converted.read(name)), name
+  hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  x = tokens(259)
+  assert np.abs(maxtrain_logits(maxtrain_model(trained), x) - hf_logits(hf, x)).max() <= TOL
+
+
+def test_init_from_starts_a_fresh_run_then_resumes_like_any_run(store, tmp_path, capsys, caplog):
+  make_hf_model(tmp_path / "hf", "gqa_untied")
+  hf_import.from_hf(tmp_path / "hf", tmp_path / "mt")
+  run = tmp_path / "run"
+  args = [f"--config={tmp_path / 'mt' / 'config.py'}", f"--config.data.path={store}", "--config.data.tokenizer=byte",
+          "--config.data.seq_len=32", "--config.data.batch_size=8", "--config.eval.batches=1",
+          f"--config.output_dir={run}", "--config.optimizer.lr=1e-12", "--config.optimizer.adam_lr=1e-12"]
+  code, out = run_train(args + ["--config.steps=1"], capsys)
+  assert code == 0, out
+  # One step at a negligible learning rate: the parameters are still the converted ones, the step count
+  # started at 0 (checkpoint 1), and the optimizer state is one step old.
+  after, converted = open_source(run), open_source(tmp_path / "mt")
+  assert after.dir.name == "1"
+  for name in converted.names():
+    np.testing.assert_allclose(after.read(name), converted.read(name), rtol=0, atol=1e-9, err_msg=name)
+  code, out = run_train(args + ["--config.steps=3"], capsys)  # a restart resumes its own checkpoint
+  assert code == 0, out
+  assert "restored step 1" in caplog.text and open_source(run).dir.name == "3"
+
+
+def test_init_from_with_other_model_math_exits_2(tmp_path, capsys):
+  make_hf_model(tmp_path / "hf", "gqa_untied", tokenizer=False)
+  hf_import.from_hf(tmp_path / "hf", tmp_path / "mt")
+  code, out = run_train([f"--config={tmp_path / 'mt' / 'config.py'}", "--config.model.rope_theta=1000",
+                         f"--config.output_dir={tmp_path / 'run'}", "--config.data.seq_len=32",
+                         "--config.data.batch_size=8"], capsys)
+  assert code == 2 and "config.model.rope_theta=1000.0" in out, out
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("architectures", ["MistralForCausalLM"], "architectures"),
+    ("attention_bias", True, "attention_bias"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type"),
+    ("head_dim", 16, "head_dim"),
+    ("hidden_act", "gelu", "hidden_act"),
+])
+def test_unsupported_hf_models_exit_2_naming_the_field(tmp_path, capsys, field, value, named):
+  from maxtrain import convert
+
+  make_hf_model(tmp_path / "hf", "gqa_untied", tokenizer=False)
+  config = json.loads((tmp_path / "hf" / "config.json").read_text())
+  config[field] = value
+  (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+  capsys.readouterr()  # transformers' own progress output
+  assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and f"{named}=" in err, err
+  assert not (tmp_path / "out").exists()
+
+
+def test_bias_tensors_exit_2(tmp_path, capsys):
+  from maxtrain import convert
+  from safetensors.numpy import load_file, save_file
+
+  make_hf_model(tmp_path / "hf", "gqa_untied", tokenizer=False)
+  weights = load_file(tmp_path / "hf" / "model.safetensors")
+  weights["model.layers.0.self_attn.q_proj.bias"] = np.zeros(32, np.float32)
+  save_file(weights, tmp_path / "hf" / "model.safetensors")
+  assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+  assert "q_proj.bias" in capsys.readouterr().err

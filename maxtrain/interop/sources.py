@@ -110,7 +110,7 @@ class TrainingSource:
 
     tok = load_tokenizer(self.tokenizer) if self.tokenizer == "byte" or Path(self.tokenizer).exists() else None
     self.bos_id, self.eos_id = (tok.bos_id, tok.eos_id) if tok else (None, None)
-    tree = checkpointer.metadata(self.dir).item_metadata["state"].tree["params"]
+    tree = ocp.StandardCheckpointHandler().metadata(self.dir / "state").tree["params"]
     self._paths: dict[str, tuple] = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
       keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
