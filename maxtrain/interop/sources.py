@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -104,7 +105,7 @@ class TrainingSource:
     meta = checkpointer.restore(self.dir, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     self.config = meta["config"]
     self.model = self.config["model"]
-    self.tokenizer = self.config["data"]["tokenizer"]
+    self.tokenizer = ml_collections.ConfigDict(self.config).data.tokenizer
     self.vocab_size = self.model["vocab_size"]
     from maxtrain.data.tokenizer import load_tokenizer
 
