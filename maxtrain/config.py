@@ -53,6 +53,12 @@ def base_config() -> ml_collections.ConfigDict:
   m.vocab_size = 384  # Embedding rows; >= the tokenizer's vocab (byte tokenizer: 259), padded for sharding.
   m.max_seq_len = 1024  # Longest sequence the model accepts (RoPE positions).
   m.rope_theta = 10000.0  # RoPE base frequency.
+  m.rope_scaling = "none"  # RoPE frequency rescaling for long context: none | llama3 (LLaMA 3.1's rope_type).
+  m.rope_scaling_factor = 8.0  # llama3: divisor of the low frequencies (context extension factor).
+  m.rope_low_freq_factor = 1.0  # llama3: wavelengths above original_max_len / this are fully rescaled.
+  m.rope_high_freq_factor = 4.0  # llama3: wavelengths below original_max_len / this are kept.
+  m.rope_original_max_len = 8192  # llama3: the context length the frequencies were first trained at.
+  m.norm_eps = 1e-5  # RMSNorm epsilon (imported models keep theirs: LLaMA 3 uses 1e-5, LLaMA 2 1e-6).
   m.tie_embeddings = False  # Reuse the input embedding as the output head.
   m.scan_layers = True  # Stack layers and lax.scan them: compile time independent of depth.
   m.remat = "none"  # Activation checkpointing per layer: none | full | dots (save matmul outputs).
@@ -116,6 +122,7 @@ def base_config() -> ml_collections.ConfigDict:
   k.s3_connect_timeout_s = 10.0  # s3:// checkpoints: seconds to wait for a connection to the endpoint.
   k.s3_read_timeout_s = 60.0  # s3:// checkpoints: seconds to wait for a response (per read).
   k.s3_max_attempts = 5  # s3:// checkpoints: attempts per request (retries with backoff) before the request fails.
+  k.init_from = ""  # Start a fresh run (step 0, new optimizer) from these parameters: a converted checkpoint or a Hugging Face dir.
 
   c.runtime = ml_collections.ConfigDict()
   c.runtime.compile_cache_dir = ""  # Persistent XLA compile cache: "" = <maxtrain cache>/xla, "none" = off.

@@ -152,7 +152,11 @@ class Trainer:
 
   def _initial_state(self) -> state_lib.TrainState:
     spec = self.program.state
-    if self.resume_path is None:
+    if self.resume_path is None and self.cfg.checkpoint.init_from:
+      from maxtrain.interop import init_from  # a fresh run from given parameters: step 0, new optimizer state
+
+      state = init_from.initial_state(self.program, self.cfg.checkpoint.init_from, self.cfg.guards.spike_window)
+    elif self.resume_path is None:
       state = state_lib.initialize(spec, self.program.mesh)
     else:
       restored = self.checkpoints.restore(self.resume_path, spec)
