@@ -28,6 +28,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 import maxtrain
+from maxtrain import config as config_lib
 from maxtrain.errors import UserError, require
 from maxtrain.monitor import events as ev
 from maxtrain import manifest
@@ -35,6 +36,7 @@ from maxtrain import state as state_lib
 from maxtrain.sharding.layout import param_name
 
 log = logging.getLogger("maxtrain")
+ROLLBACKS_FILE = "maxtrain_rollbacks.json"  # beside the step directories: the run's rollback count
 
 
 @dataclasses.dataclass
@@ -57,10 +59,18 @@ def _param_shapes(state) -> dict[str, list[int]]:
   return {param_name(path): list(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
 
 
+def _opt_state_paths(state) -> list[str]:
+  """The optimizer state's structure, leaf by leaf: another optimizer (or optimizer layout) differs here."""
+  return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(state.opt_state)]
+
+
 def validate(ck: Any) -> None:
   """UserError naming the key for a bad `config.checkpoint`."""
   for key in ("every_steps", "max_to_keep", "keep_every"):
     require(ck[key] >= 0, f"config.checkpoint.{key}={ck[key]}: must be >= 0")
+  for key in ("s3_connect_timeout_s", "s3_read_timeout_s"):
+    require(ck[key] > 0, f"config.checkpoint.{key}={ck[key]}: must be > 0 seconds")
+  require(ck.s3_max_attempts >= 1, f"config.checkpoint.s3_max_attempts={ck.s3_max_attempts}: must be >= 1")
   require(ck.resume in ("auto", "never") or ck.resume.isdigit() or "/" in ck.resume or ck.resume.startswith("."),
           f"config.checkpoint.resume={ck.resume!r}: use auto, never, a step number or a checkpoint path")
 
@@ -77,6 +87,22 @@ def check_writable(directory: Path) -> None:
                     "process can create and write") from None
 
 
+def make_private(directory: Path) -> None:
+  """Files under `directory` readable by their owner only: the meta item holds the (redacted) config.
+  Orbax creates them with the process umask; they are closed once the save is complete."""
+  for path in directory.rglob("*"):
+    if path.is_file():
+      path.chmod(0o600)
+
+
+def _optimizer_mismatch(path: Path, meta: dict) -> UserError:
+  saved = meta.get("config", {}).get("optimizer", {})
+  return UserError(f"checkpoint {path} holds the state of another optimizer (saved with optimizer.name="
+                   f"{saved.get('name', '?')}, state_dtype={saved.get('state_dtype', '?')}): its optimizer state does "
+                   "not fit this run's. Resume with the optimizer config it was saved with "
+                   f"(--config.optimizer.name={saved.get('name', '?')}), or start a new run in another output_dir.")
+
+
 class Checkpointer:
   """Owns the Orbax CheckpointManager of one run.
 
@@ -84,13 +110,15 @@ class Checkpointer:
   mirrored to object storage in the background (`maxtrain.remote`).
   """
 
-  def __init__(self, ckpt_cfg: ml_collections.ConfigDict, location: str, staging: Path | None = None):
+  def __init__(self, ckpt_cfg: ml_collections.ConfigDict, location: str, staging: Path | None = None,
+               on_progress: Callable[[], None] | None = None):
     self.cfg = ckpt_cfg
     self.remote = None
     if location.startswith("s3://"):
       from maxtrain.remote import S3Mirror
 
-      self.remote = S3Mirror(location)
+      self.remote = S3Mirror(location, ckpt_cfg.s3_connect_timeout_s, ckpt_cfg.s3_read_timeout_s,
+                             ckpt_cfg.s3_max_attempts, on_progress)
       directory = staging if staging is not None else Path("checkpoints")
     elif "://" in location:
       raise UserError(f"checkpoint.dir={location}: only local paths and s3:// URLs are supported")
@@ -185,14 +213,24 @@ class Checkpointer:
              result.seconds, f"; files not in the manifest: {', '.join(result.extra_files)}"
              if result.extra_files else "")
 
+  @staticmethod
+  def read_meta(path: Path) -> dict:
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    return checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
   def restore(self, path: Path, abstract_state: Any, shardings: Any) -> Restored:
     """Restores onto the current mesh (resharding if the checkpoint was saved on another)."""
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-    meta = checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    meta = self.read_meta(path)
     self._check_compatible(path, meta, abstract_state)
     target = state_lib.with_shardings(abstract_state, shardings)
-    restored = checkpointer.restore(path, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+    try:
+      restored = checkpointer.restore(path, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+    except ValueError as e:  # a checkpoint from before opt_state_paths were saved, another optimizer
+      if "tree structure" not in str(e).lower() and "do not match" not in str(e).lower():
+        raise
+      raise _optimizer_mismatch(path, meta) from None
     step = int(restored.state.step)
     return Restored(step=step, state=restored.state, data_state=restored.data, meta=meta, path=str(path))
 
@@ -201,6 +239,9 @@ class Checkpointer:
     saved, current = meta.get("param_shapes", {}), _param_shapes(abstract_state)
     diffs = [f"{k}: checkpoint {saved.get(k)} vs model {current.get(k)}"
              for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    saved_opt = meta.get("opt_state_paths")
+    if saved_opt is not None and saved_opt != _opt_state_paths(abstract_state):
+      raise _optimizer_mismatch(path, meta)
     if diffs:
       raise UserError(f"checkpoint {path} does not fit this model ({len(diffs)} parameters differ; "
                       f"{'; '.join(diffs[:4])}). Restore it with the model config it was saved with "
@@ -213,12 +254,13 @@ class Checkpointer:
     return every > 0 and step % every == 0
 
   def save(self, step: int, state: Any, data_state: dict, cfg: ml_collections.ConfigDict,
-           mesh_shape: dict) -> SaveTiming | None:
+           mesh_shape: dict, extra_meta: dict | None = None) -> SaveTiming | None:
     """Starts a save; returns its timing, or None if it failed (logged, the run goes on)."""
     if step in self._manager.all_steps():
       return None  # already saved (e.g. the final step coincides with a periodic save)
-    meta = {"config": cfg.to_dict(), "mesh": mesh_shape, "version": maxtrain.__version__,
-            "param_shapes": _param_shapes(state), "wall_time": time.time(), "step": step}
+    meta = {"config": config_lib.redacted(cfg), "mesh": mesh_shape, "version": maxtrain.__version__,
+            "param_shapes": _param_shapes(state),
+            "opt_state_paths": _opt_state_paths(state), "wall_time": time.time(), "step": step, **(extra_meta or {})}
     self._wait_pending()  # one save in flight at a time; also surfaces an error of the previous one
     t0 = time.monotonic()
     try:
@@ -248,6 +290,7 @@ class Checkpointer:
       return
     if jax.process_index() == 0:
       try:  # written last: a step without its manifest was never completely saved (or predates them)
+        make_private(self.directory / str(done.step) / "meta")
         manifest.write(self.directory / str(done.step))
       except Exception as e:  # noqa: BLE001 - see save()
         self._failed(done.step, e)
@@ -294,12 +337,43 @@ class Checkpoints:
   and the record of every save (events, TensorBoard, the log)."""
 
   def __init__(self, cfg: ml_collections.ConfigDict, output_dir: Path, events: Any, metrics: Any,
-               on_save_started: Any = None):
+               on_save_started: Any = None, on_progress: Callable[[], None] | None = None):
     local = output_dir / "checkpoints"
     self.cfg = cfg
-    self.store = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(local), local)
+    self.store = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(local), local, on_progress)
     self.events, self.metrics = events, metrics
     self.on_save_started = on_save_started or (lambda step: None)
+    self.on_progress = on_progress or (lambda: None)
+    self.rollbacks = 0  # the run's rollbacks so far: saved in every checkpoint's meta
+
+  # ---- the rollback budget ------------------------------------------------------------------
+  # Kept with the checkpoints, not re-counted from the telemetry log: a file beside them, rewritten at
+  # each rollback (so a crash right after one still counts it), and each checkpoint's meta (so it
+  # travels with a checkpoint to object storage and a new machine). The larger of the two counts.
+
+  @property
+  def _rollbacks_file(self) -> Path:
+    return self.store.directory / ROLLBACKS_FILE
+
+  def rollbacks_used(self, resume_path: Path | None) -> int:
+    counts = [0]
+    if resume_path is not None:
+      counts.append(int(self.store.read_meta(resume_path).get("rollbacks", 0)))
+    if self._rollbacks_file.exists():
+      try:
+        counts.append(int(json.loads(self._rollbacks_file.read_text())["rollbacks"]))
+      except (ValueError, KeyError, TypeError):
+        raise UserError(f"{self._rollbacks_file} is not maxtrain's rollback record (expected {{\"rollbacks\": N}}): "
+                        "restore it, or delete it to reset the run's rollback budget (guards.max_rollbacks)") from None
+    self.rollbacks = max(counts)
+    return self.rollbacks
+
+  def record_rollback(self, count: int, record: dict) -> None:
+    self.rollbacks = count
+    if jax.process_index() == 0:
+      tmp = self._rollbacks_file.with_suffix(".tmp")
+      tmp.write_text(json.dumps({"rollbacks": count, "last": record}) + "\n")
+      os.replace(tmp, self._rollbacks_file)  # atomic: a crash leaves the old count or the new one
 
   @property
   def location(self) -> str:
@@ -339,7 +413,7 @@ class Checkpoints:
     with self.metrics.outside(step):
       self.events.emit(ev.CHECKPOINT_SAVE_START, step)
       t0 = time.monotonic()
-      timing = self.store.save(step, state, data_state, self.cfg, mesh_shape)
+      timing = self.store.save(step, state, data_state, self.cfg, mesh_shape, {"rollbacks": self.rollbacks})
       if timing is not None:
         self.on_save_started(step)
         done = self.store.wait() if sync else self.store.poll()
@@ -364,4 +438,5 @@ class Checkpoints:
                timing.step, timing.blocking_s, timing.save_s)
 
   def close(self) -> None:
+    self.on_progress()  # the wait for the last save and upload starts now, under the watchdog
     self.store.close()

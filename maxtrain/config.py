@@ -18,6 +18,8 @@ import inspect
 import io
 import json
 import logging
+import os
+import re
 import textwrap
 import tokenize
 from pathlib import Path
@@ -51,6 +53,12 @@ def base_config() -> ml_collections.ConfigDict:
   m.vocab_size = 384  # Embedding rows; >= the tokenizer's vocab (byte tokenizer: 259), padded for sharding.
   m.max_seq_len = 1024  # Longest sequence the model accepts (RoPE positions).
   m.rope_theta = 10000.0  # RoPE base frequency.
+  m.rope_scaling = "none"  # RoPE frequency rescaling for long context: none | llama3 (LLaMA 3.1's rope_type).
+  m.rope_scaling_factor = 8.0  # llama3: divisor of the low frequencies (context extension factor).
+  m.rope_low_freq_factor = 1.0  # llama3: wavelengths above original_max_len / this are fully rescaled.
+  m.rope_high_freq_factor = 4.0  # llama3: wavelengths below original_max_len / this are kept.
+  m.rope_original_max_len = 8192  # llama3: the context length the frequencies were first trained at.
+  m.norm_eps = 1e-5  # RMSNorm epsilon (imported models keep theirs: LLaMA 3 uses 1e-5, LLaMA 2 1e-6).
   m.tie_embeddings = False  # Reuse the input embedding as the output head.
   m.scan_layers = True  # Stack layers and lax.scan them: compile time independent of depth.
   m.remat = "none"  # Activation checkpointing per layer: none | full | dots (save matmul outputs).
@@ -112,6 +120,10 @@ def base_config() -> ml_collections.ConfigDict:
   k.resume = "auto"  # auto (newest complete checkpoint, if any) | never | a step number | a checkpoint path.
   k.async_save = True  # Write in the background; the loop blocks only for the device-to-host copy.
   k.verify = True  # Check a checkpoint against its manifest (sizes, checksums) before restoring it.
+  k.s3_connect_timeout_s = 10.0  # s3:// checkpoints: seconds to wait for a connection to the endpoint.
+  k.s3_read_timeout_s = 60.0  # s3:// checkpoints: seconds to wait for a response (per read).
+  k.s3_max_attempts = 5  # s3:// checkpoints: attempts per request (retries with backoff) before the request fails.
+  k.init_from = ""  # Start a fresh run (step 0, new optimizer) from these parameters: a converted checkpoint or a Hugging Face dir.
 
   c.runtime = ml_collections.ConfigDict()
   c.runtime.compile_cache_dir = ""  # Persistent XLA compile cache: "" = <maxtrain cache>/xla, "none" = off.
@@ -136,6 +148,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.monitor = ml_collections.ConfigDict()
   c.monitor.prometheus_port = 0  # Serve Prometheus /metrics on this port (each process, its own host); 0 = off.
+  c.monitor.prometheus_host = "127.0.0.1"  # Address the Prometheus endpoint binds: 127.0.0.1 (this host only); 0.0.0.0 = every interface.
 
   c.faults = f = ml_collections.ConfigDict()  # Fault injection for tests and drills; -1 = off.
   f.sigterm_at_step = -1  # Send SIGTERM to itself after this step (exercises preemption).
@@ -330,6 +343,74 @@ def help_text(argv: Sequence[str], prog: str) -> str:
   return "\n".join(lines)
 
 
+# ---- secrets ---------------------------------------------------------------------------------
+# Credentials reach a run through `runtime.env` (HF_TOKEN=..., AWS_SECRET_ACCESS_KEY=...) or, by
+# mistake, through any string key. Everything that writes or logs a config goes through `redacted`
+# (config.json, checkpoint meta, TensorBoard, the event log's config hash, log lines), so none of
+# them can hold a secret value.
+REDACTED = "<redacted>"
+SECRET_ENV_KEYS = ("runtime.env",)  # every value of these KEY=VALUE lists is redacted, whatever its name
+# A name is a credential's when one of its words is one of these, or it contains SECRET, PASSWORD or
+# CREDENTIAL anywhere (`data.tokenizer` and `model.loss_chunk_tokens` are not: whole words only).
+_SECRET_WORDS = {"token", "key", "apikey", "secret", "password", "passwd", "credential", "credentials", "auth"}
+_SECRET_PARTS = ("secret", "password", "passwd", "credential")
+# Values that are credentials whatever the name: AWS access key ids, Hugging Face, GitHub, OpenAI and
+# Slack tokens, the password of a URL (scheme://user:password@host), and NAME=value pairs inside a
+# string whose NAME looks like a credential's.
+_SECRET_VALUES = re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b|\bhf_[A-Za-z0-9]{16,}|\bgh[pousr]_[A-Za-z0-9]{20,}"
+                            r"|\bsk-[A-Za-z0-9_-]{20,}|\bxox[abpr]-[A-Za-z0-9-]{10,}")
+_URL_PASSWORD = re.compile(r"(\w+://[^/\s:@]+:)[^/\s@]+(@)")
+_NAMED_PAIR = re.compile(r"\b([A-Za-z_][A-Za-z0-9_.]*)=([^,\s]*)")
+
+
+def is_secret_name(name: str) -> bool:
+  low = name.lower()
+  return any(w in _SECRET_WORDS for w in re.split(r"[^a-z0-9]+", low)) or any(p in low for p in _SECRET_PARTS)
+
+
+def redact_text(text: str) -> str:
+  """`text` with every credential-looking value replaced by <redacted> (for log lines and messages)."""
+  text = _SECRET_VALUES.sub(REDACTED, text)
+  text = _URL_PASSWORD.sub(rf"\g<1>{REDACTED}\g<2>", text)
+  return _NAMED_PAIR.sub(lambda m: f"{m[1]}={REDACTED}" if is_secret_name(m[1]) and m[2] else m[0], text)
+
+
+def redact_env_list(text: str) -> str:
+  """`K=V,K=V` (runtime.env) -> `K=<redacted>,K=<redacted>`: the names stay, no value does."""
+  names = re.findall(r"(?:^|,)\s*([A-Za-z_][A-Za-z0-9_]*)=", text)
+  return ",".join(f"{name}={REDACTED}" for name in names) if names else (REDACTED if text else text)
+
+
+def _redact_value(key: str, value: Any) -> Any:
+  if not isinstance(value, str) or not value:
+    return value
+  if key in SECRET_ENV_KEYS:
+    return redact_env_list(value)
+  if is_secret_name(key.rsplit(".", 1)[-1]):
+    return REDACTED
+  return redact_text(value)
+
+
+def redacted(cfg: ml_collections.ConfigDict | dict, prefix: str = "") -> dict:
+  """The config as a plain dict with every secret value replaced by <redacted>: the only form in which
+  a config is written or logged."""
+  out = {}
+  for key, value in cfg.items():
+    if isinstance(value, (ml_collections.ConfigDict, dict)):
+      out[key] = redacted(value, f"{prefix}{key}.")
+    else:
+      out[key] = _redact_value(prefix + key, value)
+  return out
+
+
+def write_private(path: str | Path, text: str) -> None:
+  """Writes `text` to a file only its owner can read (0o600, also when it existed with another mode)."""
+  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+  with os.fdopen(fd, "w") as f:
+    os.fchmod(f.fileno(), 0o600)
+    f.write(text)
+
+
 def save(cfg: ml_collections.ConfigDict, path: str | Path) -> None:
-  """The resolved config as JSON (config.json of a run)."""
-  Path(path).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
+  """The resolved config as JSON (config.json of a run), secrets redacted, readable by its owner only."""
+  write_private(path, json.dumps(redacted(cfg), indent=2, sort_keys=True) + "\n")

@@ -11,12 +11,13 @@ from typing import Sequence
 EXIT_OK = 0  # finished
 EXIT_CRASH = 1  # anything unexpected: restarted with backoff
 EXIT_BAD_INPUT = 2  # UserError: a restart would fail the same way
-EXIT_ABORTED = 1  # Aborted: a guard stopped the run; a crash by the contract, restartable
+EXIT_ABORTED = 3  # Aborted: a training policy stopped the run; not restarted, a person must look
 EXIT_PREEMPTED = 75  # Preempted: checkpoint saved, restartable at once
 EXIT_HANG = 76  # the watchdog saw no progress: restartable
 
-MEANINGS = {EXIT_OK: "finished", EXIT_BAD_INPUT: "bad config or input", EXIT_PREEMPTED: "preempted",
-            EXIT_HANG: "hang (watchdog)"}
+MEANINGS = {EXIT_OK: "finished", EXIT_BAD_INPUT: "bad config or input", EXIT_ABORTED: "stopped by a training policy",
+            EXIT_PREEMPTED: "preempted", EXIT_HANG: "hang (watchdog)"}
+NOT_RESTARTED = (EXIT_OK, EXIT_BAD_INPUT, EXIT_ABORTED)  # a restart would fail the same way, or needs a person
 
 
 class UserError(Exception):
@@ -31,7 +32,8 @@ class Preempted(Exception):
 
 
 class Aborted(Exception):
-  """A guard stopped the run (a loss spike with spike_action=abort, or rollbacks exhausted)."""
+  """A training policy stopped the run (a loss spike with spike_action=abort, or the rollback budget
+  used up): exit 3, which a supervisor does not restart (a bitwise resume would replay the same batches)."""
 
 
 def exit_code(error: BaseException) -> int:

@@ -18,7 +18,7 @@ from maxtrain.errors import Aborted
 from maxtrain.monitor import events as ev
 
 log = logging.getLogger("maxtrain")
-FLAGS = ("nonfinite", "spike", "loss_zscore", "consecutive_bad", "loss")
+FLAGS = ("nonfinite", "nonfinite_update", "spike", "loss_zscore", "consecutive_bad", "loss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +52,10 @@ class GuardPolicy:
   def _check(self, step: int, flags: dict) -> Rollback | None:
     g = self.cfg
     if flags["nonfinite"]:
-      self.events.emit(ev.NAN_SKIP, step, count=1, consecutive=int(flags["consecutive_bad"]))
-      log.warning("step %d: non-finite loss or gradients; update skipped (%d in a row)", step,
-                  flags["consecutive_bad"])
+      what = "update or new parameters (finite loss and gradients)" if flags["nonfinite_update"] else \
+          "loss or gradients"
+      self.events.emit(ev.NAN_SKIP, step, count=1, consecutive=int(flags["consecutive_bad"]), what=what)
+      log.warning("step %d: non-finite %s; update skipped (%d in a row)", step, what, flags["consecutive_bad"])
       if flags["consecutive_bad"] >= g.max_consecutive_bad:
         return Rollback(step, first_bad=step - int(flags["consecutive_bad"]) + 1,
                         reason=f"{flags['consecutive_bad']} non-finite steps in a row")

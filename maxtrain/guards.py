@@ -1,4 +1,5 @@
-"""In-graph guards: skip updates whose loss or gradients are non-finite, and detect loss spikes.
+"""In-graph guards: skip updates whose loss, gradients, update or new parameters are non-finite, and
+detect loss spikes.
 
 Everything is `jnp.where` masking inside the jitted step (no `lax.cond`, no host callbacks), so it
 compiles on every backend. A skipped step leaves parameters and optimizer state bit-for-bit
@@ -68,6 +69,21 @@ def check(guard: GuardState, loss: jax.Array, grad_norm: jax.Array, *, zscore: f
              "loss_zscore": jnp.where(finite, z, 0.0), "consecutive_bad": new.consecutive_bad,
              "skipped_steps": new.skipped}
   return new, skip, metrics
+
+
+def reject_update(before: GuardState, after: GuardState, skip: jax.Array, update_finite: jax.Array,
+                  metrics: dict[str, jax.Array]) -> tuple[GuardState, jax.Array, dict[str, jax.Array]]:
+  """The update or the new parameters were not finite although loss and gradients were (an overflowing
+  learning rate, a parameter past the dtype's range): that step counts as a non-finite one too (skipped,
+  `nonfinite`, `consecutive_bad` + 1, its loss not recorded). Returns (guard state, skip, metrics)."""
+  bad = ~skip & ~update_finite
+  rejected = GuardState(losses=before.losses, recorded=before.recorded, consecutive_bad=before.consecutive_bad + 1,
+                        skipped=before.skipped + 1)
+  guard = jax.tree.map(lambda r, a: jnp.where(bad, r, a), rejected, after)
+  metrics = {**metrics, "nonfinite": metrics["nonfinite"] | bad.astype(jnp.int32),
+             "consecutive_bad": guard.consecutive_bad, "skipped_steps": guard.skipped,
+             "nonfinite_update": bad.astype(jnp.int32)}
+  return guard, skip | bad, metrics
 
 
 def keep_if(skip: jax.Array, old: Any, new: Any) -> Any:

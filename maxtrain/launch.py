@@ -2,6 +2,7 @@
 
 Runs `python -m maxtrain.train` and restarts it by the exit-code contract (DESIGN.md):
   0 finished -> stop (exit 0);  2 bad config/input -> stop (exit 2), a restart would fail the same way;
+  3 stopped by a training policy (spike abort, rollback budget used up) -> stop (exit 3), a person must look;
   75 preempted -> restart at once, not counted;  76 hang, or any other code -> restart after an
   exponential backoff, counted: more than --max-restarts counted restarts within --window seconds
   is a crash loop -> give up with a summary and exit 1.
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from maxtrain.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED, MEANINGS
+from maxtrain.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_HANG, EXIT_PREEMPTED, MEANINGS, NOT_RESTARTED
 from maxtrain.monitor import events as ev
 
 
@@ -63,7 +64,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   except Exception as e:  # noqa: BLE001 - a bad config: the trainer would exit 2, so do we
     print(f"maxtrain.launch: error: {e}", file=sys.stderr)
     return EXIT_BAD_INPUT
-  out.mkdir(parents=True, exist_ok=True)
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    print(f"maxtrain.launch: error: output_dir={out} cannot be created ({e.strerror}): choose a writable "
+          "directory with --config.output_dir", file=sys.stderr)
+    return EXIT_BAD_INPUT
   attempts: list[Attempt] = []
   counted: list[float] = []  # monotonic times of counted restarts
   child: subprocess.Popen | None = None
@@ -89,10 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = child.wait()
     attempts.append(Attempt(number, code, time.monotonic() - t0))
     print(f"maxtrain.launch: {attempts[-1].describe()}", file=sys.stderr, flush=True)
-    if code not in (EXIT_OK, EXIT_BAD_INPUT, EXIT_PREEMPTED):
+    if code not in (*NOT_RESTARTED, EXIT_PREEMPTED):
       log.emit(ev.CRASH, code=code, reason=attempts[-1].describe())
     log.close()
-    if code in (EXIT_OK, EXIT_BAD_INPUT) or stopping:
+    if code in NOT_RESTARTED or stopping:
       return code
     if code == EXIT_PREEMPTED:
       reason, backoff = "preempted", 0.0

@@ -19,6 +19,7 @@ import concurrent.futures
 import logging
 import time
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlparse
 
 from maxtrain.errors import UserError
@@ -27,8 +28,23 @@ log = logging.getLogger("maxtrain")
 MARKER = "_MAXTRAIN_COMPLETE"
 
 
+def staged_path(root: Path, key: str, rel: str) -> Path:
+  """Where the object `key` (`rel` below the step's prefix) goes under `root`; UserError when the
+  key would land outside it (an absolute part, `..`, `.` or an empty segment: `5//abs/path`)."""
+  parts = rel.split("/")
+  if not rel or any(p in ("", ".", "..") for p in parts) or "\\" in rel or "\0" in rel:
+    raise UserError(f"checkpoint download: object key {key!r} does not name a file inside the checkpoint "
+                    f"(empty, '.' or '..' segments); refusing to write it outside {root}. Remove the object "
+                    "from the bucket or point checkpoint.dir elsewhere.")
+  target = root.joinpath(*parts).resolve()
+  if not target.is_relative_to(root.resolve()):
+    raise UserError(f"checkpoint download: object key {key!r} resolves to {target}, outside {root}; refusing it")
+  return target
+
+
 class S3Mirror:
-  def __init__(self, url: str):
+  def __init__(self, url: str, connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0, max_attempts: int = 5,
+               on_progress: Callable[[], None] | None = None):
     parsed = urlparse(url)
     if parsed.scheme != "s3" or not parsed.netloc:
       raise UserError(f"checkpoint.dir={url!r}: expected s3://BUCKET/PREFIX")
@@ -38,7 +54,13 @@ class S3Mirror:
     except ImportError:
       raise UserError("checkpoint.dir is an s3:// URL but boto3 is not installed: pip install 'maxtrain[s3]'") from None
     self.url, self.bucket, self.prefix = url, parsed.netloc, parsed.path.strip("/")
-    self._client = boto3.client("s3")
+    from botocore.config import Config
+
+    # Explicit, bounded waits: botocore's defaults (60 s connect and read, retried) block for minutes on a
+    # stalled endpoint before anything is said.
+    self._client = boto3.client("s3", config=Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
+                                                    retries={"total_max_attempts": max_attempts, "mode": "standard"}))
+    self.on_progress = on_progress or (lambda: None)
     try:
       self._client.head_bucket(Bucket=self.bucket)
     except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
@@ -74,6 +96,7 @@ class S3Mirror:
     t0 = time.monotonic()
     for path in sorted(p for p in local_step_dir.rglob("*") if p.is_file()):
       self._client.upload_file(str(path), self.bucket, self._key(str(step), str(path.relative_to(local_step_dir))))
+      self.on_progress()  # a file is up: the upload is moving (the watchdog watches the wait at exit)
     self._client.put_object(Bucket=self.bucket, Key=self._key(str(step), MARKER), Body=b"")
     for old in self.complete_steps():
       if old not in keep and old != step:
@@ -100,7 +123,7 @@ class S3Mirror:
         rel = obj["Key"][len(prefix):]
         if rel == MARKER:
           continue
-        target = tmp / rel
+        target = staged_path(tmp, obj["Key"], rel)
         target.parent.mkdir(parents=True, exist_ok=True)
         self._client.download_file(self.bucket, obj["Key"], str(target))
     tmp.rename(local_step_dir)

@@ -93,12 +93,21 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
     # A skipped step keeps the optimizer state inside the optimizer (maxtrain.optim.guarded: the moments
     # are updated in place) and the parameters here.
     updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params, skip=skip)
-    params = guards.keep_if(skip, state.params, optax.apply_updates(state.params, updates))
+    candidate = optax.apply_updates(state.params, updates)
+    update_norms = optim.update_norms(updates, optimizer.labels(state.params))
+    old_norm, new_norm = optax.tree.norm(state.params), optax.tree.norm(candidate)
+    # Finite loss and gradients can still give a non-finite update (an overflowing learning rate) or
+    # parameters: skip those too. The norms are reductions the step reports anyway (one more over the
+    # candidate, which XLA fuses into the update). The optimizer's moments were already advanced with
+    # this step's finite gradient; holding the old ones to put back would keep a second copy of them.
+    update_finite = jnp.isfinite(new_norm) & jnp.all(jnp.stack([jnp.isfinite(n) for n in update_norms.values()]))
+    guard, skip, guard_metrics = guards.reject_update(state.guard, guard, skip, update_finite, guard_metrics)
+    params = guards.keep_if(skip, state.params, candidate)
     metrics["grad_norm"] = grad_norm
-    metrics["param_norm"] = optax.tree.norm(state.params)
+    metrics["param_norm"] = jnp.where(skip, old_norm, new_norm)  # of the parameters after this step
     metrics.update(guard_metrics)
     metrics.update({name: lr(state.step) for name, lr in optimizer.learning_rates.items()})
-    metrics.update(optim.update_norms(updates, optimizer.labels(state.params)))
+    metrics.update(update_norms)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state, guard=guard), metrics
 
   return train_step

@@ -1,7 +1,8 @@
 """Entry point: `python -m maxtrain.train [--config=configs/x.py] [--config.key=value ...]`.
 
 `--help` lists every config key with its value and meaning. Exit codes are the contract in
-DESIGN.md (maxtrain/errors.py): 0 finished, 2 bad config or input, 75 preempted (checkpoint saved).
+DESIGN.md (maxtrain/errors.py): 0 finished, 2 bad config or input, 3 stopped by a training policy,
+75 preempted (checkpoint saved).
 """
 
 from __future__ import annotations

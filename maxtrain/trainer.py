@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import os
 import time
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from maxtrain.monitor.profiler import Profiler
 from maxtrain.monitor.watchdog import Watchdog
 from maxtrain.runtime import cache, distributed
 from maxtrain.runtime.faults import Faults
+from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
 from maxtrain.validate import validate
 
@@ -48,12 +51,14 @@ class Trainer:
     self.program = program_lib.build(cfg, plan)
     cache.configure_compile_cache(cfg.runtime.compile_cache_dir)
     self.out_dir = Path(cfg.output_dir)
-    self.out_dir.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(self.out_dir)
     self.exit_code = EXIT_CRASH
     with contextlib.ExitStack() as stack:
+      if jax.process_index() == 0:  # before anything is written there: a second trainer leaves no trace
+        stack.callback(RunLock(self.out_dir).acquire().release)
       self.events = stack.enter_context(ev.EventLog(self.out_dir / ev.FILENAME, jax.process_index()))
       self.events.emit(ev.JOB_START, hosts=jax.process_count(), devices=jax.device_count(),
-                       device_kind=jax.devices()[0].device_kind, config_hash=ev.config_hash(cfg.to_dict()))
+                       device_kind=jax.devices()[0].device_kind, config_hash=ev.config_hash(config_lib.redacted(cfg)))
       stack.callback(lambda: self.events.emit(ev.EXIT, self.step, code=self.exit_code))
       self.step = 0
       try:
@@ -65,13 +70,18 @@ class Trainer:
 
   def _build_components(self, stack: contextlib.ExitStack) -> None:
     cfg, program = self.cfg, self.program
+    # First in, last out: the watchdog also watches the exit (the wait for the last save and upload).
+    self.watchdog = Watchdog(self.out_dir, self.events, cfg.watchdog.timeout_s, cfg.watchdog.startup_timeout_s).start()
+    stack.callback(self.watchdog.stop)
     peak_flops, peak_source = mfu_lib.peak_flops(jax.local_devices()[0], cfg.mfu.peak_flops)
     self.metrics = MetricsLogger(self.out_dir, self.events, total_steps=cfg.steps,
                                  tokens_per_step=program.plan.batch.tokens, flops_per_token=program.flops_per_token,
-                                 peak_flops=peak_flops, prometheus_port=cfg.monitor.prometheus_port)
+                                 peak_flops=peak_flops, prometheus_port=cfg.monitor.prometheus_port,
+                                 prometheus_host=cfg.monitor.prometheus_host)
     stack.callback(self.metrics.close)
     self.faults = Faults(cfg.faults, self.out_dir)
-    self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.faults.after_save_started)
+    self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.faults.after_save_started,
+                                   on_progress=self.watchdog.progress)
     stack.callback(self.checkpoints.close)  # waits for the last save (and its upload)
     self.resume_path = self.checkpoints.resolve_resume()
     if jax.process_index() == 0:
@@ -80,15 +90,11 @@ class Trainer:
     log.info("devices: %d x %s; mesh %s; %s", jax.device_count(), jax.devices()[0].device_kind,
              program.plan.mesh.describe(), self.data.describe())
     log.info("MFU peak: %s; model FLOPs/token %.3g", peak_source, program.flops_per_token)
-    rollbacks = sum(r["kind"] == ev.ROLLBACK for r in ev.read_events(self.out_dir / ev.FILENAME)
-                    if r["process"] == jax.process_index())
-    self.guards = GuardPolicy(cfg.guards, self.events, rollbacks)
+    self.guards = GuardPolicy(cfg.guards, self.events, self.checkpoints.rollbacks_used(self.resume_path))
     self.profiler = Profiler(self.out_dir / "tensorboard", cfg.profile.start_step, cfg.profile.num_steps)
     stack.callback(self.profiler.stop)
     self.stop = StopRequest().install()
     stack.callback(self.stop.uninstall)
-    self.watchdog = Watchdog(self.out_dir, self.events, cfg.watchdog.timeout_s, cfg.watchdog.startup_timeout_s).start()
-    stack.callback(self.watchdog.stop)
 
   def train(self) -> dict:
     """Runs the loop; returns the summary. Raises Preempted after saving when asked to stop."""
@@ -99,7 +105,7 @@ class Trainer:
       except BaseException as e:
         self.exit_code = exit_code(e)
         if self.exit_code == EXIT_CRASH:
-          self.events.emit(ev.CRASH, self.step, code=EXIT_CRASH, reason=f"{type(e).__name__}: {e}"[:1000])
+          self.events.emit(ev.CRASH, self.step, code=EXIT_CRASH, reason=config_lib.redact_text(f"{type(e).__name__}: {e}")[:1000])
         raise
     return self._summary(eval_loss)
 
@@ -111,7 +117,7 @@ class Trainer:
                "to continue)", step, cfg.steps)
       return self._evaluate(state, step)
     if step == 0:
-      self.metrics.text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n```")
+      self.metrics.text("config", "```\n" + json.dumps(config_lib.redacted(cfg), indent=2, sort_keys=True) + "\n```")
     with jax.set_mesh(self.program.mesh):
       data_state = self.data.get_state()  # the loader position matching `state`
       batch = self._next_batch(step + 1)
@@ -146,7 +152,11 @@ class Trainer:
 
   def _initial_state(self) -> state_lib.TrainState:
     spec = self.program.state
-    if self.resume_path is None:
+    if self.resume_path is None and self.cfg.checkpoint.init_from:
+      from maxtrain.interop import init_from  # a fresh run from given parameters: step 0, new optimizer state
+
+      state = init_from.initial_state(self.program, self.cfg.checkpoint.init_from, self.cfg.guards.spike_window)
+    elif self.resume_path is None:
       state = state_lib.initialize(spec, self.program.mesh)
     else:
       restored = self.checkpoints.restore(self.resume_path, spec)
@@ -178,8 +188,9 @@ class Trainer:
     if state is None:
       state = state_lib.initialize(self.program.state, self.program.mesh)
     step = self.step = int(state.step)
-    self.events.emit(ev.ROLLBACK, step, from_step=rollback.step, to_step=step, seconds=time.monotonic() - t0,
-                     reason=rollback.reason)
+    record = self.events.emit(ev.ROLLBACK, step, from_step=rollback.step, to_step=step,
+                              seconds=time.monotonic() - t0, reason=rollback.reason)
+    self.checkpoints.record_rollback(self.guards.rollbacks, record)
     log.warning("rollback %d/%d: %s at step %d; restored step %d; the data skips ahead past the fault",
                 self.guards.rollbacks, self.cfg.guards.max_rollbacks, rollback.reason, rollback.step, step)
     self.metrics.restart_interval(step)
@@ -208,8 +219,22 @@ class Trainer:
     log.info("final eval loss %.4f nats/token vs unigram entropy %.4f nats/token of the training corpus "
              "(a model that learned nothing beyond token frequencies scores about the latter)", eval_loss, entropy)
     if jax.process_index() == 0:
-      (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+      strict = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in summary.items()}
+      (self.out_dir / "summary.json").write_text(json.dumps(strict, indent=2, allow_nan=False) + "\n")  # NaN -> null
     return summary
+
+
+def prepare_output_dir(out_dir: Path) -> None:
+  """Creates `output_dir` and proves it writable, before any compute: UserError (exit 2) naming it."""
+  try:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    probe = out_dir / f".write-probe-{os.getpid()}"
+    probe.write_bytes(b"ok")
+    probe.unlink()
+  except OSError as e:
+    what = "is a file, not a directory" if out_dir.is_file() else f"is not writable ({e.strerror})"
+    raise UserError(f"config.output_dir={out_dir} {what}: choose a directory this process can create and "
+                    "write") from None
 
 
 def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) -> dict:

@@ -17,6 +17,7 @@ from maxtrain import checkpoint, guards, optim
 from maxtrain.batch import BatchLayout
 from maxtrain.errors import choice, require
 from maxtrain.models import llama
+from maxtrain.monitor import prometheus
 from maxtrain.sharding import mesh as mesh_lib
 from maxtrain.sharding import rules as rules_lib
 from maxtrain.sharding.layout import Layout
@@ -64,6 +65,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   optim.validate(cfg.optimizer, cfg.optimizer.decay_steps or cfg.steps)
   guards.validate(cfg.guards)
   checkpoint.validate(cfg.checkpoint)
+  prometheus.validate(cfg.monitor)
   require(cfg.eval.every_steps >= 0, f"config.eval.every_steps={cfg.eval.every_steps}: must be >= 0")
   require(cfg.eval.batches > 0, f"config.eval.batches={cfg.eval.batches}: must be > 0")
 

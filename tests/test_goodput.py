@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from maxtrain.errors import UserError
+
 from maxtrain.monitor import events as ev
 from maxtrain.monitor import goodput
 
@@ -206,7 +208,7 @@ def test_event_log_records_and_attempt(tmp_path, monkeypatch):
   assert last["step"] == 7 and last["code"] == 0 and last["wall"] >= first["wall"] and last["mono"] >= first["mono"]
   assert ev.config_hash({"a": 1}) != ev.config_hash({"a": 2})
   monkeypatch.setenv(ev.ATTEMPT_ENV, "x")
-  with pytest.raises(ValueError, match="MAXTRAIN_ATTEMPT"):
+  with pytest.raises(UserError, match="MAXTRAIN_ATTEMPT"):  # exit 2 in the trainer, not a traceback
     ev.current_attempt()
 
 

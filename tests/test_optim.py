@@ -205,7 +205,8 @@ def test_optimizer_state_dtype_holds_across_updates(param_dtype, state_dtype):
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(param_dtype)}
 
 
-@pytest.mark.parametrize("name, state_dtype", [("adamw", "float32"), ("adamw", "bfloat16"), ("muon", "float32")])
+@pytest.mark.parametrize("name, state_dtype", [("adamw", "float32"), ("adamw", "bfloat16"), ("muon", "float32"),
+                                              ("muon", "bfloat16")])
 def test_guarded_update_is_optax_and_a_skip_is_exact(name, state_dtype):
   """skip=False: the guarded transforms (maxtrain.optim.guarded, scale_by_adam_guarded) give optax's
   updates and state (skip=None runs optax's own update functions; the two programs are compiled

@@ -5,6 +5,9 @@ Shape legend: B batch, T length, D model, N heads, K kv heads, H head dim, F ffn
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -30,11 +33,38 @@ class RMSNorm(nnx.Module):
     return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
 
 
-def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding, rotate-half convention (pairs dim i with i + H/2)."""
+@dataclasses.dataclass(frozen=True)
+class Rope:
+  """Rotary frequencies: base `theta`, optionally rescaled for a longer context than the model was
+  first trained on. `scaling="llama3"` is LLaMA 3.1's rule (`rope_type: llama3` in Hugging Face
+  configs): wavelengths shorter than original_max_len / high_freq_factor keep their frequency,
+  those longer than original_max_len / low_freq_factor are divided by `factor`, and the band in
+  between interpolates smoothly. Set by the `model.rope_*` config keys."""
+  theta: float = 10000.0
+  scaling: str = "none"  # none | llama3
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_len: int = 8192
+
+  def inv_freq(self, head_dim: int) -> jax.Array:
+    """[H/2] fp32 angular frequencies, one per rotated pair."""
+    inv_freq = 1.0 / (self.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if self.scaling == "none":
+      return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    ratio = self.original_max_len / wavelen  # how many wavelengths fit in the original context
+    # 0 at the long-wavelength edge of the band, 1 at the short one (clipped outside it).
+    smooth = jnp.clip((ratio - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor), 0.0, 1.0)
+    return (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, rope: "Rope | float") -> jax.Array:
+  """Rotary position embedding, rotate-half convention (pairs dim i with i + H/2), the layout of
+  Hugging Face LLaMA checkpoints. `rope`: a Rope, or a plain base frequency."""
+  rope = rope if isinstance(rope, Rope) else Rope(theta=rope)
   head_dim = x_BTNH.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+  angles_BTh = positions_BT.astype(jnp.float32)[..., None] * rope.inv_freq(head_dim)
   sin = jnp.sin(angles_BTh)[:, :, None, :]
   cos = jnp.cos(angles_BTh)[:, :, None, :]
   x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)

@@ -15,7 +15,7 @@ from flax import nnx
 from maxtrain.errors import choice, require
 from maxtrain.models import attention
 from maxtrain.models.attention import Attention
-from maxtrain.models.layers import MLP, RMSNorm, param
+from maxtrain.models.layers import MLP, RMSNorm, Rope, param
 from maxtrain.sharding import rules as sharding_rules
 
 REMAT_POLICIES = {
@@ -25,6 +25,7 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 REMAT_CHOICES = tuple(REMAT_POLICIES)
+ROPE_SCALINGS = ("none", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 # The config key that sets each logical parameter dim: what a layout error tells the user to change.
 CONFIG_KEYS = {"heads": "model.num_heads", "kv_heads": "model.num_kv_heads", "mlp": "model.d_ff",
@@ -41,6 +42,11 @@ class ModelConfig:
   vocab_size: int
   max_seq_len: int
   rope_theta: float = 10000.0
+  rope_scaling: str = "none"
+  rope_scaling_factor: float = 8.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
   tie_embeddings: bool = False
   scan_layers: bool = True
   remat: str = "none"
@@ -55,6 +61,12 @@ class ModelConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  @property
+  def rope(self) -> Rope:
+    return Rope(theta=self.rope_theta, scaling=self.rope_scaling, factor=self.rope_scaling_factor,
+                low_freq_factor=self.rope_low_freq_factor, high_freq_factor=self.rope_high_freq_factor,
+                original_max_len=self.rope_original_max_len)
 
   def train_flops_per_token(self, seq_len: int) -> float:
     """Model FLOPs of one training token (forward + backward = 3 x forward).
@@ -93,6 +105,14 @@ def validate(m: Any) -> None:
   require(m.loss_chunk_tokens >= -1, f"config.model.loss_chunk_tokens={m.loss_chunk_tokens}: use a chunk size > 0, "
           "0 (off) or -1 (auto)")
   choice("model.remat", m.remat, REMAT_CHOICES)
+  choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
+  require(m.norm_eps > 0, f"config.model.norm_eps={m.norm_eps}: must be > 0")
+  if m.rope_scaling == "llama3":
+    require(m.rope_high_freq_factor > m.rope_low_freq_factor > 0 and m.rope_scaling_factor > 0
+            and m.rope_original_max_len > 0,
+            f"config.model.rope_*: llama3 scaling needs rope_high_freq_factor={m.rope_high_freq_factor} > "
+            f"rope_low_freq_factor={m.rope_low_freq_factor} > 0, rope_scaling_factor={m.rope_scaling_factor} > 0 "
+            f"and rope_original_max_len={m.rope_original_max_len} > 0")
   choice("model.attention", m.attention, attention.CHOICES)
   for key in ("attention_block_q", "attention_block_kv"):
     require(m[key] > 0, f"config.model.{key}={m[key]}: must be > 0")
@@ -107,7 +127,7 @@ class Block(nnx.Module):
     common = dict(init_std=cfg.init_std, out_std=out_std, param_dtype=cfg.param_dtype,
                   compute_dtype=cfg.compute_dtype, rngs=rngs)
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
-    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope_theta,
+    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope,
                           kernel=cfg.attention, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
                           **common)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)

@@ -26,6 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from maxtrain.errors import UserError
+
 ATTEMPT_ENV = "MAXTRAIN_ATTEMPT"  # Set by a supervisor to the restart count (0 for the first launch).
 SUPERVISOR = -1  # `process` of records written by the supervisor rather than a JAX process.
 FILENAME = "events.jsonl"
@@ -75,9 +77,13 @@ def current_attempt() -> int:
   if not text:
     return 0
   try:
-    return int(text)
+    attempt = int(text)
+    if attempt < 0:
+      raise ValueError
+    return attempt
   except ValueError:
-    raise ValueError(f"${ATTEMPT_ENV}={text!r}: expected a non-negative integer (the restart count)") from None
+    raise UserError(f"${ATTEMPT_ENV}={text!r}: expected a non-negative integer (the restart count, set by a "
+                    "supervisor); unset it or set a number") from None
 
 
 def config_hash(cfg_dict: Mapping[str, Any]) -> str:

@@ -23,14 +23,14 @@ log = logging.getLogger("maxtrain")
 
 class MetricsLogger:
   def __init__(self, out_dir: Path, events: ev.EventLog, *, total_steps: int, tokens_per_step: int,
-               flops_per_token: float, peak_flops: float, prometheus_port: int = 0):
+               flops_per_token: float, peak_flops: float, prometheus_port: int = 0, prometheus_host: str = "127.0.0.1"):
     self.events = events
     self.total_steps = total_steps
     self.tokens_per_step = tokens_per_step
     self.flops_per_token = flops_per_token
     self.peak_flops = peak_flops
+    self.prometheus = prometheus.start(prometheus_port, out_dir.name, jax.process_index(), prometheus_host)
     self.writer = MetricWriter(out_dir / "tensorboard")
-    self.prometheus = prometheus.start(prometheus_port, out_dir.name, jax.process_index())
     self.summary: ev.StepsSummary | None = None  # from the attempt's first step on
 
   def first_step(self, step: int, metrics: Any, t_process_start: float) -> None:

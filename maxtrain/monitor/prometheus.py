@@ -1,6 +1,7 @@
 """Optional Prometheus endpoint: the latest training scalars as gauges at http://HOST:PORT/metrics.
 
-Off by default (`monitor.prometheus_port` = 0). Stdlib only: a `ThreadingHTTPServer` on a daemon
+Off by default (`monitor.prometheus_port` = 0); binds `monitor.prometheus_host` (default 127.0.0.1:
+this host only; scraping from elsewhere needs it set, e.g. to 0.0.0.0). Stdlib only: a `ThreadingHTTPServer` on a daemon
 thread, so a slow scraper never blocks the loop. The label set is fixed when the server starts (run
 name and process index) and the number of series is capped, so nothing that grows with steps or
 hosts beyond the run's own ever becomes a label or a new series.
@@ -16,6 +17,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Mapping
 
+from maxtrain.errors import UserError, require
+
 log = logging.getLogger("maxtrain")
 
 PREFIX = "maxtrain_"
@@ -28,7 +31,9 @@ def metric_name(name: str) -> str:
 
 
 def _label_value(value: str) -> str:
-  return str(value).replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
+  from maxtrain.config import redact_text  # a label is public: no credential in it, whatever the run's name
+
+  return redact_text(str(value)).replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
 
 
 def _number(value: float) -> str:
@@ -42,7 +47,7 @@ def _number(value: float) -> str:
 class MetricsServer:
   """Serves the latest value of each scalar passed to `update`; `close` stops it."""
 
-  def __init__(self, port: int, labels: Mapping[str, str] | None = None, host: str = "0.0.0.0",
+  def __init__(self, port: int, labels: Mapping[str, str] | None = None, host: str = "127.0.0.1",
                max_series: int = MAX_SERIES):
     self._labels = ",".join(f'{k}="{_label_value(v)}"' for k, v in sorted((labels or {}).items()))
     self._values: dict[str, float] = {}
@@ -99,8 +104,22 @@ class MetricsServer:
     self._thread.join()
 
 
-def start(port: int, run: str, process_index: int) -> MetricsServer | None:
-  """The trainer's entry: None when `port` is 0 (off); else a server labelled {run, process}."""
+def start(port: int, run: str, process_index: int, host: str = "127.0.0.1") -> MetricsServer | None:
+  """The trainer's entry: None when `port` is 0 (off); else a server labelled {run, process}, bound
+  now (before compiling), so that a busy port is a UserError (exit 2) rather than a late crash."""
   if port <= 0:
     return None
-  return MetricsServer(port, {"run": run, "process": str(process_index)})
+  try:
+    return MetricsServer(port, {"run": run, "process": str(process_index)}, host=host)
+  except OSError as e:
+    raise UserError(f"config.monitor.prometheus_port={port}: cannot serve on {host}:{port} ({e.strerror or e}); "
+                    "choose a free port (or 0 to turn the endpoint off), or fix config.monitor.prometheus_host"
+                    ) from None
+
+
+def validate(monitor_cfg) -> None:
+  """UserError naming the key for a bad `config.monitor`."""
+  require(0 <= monitor_cfg.prometheus_port <= 65535,
+          f"config.monitor.prometheus_port={monitor_cfg.prometheus_port}: a port is 0..65535 (0 = off)")
+  require(bool(monitor_cfg.prometheus_host.strip()),
+          "config.monitor.prometheus_host is empty: use 127.0.0.1 (this host only) or 0.0.0.0 (every interface)")

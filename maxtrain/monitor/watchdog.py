@@ -40,6 +40,10 @@ class Watchdog:
     """A step completed (or a long, legitimate operation made progress)."""
     self._step, self._last = step, time.monotonic()
 
+  def progress(self) -> None:
+    """A long operation (a save or upload at exit) made progress: the allowance starts again."""
+    self._last = time.monotonic()
+
   def stop(self) -> None:
     self._stop.set()
     if self._thread.is_alive():

@@ -34,7 +34,16 @@ def configure_compile_cache(setting: str) -> Path | None:
   path = compile_cache_path(setting)
   if path is None:
     return None
-  path.mkdir(parents=True, exist_ok=True)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f".write-probe-{os.getpid()}"
+    probe.write_bytes(b"ok")
+    probe.unlink()
+  except OSError as e:
+    from maxtrain.errors import UserError
+
+    raise UserError(f"config.runtime.compile_cache_dir={setting or str(path)!r}: {path} is not a writable directory "
+                    f"({e.strerror}); choose one this process can write, or 'none' to turn the cache off") from None
   jax.config.update("jax_compilation_cache_dir", str(path))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   return path

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import ml_collections
 
+from maxtrain.errors import UserError
+
 log = logging.getLogger("maxtrain")
 
 
@@ -22,7 +24,17 @@ class Faults:
   def __init__(self, faults_cfg: ml_collections.ConfigDict, output_dir: Path):
     self.cfg = faults_cfg
     self._record = output_dir / "faults_fired.json"
-    self._fired = set(json.loads(self._record.read_text())) if self._record.exists() else set()
+    self._fired = self._read() if self._record.exists() else set()
+
+  def _read(self) -> set[str]:
+    try:
+      fired = json.loads(self._record.read_text())
+      if not isinstance(fired, list) or not all(isinstance(name, str) for name in fired):
+        raise ValueError
+      return set(fired)
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+      raise UserError(f"{self._record} is not a JSON list of fault names (the record of injected faults that "
+                      "already fired): fix or delete it (deleting re-arms every config.faults.* fault)") from None
 
   def _fire(self, name: str, step: int) -> bool:
     if self.cfg[name] != step or name in self._fired:

@@ -95,6 +95,8 @@ def parse_env_list(text: str, key: str) -> dict[str, str]:
     elif last is not None:
       out[last] += "," + piece
     else:
-      raise UserError(f"config.{key}={text!r}: expected KEY=VALUE[,KEY=VALUE...], e.g. "
+      # The value is not echoed: it may hold a credential (HF_TOKEN=...).
+      raise UserError(f"config.{key}: expected KEY=VALUE[,KEY=VALUE...] (the value is not shown: it may hold a "
+                      "secret), e.g. "
                       f"{key}=NCCL_DEBUG=INFO,XLA_PYTHON_CLIENT_MEM_FRACTION=0.85")
   return out

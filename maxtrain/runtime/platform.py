@@ -18,6 +18,7 @@ import os
 import pkgutil
 from typing import Any, Mapping, MutableMapping
 
+from maxtrain.config import REDACTED, redact_text
 from maxtrain.errors import UserError, choice, require
 from maxtrain.runtime import cluster as cluster_lib
 from maxtrain.runtime import flags
@@ -234,7 +235,8 @@ def compose(runtime_cfg, environ: Mapping[str, str]) -> PlatformEnv:
       sources.append(f"{name}={value}: {origin}")
   for name, (value, origin) in {**decided, **{k: (v, "config.runtime.env") for k, v in extra.items()}}.items():
     env[name] = value
-    sources.append(f"{name}={value}: {origin}")
+    # runtime.env carries credentials (HF_TOKEN=...): its values are never logged.
+    sources.append(f"{name}={REDACTED if origin == 'config.runtime.env' else value}: {origin}")
   sources += [f"jax.config {k}={v}: preset {platform}" for k, v in jax_config.items() if k != "jax_platforms"]
   return PlatformEnv(platform, env, jax_config, sources, target, lnc)
 
@@ -283,7 +285,7 @@ def apply(runtime_cfg, environ: MutableMapping[str, str] | None = None) -> Platf
   for key, value in changed_jax.items():
     jax.config.update(key, value)
   log.info("platform %s: %d setting(s)%s", penv.platform, len(penv.sources),
-           "".join(f"\n  {s}" for s in penv.sources))
+           "".join(f"\n  {redact_text(s)}" for s in penv.sources))
   return penv
 
 

@@ -1,0 +1,70 @@
+"""Entry point: Hugging Face LLaMA checkpoints in and out (maxtrain/interop/).
+
+  python -m maxtrain.convert from-hf HF_DIR OUT [--config=BASE.py] [--vocab-multiple=128] [--dtype=keep]
+  python -m maxtrain.convert to-hf CHECKPOINT OUT [--max-shard-size=2GB] [--dtype=keep]
+
+Exit codes: 0 done, 2 unsupported or bad input (one line naming the field or file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from maxtrain.errors import EXIT_BAD_INPUT, UserError
+
+UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "B": 1}
+
+
+def parse_size(text: str) -> int:
+  for unit, scale in UNITS.items():
+    if text.upper().endswith(unit):
+      return int(float(text[:-len(unit)]) * scale)
+  return int(text)
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m maxtrain.convert", description=__doc__.split("\n\n")[0])
+  sub = p.add_subparsers(dest="command", required=True)
+  a = sub.add_parser("from-hf", help="a LlamaForCausalLM directory -> converted checkpoint + config.py")
+  a.add_argument("hf_dir")
+  a.add_argument("out")
+  a.add_argument("--config", default=None, help="base maxtrain config preset for the written config.py")
+  a.add_argument("--vocab-multiple", type=int, default=128, help="pad the vocabulary up to a multiple of this")
+  a.add_argument("--dtype", default="keep", help="keep | float32 | bfloat16: stored parameter dtype")
+  b = sub.add_parser("to-hf", help="a run / checkpoint step / converted checkpoint -> a Hugging Face directory")
+  b.add_argument("checkpoint")
+  b.add_argument("out")
+  b.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (a bigger tensor gets its own)")
+  b.add_argument("--dtype", default="keep", help="keep | float32 | bfloat16")
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  logging.getLogger("absl").setLevel(logging.ERROR)
+  args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+  try:
+    if args.command == "from-hf":
+      from maxtrain.interop.hf_import import from_hf
+
+      summary = from_hf(args.hf_dir, args.out, vocab_multiple=args.vocab_multiple, dtype=args.dtype,
+                        base_config=args.config)
+      print(f"converted {summary['parameters'] / 1e6:.2f}M parameters ({summary['bytes'] / 1e6:.1f} MB) in "
+            f"{summary['seconds']:.1f}s to {args.out}; train with --config={args.out}/config.py")
+    else:
+      from maxtrain.interop.hf_export import to_hf
+
+      summary = to_hf(args.checkpoint, args.out, max_shard_bytes=parse_size(args.max_shard_size), dtype=args.dtype)
+      print(f"wrote {summary['tensors']} tensors ({summary['bytes'] / 1e6:.1f} MB) in {summary['files']} files in "
+            f"{summary['seconds']:.1f}s to {args.out}")
+  except UserError as e:
+    print(f"maxtrain.convert: error: {e}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

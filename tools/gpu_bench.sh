@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# GPU throughput check: LLaMA 3 8B widths at reduced depth, bf16, the default (flash) attention and
+# the chunked loss, on every GPU of this machine; prints tokens/s and MFU against the GPU's bf16
+# dense peak (maxtrain/monitor/mfu.py: 989 TFLOP/s for an H100/H200 SXM). Meant to finish in under
+# 5 minutes on one H200 (4 layers, 2 x 8192 tokens per GPU, 10 timed steps).
+#
+#   tools/gpu_bench.sh                 # uses the python3 that has a CUDA jax
+#   LAYERS=8 STEPS=20 tools/gpu_bench.sh
+#
+# Dependencies: a CUDA jax must already be importable (`pip install -U "jax[cuda12]"` or the
+# machine's image); maxtrain's other pure-Python dependencies come from wheels in $WHEELS
+# (default .gpu_wheels/, made with `tools/gpu_bench.sh --download` on a machine with PyPI), so it
+# also runs on a machine that reaches no package index.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=${WHEELS:-.gpu_wheels}
+PY=${PY:-python3}
+
+if [[ "${1:-}" == "--download" ]]; then
+  # Wheels for CPython 3.12 on x86_64 Linux (the accelerator images' Python), no compiled jax.
+  "$PY" -m pip download -q -d "$WHEELS" --only-binary=:all: --python-version 3.12 \
+      --platform manylinux2014_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 \
+      grain array-record ml-collections tensorboardX google-crc32c platformdirs portpicker --no-deps
+  ls "$WHEELS"
+  exit 0
+fi
+
+missing=$("$PY" - <<'EOF'
+import importlib.util
+need = {"grain": "grain", "ml_collections": "ml-collections", "tensorboardX": "tensorboardX",
+        "google_crc32c": "google-crc32c", "platformdirs": "platformdirs", "array_record": "array-record",
+        "portpicker": "portpicker"}
+print(" ".join(p for m, p in need.items() if importlib.util.find_spec(m) is None))
+EOF
+)
+if [[ -n "$missing" ]]; then
+  if [[ -d "$WHEELS" ]]; then
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/maxtrain_deps "$WHEELS"/*.whl
+    export PYTHONPATH="/tmp/maxtrain_deps:${PYTHONPATH:-}"
+  else
+    "$PY" -m pip install -q $missing
+  fi
+fi
+"$PY" -c "import jax; d = jax.devices(); assert d[0].platform == 'gpu', d; print(len(d), 'x', d[0].device_kind)"
+
+export PYTHONPATH=".:${PYTHONPATH:-}"
+"$PY" tools/bench.py --steps "${STEPS:-10}" --config=configs/llama3_8b.py --config.hardware= \
+    --config.runtime.platform=gpu --config.model.compute_dtype=bfloat16 \
+    --config.model.num_layers="${LAYERS:-4}" --config.data.corpus=python-stdlib --config.data.tokenizer=byte \
+    --config.data.seq_len=8192 --config.data.batch_size="$((2 * $("$PY" -c 'import jax; print(jax.device_count())')))" \
+    --config.mesh.fsdp=-1 --config.optimizer.microbatch_size=0 --config.optimizer.grad_accum_steps=1
