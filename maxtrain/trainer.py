@@ -128,13 +128,13 @@ class Trainer:
           state, metrics = compiled(state, batch)
         self.profiler.maybe_stop(step + 1, metrics)
         step = self.step = step + 1
-        self.watchdog.beat(step)
         data_state = self.data.get_state()
         if step < cfg.steps:  # host work for the next batch overlaps the device running this step
           batch = self._next_batch(step + 1)
         rollback = self.guards.after_step(step, metrics, last=step == cfg.steps)
         if rollback is not None:
           state, step = self._rollback(rollback)
+          self.watchdog.beat(step)
           data_state = self.data.get_state()
           continue
         if self.metrics.summary is None:
@@ -143,6 +143,8 @@ class Trainer:
           self.metrics.train(step, metrics)
         if step == cfg.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
           eval_loss = self._evaluate(state, step)
+        # After the step and its events: a hang's idle window (goodput's `hang`) starts after them.
+        self.watchdog.beat(step)
         self.faults.after_step(step)
         if self.stop.requested():
           self._preempt(state, step, data_state)
