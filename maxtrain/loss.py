@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxtrain.models.layers import project
+
 # Default `chunk_tokens` (per device), from `tools/bench_loss.py` on the 2-core CPU, jax 0.10.2: at
 # 8B dims (8192 tokens, V=128256, bf16) the compiled fwd+bwd temp is 4.7 GiB at 2048 (4.3 at 512,
 # 6.1 at 4096, 10.1 plain); time varied by less than the machine's noise between 256 and 2048, and a
@@ -67,8 +69,7 @@ def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Arra
 
 def head_logits(x_BTD: jax.Array, head_DV: jax.Array, compute_dtype) -> jax.Array:
   """fp32 logits from compute-dtype operands (fp32 accumulation, no rounding of the result)."""
-  return jnp.einsum("btd,dv->btv", x_BTD.astype(compute_dtype), head_DV.astype(compute_dtype),
-                    preferred_element_type=jnp.float32)
+  return project(x_BTD.astype(compute_dtype), head_DV.astype(compute_dtype), preferred_element_type=jnp.float32)
 
 
 def reference_head_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *,

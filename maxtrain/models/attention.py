@@ -25,7 +25,7 @@ from flax import nnx
 
 from maxtrain.models import vendor_attention
 from maxtrain.models.flash_attention import flash_attention
-from maxtrain.models.layers import apply_rope, param
+from maxtrain.models.layers import apply_rope, param, project
 from maxtrain.sharding import context_attention
 from maxtrain.sharding import rules as sharding_rules
 
@@ -77,9 +77,9 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD, segment_ids_BT, positions_BT) -> jax.Array:
     dt = self.compute_dtype
-    q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.wq[...].astype(dt))
-    k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wk[...].astype(dt))
-    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wv[...].astype(dt))
+    q_BTNH = project(x_BTD, self.wq[...].astype(dt))
+    k_BTKH = project(x_BTD, self.wk[...].astype(dt))
+    v_BTKH = project(x_BTD, self.wv[...].astype(dt))
     q_BTNH = sharding_rules.constrain(apply_rope(q_BTNH, positions_BT, self.rope_theta),
                                       ("act_batch", "act_length", "act_heads", None))
     k_BTKH = sharding_rules.constrain(apply_rope(k_BTKH, positions_BT, self.rope_theta),
@@ -96,4 +96,4 @@ class Attention(nnx.Module):
       out_BTNH = vendor_attention.nki_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
     else:
       out_BTNH = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
-    return jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo[...].astype(dt))
+    return project(out_BTNH, self.wo[...].astype(dt), contract=2)

@@ -21,6 +21,19 @@ def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...], 
   return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, dtype))
 
 
+def project(x: jax.Array, w: jax.Array, contract: int = 1, preferred_element_type=None) -> jax.Array:
+  """`x [..., I...] @ w [I..., O...] -> [..., O...]`, contracting x's last `contract` dims with w's
+  first, as one 2-D matmul over the flattened leading dims. Why not an einsum over [B, T, ...]: XLA:CPU
+  emits its weight gradient (a contraction over both B and T) with a transposing copy of the output
+  gradient, which doubled the SwiGLU MLP's forward+backward time (tools/bench.py; BENCHMARKS.md). The
+  reshapes merge whole dims (B with T, heads with head_dim), which GSPMD shards without communication."""
+  lead, inner = x.shape[:x.ndim - contract], w.shape[:contract]
+  assert x.shape[x.ndim - contract:] == inner, (x.shape, w.shape, contract)
+  k = math.prod(inner)
+  y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
+  return y.reshape(*lead, *w.shape[contract:])
+
+
 class RMSNorm(nnx.Module):
   def __init__(self, dim: int, *, eps: float, param_dtype, rngs: nnx.Rngs):
     self.eps = eps
@@ -85,7 +98,7 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     dt = self.compute_dtype
-    gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate[...].astype(dt))
-    up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up[...].astype(dt))
+    gate_BTF = project(x_BTD, self.gate[...].astype(dt))
+    up_BTF = project(x_BTD, self.up[...].astype(dt))
     h_BTF = sharding_rules.constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
-    return jnp.einsum("btf,fd->btd", h_BTF, self.down[...].astype(dt))
+    return project(h_BTF, self.down[...].astype(dt))

@@ -15,7 +15,7 @@ from flax import nnx
 from maxtrain.errors import choice, require
 from maxtrain.models import attention
 from maxtrain.models.attention import Attention
-from maxtrain.models.layers import MLP, RMSNorm, Rope, param
+from maxtrain.models.layers import MLP, RMSNorm, Rope, param, project
 from maxtrain.sharding import rules as sharding_rules
 
 REMAT_POLICIES = {
@@ -171,8 +171,7 @@ class Llama(nnx.Module):
     """Returns fp32 logits [B, T, V] (training computes the loss from `features` and `head_weights`
     instead, in chunks when the vocabulary is large: maxtrain/loss.py)."""
     x_BTD = self.features(tokens_BT, segment_ids_BT, positions_BT)
-    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, self.head_weights().astype(self.cfg.compute_dtype),
-                            preferred_element_type=jnp.float32)
+    logits_BTV = project(x_BTD, self.head_weights().astype(self.cfg.compute_dtype), preferred_element_type=jnp.float32)
     return sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
 
   def head_weights(self) -> jax.Array:
