@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 
 import maxtrain
 from maxtrain import config as config_lib
-from maxtrain.errors import UserError, require
+from maxtrain.errors import UserError, require, require_writable_dir
 from maxtrain.monitor import events as ev
 from maxtrain import manifest
 from maxtrain import state as state_lib
@@ -77,14 +77,7 @@ def validate(ck: Any) -> None:
 
 def check_writable(directory: Path) -> None:
   """Fails before any compute when the checkpoint directory cannot be written."""
-  try:
-    directory.mkdir(parents=True, exist_ok=True)
-    probe = directory / f".write-probe-{os.getpid()}"
-    probe.write_bytes(b"ok")
-    probe.unlink()
-  except OSError as e:
-    raise UserError(f"checkpoint.dir={directory} is not writable ({e.strerror}): choose a directory this "
-                    "process can create and write") from None
+  require_writable_dir(directory, f"checkpoint.dir={directory}")
 
 
 def make_private(directory: Path) -> None:

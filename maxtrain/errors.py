@@ -6,6 +6,8 @@ No jax import: the supervisor (`maxtrain.launch`) reads the codes without starti
 from __future__ import annotations
 
 import difflib
+import os
+from pathlib import Path
 from typing import Sequence
 
 EXIT_OK = 0  # finished
@@ -56,3 +58,18 @@ def choice(key: str, value: str, choices: Sequence[str]) -> None:
     close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise UserError(f"config.{key}={value!r}: choose one of {', '.join(choices)}.{hint}")
+
+
+def require_writable_dir(path: "os.PathLike[str] | str", what: str,
+                         hint: str = "choose a directory this process can create and write") -> None:
+  """Creates the directory `path` and proves it writable with a probe file, before any compute;
+  else UserError: `what` (the key and value), why, and `hint`."""
+  path = Path(path)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f".write-probe-{os.getpid()}"
+    probe.write_bytes(b"ok")
+    probe.unlink()
+  except OSError as e:
+    why = "is a file, not a directory" if path.is_file() else f"is not writable ({e.strerror})"
+    raise UserError(f"{what} {why}: {hint}") from None

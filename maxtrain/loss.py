@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain.models.layers import project
+from maxtrain.sharding import rules as sharding_rules
 
 # Default `chunk_tokens` (per device), from `tools/bench_loss.py` on the 2-core CPU, jax 0.10.2: at
 # 8B dims (8192 tokens, V=128256, bf16) the compiled fwd+bwd temp is 4.7 GiB at 2048 (4.3 at 512,
@@ -57,6 +58,8 @@ DEFAULT_CHUNK_TOKENS = 2048
 # From V=4096 up the chunked path was 0.70-0.76x the plain path's time (and half its memory or
 # less); at V=384 the plain path was 13-18% faster than chunks of 512-2048 and its logits are 6 MiB.
 CHUNK_MIN_VOCAB = 4096
+# Logical axes of `head_DV` (the head, or the tied embedding transposed: models/llama.py).
+HEAD_AXES = ("embed", "vocab")
 
 
 def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -204,7 +207,13 @@ def _chunked_bwd(C, compute_dtype, G, residuals, cotangents):
   chunks = tuple(_to_chunks(a, C) for a in (x_BTD, targets_BT, log_z_BT, g_ce_BT.astype(jnp.float32),
                                              g_z_BT.astype(jnp.float32)))
   d_head_GDV, d_x_KBCD = jax.lax.scan(body, jnp.zeros((G, D, V), jnp.float32), chunks)
-  return _from_chunks(d_x_KBCD, T), jnp.sum(d_head_GDV, axis=0).astype(head_DV.dtype), None
+  # Resharded from G (one partial sum per batch shard) to the parameter's layout, then summed locally:
+  # a reduce-scatter as an all-to-all. A plain sum over G was an all-reduce of the whole fp32 [D, V]
+  # on every device (then sliced to the parameter's shard) wherever XLA does not rewrite that into a
+  # reduce-scatter (XLA:CPU, hence the AOT memory figures).
+  d_head_GDV = sharding_rules.constrain(d_head_GDV, (None, *HEAD_AXES))
+  d_head_DV = sharding_rules.constrain(jnp.sum(d_head_GDV, axis=0), HEAD_AXES)
+  return _from_chunks(d_x_KBCD, T), d_head_DV.astype(head_DV.dtype), None
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)

@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from maxtrain import optim, program as program_lib
 from maxtrain import state as state_lib
 from maxtrain.checkpoint import Checkpoints
 from maxtrain.data.loaders import Data
-from maxtrain.errors import EXIT_CRASH, Preempted, UserError, exit_code
+from maxtrain.errors import EXIT_CRASH, Preempted, UserError, exit_code, require_writable_dir
 from maxtrain.guard_policy import GuardPolicy, Rollback
 from maxtrain.models.llama import param_count
 from maxtrain.monitor import events as ev
@@ -228,15 +227,7 @@ class Trainer:
 
 def prepare_output_dir(out_dir: Path) -> None:
   """Creates `output_dir` and proves it writable, before any compute: UserError (exit 2) naming it."""
-  try:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    probe = out_dir / f".write-probe-{os.getpid()}"
-    probe.write_bytes(b"ok")
-    probe.unlink()
-  except OSError as e:
-    what = "is a file, not a directory" if out_dir.is_file() else f"is not writable ({e.strerror})"
-    raise UserError(f"config.output_dir={out_dir} {what}: choose a directory this process can create and "
-                    "write") from None
+  require_writable_dir(out_dir, f"config.output_dir={out_dir}")
 
 
 def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) -> dict:

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from maxtrain import loss
+from maxtrain.sharding import rules as sharding_rules
 
 B, T, D, V = 4, 37, 32, 200  # T prime: no chunk size below T divides it
 
@@ -149,6 +150,26 @@ def test_head_gradient_reduced_across_devices_once(batch_shards):
     assert counts == {"ENTRY": 1}, counts
   else:  # documents why batch_shards exists: GSPMD reduces inside the loop, once per chunk
     assert set(counts) != {"ENTRY"}, counts
+
+
+def test_head_gradient_reduce_scattered_under_the_rules():
+  """With the run's rules active, d head reaches the parameter's layout (embed over fsdp, vocab over
+  tensor) by an all-to-all and a local sum: no all-reduce of the whole [D, V_local] fp32 gradient, and
+  the same values and gradients as one device."""
+  Bs, Vs = 8, 256
+  mesh = jax.make_mesh((2, 2, 1, 2), ("data", "fsdp", "context", "tensor"), axis_types=(AxisType.Auto,) * 4)
+  fn = lambda x, h, t: loss.chunked_token_losses(x, h, t, chunk_tokens=16, batch_shards=4)
+  step, args = _sharded_objective_and_args(mesh, fn, Bs, Vs)
+  with jax.set_mesh(mesh), sharding_rules.activate(sharding_rules.get("default")):
+    compiled = step.lower(*args).compile()
+  hlo = compiled.as_text()
+  assert _all_reduces_of(hlo, f"{D},{Vs // 2}]") == {}, _all_reduces_of(hlo, f"{D},{Vs // 2}]")
+  assert " all-to-all(" in hlo
+  got = compiled(*args)
+  assert got[1][1].sharding.spec == P("fsdp", "tensor")
+  x_BTD, head_DV, targets_BT, mask_BT = _inputs(B=Bs, V=Vs)
+  one_device = lambda a: jax.device_put(a, jax.devices()[0])
+  _assert_close(got, _values_and_grads(fn, 1e-4, *map(one_device, (x_BTD, head_DV, targets_BT, mask_BT))), rtol=1e-5)
 
 
 def _temp_bytes(losses_fn, B, T, D, V):

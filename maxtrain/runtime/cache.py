@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from maxtrain.errors import require_writable_dir
+
 
 def cache_dir() -> Path:
   """`$MAXTRAIN_CACHE`, else the per-user cache directory."""
@@ -34,16 +36,8 @@ def configure_compile_cache(setting: str) -> Path | None:
   path = compile_cache_path(setting)
   if path is None:
     return None
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-    probe = path / f".write-probe-{os.getpid()}"
-    probe.write_bytes(b"ok")
-    probe.unlink()
-  except OSError as e:
-    from maxtrain.errors import UserError
-
-    raise UserError(f"config.runtime.compile_cache_dir={setting or str(path)!r}: {path} is not a writable directory "
-                    f"({e.strerror}); choose one this process can write, or 'none' to turn the cache off") from None
+  require_writable_dir(path, f"config.runtime.compile_cache_dir={setting or str(path)!r}: {path}",
+                       "choose one this process can write, or 'none' to turn the cache off")
   jax.config.update("jax_compilation_cache_dir", str(path))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   return path
