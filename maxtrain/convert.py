@@ -2,6 +2,7 @@
 
   python -m maxtrain.convert from-hf HF_DIR OUT [--config=BASE.py] [--vocab-multiple=128] [--dtype=keep]
   python -m maxtrain.convert to-hf CHECKPOINT OUT [--max-shard-size=2GB] [--dtype=keep]
+                                 [--process-index=I --num-processes=N]  (default: from SLURM/MPI/k8s env)
 
 Exit codes: 0 done, 2 unsupported or bad input (one line naming the field or file).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -39,7 +41,20 @@ def parser() -> argparse.ArgumentParser:
   b.add_argument("out")
   b.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (a bigger tensor gets its own)")
   b.add_argument("--dtype", default="keep", help="keep | float32 | bfloat16")
+  b.add_argument("--process-index", type=int, default=None, help="this process's share of the files (i of n)")
+  b.add_argument("--num-processes", type=int, default=None, help="processes sharing the export (default: the "
+                 "launcher's, detected as for training, else 1)")
   return p
+
+
+def process_share(args: argparse.Namespace) -> tuple[int, int]:
+  """(index, count) of this process among those exporting together."""
+  if args.num_processes is None and args.process_index is None:
+    from maxtrain.runtime import cluster
+
+    found = cluster.detect(os.environ)
+    return (found.process_id, found.num_processes) if found else (0, 1)
+  return args.process_index or 0, args.num_processes or 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,7 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
       from maxtrain.interop.hf_export import to_hf
 
-      summary = to_hf(args.checkpoint, args.out, max_shard_bytes=parse_size(args.max_shard_size), dtype=args.dtype)
+      index, count = process_share(args)
+      summary = to_hf(args.checkpoint, args.out, max_shard_bytes=parse_size(args.max_shard_size), dtype=args.dtype,
+                      process_index=index, process_count=count)
       print(f"wrote {summary['tensors']} tensors ({summary['bytes'] / 1e6:.1f} MB) in {summary['files']} files in "
             f"{summary['seconds']:.1f}s to {args.out}")
   except UserError as e:
