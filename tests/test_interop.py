@@ -147,6 +147,28 @@ def test_two_processes_each_write_their_files(tmp_path):
   assert shards == [-(-one["files"] // 2), one["files"] // 2], outputs
 
 
+def test_sharded_reads_equal_whole_reads(tmp_path):
+  """HF dir and converted checkpoint, each read straight onto 8 devices (a shard per layer, and
+  shards holding every layer): the shards are the whole parameter's boxes."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  make_hf_model(tmp_path / "hf", "gqa_untied", tokenizer=False)
+  hf_import.from_hf(tmp_path / "hf", tmp_path / "mt", block_bytes=BLOCK)
+  hf, converted = open_source(tmp_path / "hf"), open_source(tmp_path / "mt")
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+  for name in converted.names():
+    shape, dtype = converted.info(name)
+    whole = converted.read(name)
+    assert np.array_equal(hf.read(name), whole), name
+    stacked = bool(names_lib.pieces(name, shape, converted.vocab_size)[0].prefix)
+    specs = [P("a", "b"), P(None, "b")] if stacked else [P("b", "a") if len(shape) == 2 else P("b")]
+    for spec in specs:
+      target = jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=NamedSharding(mesh, spec))
+      for source in (hf, converted):
+        value = source.read_sharded(name, target)
+        assert value.sharding == target.sharding and np.array_equal(np.asarray(value), whole), (name, spec)
+
+
 PEAK_SCRIPT = """
 import json, sys
 from maxtrain.interop import hf_export, hf_import
