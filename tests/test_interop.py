@@ -103,8 +103,9 @@ def test_training_checkpoint_to_hf_and_back_is_bitwise(store, tmp_path, capsys, 
   from tiny import TINY_MODEL
 
   run = tmp_path / "run"
-  code, out = run_train(TINY_MODEL + [f"--config.data.path={store}", "--config.steps=2", "--config.model.num_kv_heads=2",
-                                      f"--config.model.scan_layers={scan}", f"--config.output_dir={run}"], capsys)
+  code, out = run_train(TINY_MODEL + [f"--config.data.path={store}", "--config.steps=2",
+                                      "--config.model.num_kv_heads=2", f"--config.model.scan_layers={scan}",
+                                      f"--config.output_dir={run}"], capsys)
   assert code == 0, out
   hf_export.to_hf(run, tmp_path / "hf", max_shard_bytes=40_000, block_bytes=BLOCK)
   hf_import.from_hf(tmp_path / "hf", tmp_path / "mt")
@@ -199,14 +200,15 @@ def test_conversion_holds_blocks_not_tensors(tmp_path):
   config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": width,
             "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 8, "vocab_size": vocab,
             "tie_word_embeddings": False}
-  rng = np.random.default_rng(0)
-  shapes = {"model.embed_tokens.weight": (vocab, width), "lm_head.weight": (vocab, width), "model.norm.weight": (width,),
-            "model.layers.0.input_layernorm.weight": (width,), "model.layers.0.post_attention_layernorm.weight": (width,),
-            **{f"model.layers.0.self_attn.{k}_proj.weight": (width, width) for k in "qkvo"},
-            "model.layers.0.mlp.gate_proj.weight": (64, width), "model.layers.0.mlp.up_proj.weight": (64, width),
-            "model.layers.0.mlp.down_proj.weight": (width, 64)}
+  rng, layer = np.random.default_rng(0), "model.layers.0."
+  shapes = {"model.embed_tokens.weight": (vocab, width), "lm_head.weight": (vocab, width),
+            "model.norm.weight": (width,),
+            layer + "input_layernorm.weight": (width,), layer + "post_attention_layernorm.weight": (width,),
+            **{f"{layer}self_attn.{k}_proj.weight": (width, width) for k in "qkvo"},
+            layer + "mlp.gate_proj.weight": (64, width), layer + "mlp.up_proj.weight": (64, width),
+            layer + "mlp.down_proj.weight": (width, 64)}
   (tmp_path / "hf").mkdir()
-  save_file({k: rng.standard_normal(v, np.float32) for k, v in shapes.items()}, str(tmp_path / "hf" / "model.safetensors"))
+  save_file({k: rng.standard_normal(v, np.float32) for k, v in shapes.items()}, tmp_path / "hf" / "model.safetensors")
   (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
   env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
   result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, *(str(tmp_path / d) for d in ("hf", "mt", "out"))],
@@ -217,7 +219,8 @@ def test_conversion_holds_blocks_not_tensors(tmp_path):
   print(f"peak RSS above the imports: from-hf {from_hf / 2**20:.1f} MiB, to-hf {to_hf / 2**20:.1f} MiB; "
         f"largest tensor {largest / 2**20:.0f} MiB")
   assert from_hf < largest / 2 and to_hf < largest / 2, (from_hf / 2**20, to_hf / 2**20)  # was 3-5 x largest
-  original, exported = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+  original = load_file(tmp_path / "hf" / "model.safetensors")
+  exported = load_file(tmp_path / "out" / "model.safetensors")
   assert sorted(original) == sorted(exported)
   for name, value in original.items():
     assert np.array_equal(exported[name], value), name

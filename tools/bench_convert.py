@@ -44,13 +44,15 @@ def hf_config(args) -> dict:
 def tensor_shapes(args) -> list[dict[str, tuple[int, ...]]]:
   """One dict per file: the embedding, each layer, the final norm and head."""
   d, f, h = args.d_model, args.d_ff, args.d_model // args.heads
+  q, kv = args.heads * h, args.kv_heads * h
   files = [{"model.embed_tokens.weight": (args.vocab, d)}]
   for i in range(args.layers):
     p = f"model.layers.{i}."
     files.append({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-                  p + "self_attn.q_proj.weight": (args.heads * h, d), p + "self_attn.k_proj.weight": (args.kv_heads * h, d),
-                  p + "self_attn.v_proj.weight": (args.kv_heads * h, d), p + "self_attn.o_proj.weight": (d, args.heads * h),
-                  p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d), p + "mlp.down_proj.weight": (d, f)})
+                  p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
+                  p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
+                  p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                  p + "mlp.down_proj.weight": (d, f)})
   files.append({"model.norm.weight": (d,), **({} if args.tied else {"lm_head.weight": (args.vocab, d)})})
   return files
 
@@ -108,6 +110,7 @@ def main() -> None:
   p.add_argument("--vocab", type=int, default=128256)
   p.add_argument("--tied", action="store_true")
   p.add_argument("--max-shard-size", default="2GB")
+  p.add_argument("--block-size", default="32MB", help="convert's --block-size")
   p.add_argument("--keep", action="store_true", help="keep the directories (default: delete them)")
   p.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args()
@@ -119,12 +122,14 @@ def main() -> None:
   built = subprocess.run([sys.executable, __file__, "--build-only", *sys.argv[1:]], check=True, text=True,
                          stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
   count, largest = json.loads(built.stdout.splitlines()[-1])
-  print(f"{count / 1e9:.3f}B parameters, {args.dtype}, largest tensor {largest / 2**20:.0f} MiB; "
+  print(f"{count / 1e9:.3f}B parameters, {args.dtype}, largest tensor {largest / 2**20:.0f} MiB, blocks "
+        f"{args.block_size}; "
         f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}")
   rows = [("imports only", *peak_rss(["-c", IMPORTS]))]
-  rows.append(("from-hf", *peak_rss(["-m", "maxtrain.convert", "from-hf", str(root / "hf"), str(root / "mt")])))
+  block = [f"--block-size={args.block_size}"] if args.block_size != "32MB" else []  # before the flag existed
+  rows.append(("from-hf", *peak_rss(["-m", "maxtrain.convert", "from-hf", str(root / "hf"), str(root / "mt"), *block])))
   rows.append(("to-hf", *peak_rss(["-m", "maxtrain.convert", "to-hf", str(root / "mt"), str(root / "hf2"),
-                                   f"--max-shard-size={args.max_shard_size}"])))
+                                   f"--max-shard-size={args.max_shard_size}", *block])))
   checked = same_tensors(root / "hf", root / "hf2")
   print(f"round trip bitwise: {checked} tensors")
   base = rows[0][2]

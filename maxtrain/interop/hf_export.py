@@ -23,7 +23,6 @@ from maxtrain.interop import hf_config, names as names_lib, safetensors_io
 from maxtrain.interop.sources import HFSource, open_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-BLOCK_BYTES = 32 << 20  # the most one block holds (at fp32; a bf16 block is half)
 
 
 def _pieces(source, dtype: str) -> list[tuple[names_lib.Piece, safetensors_io.TensorInfo]]:
@@ -31,8 +30,9 @@ def _pieces(source, dtype: str) -> list[tuple[names_lib.Piece, safetensors_io.Te
   out = []
   for name in source.names():
     shape, stored = source.info(name)
+    target = stored if dtype == "keep" else dtype
     for piece in names_lib.pieces(name, shape, source.vocab_size):
-      out.append((piece, safetensors_io.TensorInfo(piece.hf_name, piece.hf_shape, stored if dtype == "keep" else dtype)))
+      out.append((piece, safetensors_io.TensorInfo(piece.hf_name, piece.hf_shape, target)))
   kinds = list(names_lib.MAPPINGS)
   return sorted(out, key=lambda p: (kinds.index(p[0].base), p[0].prefix, names_lib.split_layer(p[0].param)[1] or 0))
 
@@ -58,7 +58,7 @@ def _check_out(out: Path, files: list[Path], process_count: int) -> None:
 
 
 def to_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 << 30, dtype: str = "keep",
-          block_bytes: int = BLOCK_BYTES, process_index: int = 0, process_count: int = 1) -> dict:
+          block_bytes: int = names_lib.BLOCK_BYTES, process_index: int = 0, process_count: int = 1) -> dict:
   t0 = time.monotonic()
   out = Path(out)
   if dtype not in ("keep", "float32", "bfloat16"):
@@ -78,7 +78,7 @@ def to_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 <
 
   def blocks(info: safetensors_io.TensorInfo):
     piece = by_hf[info.name]
-    for start, stop in piece.blocks(block_bytes, 4):
+    for start, stop in piece.blocks(block_bytes):
       yield piece.to_hf(source.read_slice(piece.param, piece.index(start, stop))).astype(info.dtype, copy=False)
 
   out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,6 @@ from maxtrain.interop.sources import HFSource
 log = logging.getLogger("maxtrain")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPE_CHOICES = ("keep", "float32", "bfloat16")
-BLOCK_BYTES = 32 << 20  # what either direction holds at once (plus the output file's write buffer)
 
 PRESET = '''"""maxtrain config of {source}, written by `python -m maxtrain.convert from-hf`.
 
@@ -53,16 +52,14 @@ def _convert(source: HFSource, params_dir: Path, name: str, dtype: str, block_by
   """One parameter, block by block; returns its meta.json entry."""
   shape, stored = source.info(name)
   target = stored if dtype == "keep" else dtype
-  itemsize = np.dtype(target).itemsize
   pieces = source.pieces(name)
   chunk, row_dim = list(shape), len(pieces[0].prefix) + pieces[0].row_dim
-  chunk[row_dim] = min(shape[row_dim], names_lib.block_units(pieces[0].layer_shape, pieces[0].row_dim, block_bytes,
-                                                             itemsize))
+  chunk[row_dim] = min(shape[row_dim], names_lib.block_units(pieces[0].layer_shape, pieces[0].row_dim, block_bytes))
   if pieces[0].prefix:
     chunk[0] = 1  # one layer per chunk
   store = params_store.create(params_dir, name, shape, target, tuple(chunk))
   for piece in pieces:
-    for start, stop in piece.blocks(block_bytes, itemsize):
+    for start, stop in piece.blocks(block_bytes):
       block = source.read_block(piece, start, stop).astype(target, copy=False)
       params_store.write_block(store, piece.index(start, stop), block)
   log.info("%s %s %s", name, list(shape), target)
@@ -70,7 +67,7 @@ def _convert(source: HFSource, params_dir: Path, name: str, dtype: str, block_by
 
 
 def from_hf(hf_dir: str | Path, out: str | Path, *, vocab_multiple: int = 128, dtype: str = "keep",
-            base_config: str | None = None, block_bytes: int = BLOCK_BYTES) -> dict:
+            base_config: str | None = None, block_bytes: int = names_lib.BLOCK_BYTES) -> dict:
   """Converts; returns a summary (parameters, bytes, seconds). UserError (exit 2) for what it does not support."""
   t0 = time.monotonic()
   hf_dir, out = Path(hf_dir), Path(out)

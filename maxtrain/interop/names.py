@@ -46,6 +46,7 @@ MAPPINGS = {
     "blocks/mlp/down": Mapping("model.layers.{}.mlp.down_proj.weight", 1),
 }
 VOCAB_DIM = {"embed": 0, "head": 1}  # the maxtrain dim padded to model.vocab_size
+BLOCK_BYTES = 32 << 20  # default block: counted at 4 bytes per element (a bf16 block holds half as many bytes)
 
 
 def mapping(name: str) -> Mapping:
@@ -111,9 +112,9 @@ class Piece:
   def hf_shape(self) -> tuple[int, ...]:
     return hf_shape(self.base, self.block_shape(0, self.units))
 
-  def blocks(self, block_bytes: int, itemsize: int) -> list[tuple[int, int]]:
+  def blocks(self, block_bytes: int) -> list[tuple[int, int]]:
     """[start, stop) ranges of the row dim, each about `block_bytes` (at least one unit)."""
-    step = block_units(self.layer_shape, self.row_dim, block_bytes, itemsize)
+    step = block_units(self.layer_shape, self.row_dim, block_bytes)
     return [(a, min(a + step, self.units)) for a in range(0, self.units, step)]
 
   def index(self, start: int, stop: int) -> tuple[int | slice, ...]:
@@ -131,9 +132,9 @@ class Piece:
     return from_hf(self.base, rows, self.block_shape(start, stop))
 
 
-def block_units(layer_shape: tuple[int, ...], row_dim: int, block_bytes: int, itemsize: int) -> int:
-  """How many units of the row dim make a block of about `block_bytes`."""
-  unit_bytes = math.prod(layer_shape) // layer_shape[row_dim] * itemsize
+def block_units(layer_shape: tuple[int, ...], row_dim: int, block_bytes: int) -> int:
+  """How many units of the row dim make a block of about `block_bytes` (at 4 bytes per element)."""
+  unit_bytes = math.prod(layer_shape) // layer_shape[row_dim] * 4
   return max(1, block_bytes // unit_bytes)
 
 

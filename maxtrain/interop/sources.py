@@ -37,7 +37,7 @@ def param_shapes(model: dict[str, Any], dtype: str = "float32") -> dict[str, tup
 
 
 class HFSource:
-  """A `LlamaForCausalLM` directory, read and mapped to maxtrain's layout one parameter at a time."""
+  """A `LlamaForCausalLM` directory, mapped to maxtrain's layout one HF tensor (or a block of it) at a time."""
 
   def __init__(self, hf_dir: Path, vocab_multiple: int = 128):
     self.dir = Path(hf_dir)
