@@ -1,8 +1,8 @@
 """Entry point: Hugging Face LLaMA checkpoints in and out (maxtrain/interop/).
 
   python -m maxtrain.convert from-hf HF_DIR OUT [--config=BASE.py] [--vocab-multiple=128] [--dtype=keep]
-                                  [--block-size=32MB]
-  python -m maxtrain.convert to-hf CHECKPOINT OUT [--max-shard-size=2GB] [--dtype=keep] [--block-size=32MB]
+                                  [--block-size=8MB]
+  python -m maxtrain.convert to-hf CHECKPOINT OUT [--max-shard-size=2GB] [--dtype=keep] [--block-size=8MB]
                                  [--process-index=I --num-processes=N]  (default: from SLURM/MPI/k8s env)
 
 Exit codes: 0 done, 2 unsupported or bad input (one line naming the field or file).
@@ -38,13 +38,13 @@ def parser() -> argparse.ArgumentParser:
   a.add_argument("--config", default=None, help="base maxtrain config preset for the written config.py")
   a.add_argument("--vocab-multiple", type=int, default=128, help="pad the vocabulary up to a multiple of this")
   a.add_argument("--dtype", default="keep", help="keep | float32 | bfloat16: stored parameter dtype")
-  a.add_argument("--block-size", default="32MB", help=BLOCK_HELP)
+  a.add_argument("--block-size", default="8MB", help=BLOCK_HELP)
   b = sub.add_parser("to-hf", help="a run / checkpoint step / converted checkpoint -> a Hugging Face directory")
   b.add_argument("checkpoint")
   b.add_argument("out")
   b.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (a bigger tensor gets its own)")
   b.add_argument("--dtype", default="keep", help="keep | float32 | bfloat16")
-  b.add_argument("--block-size", default="32MB", help=BLOCK_HELP)
+  b.add_argument("--block-size", default="8MB", help=BLOCK_HELP)
   b.add_argument("--process-index", type=int, default=None, help="this process's share of the files (i of n)")
   b.add_argument("--num-processes", type=int, default=None, help="processes sharing the export (default: the "
                  "launcher's, detected as for training, else 1)")

@@ -110,7 +110,7 @@ def main() -> None:
   p.add_argument("--vocab", type=int, default=128256)
   p.add_argument("--tied", action="store_true")
   p.add_argument("--max-shard-size", default="2GB")
-  p.add_argument("--block-size", default="32MB", help="convert's --block-size")
+  p.add_argument("--block-size", default=None, help="convert's --block-size (default: its own)")
   p.add_argument("--keep", action="store_true", help="keep the directories (default: delete them)")
   p.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args()
@@ -123,10 +123,10 @@ def main() -> None:
                          stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
   count, largest = json.loads(built.stdout.splitlines()[-1])
   print(f"{count / 1e9:.3f}B parameters, {args.dtype}, largest tensor {largest / 2**20:.0f} MiB, blocks "
-        f"{args.block_size}; "
+        f"{args.block_size or 'default'}; "
         f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}")
   rows = [("imports only", *peak_rss(["-c", IMPORTS]))]
-  block = [f"--block-size={args.block_size}"] if args.block_size != "32MB" else []  # before the flag existed
+  block = [f"--block-size={args.block_size}"] if args.block_size else []
   rows.append(("from-hf", *peak_rss(["-m", "maxtrain.convert", "from-hf", str(root / "hf"), str(root / "mt"), *block])))
   rows.append(("to-hf", *peak_rss(["-m", "maxtrain.convert", "to-hf", str(root / "mt"), str(root / "hf2"),
                                    f"--max-shard-size={args.max_shard_size}", *block])))

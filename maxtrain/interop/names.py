@@ -46,7 +46,7 @@ MAPPINGS = {
     "blocks/mlp/down": Mapping("model.layers.{}.mlp.down_proj.weight", 1),
 }
 VOCAB_DIM = {"embed": 0, "head": 1}  # the maxtrain dim padded to model.vocab_size
-BLOCK_BYTES = 32 << 20  # default block: counted at 4 bytes per element (a bf16 block holds half as many bytes)
+BLOCK_BYTES = 8 << 20  # default block, counted at 4 bytes per element (a bf16 block holds 4 MiB)
 
 
 def mapping(name: str) -> Mapping:

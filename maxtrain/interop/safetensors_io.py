@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 from typing import Callable, Iterable
 
-import ml_dtypes  # noqa: F401 - numpy learns bfloat16 from it; safetensors needs that to read BF16
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy (np.dtype('bfloat16'))
 import numpy as np
 
 from maxtrain.errors import UserError
