@@ -82,7 +82,7 @@ class ConvertedSource:
     self.meta = json.loads((self.dir / META).read_text())
     if self.meta.get("format") != FORMAT or self.meta.get("version") != VERSION:
       raise UserError(f"{self.dir / META}: format {self.meta.get('format')} v{self.meta.get('version')}, "
-                      f"this maxtrain reads {FORMAT} v{VERSION}")
+                      f"this maxtrain reads {FORMAT} v{VERSION}: convert the Hugging Face model again (from-hf)")
     self.model = self.meta["model"]
     self.tokenizer = self.meta.get("tokenizer", "")
     if self.tokenizer and not Path(self.tokenizer).is_absolute():
