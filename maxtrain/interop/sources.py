@@ -1,4 +1,4 @@
-"""Where parameters come from, behind one interface, one parameter at a time: a Hugging Face
+"""Where parameters come from, behind one interface, a parameter (or a box of it) at a time: a Hugging Face
 directory (mapped on the fly), a converted checkpoint (`params_store`), or a training checkpoint (a
 run's output dir, its checkpoints dir, or one step dir: the `state` item's params, the `meta` config).
 
