@@ -1,8 +1,14 @@
 """`convert to-hf`: a converted or training checkpoint -> a Hugging Face `LlamaForCausalLM` directory
 (size-capped safetensors files with an index, config.json, generation_config.json, the tokenizer).
 
-Streams: the files are planned from shapes alone; each maxtrain parameter (layers stacked) is read
-once, when the first of its tensors is written, and dropped when the next parameter is needed.
+Streams: the files are planned from shapes alone, and each HF tensor is written as row blocks
+(`names.Piece`), each read on its own from the checkpoint (`source.read_slice`: TensorStore reads
+that box), laid out, cast and appended to the file, so the exporter holds one block at a time.
+Scanned (stacked) and unscanned (`model.scan_layers=False`) checkpoints export the same way.
+
+Several processes (`process_count` > 1, e.g. one per host of a cluster, each seeing the checkpoint's
+storage) split the files: process i writes files i, i + n, ..., reading only the blocks those files
+hold; process 0 also writes the index, the configs and the tokenizer. No process needs the others.
 """
 
 from __future__ import annotations
@@ -12,31 +18,23 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
-
 from maxtrain.errors import UserError
 from maxtrain.interop import hf_config, names as names_lib, safetensors_io
-from maxtrain.interop.sources import open_source
+from maxtrain.interop.sources import HFSource, open_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def _tensors(source, dtype: str) -> list[tuple[str, int | None, safetensors_io.TensorInfo]]:
-  """(maxtrain name, layer or None, HF tensor) in writing order."""
-  out, model = [], source.model
-  for name in names_lib.MAPPINGS:
-    if name not in source.names():
-      continue
+def _pieces(source, dtype: str) -> list[tuple[names_lib.Piece, safetensors_io.TensorInfo]]:
+  """(piece, HF tensor) in writing order: parameter kind by kind (MAPPINGS order), layers in order."""
+  out = []
+  for name in source.names():
     shape, stored = source.info(name)
-    mapping = names_lib.mapping(name)
-    layer_shape = list(shape[1:] if mapping.per_layer else shape)
-    if name in names_lib.VOCAB_DIM:
-      layer_shape[names_lib.VOCAB_DIM[name]] = source.vocab_size
-    hf_shape = names_lib.hf_shape(name, tuple(layer_shape))
     target = stored if dtype == "keep" else dtype
-    for i, hf_name in enumerate(names_lib.hf_names(name, model["num_layers"])):
-      out.append((name, i if mapping.per_layer else None, safetensors_io.TensorInfo(hf_name, hf_shape, target)))
-  return out
+    for piece in names_lib.pieces(name, shape, source.vocab_size):
+      out.append((piece, safetensors_io.TensorInfo(piece.hf_name, piece.hf_shape, target)))
+  kinds = list(names_lib.MAPPINGS)
+  return sorted(out, key=lambda p: (kinds.index(p[0].base), p[0].prefix, names_lib.split_layer(p[0].param)[1] or 0))
 
 
 def _copy_tokenizer(tokenizer: str, out: Path) -> bool:
@@ -51,38 +49,53 @@ def _copy_tokenizer(tokenizer: str, out: Path) -> bool:
   return True
 
 
-def to_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 << 30, dtype: str = "keep") -> dict:
+def _check_out(out: Path, files: list[Path], process_count: int) -> None:
+  if process_count == 1 and out.exists() and any(out.iterdir()):
+    raise UserError(f"{out} is not empty: choose a new output directory (nothing is overwritten)")
+  existing = [f for f in files if f.exists()]
+  if existing:
+    raise UserError(f"{existing[0]} exists: choose a new output directory (nothing is overwritten)")
+
+
+def to_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 << 30, dtype: str = "keep",
+          block_bytes: int = names_lib.BLOCK_BYTES, process_index: int = 0, process_count: int = 1) -> dict:
   t0 = time.monotonic()
   out = Path(out)
   if dtype not in ("keep", "float32", "bfloat16"):
     raise UserError(f"--dtype={dtype}: choose one of keep, float32, bfloat16")
-  if out.exists() and any(out.iterdir()):
-    raise UserError(f"{out} is not empty: choose a new output directory (nothing is overwritten)")
+  if not 0 <= process_index < process_count:
+    raise UserError(f"process {process_index} of {process_count}: needs 0 <= index < count")
   source = open_source(checkpoint)
-  if not source.model.get("scan_layers", True):
-    raise UserError(f"{checkpoint}: model.scan_layers=False checkpoints are not exported yet; train with "
-                    "scan_layers=True")
-  tensors = _tensors(source, dtype)
-  cached: dict[str, np.ndarray] = {}
+  if isinstance(source, HFSource):
+    raise UserError(f"{checkpoint} is already a Hugging Face directory (to-hf reads a run, a checkpoint step or "
+                    "a converted checkpoint)")
+  pieces = _pieces(source, dtype)
+  plan = safetensors_io.plan([t for _, t in pieces], max_shard_bytes)
+  mine = [i for i in range(len(plan)) if i % process_count == process_index]
+  names = safetensors_io.file_names(len(plan))
+  _check_out(out, [out / names[i] for i in mine] + ([out / "config.json"] if process_index == 0 else []), process_count)
+  by_hf = {t.name: p for p, t in pieces}
 
-  def get(info: safetensors_io.TensorInfo) -> np.ndarray:
-    name, layer, _ = by_hf[info.name]
-    if name not in cached:
-      cached.clear()  # one maxtrain parameter in memory at a time
-      cached[name] = source.read(name)
-    w = cached[name] if layer is None else cached[name][layer]
-    w = names_lib.to_hf(name, names_lib.trim_vocab(name, w, source.vocab_size))
-    return w.astype(info.dtype, copy=False)
+  def blocks(info: safetensors_io.TensorInfo):
+    piece = by_hf[info.name]
+    for start, stop in piece.blocks(block_bytes):
+      yield piece.to_hf(source.read_slice(piece.param, piece.index(start, stop))).astype(info.dtype, copy=False)
 
-  by_hf = {t.name: (n, layer, t) for n, layer, t in tensors}
-  files = safetensors_io.write(out, safetensors_io.plan([t for _, _, t in tensors], max_shard_bytes), get)
-  cached.clear()
-  stored = tensors[0][2].dtype
+  out.mkdir(parents=True, exist_ok=True)
+  for i in mine:
+    safetensors_io.write_file(out / names[i], plan[i], blocks)
+  tokenizer = False
+  if process_index == 0:
+    safetensors_io.write_index(out, plan)
+    tokenizer = _write_configs(source, out, pieces[0][1].dtype)
+  return {"files": len(mine), "tensors": sum(len(plan[i]) for i in mine), "tokenizer": tokenizer,
+          "bytes": sum(t.nbytes for i in mine for t in plan[i]), "seconds": time.monotonic() - t0}
+
+
+def _write_configs(source, out: Path, stored: str) -> bool:
   config = hf_config.from_model_keys(source.model, vocab_size=source.vocab_size, dtype=stored,
                                      bos_id=source.bos_id, eos_id=source.eos_id)
   (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
   (out / "generation_config.json").write_text(
       json.dumps(hf_config.generation_config(source.bos_id, source.eos_id), indent=2) + "\n")
-  tokenizer = _copy_tokenizer(source.tokenizer, out)
-  return {"files": len(files), "tensors": len(tensors), "bytes": sum(t.nbytes for _, _, t in tensors),
-          "seconds": time.monotonic() - t0, "tokenizer": tokenizer}
+  return _copy_tokenizer(source.tokenizer, out)

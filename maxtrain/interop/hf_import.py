@@ -1,5 +1,7 @@
 """`convert from-hf`: a Hugging Face LLaMA directory -> a converted checkpoint (`params_store` format)
-plus a maxtrain config preset for it, one parameter in host memory at a time."""
+plus a maxtrain config preset for it, one block of one tensor in host memory at a time: each HF
+tensor's row blocks are read from its file, laid out (`names.Piece`) and written into their box of
+the (stacked) parameter, whose chunks are those blocks."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from maxtrain.errors import UserError
-from maxtrain.interop import params_store
+from maxtrain.interop import names as names_lib, params_store
 from maxtrain.interop.sources import HFSource
 
 log = logging.getLogger("maxtrain")
@@ -46,8 +48,26 @@ def _preset(out: Path, hf_dir: Path, model: dict, tokenizer: bool, base_config: 
   return PRESET.format(source=hf_dir, here=out, base=base, assignments="\n".join(lines))
 
 
+def _convert(source: HFSource, params_dir: Path, name: str, dtype: str, block_bytes: int) -> dict:
+  """One parameter, block by block; returns its meta.json entry."""
+  shape, stored = source.info(name)
+  target = stored if dtype == "keep" else dtype
+  pieces = source.pieces(name)
+  chunk, row_dim = list(shape), len(pieces[0].prefix) + pieces[0].row_dim
+  chunk[row_dim] = min(shape[row_dim], names_lib.block_units(pieces[0].layer_shape, pieces[0].row_dim, block_bytes))
+  if pieces[0].prefix:
+    chunk[0] = 1  # one layer per chunk
+  store = params_store.create(params_dir, name, shape, target, tuple(chunk))
+  for piece in pieces:
+    for start, stop in piece.blocks(block_bytes):
+      block = source.read_block(piece, start, stop).astype(target, copy=False)
+      params_store.write_block(store, piece.index(start, stop), block)
+  log.info("%s %s %s", name, list(shape), target)
+  return {"shape": list(shape), "dtype": target}
+
+
 def from_hf(hf_dir: str | Path, out: str | Path, *, vocab_multiple: int = 128, dtype: str = "keep",
-            base_config: str | None = None) -> dict:
+            base_config: str | None = None, block_bytes: int = names_lib.BLOCK_BYTES) -> dict:
   """Converts; returns a summary (parameters, bytes, seconds). UserError (exit 2) for what it does not support."""
   t0 = time.monotonic()
   hf_dir, out = Path(hf_dir), Path(out)
@@ -58,17 +78,8 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, vocab_multiple: int = 128, d
     raise UserError(f"{out / 'params'} already exists: choose a new output directory (nothing is overwritten)")
   params_dir = out / "params"
   params_dir.mkdir(parents=True)
-  params, total, stored = {}, 0, None
-  for name in source.names():
-    value = source.read(name)
-    if dtype != "keep":
-      value = value.astype(dtype)
-    stored = str(value.dtype)
-    params_store.write_param(params_dir, name, value)
-    params[name] = {"shape": list(value.shape), "dtype": str(value.dtype)}
-    total += value.nbytes
-    log.info("%s %s %s", name, list(value.shape), value.dtype)
-    del value  # one parameter at a time
+  params = {name: _convert(source, params_dir, name, dtype, block_bytes) for name in source.names()}
+  stored = next(iter(params.values()))["dtype"]
   model = {**source.model, "param_dtype": stored if stored in ("float32", "bfloat16") else "float32"}
   copied = [f for f in TOKENIZER_FILES if (hf_dir / f).is_file()]
   for f in copied:
@@ -78,5 +89,6 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, vocab_multiple: int = 128, d
                                    "bos_token_id": source.bos_id, "eos_token_id": source.eos_id,
                                    "tokenizer": "tokenizer.json" if tokenizer else "", "source": str(hf_dir)})
   (out / "config.py").write_text(_preset(out.resolve(), hf_dir, model, tokenizer, base_config))
-  return {"parameters": sum(int(np.prod(p["shape"])) for p in params.values()), "bytes": total,
-          "seconds": time.monotonic() - t0, "tokenizer": tokenizer}
+  count = sum(int(np.prod(p["shape"])) for p in params.values())
+  return {"parameters": count, "seconds": time.monotonic() - t0, "tokenizer": tokenizer,
+          "bytes": sum(int(np.prod(p["shape"])) * np.dtype(p["dtype"]).itemsize for p in params.values())}

@@ -7,7 +7,13 @@ the head dims split out: q_proj [N*H, D] -> wq [D, N, H], o_proj [D, N*H] -> wo 
 permutation of q/k rows: HF LLaMA checkpoints already use the rotate-half RoPE layout (dim i paired
 with i + H/2) that `models/layers.apply_rope` uses. (Meta's original checkpoints interleave pairs;
 transformers' own conversion script permutes them into this layout, so every HF LLaMA is in it.)
-Scanned layers: maxtrain stacks the L per-layer tensors along a leading dim.
+Scanned layers (`model.scan_layers=True`) stack the L per-layer tensors along a leading dim
+('blocks/attn/wq' [L, D, N, H]); unscanned ones are parameters of their own ('blocks/3/attn/wq').
+
+Streaming: a `Piece` is one HF tensor's place in a maxtrain parameter. It moves in blocks along its
+"row dim" (the first maxtrain dim of HF's `out` axis, or dim 0 when there is no transpose), so that
+a block is a contiguous run of HF rows and a box in the maxtrain array: both directions convert a
+tensor one block at a time. Vocabulary padding is the part of the row dim past `units`.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ MAPPINGS = {
     "blocks/mlp/down": Mapping("model.layers.{}.mlp.down_proj.weight", 1),
 }
 VOCAB_DIM = {"embed": 0, "head": 1}  # the maxtrain dim padded to model.vocab_size
+BLOCK_BYTES = 8 << 20  # default block, counted at 4 bytes per element (a bf16 block holds 4 MiB)
 
 
 def mapping(name: str) -> Mapping:
@@ -53,8 +60,16 @@ def hf_names(name: str, num_layers: int) -> list[str]:
   return [m.hf.format(i) for i in range(num_layers)] if m.per_layer else [m.hf]
 
 
+def split_layer(name: str) -> tuple[str, int | None]:
+  """'blocks/3/attn/wq' (model.scan_layers=False) -> ('blocks/attn/wq', 3); other names -> (name, None)."""
+  parts = name.split("/")
+  if len(parts) > 2 and parts[0] == "blocks" and parts[1].isdigit():
+    return "/".join([parts[0], *parts[2:]]), int(parts[1])
+  return name, None
+
+
 def to_hf(name: str, w: np.ndarray) -> np.ndarray:
-  """One layer's maxtrain tensor -> the HF tensor (vocab padding is trimmed by the caller)."""
+  """One layer's maxtrain tensor (or a block of it) -> the HF tensor (or those rows of it)."""
   in_dims = mapping(name).in_dims
   if in_dims == 0:
     return w
@@ -62,7 +77,7 @@ def to_hf(name: str, w: np.ndarray) -> np.ndarray:
 
 
 def from_hf(name: str, w: np.ndarray, layer_shape: tuple[int, ...]) -> np.ndarray:
-  """The HF tensor -> one layer's maxtrain tensor of `layer_shape` (before vocab padding)."""
+  """The HF tensor (or some rows of it) -> one layer's maxtrain tensor (or that block) of `layer_shape`."""
   if mapping(name).in_dims == 0:
     return w.reshape(layer_shape)
   return np.ascontiguousarray(w.T).reshape(layer_shape)
@@ -75,18 +90,63 @@ def hf_shape(name: str, layer_shape: tuple[int, ...]) -> tuple[int, ...]:
   return (math.prod(layer_shape[in_dims:]), math.prod(layer_shape[:in_dims]))
 
 
-def pad_vocab(name: str, w: np.ndarray, vocab_size: int) -> np.ndarray:
-  """Zero rows (embedding) / columns (head) up to the model's padded vocabulary."""
-  dim = VOCAB_DIM.get(name)
-  if dim is None or w.shape[dim] == vocab_size:
-    return w
-  widths = [(0, 0)] * w.ndim
-  widths[dim] = (0, vocab_size - w.shape[dim])
-  return np.pad(w, widths)
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """One HF tensor inside a maxtrain parameter."""
+  param: str  # the maxtrain parameter: 'blocks/attn/wq' (stacked) or 'blocks/3/attn/wq'
+  base: str  # its MAPPINGS key
+  prefix: tuple[int, ...]  # the layer's index into the parameter: (i,) when stacked, else ()
+  layer_shape: tuple[int, ...]  # one layer's maxtrain shape (vocabulary padded)
+  hf_name: str
+  units: int  # length of the row dim that HF holds (the unpadded vocabulary for embed and head)
+
+  @property
+  def row_dim(self) -> int:
+    return mapping(self.base).in_dims
+
+  def block_shape(self, start: int, stop: int) -> tuple[int, ...]:
+    k = self.row_dim
+    return (*self.layer_shape[:k], stop - start, *self.layer_shape[k + 1:])
+
+  @property
+  def hf_shape(self) -> tuple[int, ...]:
+    return hf_shape(self.base, self.block_shape(0, self.units))
+
+  def blocks(self, block_bytes: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of the row dim, each about `block_bytes` (at least one unit)."""
+    step = block_units(self.layer_shape, self.row_dim, block_bytes)
+    return [(a, min(a + step, self.units)) for a in range(0, self.units, step)]
+
+  def index(self, start: int, stop: int) -> tuple[int | slice, ...]:
+    """The block's place in the maxtrain parameter."""
+    return (*self.prefix, *(slice(None),) * self.row_dim, slice(start, stop))
+
+  def hf_rows(self, start: int, stop: int) -> tuple[int, int]:
+    rows_per_unit = math.prod(self.layer_shape[self.row_dim + 1:]) if self.row_dim else 1
+    return start * rows_per_unit, stop * rows_per_unit
+
+  def to_hf(self, block: np.ndarray) -> np.ndarray:
+    return to_hf(self.base, block)
+
+  def from_hf(self, rows: np.ndarray, start: int, stop: int) -> np.ndarray:
+    return from_hf(self.base, rows, self.block_shape(start, stop))
 
 
-def trim_vocab(name: str, w: np.ndarray, vocab_size: int) -> np.ndarray:
-  dim = VOCAB_DIM.get(name)
-  if dim is None:
-    return w
-  return w[:vocab_size] if dim == 0 else w[:, :vocab_size]
+def block_units(layer_shape: tuple[int, ...], row_dim: int, block_bytes: int) -> int:
+  """How many units of the row dim make a block of about `block_bytes` (at 4 bytes per element)."""
+  unit_bytes = math.prod(layer_shape) // layer_shape[row_dim] * 4
+  return max(1, block_bytes // unit_bytes)
+
+
+def pieces(param: str, shape: tuple[int, ...], vocab_size: int) -> list[Piece]:
+  """The HF tensors of a maxtrain parameter of this shape, in layer order."""
+  base, layer = split_layer(param)
+  m = mapping(base)
+  stacked = m.per_layer and layer is None
+  layer_shape = tuple(shape[1:] if stacked else shape)
+  units = vocab_size if base in VOCAB_DIM else layer_shape[m.in_dims]
+  if base in VOCAB_DIM:
+    assert VOCAB_DIM[base] == m.in_dims, base  # the vocabulary is the row dim (padding = its tail)
+  if stacked:
+    return [Piece(param, base, (i,), layer_shape, m.hf.format(i), units) for i in range(shape[0])]
+  return [Piece(param, base, (), layer_shape, m.hf.format(layer) if m.per_layer else m.hf, units)]

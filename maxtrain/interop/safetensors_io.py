@@ -1,21 +1,23 @@
-"""Sharded `safetensors` directories, one tensor at a time.
+"""Sharded `safetensors` directories, streamed in row blocks.
 
-Reading goes through `safetensors.safe_open` (numpy), opening the file per tensor so that no more than
-that tensor's pages stay mapped. Writing streams: the shards are planned from shapes and dtypes alone,
-each file's header is written first and then its tensors one by one, so the writer holds one tensor,
-never a whole shard. Format (the safetensors spec): an 8-byte little-endian header length, a JSON
-header {name: {dtype, shape, data_offsets}}, padded with spaces to a multiple of 8, then the bytes.
+Reading parses each file's header once and reads a tensor's rows [a, b) with plain file reads (a
+safetensors tensor is row-major bytes at an offset), so a reader holds one block, never a whole
+tensor or a mapped file. Writing streams too: the shards are planned from shapes and dtypes alone,
+each file's header is written first and then each tensor's row blocks in order. Format (the
+safetensors spec): an 8-byte little-endian header length, a JSON header {name: {dtype, shape,
+data_offsets}}, padded with spaces to a multiple of 8, then the bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Callable, Iterable
 
-import ml_dtypes  # noqa: F401 - numpy learns bfloat16 from it; safetensors needs that to read BF16
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy (np.dtype('bfloat16'))
 import numpy as np
 
 from maxtrain.errors import UserError
@@ -23,6 +25,7 @@ from maxtrain.errors import UserError
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+ST_DTYPES = {v: k for k, v in DTYPES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,26 +46,65 @@ class Reader:
     self.directory = Path(directory)
     index = self.directory / INDEX
     if index.is_file():
-      self.files = {k: self.directory / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+      files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     elif (self.directory / SINGLE).is_file():
-      from safetensors import safe_open
-
-      with safe_open(self.directory / SINGLE, framework="np") as f:
-        self.files = {k: self.directory / SINGLE for k in f.keys()}
+      files = [SINGLE]
     else:
       raise UserError(f"{self.directory}: no {SINGLE} nor {INDEX} (only safetensors weights are read; convert "
                       "*.bin checkpoints with transformers' save_pretrained(safe_serialization=True) first)")
+    self.entries: dict[str, tuple[Path, TensorInfo, int]] = {}  # name -> (file, info, data offset)
+    for f in files:
+      for info, offset in _read_header(self.directory / f):
+        self.entries[info.name] = (self.directory / f, info, offset)
 
   def names(self) -> list[str]:
-    return sorted(self.files)
+    return sorted(self.entries)
+
+  def info(self, name: str) -> TensorInfo:
+    if name not in self.entries:
+      raise UserError(f"{self.directory}: tensor {name!r} is missing from the checkpoint")
+    info = self.entries[name][1]
+    if info.dtype not in DTYPES:
+      raise UserError(f"{self.entries[name][0]}: tensor {name} has dtype {info.dtype} (supported: "
+                      f"{', '.join(ST_DTYPES)})")
+    return info
+
+  def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of the tensor (its first dim), read straight from the file."""
+    info = self.info(name)
+    row_shape = info.shape[1:]
+    return self._read(name, start * math.prod(row_shape), (stop - start, *row_shape))
 
   def read(self, name: str) -> np.ndarray:
-    from safetensors import safe_open
+    return self._read(name, 0, self.info(name).shape)
 
-    if name not in self.files:
-      raise UserError(f"{self.directory}: tensor {name!r} is missing from the checkpoint")
-    with safe_open(self.files[name], framework="np") as f:
-      return f.get_tensor(name)
+  def _read(self, name: str, first: int, shape: tuple[int, ...]) -> np.ndarray:
+    """`shape`'s worth of elements from element `first` on."""
+    path, _, offset = self.entries[name]
+    out = np.empty(shape, self.info(name).dtype)
+    with open(path, "rb") as f:
+      f.seek(offset + first * out.itemsize)
+      if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+        raise UserError(f"{path}: truncated (tensor {name} ends past the end of the file)")
+    return out
+
+
+def _read_header(path: Path) -> list[tuple[TensorInfo, int]]:
+  """(tensor, absolute byte offset of its data) for every tensor in a safetensors file."""
+  try:
+    with open(path, "rb") as f:
+      (length,) = struct.unpack("<Q", f.read(8))
+      header = json.loads(f.read(length))
+  except (OSError, struct.error, ValueError) as e:
+    raise UserError(f"{path}: not a readable safetensors file ({e})") from None
+  out = []
+  for name, entry in header.items():
+    if name == "__metadata__":
+      continue
+    dtype = ST_DTYPES.get(entry["dtype"], entry["dtype"])  # an unsupported one fails when it is read
+    out.append((TensorInfo(name, tuple(entry["shape"]), dtype),
+                8 + length + entry["data_offsets"][0]))
+  return out
 
 
 def plan(tensors: Iterable[TensorInfo], max_bytes: int) -> list[list[TensorInfo]]:
@@ -87,23 +129,30 @@ def _header(tensors: list[TensorInfo]) -> bytes:
   return struct.pack("<Q", len(raw)) + raw
 
 
-def write(directory: Path, files: list[list[TensorInfo]], get: Callable[[TensorInfo], np.ndarray]) -> list[Path]:
-  """Writes the planned files (`get` returns each tensor's values, called once per tensor, in order)
-  and the index when there is more than one file; returns the files written."""
-  directory.mkdir(parents=True, exist_ok=True)
-  names = [SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-                                           for i in range(len(files))]
-  weight_map = {}
-  for name, tensors in zip(names, files):
-    with open(directory / name, "wb") as f:
-      f.write(_header(tensors))
-      for t in tensors:
-        value = np.ascontiguousarray(get(t))
-        assert value.shape == t.shape and value.dtype == np.dtype(t.dtype), (t, value.shape, value.dtype)
-        f.write(memoryview(value.reshape(-1).view(np.uint8)))
-        weight_map[t.name] = name
+def file_names(count: int) -> list[str]:
+  return [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_file(path: Path, tensors: list[TensorInfo], blocks: Callable[[TensorInfo], Iterable[np.ndarray]]) -> None:
+  """One planned file: its header, then each tensor's row blocks (`blocks(t)`, in order, which
+  together are exactly the tensor), so the writer holds one block at a time."""
+  with open(path, "wb") as f:
+    f.write(_header(tensors))
+    for t in tensors:
+      written = 0
+      for block in blocks(t):
+        block = np.ascontiguousarray(block)
+        assert block.shape[1:] == t.shape[1:] and block.dtype == np.dtype(t.dtype), (t, block.shape, block.dtype)
+        f.write(memoryview(block.reshape(-1).view(np.uint8)))
+        written += block.nbytes
+      assert written == t.nbytes, (t, written)
+
+
+def write_index(directory: Path, files: list[list[TensorInfo]]) -> None:
+  """The index naming each tensor's file (only when there is more than one file)."""
   if len(files) > 1:
+    names = file_names(len(files))
+    weight_map = {t.name: names[i] for i, tensors in enumerate(files) for t in tensors}
     total = sum(t.nbytes for tensors in files for t in tensors)
     (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                               indent=2) + "\n")
-  return [directory / n for n in names]

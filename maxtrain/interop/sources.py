@@ -1,15 +1,17 @@
-"""Where parameters come from, behind one interface, one parameter at a time: a Hugging Face
+"""Where parameters come from, behind one interface, a parameter (or a box of it) at a time: a Hugging Face
 directory (mapped on the fly), a converted checkpoint (`params_store`), or a training checkpoint (a
 run's output dir, its checkpoints dir, or one step dir: the `state` item's params, the `meta` config).
 
 A source has `model` (config.model keys), `tokenizer` ("byte", a tokenizer.json path, or ""),
 `vocab_size` (rows that are real tokens), `bos_id`/`eos_id`, `names()`, `info(name)` (shape, dtype),
-`read(name)` (numpy) and `read_sharded(name, target)` (a jax.Array on target's sharding).
+`read(name)` (numpy) and `read_sharded(name, target)` (a jax.Array on target's sharding); the two
+checkpoint kinds also `read_slice(name, index)`, which reads only that box (what `to-hf` streams).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,6 @@ from maxtrain.interop import hf_config, names as names_lib, params_store, safete
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.sharding.layout import param_name
 
-ST_DTYPES = {v: k for k, v in safetensors_io.DTYPES.items()}
 IGNORED_HF = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed, never read
 
 
@@ -35,13 +36,8 @@ def param_shapes(model: dict[str, Any], dtype: str = "float32") -> dict[str, tup
   return {param_name(p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(state)}
 
 
-def host_to_sharded(value: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
-  value = value.astype(target.dtype, copy=False)
-  return jax.make_array_from_callback(target.shape, target.sharding, lambda index: value[index])
-
-
 class HFSource:
-  """A `LlamaForCausalLM` directory, read and mapped to maxtrain's layout one parameter at a time."""
+  """A `LlamaForCausalLM` directory, mapped to maxtrain's layout one HF tensor (or a block of it) at a time."""
 
   def __init__(self, hf_dir: Path, vocab_multiple: int = 128):
     self.dir = Path(hf_dir)
@@ -63,35 +59,53 @@ class HFSource:
     return list(self.shapes)
 
   def info(self, name: str) -> tuple[tuple[int, ...], str]:
-    from safetensors import safe_open
+    return self.shapes[name], self.reader.info(names_lib.hf_names(name, self.model["num_layers"])[0]).dtype
 
-    first = names_lib.hf_names(name, self.model["num_layers"])[0]
-    with safe_open(self.reader.files[first], framework="np") as f:
-      return self.shapes[name], ST_DTYPES.get(f.get_slice(first).get_dtype(), "float32")
+  def pieces(self, name: str) -> list[names_lib.Piece]:
+    """The parameter's HF tensors, each checked against the shape config.json implies."""
+    out = names_lib.pieces(name, self.shapes[name], self.vocab_size)
+    for piece in out:
+      found = self.reader.info(piece.hf_name).shape
+      if tuple(found) != piece.hf_shape:
+        raise UserError(f"{self.dir}: tensor {piece.hf_name} has shape {list(found)}, config.json implies "
+                        f"{list(piece.hf_shape)}")
+    return out
 
-  def _layer(self, name: str, hf_name: str, layer_shape: tuple[int, ...]) -> np.ndarray:
-    w = self.reader.read(hf_name)
-    expected = names_lib.hf_shape(name, layer_shape)
-    if tuple(w.shape) != expected:
-      raise UserError(f"{self.dir}: tensor {hf_name} has shape {list(w.shape)}, config.json implies "
-                      f"{list(expected)}")
-    return names_lib.from_hf(name, w, layer_shape)
+  def read_block(self, piece: names_lib.Piece, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of the piece's row dim, in maxtrain's layout."""
+    return piece.from_hf(self.reader.read_rows(piece.hf_name, *piece.hf_rows(start, stop)), start, stop)
+
+  def read_layer(self, piece: names_lib.Piece, dtype: Any) -> np.ndarray:
+    """One whole HF tensor in maxtrain's layout, the vocabulary padded with zeros."""
+    out = np.zeros(piece.layer_shape, dtype)
+    out[piece.index(0, piece.units)[len(piece.prefix):]] = self.read_block(piece, 0, piece.units)
+    return out
 
   def read(self, name: str) -> np.ndarray:
     shape, dtype = self.info(name)
-    m, hf_names = names_lib.mapping(name), names_lib.hf_names(name, self.model["num_layers"])
-    if not m.per_layer:
-      dim = names_lib.VOCAB_DIM.get(name)
-      unpadded = tuple(self.vocab_size if i == dim else n for i, n in enumerate(shape))
-      w = self._layer(name, hf_names[0], unpadded)
-      return w if dim is None else names_lib.pad_vocab(name, w, shape[dim])
+    pieces = self.pieces(name)
+    if not pieces[0].prefix:
+      return self.read_layer(pieces[0], dtype)
     out = np.empty(shape, dtype)
-    for i, hf_name in enumerate(hf_names):
-      out[i] = self._layer(name, hf_name, shape[1:])
+    for i, piece in enumerate(pieces):
+      out[i] = self.read_layer(piece, dtype)
     return out
 
   def read_sharded(self, name: str, target: jax.ShapeDtypeStruct) -> jax.Array:
-    return host_to_sharded(self.read(name), target)
+    """Each local device's shard, assembled one HF tensor at a time (a stacked shard layer by layer)."""
+    pieces = self.pieces(name)
+
+    def shard(index: tuple) -> np.ndarray:
+      if not pieces[0].prefix:
+        return self.read_layer(pieces[0], target.dtype)[index]
+      layers = range(*index[0].indices(target.shape[0]))
+      out = np.empty((len(layers), *(len(range(*i.indices(n))) for i, n in zip(index[1:], target.shape[1:]))),
+                     target.dtype)
+      for j, i in enumerate(layers):
+        out[j] = self.read_layer(pieces[i], target.dtype)[index[1:]]
+      return out
+
+    return jax.make_array_from_callback(target.shape, target.sharding, shard)
 
 
 class TrainingSource:
@@ -114,8 +128,9 @@ class TrainingSource:
     tree = ocp.StandardCheckpointHandler().metadata(self.dir / "state").tree["params"]
     self._paths: dict[str, tuple] = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-      keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+      keys = tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
       self._paths["/".join(k for k in keys if k != "value")] = (keys, tuple(leaf.shape), str(leaf.dtype))
+    self._store: tuple[str, Any] | None = None  # the last parameter read_slice opened
 
   def names(self) -> list[str]:
     return list(self._paths)
@@ -139,9 +154,33 @@ class TrainingSource:
     return value.astype(target.dtype) if value.dtype != target.dtype else value
 
   def read(self, name: str) -> np.ndarray:
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    shape, dtype = self.info(name)
-    return np.asarray(self.read_sharded(name, jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=device)))
+    return self.read_slice(name, ())
+
+  def read_slice(self, name: str, index: tuple) -> np.ndarray:
+    """`value[index]` read with TensorStore from Orbax's own array spec. The unit of reading is one
+    saved shard (a device's block at save time), kept in a cache of that size while one parameter's
+    layers are read in turn."""
+    if self._store is None or self._store[0] != name:
+      self._store = None  # drop the previous parameter's cache first
+      self._store = (name, _open_orbax_array(self.dir / "state", ("params",) + self._paths[name][0]))
+    return np.asarray(self._store[1][index].read().result())
+
+
+def _open_orbax_array(item_dir: Path, keys: tuple[str, ...]) -> Any:
+  import orbax.checkpoint as ocp
+  import tensorstore as ts
+
+  meta = json.loads((item_dir / "_METADATA").read_text())
+  ocdbt = bool(meta.get("use_ocdbt", True))
+  context = ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt)
+  info = ocp.type_handlers.ParamInfo(name=".".join(keys), parent_dir=item_dir, is_ocdbt_checkpoint=ocdbt,
+                                     use_zarr3=bool(meta.get("use_zarr3", False)), ts_context=context)
+  spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
+  store = ts.open(spec, open=True, context=context).result()
+  # The cache holds the one saved shard (zarr chunk) the next layers' reads will hit again.
+  shard_shape = meta["tree_metadata"].get(str(keys), {}).get("value_metadata", {}).get("write_shape") or store.shape
+  spec["cache_pool"] = {"total_bytes_limit": math.prod(shard_shape) * store.dtype.numpy_dtype.itemsize + (1 << 20)}
+  return ts.open(spec, open=True, context=context).result()
 
 
 def _newest_step(directory: Path) -> Path | None:
