@@ -236,7 +236,7 @@ def test_two_processes_straggler_hang_and_preemption(store, tmp_path):
   """One undisturbed 2-process run, then the same run with process 1 slowed by 0.5 s per step, SIGTERM
   to process 0 alone after step 2 and process 1 hung after step 5: stragglers flagged, one stop step,
   both watchdogs fire, the launcher restarts both, and the final parameters are bitwise the same."""
-  clean, faulty, timeout_s = tmp_path / "clean", tmp_path / "faulty", 6.0
+  clean, faulty, timeout_s = tmp_path / "clean", tmp_path / "faulty", 8.0
   result = supervise(FLEET + [f"--config.data.path={store}", f"--config.output_dir={clean}",
                               "--config.checkpoint.every_steps=0"])
   assert result.returncode == 0 and attempt_codes(result.stderr) == ["0, 0"], result.stderr[-3000:]
@@ -256,7 +256,7 @@ def test_two_processes_straggler_hang_and_preemption(store, tmp_path):
   stragglers = [r for r in records if r["kind"] == ev.STRAGGLER]
   assert stragglers and {r["slow_process"] for r in stragglers} == {1}
   assert (stragglers[0]["attempt"], stragglers[0]["step"]) == (0, 2)
-  assert all(0.4 < r["late_s"] < 0.6 for r in stragglers)
+  assert 0.4 < stragglers[0]["late_s"] < 0.6  # a one-step interval (later ones mix in steps after a save)
 
   # Preemption: both processes saved the same step, and the next attempt resumed from it.
   stops = {r["process"]: r["step"] for r in records if r["kind"] == ev.PREEMPTION}
@@ -276,3 +276,19 @@ def test_two_processes_straggler_hang_and_preemption(store, tmp_path):
   report = goodput.compute(records)
   assert report["events"]["hang"] == 1 and report["events"]["preemption"] == 1 and "crash" not in report["events"]
   assert [s["process"] for s in report["stragglers"]] == [1]
+
+
+def test_grafana_dashboard_uses_the_exporters_metrics_and_labels():
+  import re
+
+  from maxtrain.monitor.prometheus import metric_name
+
+  dashboard = json.loads((REPO / "launch" / "grafana_dashboard.json").read_text())
+  exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+  exported = {metric_name(n) for n in ("train/loss", "train/tokens_per_s", "train/step_time_s", "train/mfu",
+                                       "train/data_wait_s", "fleet/step_time_max_over_median",
+                                       "fleet/slowest_process", "memory/host_in_use_gib", "memory/device_in_use_gib")}
+  exported.add("maxtrain_last_update_seconds")
+  for expr in exprs:
+    assert set(re.findall(r"maxtrain_\w+", expr)) <= exported, expr
+    assert {m for m in re.findall(r"(\w+)=~?\"", expr)} <= {"run", "process"}, expr  # the exporter's labels only

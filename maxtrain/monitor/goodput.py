@@ -20,7 +20,14 @@ all attempts. Every second of that span goes to exactly one category, so they su
                     (SIGKILL): after an `exit`, process teardown and backoff are downtime. A trainer
                     that recorded its own `crash` is dead from then on: its teardown up to `exit`
                     (closing files, waiting for an in-flight save) is downtime too.
-  other             inside an attempt but in none of the above (logging, shutdown, unrecorded steps)
+  other             inside an attempt but in none of the above (logging, shutdown, steps of a process
+                    killed before it recorded them)
+
+Steps after the last `steps` record: a trainer's `hang`, `crash`, `preemption`, `checkpoint_save_start`
+or `exit` record names the last completed step, so the steps since the last record were computed in
+the time since it (up to a hang's idle window): they count as step time, kept or lost like any other.
+Incidents (`hang`, `crash`, `preemption`) are counted once per attempt, however many processes and
+the supervisor recorded them; an attempt that hung is not also a crash.
 
 How overlaps resolve: each record that covers time becomes a segment on the wall clock (a `steps`
 record ends at its `wall` and lasts `seconds`). Where segments overlap -- two attempts alive at once,
