@@ -283,7 +283,7 @@ def test_grafana_dashboard_uses_the_exporters_metrics_and_labels():
 
   from maxtrain.monitor.prometheus import metric_name
 
-  dashboard = json.loads((REPO / "launch" / "grafana_dashboard.json").read_text())
+  dashboard = json.loads((REPO / "tools" / "grafana_dashboard.json").read_text())
   exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
   exported = {metric_name(n) for n in ("train/loss", "train/tokens_per_s", "train/step_time_s", "train/mfu",
                                        "train/data_wait_s", "fleet/step_time_max_over_median",
