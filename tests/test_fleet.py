@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from maxtrain import launch
 from maxtrain.monitor import events as ev
@@ -257,6 +258,10 @@ def test_two_processes_straggler_hang_and_preemption(store, tmp_path):
   assert stragglers and {r["slow_process"] for r in stragglers} == {1}
   assert (stragglers[0]["attempt"], stragglers[0]["step"]) == (0, 2)
   assert 0.4 < stragglers[0]["late_s"] < 0.6  # a one-step interval (later ones mix in steps after a save)
+  scalars = EventAccumulator(str(faulty / "tensorboard"))
+  scalars.Reload()
+  assert {e.value for e in scalars.Scalars("fleet/slowest_process")} == {1.0}
+  assert min(e.value for e in scalars.Scalars("fleet/step_time_max_over_median")) > 1.2
 
   # Preemption: both processes saved the same step, and the next attempt resumed from it.
   stops = {r["process"]: r["step"] for r in records if r["kind"] == ev.PREEMPTION}
