@@ -25,7 +25,7 @@ from maxtrain import optim, program as program_lib
 from maxtrain import state as state_lib
 from maxtrain.checkpoint import Checkpoints
 from maxtrain.data.loaders import Data
-from maxtrain.errors import EXIT_CRASH, Preempted, UserError, exit_code
+from maxtrain.errors import EXIT_CRASH, EXIT_HANG, Preempted, UserError, exit_code
 from maxtrain.guard_policy import GuardPolicy, Rollback
 from maxtrain.models.llama import param_count
 from maxtrain.monitor import events as ev
@@ -111,9 +111,9 @@ class Trainer:
         eval_loss = self._loop(self._initial_state())
         self.exit_code = 0
       except BaseException as e:
-        self.exit_code = exit_code(e)
         # A collective that fails because the watchdog is ending a peer is part of that hang, not a crash.
-        if self.exit_code == EXIT_CRASH and not self.watchdog.fired:
+        self.exit_code = EXIT_HANG if self.watchdog.fired else exit_code(e)
+        if self.exit_code == EXIT_CRASH:
           self.events.emit(ev.CRASH, self.step, code=EXIT_CRASH, reason=config_lib.redact_text(f"{type(e).__name__}: {e}")[:1000])
         raise
     return self._summary(eval_loss)
