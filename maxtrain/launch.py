@@ -13,8 +13,8 @@ Attempts are numbered in $MAXTRAIN_ATTEMPT and in the run's events.jsonl.
 localhost port, a new one per attempt) and treats them as one: they start, stop and restart together.
 When one exits with an error the others get --peer-grace seconds to exit on their own (a hang makes
 every watchdog fire, a stop request reaches every process), then are killed. The attempt's code is a
-not-restarted code (2, 3) if any process has one, else the hang code if any process hung, else the
-first failure's code.
+not-restarted code (2, 3) if any process has one, else the code of the process that failed first
+(a peer's abort or kill that follows is a consequence).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Attempt:
 
   def describe(self) -> str:
     meaning = MEANINGS.get(self.code, "killed by signal" if self.code < 0 else "crash")
-    per_process = f" (processes: {', '.join(map(str, self.codes))})" if len(self.codes) > 1 else ""
+    per_process = f" (processes, in exit order: {', '.join(map(str, self.codes))})" if len(self.codes) > 1 else ""
     return f"attempt {self.number}: exit {self.code} ({meaning}) after {self.seconds:.1f}s{per_process}"
 
 
@@ -152,7 +152,8 @@ def start_processes(train_args: list[str], num_processes: int, env: dict[str, st
 
 
 def wait_all(children: list[subprocess.Popen], grace_s: float) -> list[int]:
-  """Every child's exit code; once one has failed, the rest are killed after `grace_s` seconds."""
+  """Every child's exit code, in the order they exited; once one has failed, the rest are killed after
+  `grace_s` seconds."""
   done: queue.Queue = queue.Queue()
   for i, child in enumerate(children):
     threading.Thread(target=lambda i=i, child=child: done.put((i, child.wait())), daemon=True).start()
@@ -173,16 +174,15 @@ def wait_all(children: list[subprocess.Popen], grace_s: float) -> list[int]:
     codes[i] = code
     if code != 0 and failed_at is None:
       failed_at = time.monotonic()
-  return [codes[i] for i in range(len(children))]
+  return list(codes.values())  # dicts keep insertion order: the order of exit
 
 
 def attempt_code(codes: list[int]) -> int:
-  """One code for the processes of an attempt (see the module doc)."""
+  """One code for the processes of an attempt, from their codes in the order they exited (see the
+  module doc)."""
   for code in codes:
     if code in NOT_RESTARTED and code != 0:
       return code
-  if EXIT_HANG in codes:
-    return EXIT_HANG
   failures = [code for code in codes if code != 0]
   return failures[0] if failures else 0
 

@@ -189,10 +189,12 @@ def test_plot_draws_the_reports_intervals(tmp_path):
 
 
 def test_attempt_code_of_several_processes():
+  # Codes in the order the processes exited: the first failure is the cause.
   assert launch.attempt_code([0, 0]) == 0
   assert launch.attempt_code([75, 75]) == 75
-  assert launch.attempt_code([76, 1]) == 76  # a peer's collective failed as the hung one left
-  assert launch.attempt_code([1, -9]) == 1  # the crash, then the peer killed after the grace period
+  assert launch.attempt_code([76, -6]) == 76  # a hang; a peer aborted as the coordinator left
+  assert launch.attempt_code([1, 76]) == 1  # a crash; the blocked peer's watchdog fired later
+  assert launch.attempt_code([1, -9]) == 1  # a crash; the peer killed after the grace period
   assert launch.attempt_code([76, 2]) == 2  # a bad input is never restarted
 
 
@@ -228,7 +230,7 @@ def supervise(train_args, timeout=600) -> subprocess.CompletedProcess:
 
 
 def attempt_codes(stderr: str) -> list[str]:
-  return [line.split("(processes: ")[1].rstrip(")") for line in stderr.splitlines()
+  return [line.split("(processes, in exit order: ")[1].rstrip(")") for line in stderr.splitlines()
           if line.startswith("maxtrain.launch: attempt")]
 
 
