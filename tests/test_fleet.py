@@ -173,7 +173,6 @@ def test_steps_after_the_last_summary_are_lost_progress_and_incidents_count_once
 
 
 def test_plot_draws_the_reports_intervals(tmp_path):
-  pytest.importorskip("matplotlib")
   records = crash_and_hang_run()
   data = goodput.timeline(records)
   (label, intervals), = data["rows"]
