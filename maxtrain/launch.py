@@ -74,6 +74,9 @@ def output_dir(train_args: list[str]) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args, train_args = parse_args(sys.argv[1:] if argv is None else argv)
+  if args.processes < 1:
+    print(f"maxtrain.launch: error: --processes={args.processes}: must be >= 1", file=sys.stderr)
+    return EXIT_BAD_INPUT
   try:
     out = output_dir(train_args)
   except Exception as e:  # noqa: BLE001 - a bad config: the trainer would exit 2, so do we
