@@ -131,6 +131,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.runtime.process_id = -1  # This process's index in 0..num_processes-1; -1 = detect (none found: 0).
   c.runtime.coordinator = ""  # host:port of process 0's coordinator service; "" = detect.
   c.runtime.cluster = "auto"  # Launcher to detect the layout from: auto | none | slurm | openmpi | kubernetes.
+  c.runtime.init_timeout_s = 300.0  # Seconds for all processes to join the coordinator, then exit 1 naming its address.
+  c.runtime.heartbeat_timeout_s = 100.0  # Seconds without heartbeats after which jax declares a process dead.
+  c.runtime.shutdown_timeout_s = 300.0  # Seconds the processes wait for each other at a clean exit.
   c.runtime.coordinator_port = 0  # Port of a detected coordinator; 0 = derived from the job id (maxtrain/cluster.py).
   c.runtime.platform = "auto"  # auto (JAX picks, no presets) | cpu | gpu | neuron | tpu: sets the platform's flags and env.
   c.runtime.neuron_target = ""  # trn1 | trn2; "" = --target of $NEURON_CC_FLAGS, else trn2 (checked against the devices).
@@ -158,6 +161,9 @@ def base_config() -> ml_collections.ConfigDict:
   f.nan_at_step = -1  # Make this step's loss and gradients NaN (in-graph).
   f.spike_at_step = -1  # Multiply this step's loss and gradients by spike_factor (in-graph).
   f.spike_factor = 100.0  # Loss and gradient multiplier of spike_at_step.
+  f.process = -1  # The process the step faults above fire in (sigterm, kill, crash, hang, slow); -1 = every process.
+  f.sigterm_process = -1  # The process sigterm_at_step fires in; -1 = as faults.process.
+  f.slow_step_s = 0.0  # Sleep this long after every step (a straggler host); 0 = off.
 
   c.guards = g = ml_collections.ConfigDict()
   g.max_consecutive_bad = 3  # Non-finite steps in a row (each skipped in-graph) before a rollback.
@@ -170,6 +176,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.watchdog = ml_collections.ConfigDict()
   c.watchdog.timeout_s = 600.0  # Exit 76 with stack dumps when no step completes for this long; 0 = off.
   c.watchdog.startup_timeout_s = 1800.0  # Allowance before the first step (restore + compile).
+
+  c.fleet = ml_collections.ConfigDict()
+  c.fleet.straggler_threshold = 0.2  # Flag a process whose own step time exceeds the median by this fraction; 0 = off.
+  c.fleet.straggler_min_s = 0.01  # ... and by at least this many seconds per step (ignores noise on fast steps).
+  c.fleet.exchange_timeout_s = 60.0  # Process 0 waits this long for the others' step times at a log step, then skips it.
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 50  # Eval loss on the validation store every N steps (and at the end); 0: end only.

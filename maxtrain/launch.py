@@ -8,6 +8,13 @@ Runs `python -m maxtrain.train` and restarts it by the exit-code contract (DESIG
   is a crash loop -> give up with a summary and exit 1.
 Every restart resumes from the newest checkpoint (the trainer's checkpoint.resume=auto).
 Attempts are numbered in $MAXTRAIN_ATTEMPT and in the run's events.jsonl.
+
+--processes N starts N trainer processes of one SPMD job on this host (jax.distributed on a free
+localhost port, a new one per attempt) and treats them as one: they start, stop and restart together.
+When one exits with an error the others get --peer-grace seconds to exit on their own (a hang makes
+every watchdog fire, a stop request reaches every process), then are killed. The attempt's code is a
+not-restarted code (2, 3) if any process has one, else the code of the process that failed first
+(a peer's abort or kill that follows is a consequence).
 """
 
 from __future__ import annotations
@@ -15,8 +22,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import queue
 import signal
+import socket
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -31,10 +41,12 @@ class Attempt:
   number: int
   code: int
   seconds: float
+  codes: tuple[int, ...] = ()  # per process, with --processes
 
   def describe(self) -> str:
     meaning = MEANINGS.get(self.code, "killed by signal" if self.code < 0 else "crash")
-    return f"attempt {self.number}: exit {self.code} ({meaning}) after {self.seconds:.1f}s"
+    per_process = f" (processes, in exit order: {', '.join(map(str, self.codes))})" if len(self.codes) > 1 else ""
+    return f"attempt {self.number}: exit {self.code} ({meaning}) after {self.seconds:.1f}s{per_process}"
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -47,6 +59,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument("--window", type=float, default=3600.0, help="seconds over which restarts are counted")
   parser.add_argument("--backoff", type=float, default=5.0, help="first backoff in seconds; doubles each time")
   parser.add_argument("--max-backoff", type=float, default=300.0)
+  parser.add_argument("--processes", type=int, default=1, help="trainer processes of one job on this host")
+  parser.add_argument("--peer-grace", type=float, default=60.0,
+                      help="seconds the other processes get to exit after one failed, then they are killed")
   return parser.parse_args(own), train_args
 
 
@@ -59,6 +74,9 @@ def output_dir(train_args: list[str]) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args, train_args = parse_args(sys.argv[1:] if argv is None else argv)
+  if args.processes < 1:
+    print(f"maxtrain.launch: error: --processes={args.processes}: must be >= 1", file=sys.stderr)
+    return EXIT_BAD_INPUT
   try:
     out = output_dir(train_args)
   except Exception as e:  # noqa: BLE001 - a bad config: the trainer would exit 2, so do we
@@ -72,14 +90,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_BAD_INPUT
   attempts: list[Attempt] = []
   counted: list[float] = []  # monotonic times of counted restarts
-  child: subprocess.Popen | None = None
+  children: list[subprocess.Popen] = []
   stopping = False
 
   def forward(signum, frame):
     nonlocal stopping
     stopping = True
-    if child is not None and child.poll() is None:
-      child.send_signal(signum)  # the trainer saves and exits 75; we then stop instead of restarting
+    for child in children:
+      if child.poll() is None:
+        child.send_signal(signum)  # the trainer saves and exits 75; we then stop instead of restarting
 
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, forward)
@@ -90,10 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = ev.EventLog(out / ev.FILENAME, ev.SUPERVISOR, attempt=number)
     log.emit(ev.RESTART, reason=reason, backoff_s=backoff)
     t0 = time.monotonic()
-    child = subprocess.Popen([sys.executable, "-m", "maxtrain.train", *train_args],
-                             env={**os.environ, ev.ATTEMPT_ENV: str(number)})
-    code = child.wait()
-    attempts.append(Attempt(number, code, time.monotonic() - t0))
+    children[:] = start_processes(train_args, args.processes, {**os.environ, ev.ATTEMPT_ENV: str(number)})
+    codes = wait_all(children, args.peer_grace)
+    code = attempt_code(codes)
+    attempts.append(Attempt(number, code, time.monotonic() - t0, tuple(codes)))
     print(f"maxtrain.launch: {attempts[-1].describe()}", file=sys.stderr, flush=True)
     if code not in (*NOT_RESTARTED, EXIT_PREEMPTED):
       log.emit(ev.CRASH, code=code, reason=attempts[-1].describe())
@@ -117,6 +136,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     time.sleep(backoff)  # the backoff itself, not synchronisation
     if stopping:
       return code
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def start_processes(train_args: list[str], num_processes: int, env: dict[str, str]) -> list[subprocess.Popen]:
+  """One trainer, or `num_processes` joined by jax.distributed on a fresh localhost port."""
+  command = [sys.executable, "-m", "maxtrain.train", *train_args]
+  if num_processes == 1:
+    return [subprocess.Popen(command, env=env)]
+  layout = [f"--config.runtime.num_processes={num_processes}", f"--config.runtime.coordinator=127.0.0.1:{free_port()}"]
+  return [subprocess.Popen([*command, *layout, f"--config.runtime.process_id={i}"], env=env)
+          for i in range(num_processes)]
+
+
+def wait_all(children: list[subprocess.Popen], grace_s: float) -> list[int]:
+  """Every child's exit code, in the order they exited; once one has failed, the rest are killed after
+  `grace_s` seconds."""
+  done: queue.Queue = queue.Queue()
+  for i, child in enumerate(children):
+    threading.Thread(target=lambda i=i, child=child: done.put((i, child.wait())), daemon=True).start()
+  codes: dict[int, int] = {}
+  failed_at = None
+  while len(codes) < len(children):
+    timeout = None if failed_at is None else max(failed_at + grace_s - time.monotonic(), 0.0)
+    try:
+      i, code = done.get(timeout=timeout)
+    except queue.Empty:
+      for child in children:
+        if child.poll() is None:
+          print(f"maxtrain.launch: killing process {children.index(child)} (pid {child.pid}): still running "
+                f"{grace_s:.0f}s after another process failed", file=sys.stderr, flush=True)
+          child.kill()
+      failed_at = float("inf")  # killed: now wait for their exit
+      continue
+    codes[i] = code
+    if code != 0 and failed_at is None:
+      failed_at = time.monotonic()
+  return list(codes.values())  # dicts keep insertion order: the order of exit
+
+
+def attempt_code(codes: list[int]) -> int:
+  """One code for the processes of an attempt, from their codes in the order they exited (see the
+  module doc)."""
+  for code in codes:
+    if code in NOT_RESTARTED and code != 0:
+      return code
+  failures = [code for code in codes if code != 0]
+  return failures[0] if failures else 0
 
 
 if __name__ == "__main__":

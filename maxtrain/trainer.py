@@ -24,16 +24,18 @@ from maxtrain import optim, program as program_lib
 from maxtrain import state as state_lib
 from maxtrain.checkpoint import Checkpoints
 from maxtrain.data.loaders import Data
-from maxtrain.errors import EXIT_CRASH, Preempted, UserError, exit_code, require_writable_dir
+from maxtrain.errors import EXIT_CRASH, EXIT_HANG, Preempted, UserError, exit_code, require_writable_dir
 from maxtrain.guard_policy import GuardPolicy, Rollback
 from maxtrain.models.llama import param_count
 from maxtrain.monitor import events as ev
 from maxtrain.monitor import mfu as mfu_lib
 from maxtrain.monitor.metrics import MetricsLogger
 from maxtrain.monitor.profiler import Profiler
+from maxtrain.monitor.stragglers import StragglerMonitor
 from maxtrain.monitor.watchdog import Watchdog
 from maxtrain.runtime import cache, distributed
 from maxtrain.runtime.faults import Faults
+from maxtrain.runtime.kv import KeyValue
 from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
 from maxtrain.validate import validate
@@ -46,6 +48,7 @@ class Trainer:
     self.cfg = cfg
     self.t_start = time.monotonic() if t_process_start is None else t_process_start
     distributed.initialize_distributed(cfg.runtime)
+    self.kv = KeyValue.current()  # None with one process
     plan = validate(cfg, jax.device_count(), jax.process_count())
     self.program = program_lib.build(cfg, plan)
     cache.configure_compile_cache(cfg.runtime.compile_cache_dir)
@@ -70,7 +73,8 @@ class Trainer:
   def _build_components(self, stack: contextlib.ExitStack) -> None:
     cfg, program = self.cfg, self.program
     # First in, last out: the watchdog also watches the exit (the wait for the last save and upload).
-    self.watchdog = Watchdog(self.out_dir, self.events, cfg.watchdog.timeout_s, cfg.watchdog.startup_timeout_s).start()
+    self.watchdog = Watchdog(self.out_dir, self.events, cfg.watchdog.timeout_s, cfg.watchdog.startup_timeout_s,
+                             kv=self.kv).start()
     stack.callback(self.watchdog.stop)
     peak_flops, peak_source = mfu_lib.peak_flops(jax.local_devices()[0], cfg.mfu.peak_flops)
     self.metrics = MetricsLogger(self.out_dir, self.events, total_steps=cfg.steps,
@@ -78,7 +82,7 @@ class Trainer:
                                  peak_flops=peak_flops, prometheus_port=cfg.monitor.prometheus_port,
                                  prometheus_host=cfg.monitor.prometheus_host)
     stack.callback(self.metrics.close)
-    self.faults = Faults(cfg.faults, self.out_dir)
+    self.faults = Faults(cfg.faults, self.out_dir, jax.process_index())
     self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.faults.after_save_started,
                                    on_progress=self.watchdog.progress)
     stack.callback(self.checkpoints.close)  # waits for the last save (and its upload)
@@ -92,8 +96,12 @@ class Trainer:
     self.guards = GuardPolicy(cfg.guards, self.events, self.checkpoints.rollbacks_used(self.resume_path))
     self.profiler = Profiler(self.out_dir / "tensorboard", cfg.profile.start_step, cfg.profile.num_steps)
     stack.callback(self.profiler.stop)
-    self.stop = StopRequest().install()
+    self.stop = StopRequest(self.kv).install()
     stack.callback(self.stop.uninstall)
+    self.stragglers = StragglerMonitor(self.kv, self.events, cfg.fleet)
+    if self.kv is not None:  # other processes' stop requests and hangs arrive as notices
+      stack.callback(self.kv.stop_listening, self.kv.listen({"stop": self.stop.on_notice,
+                                                              "hang": self.watchdog.on_notice}))
 
   def train(self) -> dict:
     """Runs the loop; returns the summary. Raises Preempted after saving when asked to stop."""
@@ -102,7 +110,8 @@ class Trainer:
         eval_loss = self._loop(self._initial_state())
         self.exit_code = 0
       except BaseException as e:
-        self.exit_code = exit_code(e)
+        # A collective that fails because the watchdog is ending a peer is part of that hang, not a crash.
+        self.exit_code = EXIT_HANG if self.watchdog.fired else exit_code(e)
         if self.exit_code == EXIT_CRASH:
           self.events.emit(ev.CRASH, self.step, code=EXIT_CRASH, reason=config_lib.redact_text(f"{type(e).__name__}: {e}")[:1000])
         raise
@@ -122,6 +131,8 @@ class Trainer:
       batch = self._next_batch(step + 1)
       compiled = self._compile(state, batch)
       while step < cfg.steps:
+        if self.metrics.summary is not None:  # not the attempt's first step: its dispatch waits for compilation
+          self.stragglers.dispatching(step + 1)
         self.profiler.maybe_start(step + 1)
         with self.profiler.step_annotation(step + 1):
           state, metrics = compiled(state, batch)
@@ -134,18 +145,19 @@ class Trainer:
         if rollback is not None:
           state, step = self._rollback(rollback)
           self.watchdog.beat(step)
+          self.stragglers.reset()
           data_state = self.data.get_state()
           continue
         if self.metrics.summary is None:
           self.metrics.first_step(step, metrics, self.t_start)
         if step % cfg.log_every == 0 or step == cfg.steps:
-          self.metrics.train(step, metrics)
+          self.metrics.train(step, metrics, fleet=self.stragglers.exchange(step))
         if step == cfg.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
           eval_loss = self._evaluate(state, step)
         # After the step and its events: a hang's idle window (goodput's `hang`) starts after them.
         self.watchdog.beat(step)
         self.faults.after_step(step)
-        if self.stop.requested():
+        if self.stop.requested(step):
           self._preempt(state, step, data_state)
         self.checkpoints.after_step(step, state, data_state, dict(self.program.mesh.shape), final=step == cfg.steps)
     self.checkpoints.check_final(step)
@@ -207,10 +219,10 @@ class Trainer:
     return result["loss"]
 
   def _preempt(self, state: state_lib.TrainState, step: int, data_state: dict) -> None:
-    self.events.emit(ev.PREEMPTION, step, signal=self.stop.signal_name)
+    self.events.emit(ev.PREEMPTION, step, signal=self.stop.reason)
     self.watchdog.beat(step)  # a synchronous save is progress, not a hang
     self.checkpoints.save(step, state, data_state, dict(self.program.mesh.shape), sync=True)
-    raise Preempted(f"stopped by {self.stop.signal_name} after step {step}; checkpoint saved in "
+    raise Preempted(f"stopped by {self.stop.reason} after step {step}; checkpoint saved in "
                     f"{self.checkpoints.location}")
 
   def _summary(self, eval_loss: float) -> dict:

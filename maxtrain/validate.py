@@ -66,6 +66,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   guards.validate(cfg.guards)
   checkpoint.validate(cfg.checkpoint)
   prometheus.validate(cfg.monitor)
+  _validate_fleet(cfg, num_processes)
   require(cfg.eval.every_steps >= 0, f"config.eval.every_steps={cfg.eval.every_steps}: must be >= 0")
   require(cfg.eval.batches > 0, f"config.eval.batches={cfg.eval.batches}: must be > 0")
 
@@ -85,6 +86,17 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           f"axis = {split} devices), more than or not dividing each process's {per_process} devices. Run one process "
           "per node, or a smaller mesh.context.")
   return Plan(mesh=mesh_layout, layout=layout, batch=batch)
+
+
+def _validate_fleet(cfg: ml_collections.ConfigDict, num_processes: int) -> None:
+  fleet, faults = cfg.fleet, cfg.faults
+  for key in ("straggler_threshold", "straggler_min_s"):
+    require(fleet[key] >= 0, f"config.fleet.{key}={fleet[key]}: must be >= 0")
+  require(fleet.exchange_timeout_s > 0, f"config.fleet.exchange_timeout_s={fleet.exchange_timeout_s}: must be > 0")
+  for key in ("process", "sigterm_process"):
+    require(-1 <= faults[key] < num_processes, f"config.faults.{key}={faults[key]}: must be -1 or a process "
+            f"index 0..{num_processes - 1} of this job's {num_processes} process(es)")
+  require(faults.slow_step_s >= 0, f"config.faults.slow_step_s={faults.slow_step_s}: must be >= 0 (0 = off)")
 
 
 def total_steps(cfg: Any) -> int:

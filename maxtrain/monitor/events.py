@@ -47,15 +47,16 @@ CHECKPOINT_CORRUPT = "checkpoint_corrupt"  # The checkpoint of `step` failed ver
 NAN_SKIP = "nan_skip"  # Steps whose update the in-graph guard skipped: count (in the last interval).
 SPIKE = "spike"  # Loss spike detected at `step`: loss, threshold.
 ROLLBACK = "rollback"  # Rolled back: from_step, to_step (step = to_step); seconds (to restore).
-HANG = "hang"  # Watchdog fired: idle_s (seconds since the last completed step).
+HANG = "hang"  # Watchdog fired: idle_s (seconds since the last completed step), dump[, peer: who hung first].
+STRAGGLER = "straggler"  # Process 0 found a slow process: slow_process, host, own_s, median_s, slower_by_s, ratio.
 PREEMPTION = "preemption"  # Asked to stop (SIGTERM / maintenance notice); a checkpoint follows.
 CRASH = "crash"  # An attempt died: code, reason (written by the supervisor or an excepthook).
 RESTART = "restart"  # Supervisor launches a new attempt (its `attempt`); backoff_s, reason.
 EXIT = "exit"  # A process is exiting: code (see DESIGN.md exit codes).
 
 KINDS = (JOB_START, COMPILE_START, COMPILE_END, FIRST_STEP, STEPS, EVAL, CHECKPOINT_SAVE_START, CHECKPOINT_BLOCKED,
-         CHECKPOINT_SAVE_END, RESTORE, CHECKPOINT_CORRUPT, NAN_SKIP, SPIKE, ROLLBACK, HANG, PREEMPTION, CRASH, RESTART,
-         EXIT)
+         CHECKPOINT_SAVE_END, RESTORE, CHECKPOINT_CORRUPT, NAN_SKIP, SPIKE, ROLLBACK, HANG, STRAGGLER, PREEMPTION, CRASH,
+         RESTART, EXIT)
 # Worth an fsync: the last words of an attempt, which the goodput report needs to place downtime.
 CRITICAL = frozenset({HANG, PREEMPTION, CRASH, EXIT})
 _COMMON = ("wall", "mono", "process", "attempt", "step", "kind")

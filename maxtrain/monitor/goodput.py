@@ -20,7 +20,14 @@ all attempts. Every second of that span goes to exactly one category, so they su
                     (SIGKILL): after an `exit`, process teardown and backoff are downtime. A trainer
                     that recorded its own `crash` is dead from then on: its teardown up to `exit`
                     (closing files, waiting for an in-flight save) is downtime too.
-  other             inside an attempt but in none of the above (logging, shutdown, unrecorded steps)
+  other             inside an attempt but in none of the above (logging, shutdown, steps of a process
+                    killed before it recorded them)
+
+Steps after the last `steps` record: a trainer's `hang`, `crash`, `preemption`, `checkpoint_save_start`
+or `exit` record names the last completed step, so the steps since the last record were computed in
+the time since it (up to a hang's idle window): they count as step time, kept or lost like any other.
+Incidents (`hang`, `crash`, `preemption`) are counted once per attempt, however many processes and
+the supervisor recorded them; an attempt that hung is not also a crash.
 
 How overlaps resolve: each record that covers time becomes a segment on the wall clock (a `steps`
 record ends at its `wall` and lasts `seconds`). Where segments overlap -- two attempts alive at once,
@@ -153,86 +160,127 @@ def _attempt_spans(records: list[dict]) -> dict[int, list[float]]:
   return spans
 
 
-def _segments(records: list[dict], live: _LiveSteps) -> tuple[list[_Segment], list[tuple[_Segment, _StepsRecord]],
-                                                              list[_StepsRecord], list[tuple[float, float]], Counter]:
-  """Walks the records in wall order: step bookkeeping, segments, step-time samples, event counts."""
-  reporter = _reporting_processes(records)
-  spans = _attempt_spans(records)
-  segments = [_Segment(s, e, a, "other", {"other": 1.0}) for a, (s, e) in spans.items()]
-  step_segments: list[tuple[_Segment, _StepsRecord]] = []
-  samples: list[tuple[float, float]] = []
-  counts: Counter = Counter()
-  first_step_wall: dict[int, float] = {}
-  last_progress_wall: dict[int, float] = {}
-  save_start: dict[tuple[int, Any], float] = {}
-  blocked: set[tuple[int, Any]] = set()
-  seen: set[tuple] = set()
-  all_steps: list[_StepsRecord] = []
+# A trainer record with a step beyond the last `steps` record tells that those steps were computed
+# (their time, since the last record of progress, is step time): a hang, crash, stop or exit.
+_PROGRESS_WITNESSES = {ev.HANG, ev.CRASH, ev.EXIT, ev.PREEMPTION, ev.CHECKPOINT_SAVE_START}
+_INCIDENTS = (ev.HANG, ev.CRASH, ev.PREEMPTION)  # counted once per attempt, whoever recorded them
 
-  for r in records:
+
+class _Walk:
+  """Walks the records in wall order: step bookkeeping, segments, step-time samples, event counts."""
+
+  def __init__(self, records: list[dict], live: _LiveSteps):
+    self.live = live
+    self.reporter = _reporting_processes(records)
+    self.spans = _attempt_spans(records)
+    self.segments = [_Segment(s, e, a, "other", {"other": 1.0}) for a, (s, e) in self.spans.items()]
+    self.step_segments: list[tuple[_Segment, _StepsRecord]] = []
+    self.samples: list[tuple[float, float]] = []
+    self.counts: Counter = Counter()
+    self.all_steps: list[_StepsRecord] = []
+    self.first_step_wall: dict[int, float] = {}
+    self.progress: dict[int, tuple[float, int]] = {}  # attempt -> (wall, step) of its reporter's last progress
+    self.save_start: dict[tuple[int, Any], float] = {}
+    self.blocked: set[tuple[int, Any]] = set()
+    self.seen: set[tuple] = set()
+    for r in records:
+      self._count(r)
+      if r["process"] == self.reporter.get(r["attempt"]) and r["kind"] in _PROGRESS_WITNESSES:
+        self._unrecorded_steps(r)
+      if r["kind"] in _STEP_KINDS and r["process"] != self.reporter.get(r["attempt"]):
+        continue
+      self._record(r)
+    for attempt, (start, end) in self.spans.items():
+      startup_end = self.first_step_wall.get(attempt, end)
+      self.segments.append(_Segment(start, startup_end, attempt, "startup_compile", {"startup_compile": 1.0}))
+    self._count_incidents(records)
+
+  def _count(self, r: dict) -> None:
+    # N processes report the same NaN skip: count it once per attempt and step.
+    once = (r["kind"], r["attempt"], r["step"], r["process"] if r["process"] < 0 else None)
+    if once not in self.seen:
+      self.seen.add(once)
+      self.counts[r["kind"]] += int(_num(r, "count", 1)) if r["kind"] == ev.NAN_SKIP else 1
+
+  def _count_incidents(self, records: list[dict]) -> None:
+    """A hang is recorded by every process's watchdog and seen by the supervisor as a failed attempt;
+    a crash by the trainer and the supervisor: one incident per attempt, a hang's exit not a crash."""
+    attempts = {kind: {r["attempt"] for r in records if r["kind"] == kind} for kind in _INCIDENTS}
+    attempts[ev.CRASH] -= attempts[ev.HANG]
+    for kind in _INCIDENTS:
+      self.counts[kind] = len(attempts[kind])
+
+  def _add_steps(self, rec: _StepsRecord, seg: _Segment | None) -> None:
+    self.live.add(rec)
+    self.all_steps.append(rec)
+    if seg is not None:
+      self.step_segments.append((seg, rec))
+      self.segments.append(seg)
+
+  def _unrecorded_steps(self, r: dict) -> None:
+    """Steps computed after the last `steps` record, witnessed by `r`'s step: step time, kept or lost."""
+    attempt = r["attempt"]
+    if r["step"] is None or attempt not in self.progress or int(r["step"]) <= self.progress[attempt][1]:
+      return
+    wall, last = self.progress[attempt]
+    end = r["wall"] - _num(r, "idle_s") if r["kind"] == ev.HANG else r["wall"]
+    end = max(end, wall)
+    self._add_steps(_StepsRecord(last + 1, int(r["step"]), None), _Segment(wall, end, attempt, "steps", {}))
+    self.progress[attempt] = (end, int(r["step"]))
+
+  def _record(self, r: dict) -> None:
     kind, attempt, wall = r["kind"], r["attempt"], r["wall"]
-    # N processes report the same NaN skip or hang: count it once per attempt and step.
-    once = (kind, attempt, r["step"], r["process"] if r["process"] < 0 else None)
-    if once not in seen:
-      seen.add(once)
-      counts[kind] += int(_num(r, "count", 1)) if kind == ev.NAN_SKIP else 1
-    if kind in _STEP_KINDS and r["process"] != reporter.get(attempt):
-      continue
     if kind == ev.FIRST_STEP:
       # Its time is start-up (it may include lazy compilation), but its progress counts like any step.
-      first_step_wall.setdefault(attempt, wall)
-      rec = _StepsRecord(int(r["step"]), int(r["step"]), None)
-      live.add(rec)
-      all_steps.append(rec)
+      self.first_step_wall.setdefault(attempt, wall)
+      self._add_steps(_StepsRecord(int(r["step"]), int(r["step"]), None), None)
+      self.progress[attempt] = (wall, int(r["step"]))
     elif kind == ev.STEPS:
-      seconds, last = _num(r, "seconds"), int(r["step"])
-      count = int(r.get("count") or last - int(r.get("first", last)) + 1)
-      first = int(r.get("first", last - count + 1))
-      times = r.get("step_times")
-      rec = _StepsRecord(first, last, [float(t) for t in times] if times and len(times) == count else None)
-      live.add(rec)
-      all_steps.append(rec)
-      wait = min(max(_num(r, "data_wait_s"), 0.0), seconds)
-      seg = _Segment(wall - seconds, wall, attempt, "steps", {})
-      if seconds > 0:
-        seg.parts["data_wait"] = wait / seconds
-      step_segments.append((seg, rec))
-      segments.append(seg)
-      first_step_wall.setdefault(attempt, wall - seconds)
-      samples += [(t, 1.0) for t in rec.weights] if rec.weights else [(seconds / max(count, 1), float(count))]
-    elif kind == ev.RESTORE:
-      live.discard_from(int(r["step"]) + 1)
-    elif kind == ev.ROLLBACK:
+      self._steps(r)
+    elif kind in (ev.RESTORE, ev.ROLLBACK):
       to_step = int(r.get("to_step", r["step"]))
-      live.discard_from(to_step + 1)
-      seconds = _num(r, "seconds")
-      segments.append(_Segment(wall - seconds, wall, attempt, "rollback", {"lost_progress": 1.0}))
+      self.live.discard_from(to_step + 1)
+      if attempt in self.progress:
+        self.progress[attempt] = (wall, to_step)
+      if kind == ev.ROLLBACK:
+        self.segments.append(_Segment(wall - _num(r, "seconds"), wall, attempt, "rollback", {"lost_progress": 1.0}))
     elif kind == ev.EVAL:
-      segments.append(_Segment(wall - _num(r, "seconds"), wall, attempt, "eval", {"eval": 1.0}))
+      self.segments.append(_Segment(wall - _num(r, "seconds"), wall, attempt, "eval", {"eval": 1.0}))
     elif kind == ev.CHECKPOINT_SAVE_START:
-      save_start[(attempt, r["step"])] = wall
+      self.save_start[(attempt, r["step"])] = wall
     elif kind == ev.CHECKPOINT_BLOCKED:
-      blocked.add((attempt, r["step"]))
-      start = save_start.pop((attempt, r["step"]), wall - _num(r, "blocking_s"))
-      segments.append(_Segment(start, wall, attempt, "checkpoint", {"checkpoint": 1.0}))
-    elif kind == ev.CHECKPOINT_SAVE_END and (attempt, r["step"]) not in blocked:
+      self.blocked.add((attempt, r["step"]))
+      start = self.save_start.pop((attempt, r["step"]), wall - _num(r, "blocking_s"))
+      self.segments.append(_Segment(start, wall, attempt, "checkpoint", {"checkpoint": 1.0}))
+    elif kind == ev.CHECKPOINT_SAVE_END and (attempt, r["step"]) not in self.blocked:
       blocking = _num(r, "blocking_s")
-      start = save_start.pop((attempt, r["step"]), wall - blocking)
-      segments.append(_Segment(start, start + blocking, attempt, "checkpoint", {"checkpoint": 1.0}))
+      start = self.save_start.pop((attempt, r["step"]), wall - blocking)
+      self.segments.append(_Segment(start, start + blocking, attempt, "checkpoint", {"checkpoint": 1.0}))
     elif kind == ev.HANG:
-      start = wall - r["idle_s"] if r.get("idle_s") is not None else last_progress_wall.get(attempt, spans[attempt][0])
-      segments.append(_Segment(start, wall, attempt, "hang", {"hang": 1.0}))
-    if kind in (ev.FIRST_STEP, ev.STEPS) and r["process"] >= 0:
-      last_progress_wall[attempt] = wall
+      progress = self.progress.get(attempt, (self.spans[attempt][0], None))[0]
+      start = wall - r["idle_s"] if r.get("idle_s") is not None else progress
+      self.segments.append(_Segment(start, wall, attempt, "hang", {"hang": 1.0}))
 
-  for attempt, (start, end) in spans.items():
-    startup_end = first_step_wall.get(attempt, end)
-    segments.append(_Segment(start, startup_end, attempt, "startup_compile", {"startup_compile": 1.0}))
-  return segments, step_segments, all_steps, samples, counts
+  def _steps(self, r: dict) -> None:
+    attempt, wall = r["attempt"], r["wall"]
+    seconds, last = _num(r, "seconds"), int(r["step"])
+    count = int(r.get("count") or last - int(r.get("first", last)) + 1)
+    first = int(r.get("first", last - count + 1))
+    times = r.get("step_times")
+    rec = _StepsRecord(first, last, [float(t) for t in times] if times and len(times) == count else None)
+    seg = _Segment(wall - seconds, wall, attempt, "steps", {})
+    if seconds > 0:
+      seg.parts["data_wait"] = min(max(_num(r, "data_wait_s"), 0.0), seconds) / seconds
+    self._add_steps(rec, seg)
+    self.first_step_wall.setdefault(attempt, wall - seconds)
+    self.progress[attempt] = (wall, last)
+    self.samples += [(t, 1.0) for t in rec.weights] if rec.weights else [(seconds / max(count, 1), float(count))]
 
 
-def _sweep(segments: list[_Segment], t0: float, t1: float) -> dict[str, float]:
-  """Assigns every instant of [t0, t1] to one category: the winning segment's, else downtime."""
+def _sweep(segments: list[_Segment], t0: float, t1: float,
+           intervals: list[tuple[float, float, dict[str, float]]] | None = None) -> dict[str, float]:
+  """Assigns every instant of [t0, t1] to one category: the winning segment's, else downtime.
+  `intervals` (if given) receives every elementary interval as (start, end, {category: share})."""
   totals = dict.fromkeys(CATEGORIES, 0.0)
   points = []
   for i, seg in enumerate(segments):
@@ -244,34 +292,77 @@ def _sweep(segments: list[_Segment], t0: float, t1: float) -> dict[str, float]:
   prev = t0
   for t, is_start, i in points:
     if t > prev:
-      if active:
-        winner = segments[max(active, key=lambda j: segments[j].key())]
-        for category, share in winner.parts.items():
-          totals[category] += (t - prev) * share
-      else:
-        totals["downtime"] += t - prev
+      parts = segments[max(active, key=lambda j: segments[j].key())].parts if active else {"downtime": 1.0}
+      for category, share in parts.items():
+        totals[category] += (t - prev) * share
+      if intervals is not None:
+        intervals.append((prev, t, parts))
       prev = t
     (active.add if is_start else active.discard)(i)
   totals["downtime"] += max(t1 - prev, 0.0)
+  if intervals is not None and t1 > prev:
+    intervals.append((prev, t1, {"downtime": 1.0}))
   return totals
 
 
-def compute(records: Iterable[dict]) -> dict:
-  """The goodput report of an event log's records (see the module doc); JSON-serialisable."""
+def _sorted_records(records: Iterable[dict]) -> list[dict]:
   defaults = {"attempt": 0, "process": 0, "step": None, "kind": ""}
   records = sorted(({**defaults, **r} for r in records if isinstance(r.get("wall"), (int, float))),
                    key=lambda r: r["wall"])
   if not records:
     raise ValueError("no events: nothing to report")
-  t0, t1 = records[0]["wall"], records[-1]["wall"]
+  return records
+
+
+def _analyse(records: list[dict], t0: float, t1: float, intervals: list | None = None):
+  """(walk, live steps, seconds per category) of time-sorted records over [t0, t1]."""
   live = _LiveSteps()
-  segments, step_segments, all_steps, samples, counts = _segments(records, live)
+  walk = _Walk(records, live)
   # Kept vs lost is known only now: split each steps segment's non-waiting time accordingly.
-  for seg, rec in step_segments:
+  for seg, rec in walk.step_segments:
     working = 1.0 - seg.parts.get("data_wait", 0.0) if seg.end > seg.start else 0.0
     seg.parts["productive"] = working * (1.0 - rec.lost_fraction)
     seg.parts["lost_progress"] = working * rec.lost_fraction
-  seconds = _sweep(segments, t0, t1)
+  return walk, live, _sweep(walk.segments, t0, t1, intervals)
+
+
+def timeline(records: Iterable[dict]) -> dict:
+  """The report's intervals on the wall clock, for a picture: {"t0", "t1", "report", "rows": [(label,
+  [(start, end, {category: share}), ...])]}; the first row is the whole job (the report's numbers),
+  then one row per process when there are several (its own records and the supervisor's)."""
+  records = _sorted_records(records)
+  t0, t1 = records[0]["wall"], records[-1]["wall"]
+  rows = []
+  processes = sorted({r["process"] for r in records if r["process"] >= 0})
+  groups = [("job", records)]
+  if len(processes) > 1:
+    groups += [(f"process {p}", [r for r in records if r["process"] in (p, ev.SUPERVISOR)]) for p in processes]
+  for label, group in groups:
+    intervals: list = []
+    _analyse(group, t0, t1, intervals)
+    rows.append((label, intervals))
+  restarts = [r["wall"] for r in records if r["kind"] == ev.RESTART]
+  return {"t0": t0, "t1": t1, "rows": rows, "restarts": restarts, "report": compute(records)}
+
+
+def _stragglers(records: list[dict]) -> list[dict]:
+  found: dict[int, dict] = {}
+  for r in records:
+    if r["kind"] == ev.STRAGGLER and "slow_process" in r:
+      entry = found.setdefault(r["slow_process"], {"process": r["slow_process"], "host": r.get("host"), "events": 0,
+                                                    "max_ratio": 0.0, "max_late_s": 0.0})
+      entry["events"] += 1
+      entry["max_ratio"] = max(entry["max_ratio"], _num(r, "ratio"))
+      entry["max_late_s"] = max(entry["max_late_s"], _num(r, "late_s"))
+  return [found[p] for p in sorted(found)]
+
+
+def compute(records: Iterable[dict]) -> dict:
+  """The goodput report of an event log's records (see the module doc); JSON-serialisable."""
+  records = _sorted_records(records)
+  t0, t1 = records[0]["wall"], records[-1]["wall"]
+  walk, live, seconds = _analyse(records, t0, t1)
+  all_steps, samples, counts = walk.all_steps, walk.samples, walk.counts
   total = t1 - t0
   computed = sum(rec.last - rec.first + 1 for rec in all_steps)
   kept = live.count()
@@ -287,7 +378,8 @@ def compute(records: Iterable[dict]) -> dict:
       "attempts": len(attempts),
       "processes": len({r["process"] for r in records if r["process"] >= 0}),
       "events": {k: counts[k] for k in (ev.NAN_SKIP, ev.SPIKE, ev.ROLLBACK, ev.HANG, ev.PREEMPTION, ev.CRASH,
-                                          ev.RESTART, ev.CHECKPOINT_SAVE_END) if counts[k]},
+                                          ev.STRAGGLER, ev.RESTART, ev.CHECKPOINT_SAVE_END) if counts[k]},
+      "stragglers": _stragglers(records),
   }
 
 
@@ -309,4 +401,7 @@ def format_table(report: dict, title: str = "") -> str:
     lines.append("  step time (s): " + "  ".join(f"{k} {p[k]:.4f}" for k in ("p50", "p90", "p99", "max")))
   if report["events"]:
     lines.append("  events: " + ", ".join(f"{k} {v}" for k, v in report["events"].items()))
+  for s in report.get("stragglers", []):
+    lines.append(f"  straggler: process {s['process']} ({s['host']}) flagged {s['events']} time(s), up to "
+                 f"{s['max_late_s']:.3f}s late per step ({s['max_ratio']:.2f}x the step time without it)")
   return "\n".join(lines)

@@ -59,10 +59,12 @@ class MetricsLogger:
   def text(self, tag: str, value: str) -> None:
     self.writer.text(tag, value)
 
-  def train(self, step: int, metrics: Mapping[str, Any]) -> None:
-    """A log step: the step's metrics, speed, MFU and memory; then the steps record."""
+  def train(self, step: int, metrics: Mapping[str, Any], fleet: Mapping[str, float] | None = None) -> None:
+    """A log step: the step's metrics, speed, MFU and memory, the fleet's straggler scalars (process
+    0); then the steps record."""
     metrics = jax.device_get(metrics)  # note: a host-device sync point, once per log interval
     scalars = {f"train/{k}": v for k, v in metrics.items()}
+    scalars.update(fleet or {})
     pending = self.summary.pending(step) if self.summary is not None else None
     speed = ""
     if pending is not None:  # None at the attempt's first step, whose time is mostly compilation

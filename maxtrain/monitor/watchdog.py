@@ -5,6 +5,14 @@ which includes compilation and restore), dump every thread's Python stack and th
 A hung collective blocks the main thread inside XLA, where no Python code runs; only a separate
 thread can notice, and only a hard `os._exit` can leave (a normal exit would wait on the hung
 thread). The dump is written first so the cause survives the exit.
+
+With several processes one hung process stalls all the others, and their idle clocks start at
+slightly different steps. The first watchdog to fire posts a `hang` notice to every other process
+(runtime/kv.py), whose watchdogs then fire at once: every process writes its dump (the hung one's
+shows where it hangs, the others' where they wait) and exits 76, and a supervisor restarts them all.
+Process 0 hosts the coordination service, whose end kills every process still attached to it
+(jax aborts them), so it exits last: after the others have recorded that they are leaving, or after
+`PEER_EXIT_WAIT_S`.
 """
 
 from __future__ import annotations
@@ -12,24 +20,30 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 
 from maxtrain.errors import EXIT_HANG
 from maxtrain.monitor import events as ev
+from maxtrain.runtime.kv import KeyValue
 
 log = logging.getLogger("maxtrain")
+NOTICE = "hang"
+PEER_EXIT_WAIT_S = 20.0  # process 0 waits at most this long for the others to leave before it exits
 
 
 class Watchdog:
-  def __init__(self, out_dir: Path, events: ev.EventLog, timeout_s: float, startup_timeout_s: float):
-    self.out_dir, self.events = out_dir, events
+  def __init__(self, out_dir: Path, events: ev.EventLog, timeout_s: float, startup_timeout_s: float,
+               kv: KeyValue | None = None):
+    self.out_dir, self.events, self.kv = out_dir, events, kv
     self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
     self._last = time.monotonic()
     self._step: int | None = None  # None until the first step completes
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._watch, name="maxtrain-watchdog", daemon=True)
+    self._firing = threading.Lock()
 
   def start(self) -> "Watchdog":
     if self.timeout_s > 0:
@@ -58,11 +72,29 @@ class Watchdog:
       if idle > self._allowance():
         self._fire(idle)
 
-  def _fire(self, idle: float) -> None:
+  @property
+  def fired(self) -> bool:
+    """True once this watchdog is ending the process (the main thread may see a collective fail)."""
+    return self._firing.locked()
+
+  def on_notice(self, payload: str) -> None:
+    """Another process's watchdog fired (`PROCESS:STEP`): this one fires now (notice thread)."""
+    process, _, step = payload.partition(":")
+    self._fire(time.monotonic() - self._last, peer=f"process {process} saw no progress after step {step}")
+
+  def _fire(self, idle: float, peer: str | None = None) -> None:
+    if not self._firing.acquire(blocking=False):
+      return  # another thread is already ending the process
+    if peer is None and self.kv is not None:
+      try:
+        self.kv.post_all(f"{NOTICE}:{self.kv.process_index}:{self._step}", include_self=False)
+      except Exception as e:  # noqa: BLE001 - the coordinator may be the thing that hangs: dump and exit anyway
+        log.error("watchdog: could not tell the other processes: %s", e)
     phase = "before the first step (compile/restore)" if self._step is None else f"after step {self._step}"
     path = self.out_dir / f"hang-attempt{self.events.attempt}-process{self.events.process_index}-{int(time.time())}.txt"
+    cause = f"{peer}; this process" if peer else "this process"
     with open(path, "w") as f:
-      f.write(f"maxtrain watchdog: no step completed for {idle:.1f}s {phase} "
+      f.write(f"maxtrain watchdog: {cause}: no step completed for {idle:.1f}s {phase} "
               f"(allowance {self._allowance():.0f}s)\n\n=== Python stacks of all threads ===\n")
       f.flush()
       faulthandler.dump_traceback(file=f, all_threads=True)
@@ -70,9 +102,25 @@ class Watchdog:
       events_file = self.out_dir / ev.FILENAME
       if events_file.exists():
         f.writelines(events_file.read_text().splitlines(keepends=True)[-50:])
-    self.events.emit(ev.HANG, self._step, idle_s=idle, dump=str(path))
+    self.events.emit(ev.HANG, self._step, idle_s=idle, dump=str(path), **({"peer": peer} if peer else {}))
     self.events.emit(ev.EXIT, self._step, code=EXIT_HANG)
-    log.error("watchdog: no step completed for %.1fs %s; stacks dumped to %s; exiting %d", idle, phase, path,
-              EXIT_HANG)
+    log.error("watchdog: %s: no step completed for %.1fs %s; stacks dumped to %s; exiting %d", cause, idle, phase,
+              path, EXIT_HANG)
     logging.shutdown()
+    self._leave_after_peers()
     os._exit(EXIT_HANG)
+
+  def _leave_after_peers(self) -> None:
+    if self.kv is None:
+      return
+    try:
+      if self.kv.process_index != 0:
+        self.kv.set(f"hang/leaving/{self.kv.process_index}", "1")
+        return
+      deadline = time.monotonic() + PEER_EXIT_WAIT_S
+      for process in range(1, self.kv.process_count):
+        if self.kv.get(f"hang/leaving/{process}", max(deadline - time.monotonic(), 0.001)) is None:
+          print(f"maxtrain watchdog: process {process} did not record leaving within {PEER_EXIT_WAIT_S:.0f}s",
+                file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - leave anyway
+      print(f"maxtrain watchdog: {e}", file=sys.stderr, flush=True)

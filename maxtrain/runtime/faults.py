@@ -1,7 +1,11 @@
 """Fault injection for tests and drills (off unless configured).
 
 Each fault fires at most once per output_dir, even across restarts, so a recovered run does not
-fault again: a fired fault is recorded in `<output_dir>/faults_fired.json`.
+fault again: a fired fault is recorded in `<output_dir>/faults_fired.json` (process N > 0:
+`faults_fired.processN.json`). With several processes,
+`faults.process` picks the one process that faults (-1: all; `faults.sigterm_process` may pick
+another for the SIGTERM, so that one run can stop one process and hang another); `faults.slow_step_s` makes it a
+straggler for the whole run (it is not a one-off, so it is not recorded).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import ml_collections
@@ -21,9 +26,13 @@ log = logging.getLogger("maxtrain")
 
 
 class Faults:
-  def __init__(self, faults_cfg: ml_collections.ConfigDict, output_dir: Path):
+  def __init__(self, faults_cfg: ml_collections.ConfigDict, output_dir: Path, process_index: int = 0):
     self.cfg = faults_cfg
-    self._record = output_dir / "faults_fired.json"
+    self.targeted = faults_cfg.process in (-1, process_index)
+    sigterm_process = faults_cfg.process if faults_cfg.sigterm_process == -1 else faults_cfg.sigterm_process
+    self._sigterm_targeted = sigterm_process in (-1, process_index)
+    # One record per process: processes that fire different faults never overwrite each other's.
+    self._record = output_dir / ("faults_fired.json" if process_index == 0 else f"faults_fired.process{process_index}.json")
     self._fired = self._read() if self._record.exists() else set()
 
   def _read(self) -> set[str]:
@@ -37,7 +46,7 @@ class Faults:
                       "already fired): fix or delete it (deleting re-arms every config.faults.* fault)") from None
 
   def _fire(self, name: str, step: int) -> bool:
-    if self.cfg[name] != step or name in self._fired:
+    if not self._armed(name, step):
       return False
     self._fired.add(name)
     self._record.write_text(json.dumps(sorted(self._fired)))
@@ -45,6 +54,8 @@ class Faults:
     return True
 
   def after_step(self, step: int) -> None:
+    if self.targeted and self.cfg.slow_step_s > 0:
+      time.sleep(self.cfg.slow_step_s)  # the fault itself: this host's work per step takes longer
     for name in ("nan_at_step", "spike_at_step"):
       self._fire(name, step)
     if self._fire("sigterm_at_step", step):
@@ -55,7 +66,10 @@ class Faults:
       threading.Event().wait()  # blocks forever, like a hung collective; the watchdog must fire
 
   def _armed(self, name: str, step: int) -> bool:
-    return self.cfg[name] == step and name not in self._fired
+    # The in-graph faults feed a replicated input: every process must agree on them.
+    targeted = {"nan_at_step": True, "spike_at_step": True, "sigterm_at_step": self._sigterm_targeted}.get(
+        name, self.targeted)
+    return targeted and self.cfg[name] == step and name not in self._fired
 
   def in_graph(self, step: int) -> tuple[float, float]:
     """(NaN flag, loss scale) for the step that will complete as `step`: the step's `fault` input.
