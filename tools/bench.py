@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from maxtrain import config as config_lib, program as program_lib, state as stat
 from maxtrain import batch as batch_lib  # noqa: E402
 from maxtrain.data.loaders import Data  # noqa: E402
 from maxtrain.models.llama import param_count  # noqa: E402
-from maxtrain.monitor import mfu  # noqa: E402
+from maxtrain.monitor import mfu, profiler  # noqa: E402
 from maxtrain.runtime import platform as platform_env  # noqa: E402
 from maxtrain.validate import validate  # noqa: E402
 
@@ -31,6 +32,8 @@ from maxtrain.validate import validate  # noqa: E402
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--steps", type=int, default=10, help="timed steps")
+  parser.add_argument("--top-ops", type=int, default=0,
+                      help="after timing, trace the steps again and print the N ops that took the most time")
   args, rest = parser.parse_known_args()
   cfg = config_lib.load(rest)
   platform_env.apply(cfg.runtime)  # XLA/Neuron flags of runtime.platform, before the backend starts
@@ -50,6 +53,8 @@ def main() -> None:
       state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
     step_s = (time.perf_counter() - t0) / args.steps
+    if args.top_ops:
+      state = print_top_ops(compiled, state, batches[1:], args.top_ops, step_s)
   tokens = cfg.data.batch_size * cfg.data.seq_len
   flops_per_token = program.flops_per_token
   flops = flops_per_token * tokens
@@ -68,6 +73,22 @@ def main() -> None:
   if memory is not None:  # per device; activations and other temporaries of the step
     print(f"optimizer {cfg.optimizer.name}, grad_accum_steps {program.plan.batch.num_microbatches}: "
           f"temporary memory {memory.temp_size_in_bytes / 2**20:.1f} MiB")
+
+
+def print_top_ops(compiled, state, batches: list, n: int, step_s: float):
+  """Traces `batches` (outside the timing: the trace costs time) and prints the top `n` ops."""
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    for batch in batches:
+      state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    jax.profiler.stop_trace()
+    ops = profiler.top_ops(trace_dir, len(batches), n)
+  lines = profiler.hlo_op_lines(compiled.as_text(), [name for name, _, _ in ops])
+  print(f"top {n} ops (ms per step, share of the {step_s * 1e3:.0f} ms step, runs per step; a while spans its body):")
+  for name, ms, runs in ops:
+    print(f"  {ms:8.1f} ms {ms / 1e3 / step_s:6.1%} {runs:5.0f}x  {name}: {lines.get(name, '')[:110]}")
+  return state
 
 
 if __name__ == "__main__":

@@ -59,3 +59,44 @@ class Profiler:
       self.active = False
       self.done = True
       log.info("profiler: trace written under %s/plugins/profile", self.logdir)
+
+
+# Trace events that are not one XLA op: the executor's whole-program spans, waits and Python frames.
+_NOT_OPS = ("ThunkExecutor", "SlinkyThreadPool", "$")
+
+
+def top_ops(trace_dir: str | os.PathLike, steps: int, n: int = 25) -> list[tuple[str, float, float]]:
+  """The `n` XLA ops that took the most time in a `jax.profiler` trace of `steps` steps taken with
+  `create_perfetto_trace=True`: (op name as in the compiled HLO, ms per step, runs per step), summed
+  over threads. On XLA:CPU each fusion, dot or copy is one event (`hlo_op_lines` finds it in the
+  compiled HLO); a `while` (a scan) spans its body, whose ops are also listed on their own."""
+  import collections
+  import glob
+  import gzip
+  import json
+
+  files = glob.glob(os.path.join(str(trace_dir), "**", "*.trace.json.gz"), recursive=True)
+  if not files:
+    raise FileNotFoundError(f"no perfetto trace (*.trace.json.gz) under {trace_dir}")
+  with gzip.open(max(files, key=os.path.getmtime)) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  total, count = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and not e["name"].startswith(_NOT_OPS):
+      total[e["name"]] += e.get("dur", 0.0)
+      count[e["name"]] += 1
+  return [(name, us / 1e3 / steps, count[name] / steps) for name, us in total.most_common(n)]
+
+
+def hlo_op_lines(hlo_text: str, names: list[str]) -> dict[str, str]:
+  """name -> "shape <- jax op" for ops of the compiled HLO text: what a `top_ops` name computes."""
+  import re
+
+  wanted, found = set(names), {}
+  for line in hlo_text.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\S+)", line)
+    if m and m.group(1) in wanted and m.group(1) not in found:
+      source = re.search(r'op_name="([^"]*)"', line)
+      found[m.group(1)] = m.group(2) + (" <- " + source.group(1).split("/")[-1] if source else "")
+  return found
