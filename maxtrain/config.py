@@ -110,6 +110,7 @@ def base_config() -> ml_collections.ConfigDict:
   o.muon_momentum = 0.95  # Muon (Nesterov) momentum decay.
   o.muon_ns_steps = 5  # Newton-Schulz iterations orthogonalising the Muon momentum.
   o.muon_ns_coeffs = "3.4445,-4.7750,2.0315"  # a,b,c of the quintic step X <- aX + (bA + cA^2)X, A = XX^T.
+  o.muon_ns_dtype = "float32"  # float32 | bfloat16: dtype of the Newton-Schulz iteration (BENCHMARKS.md: accuracy, speed).
   o.muon_consistent_rms = 0.0  # > 0: scale Muon updates to this RMS x sqrt(max dim) (Moonlight: 0.2); 0: sqrt(max(1, out/in)).
 
   c.checkpoint = k = ml_collections.ConfigDict()

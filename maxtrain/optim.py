@@ -2,19 +2,20 @@
 
 Routing is decided by one function, `param_labels`: every parameter leaf is labelled `muon` or
 `adam`, and `optax.partition` applies one transformation per label. Muon (momentum orthogonalised
-by Newton-Schulz, `optax.contrib.scale_by_muon`) is for hidden weight matrices only; embeddings,
+by Newton-Schulz, maxtrain/muon.py: optax.contrib.scale_by_muon's math) is for hidden weight matrices only; embeddings,
 the output head, norm scales and biases stay on AdamW. Parameters are classified by name
 (`param_kind`), and a parameter the table does not know is an error rather than a silent fallback
 to Adam: with scanned layers every hidden matrix is 3-D or 4-D, and optax's default (Muon for 2-D
 leaves only) would send all of them to Adam and the 2-D embedding and head to Muon.
 
 The Muon update of one hidden matrix W, viewed as [fan_in, fan_out] (a scanned weight: each
-layer's slice on its own), with gradient G_t at step t = 1, 2, ... (optax's scale_by_muon, then
+layer's slice on its own), with gradient G_t at step t = 1, 2, ... (maxtrain/muon.py, then
 `_scale_by_shape`, decoupled weight decay and the learning rate):
 
   M_t = beta M_{t-1} + (1 - beta) G_t                                       momentum
   Mh  = beta M_t / (1 - beta^(t+1)) + (1 - beta) G_t / (1 - beta^t)          Nesterov, bias-corrected
   X   = Mh / (|Mh|_F + 1e-8), transposed to be wide; muon_ns_steps times: X <- aX + (bA + cA^2)X, A = XX^T
+        (the iteration in muon_ns_dtype)
   W  <- W - lr_t (s X + weight_decay W),  s = sqrt(max(1, fan_out / fan_in))
         (or s = muon_consistent_rms * sqrt(max(fan_in, fan_out)) when that is > 0)
 
@@ -35,6 +36,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from maxtrain.errors import choice, require
 from maxtrain.guards import keep_if
+from maxtrain.muon import NS_DTYPES, scale_by_muon_guarded
 from maxtrain.sharding.layout import param_name
 
 OPTIMIZERS = ("adamw", "muon")
@@ -96,8 +98,9 @@ def param_labels(params: Any, optimizer_name: str) -> Any:
   return _map_named(label, params)
 
 
-def muon_dimension_numbers(params: Any) -> Any:
-  return _map_named(lambda name, leaf: HIDDEN_MATRICES[_matrix_key(name)][1], params)
+def matrix_dimension_numbers(name: str) -> MuonDimensionNumbers:
+  """How Muon sees the hidden matrix `name` ('blocks/attn/wq') as [fan_in, fan_out]."""
+  return HIDDEN_MATRICES[_matrix_key(name)][1]
 
 
 def decay_mask(no_decay: str) -> Callable[[Any], Any]:
@@ -241,6 +244,7 @@ def validate(o: ml_collections.ConfigDict, steps: int) -> None:
     three_numbers = False
   require(three_numbers, f"config.optimizer.muon_ns_coeffs={o.muon_ns_coeffs!r}: expected three numbers 'a,b,c', "
            "e.g. '3.4445,-4.7750,2.0315'")
+  choice("optimizer.muon_ns_dtype", o.muon_ns_dtype, NS_DTYPES)
   require(o.muon_consistent_rms >= 0,
            f"config.optimizer.muon_consistent_rms={o.muon_consistent_rms}: must be >= 0 (0: width scaling)")
 
@@ -257,12 +261,11 @@ def make(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
   if opt_cfg.name == "muon":
     adam_lr = lambda step: opt_cfg.adam_lr * multiplier(step)
     learning_rates["adam_lr"] = adam_lr
-    # Muon's momentum is guarded by a select after its update (optax computes the orthogonalised
-    # update inside scale_by_muon), so it keeps the extra copy Adam avoids.
+    # optax.contrib.scale_by_muon's math and state tree, with the guard's select inside (maxtrain/muon.py).
     transforms["muon"] = optax.chain(
-        guarded(optax.contrib.scale_by_muon(ns_coeffs=parse_ns_coeffs(opt_cfg.muon_ns_coeffs),
-                                            ns_steps=opt_cfg.muon_ns_steps, beta=opt_cfg.muon_momentum,
-                                            mu_dtype=state_dtype, weight_dimension_numbers=muon_dimension_numbers)),
+        scale_by_muon_guarded(ns_coeffs=parse_ns_coeffs(opt_cfg.muon_ns_coeffs), ns_steps=opt_cfg.muon_ns_steps,
+                              beta=opt_cfg.muon_momentum, mu_dtype=state_dtype, ns_dtype=opt_cfg.muon_ns_dtype,
+                              matrix_dims=matrix_dimension_numbers),
         _scale_by_shape(opt_cfg.muon_consistent_rms),
         optax.add_decayed_weights(opt_cfg.weight_decay, mask),
         guarded(optax.scale_by_learning_rate(lr)),

@@ -92,7 +92,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
                                               warmup=spike_warmup)
     # A skipped step keeps the optimizer state inside the optimizer (maxtrain.optim.guarded: the moments
     # are updated in place) and the parameters here.
-    updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params, skip=skip)
+    with sharding_rules.activate(rules):  # Muon's Newton-Schulz lays out whole layers per device (maxtrain/muon.py)
+      updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params, skip=skip)
     candidate = optax.apply_updates(state.params, updates)
     update_norms = optim.update_norms(updates, optimizer.labels(state.params))
     old_norm, new_norm = optax.tree.norm(state.params), optax.tree.norm(candidate)

@@ -205,19 +205,42 @@ def test_optimizer_state_dtype_holds_across_updates(param_dtype, state_dtype):
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(param_dtype)}
 
 
+def optax_muon(cfg, total_steps):
+  """optim.make's Muon optimizer with optax.contrib.scale_by_muon (the transform maxtrain.muon replaced)
+  in place of maxtrain.muon's: the reference for its values and its state tree."""
+  dims = lambda tree: jax.tree_util.tree_map_with_path(
+      lambda path, leaf: optim.matrix_dimension_numbers(param_name(path)), tree)
+  multiplier = optim.lr_multiplier(cfg, total_steps)
+  mask, state_dtype = optim.decay_mask(cfg.no_decay), jnp.dtype(cfg.state_dtype)
+  muon = optax.chain(
+      optax.contrib.scale_by_muon(ns_coeffs=optim.parse_ns_coeffs(cfg.muon_ns_coeffs), ns_steps=cfg.muon_ns_steps,
+                                  beta=cfg.muon_momentum, mu_dtype=state_dtype, weight_dimension_numbers=dims),
+      optim._scale_by_shape(cfg.muon_consistent_rms), optax.add_decayed_weights(cfg.weight_decay, mask),
+      optax.scale_by_learning_rate(lambda step: cfg.lr * multiplier(step)))
+  adam = optax.chain(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, mu_dtype=state_dtype),
+                     optax.add_decayed_weights(cfg.weight_decay, mask),
+                     optax.scale_by_learning_rate(lambda step: cfg.adam_lr * multiplier(step)))
+  tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                   optax.partition({"muon": muon, "adam": adam}, lambda p: optim.param_labels(p, "muon")))
+  return optim._init_state_in(tx, state_dtype)
+
+
 @pytest.mark.parametrize("name, state_dtype", [("adamw", "float32"), ("adamw", "bfloat16"), ("muon", "float32"),
                                               ("muon", "bfloat16")])
 def test_guarded_update_is_optax_and_a_skip_is_exact(name, state_dtype):
-  """skip=False: the guarded transforms (maxtrain.optim.guarded, scale_by_adam_guarded) give optax's
-  updates and state (skip=None runs optax's own update functions; the two programs are compiled
-  differently, so equal up to fp32 rounding: 1e-5 of each leaf's scale). skip=True: the whole state
-  comes back bit-identical, whatever the gradients."""
-  optimizer = optim.make(opt_config(name=name, lr=1e-2 if name == "adamw" else 0.02, state_dtype=state_dtype,
-                                    warmup_steps=2), total_steps=10)
+  """skip=False: the guarded transforms (maxtrain.optim.guarded, scale_by_adam_guarded, maxtrain.muon)
+  give optax's updates and state, in the same state tree (skip=None runs optax's own update functions
+  for Adam, and optax.contrib.scale_by_muon for Muon; the programs are compiled differently, so equal up
+  to fp32 rounding: 1e-5 of each leaf's scale). skip=True: the whole state comes back bit-identical,
+  whatever the gradients."""
+  cfg = opt_config(name=name, lr=1e-2 if name == "adamw" else 0.02, state_dtype=state_dtype, warmup_steps=2)
+  optimizer = optim.make(cfg, total_steps=10)
+  reference_tx = optax_muon(cfg, total_steps=10) if name == "muon" else optimizer.tx
   params = random_params()
   update = jax.jit(lambda g, s, p, skip: optimizer.tx.update(g, s, p, skip=skip))
-  reference = jax.jit(lambda g, s, p: optimizer.tx.update(g, s, p))
+  reference = jax.jit(lambda g, s, p: reference_tx.update(g, s, p))
   state = optimizer.tx.init(params)
+  assert jax.tree.structure(state) == jax.tree.structure(reference_tx.init(params))  # checkpoints restore
   for step in range(4):
     grads = random_params(seed=10 + step)
     ours, new_state = update(grads, state, params, jnp.bool_(False))

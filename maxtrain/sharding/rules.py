@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Any, Iterator, Mapping
 
 import jax
@@ -37,6 +38,9 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "head_dim": None,
     "norm": None,
     "layers": None,
+    # optimizer: Muon orthogonalises a stacked weight with its layers split over the devices that
+    # shard its matrix dims (maxtrain/muon.py), so each device holds whole matrices
+    "opt_layers": ("fsdp", "context", "tensor"),
     # activations
     "act_batch": ("data", "fsdp"),
     "act_length": "context",
@@ -98,6 +102,15 @@ def activate(rules: Rules | None) -> Iterator[None]:
     yield
   finally:
     _ACTIVE.reset(token)
+
+
+def active_shards(logical: str) -> int:
+  """Into how many parts the active rules split a dim named `logical` on the current mesh (the step
+  traces under `jax.set_mesh`); 1 outside a step's tracing."""
+  rules, mesh = _ACTIVE.get(), jax.sharding.get_abstract_mesh()
+  if rules is None or mesh.empty:
+    return 1
+  return math.prod(mesh.shape[a] for a in mesh_axes(rules[logical]))
 
 
 def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
