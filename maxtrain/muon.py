@@ -69,14 +69,19 @@ def newton_schulz(x: jax.Array, dims: MuonDimensionNumbers, coeffs: Any, steps: 
 def orthogonalize(x: jax.Array, dims: MuonDimensionNumbers, logical: tuple[str | None, ...] | None, coeffs: Any,
                   steps: int, dtype: jnp.dtype) -> jax.Array:
   """`newton_schulz`, with whole layers per device when `x` is a stacked weight (its logical names
-  start with `layers`) whose layer count the active rules' `opt_layers` shards divide; otherwise
-  GSPMD partitions the iteration over the parameter's own layout (gathering the matrix dims)."""
+  start with `layers`) and the active rules split `opt_layers`: resharded to layers over those
+  devices, orthogonalised locally, resharded back to `logical`. Otherwise (an unstacked weight, one
+  device) GSPMD partitions the iteration over the parameter's own layout, which all-gathers the
+  matrix dims at every iteration."""
   shards = sharding_rules.active_shards("opt_layers")
-  split = logical is not None and logical[:1] == ("layers",) and shards > 1 and x.shape[0] % shards == 0
-  if split:
-    x = sharding_rules.constrain(x, ("opt_layers",) + (None,) * (x.ndim - 1))
-  y = newton_schulz(x, dims, coeffs, steps, dtype)
-  return sharding_rules.constrain(y, logical) if split else y
+  if logical is None or logical[:1] != ("layers",) or shards == 1:
+    return newton_schulz(x, dims, coeffs, steps, dtype)
+  num_layers = x.shape[0]
+  pad = -num_layers % shards  # zero layers (they stay zero) let any layer count split evenly
+  x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+  x = sharding_rules.constrain(x, ("opt_layers",) + (None,) * (x.ndim - 1))
+  y = sharding_rules.constrain(newton_schulz(x, dims, coeffs, steps, dtype), logical)
+  return y[:num_layers] if pad else y
 
 
 def nesterov_input(mu: Any, grads: Any, beta: float, count: jax.Array) -> Any:

@@ -9,13 +9,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxtrain import config as config_lib
-from maxtrain import optim
+from maxtrain import muon, optim
 from maxtrain import state as state_lib
+from maxtrain.aot import collectives
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.sharding.layout import param_name
+from maxtrain.sharding import rules as sharding_rules
 from maxtrain.sharding.mesh import make_mesh
 
 D, N, K, H, F, V, L = 32, 4, 2, 8, 48, 64, 2
@@ -253,3 +255,42 @@ def test_guarded_update_is_optax_and_a_skip_is_exact(name, state_dtype):
     for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(their_state)):
       assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
     state = their_state
+
+
+def test_sharded_newton_schulz_orthogonalises_whole_layers_per_device():
+  """Under the step's rules (maxtrain.muon.orthogonalize), a stacked weight's Newton-Schulz runs on whole
+  layers per device: layers split over the 8 fsdp devices (zero-padded to 8 when fewer) by all-to-alls,
+  no all-gather of any matrix. Without rules GSPMD all-gathers the whole stacked matrix. Both match the
+  NumPy reference layer by layer."""
+  mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
+  rules = sharding_rules.DEFAULT_RULES
+  coeffs, steps = optim.parse_ns_coeffs(opt_config().muon_ns_coeffs), 5
+  weights = {  # name: (layers, logical names of the parameter); 8 layers split evenly, 2 padded to 8
+      "blocks/mlp/gate": (8, ("layers", "embed", "mlp")), "blocks/attn/wo": (2, ("layers", "heads", "head_dim", "embed"))}
+  shapes = {"blocks/mlp/gate": (D, F), "blocks/attn/wo": (N, H, D)}
+  rng = np.random.default_rng(0)
+  x = {name: rng.normal(size=(layers, *shapes[name])).astype(np.float32) for name, (layers, _) in weights.items()}
+  shardings = {name: NamedSharding(mesh, sharding_rules.logical_to_mesh(logical, rules))
+               for name, (_, logical) in weights.items()}
+
+  def compiled(active):
+    def run(x):
+      with sharding_rules.activate(active):
+        return {name: muon.orthogonalize(v, optim.matrix_dimension_numbers(name), weights[name][1], coeffs, steps,
+                                         jnp.float32) for name, v in x.items()}
+    return jax.jit(run, in_shardings=(shardings,), out_shardings=shardings).lower(x).compile()
+
+  with jax.set_mesh(mesh):
+    split, plain = compiled(rules), compiled(None)
+    results = [jax.device_get(f(jax.device_put(x, shardings))) for f in (split, plain)]
+  for got in results:
+    for name, (layers, _) in weights.items():
+      for layer in range(layers):
+        fan_in = D if name.endswith("gate") else N * H
+        want = newton_schulz_np(x[name][layer].astype(np.float64).reshape(fan_in, -1), coeffs, steps)
+        np.testing.assert_allclose(got[name][layer].reshape(fan_in, -1), want, rtol=1e-4, atol=1e-5,
+                                   err_msg=f"{name} layer {layer}")
+  gathered = lambda c: [s for s in collectives.array_shapes(c.as_text(), "all-gather") if math.prod(s) >= D * D]
+  assert (8, D, F) in gathered(plain)  # GSPMD's own partitioning: the whole stacked matrix on every device
+  assert gathered(split) == []
+  assert collectives.totals(split.as_text())["all-to-all"][0] >= 2 * len(weights)  # there and back

@@ -119,8 +119,8 @@ COMPONENTS: dict[str, tuple[str, str]] = {
     "weights": ("weights", "parameters at model.param_dtype, sharded"),
     "optimizer_state": ("optimizer state", "Adam mu + nu, or Muon momentum, at optimizer.state_dtype"),
     "other_state": ("step, guards, batch", "step counters, the loss-spike window, the token batch"),
-    "state_copy": ("state copy (guarded update)", "the old parameters (and Muon's momentum) stay alive until "
-                   "the guarded update has written the new ones; Adam's moments are updated in place"),
+    "state_copy": ("state copy (guarded update)", "the old parameters stay alive until the guarded update has "
+                   "written the new ones; the optimizer's moments are updated in place"),
     "gradients": ("gradients", "one per parameter at param_dtype, sharded like it"),
     "grad_accumulators": ("grad accumulators (fp32)", "grad_accum_steps > 1: fp32 sums; XLA leaves the "
                           "embedding's and head's whole (not FSDP-sharded)"),
@@ -216,9 +216,9 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
   layer_phase = ((layer_weights * c_bytes if gathered else 0) + layer_weights * 4
                  + attention_work + tokens * dots_per_token * 4)
   # The new parameters are written while the old ones are still being read (the guard selects between
-  # them); Muon's momentum is guarded by a select after its update, which keeps old and new alive.
-  # Adam's moments are updated in place (maxtrain.optim.scale_by_adam_guarded).
-  state_copy = weights + sum(p.local_size * state_bytes for p in table if p.label == "muon")
+  # them). The moments are updated in place: the guard's select sits inside Adam's and Muon's updates
+  # (maxtrain.optim.scale_by_adam_guarded, maxtrain.muon).
+  state_copy = weights
   memory = {
       "weights": weights, "optimizer_state": optimizer_state, "other_state": other_state,
       "state_copy": state_copy, "gradients": gradients, "grad_accumulators": grad_accumulators,
