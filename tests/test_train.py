@@ -95,6 +95,8 @@ def write_store(prefix, docs, vocab_size=259):
     (["--config.optimizer.schedule=linear"], "config.optimizer.schedule='linear': choose one of cosine, wsd, constant"),
     (["--config.optimizer.lr=0"], "config.optimizer.lr=0.0: a learning rate must be > 0"),
     (["--config.optimizer.name=muon", "--config.optimizer.adam_lr=-1e-3"], "config.optimizer.adam_lr=-0.001: a learning"),
+    (["--config.optimizer.muon_ns_dtype=float16"],
+     "config.optimizer.muon_ns_dtype='float16': choose one of float32, bfloat16"),
     (["--config.optimizer.grad_accum_steps=3"],
      "config.optimizer.grad_accum_steps=3 does not divide the batch: data.batch_size=8 is 8 sequences per process"),
     (["--config.optimizer.grad_accum_steps=2"],  # 8 sequences over fsdp=8 shards: one per shard
