@@ -76,11 +76,13 @@ def orthogonalize(x: jax.Array, dims: MuonDimensionNumbers, logical: tuple[str |
   shards = sharding_rules.active_shards("opt_layers")
   if logical is None or logical[:1] != ("layers",) or shards == 1:
     return newton_schulz(x, dims, coeffs, steps, dtype)
-  num_layers = x.shape[0]
+  num_layers, out_dtype = x.shape[0], x.dtype
   pad = -num_layers % shards  # zero layers (they stay zero) let any layer count split evenly
   x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+  if jnp.dtype(dtype).itemsize < x.dtype.itemsize:  # the all-to-alls move the iteration's narrower dtype
+    x = x.astype(dtype)
   x = sharding_rules.constrain(x, ("opt_layers",) + (None,) * (x.ndim - 1))
-  y = sharding_rules.constrain(newton_schulz(x, dims, coeffs, steps, dtype), logical)
+  y = sharding_rules.constrain(newton_schulz(x, dims, coeffs, steps, dtype), logical).astype(out_dtype)
   return y[:num_layers] if pad else y
 
 

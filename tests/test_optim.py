@@ -289,16 +289,28 @@ def test_sharded_newton_schulz_orthogonalises_whole_layers_per_device():
   shardings = {name: NamedSharding(mesh, sharding_rules.logical_to_mesh(logical, rules))
                for name, (_, logical) in weights.items()}
 
-  def compiled(active):
+  def lowered(active, dtype=jnp.float32):
     def run(x):
       with sharding_rules.activate(active):
         return {name: muon.orthogonalize(v, optim.matrix_dimension_numbers(name), weights[name][1], coeffs, steps,
-                                         jnp.float32) for name, v in x.items()}
-    return jax.jit(run, in_shardings=(shardings,), out_shardings=shardings).lower(x).compile()
+                                         dtype) for name, v in x.items()}
+    return jax.jit(run, in_shardings=(shardings,), out_shardings=shardings).lower(x)
+
+  compiled = lambda active, dtype=jnp.float32: lowered(active, dtype).compile()
 
   with jax.set_mesh(mesh):
-    split, plain = compiled(rules), compiled(None)
+    split, plain, split_bf16 = compiled(rules), compiled(None), compiled(rules, jnp.bfloat16)
     results = [jax.device_get(f(jax.device_put(x, shardings))) for f in (split, plain)]
+    low = jax.device_get(split_bf16(jax.device_put(x, shardings)))
+    bf16_program = lowered(rules, jnp.bfloat16).as_text(dialect="hlo")
+  for name in weights:  # bf16: the iteration's accuracy (test above), and the all-to-alls move bf16
+    assert low[name].dtype == np.float32
+    assert np.linalg.norm(low[name] - results[0][name]) / np.linalg.norm(results[0][name]) < 0.1
+  # The reshards there and back are of bf16 arrays in the program XLA gets (XLA:CPU then runs its
+  # all-to-alls in f32, as it upcasts bf16 collectives; a GPU moves half the bytes).
+  resharded = [line.split("=")[1].split("[")[0].strip() for line in bf16_program.splitlines()
+               if 'custom_call_target="Sharding"' in line]
+  assert len(resharded) == 2 * len(weights) and set(resharded) == {"bf16"}, resharded
   for got in results:
     for name, (layers, _) in weights.items():
       for layer in range(layers):
