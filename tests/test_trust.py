@@ -124,6 +124,7 @@ def test_non_numeric_attempt_exits_2(store, tmp_path, capsys, caplog, monkeypatc
     (["--config.monitor.prometheus_port=-1"], ["config.monitor.prometheus_port=-1"]),
     (["--config.runtime.coordinator_port=65536"], ["config.runtime.coordinator_port=65536", "1..65535"]),
     (["--config.optimizer.lr=inf"], ["config.optimizer.lr=inf", "finite"]),
+    (["--config.guards.spike_zscore=nan"], ["config.guards.spike_zscore=nan", "finite"]),  # any float key
     (["--config.checkpoint.s3_read_timeout_s=0"], ["config.checkpoint.s3_read_timeout_s=0"]),
     (["--config.runtime.env=hf_secretvalue123"], ["config.runtime.env", "KEY=VALUE"]),
 ])
