@@ -116,6 +116,10 @@ def test_bad_context_layouts_are_refused(monkeypatch):
   with pytest.raises(UserError, match=r"maps nothing to mesh axis context.*Set mesh.context=1"):
     plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.mesh.rules=no_context")
   assert plan("--config.mesh.context=4", "--config.mesh.fsdp=2").layout.shards("act_length") == 4
+  # Under context parallelism attention is the flash core: another kernel is refused, not replaced.
+  with pytest.raises(UserError, match=r"attention=dot with a sequence split over .*context.*model.attention=flash"):
+    plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.model.attention=dot")
+  assert plan("--config.mesh.context=1", "--config.mesh.fsdp=8", "--config.model.attention=dot")
 
 
 # The trainer, end to end, on packed documents: seq_len 64 over the repository's sources cut into
