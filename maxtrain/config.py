@@ -61,7 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.norm_eps = 1e-5  # RMSNorm epsilon (imported models keep theirs: LLaMA 3 uses 1e-5, LLaMA 2 1e-6).
   m.tie_embeddings = False  # Reuse the input embedding as the output head.
   m.scan_layers = True  # Stack layers and lax.scan them: compile time independent of depth.
-  m.scan_unroll = 1  # Layers per scan iteration (scan_layers): > 1 lets XLA fuse across layers and stack fewer residuals; compile time grows with it, not with depth.
+  m.scan_unroll = 1  # Layers per scan iteration (scan_layers): > 1 stacks fewer residuals (faster on CPU) but compiles k layer bodies.
   m.remat = "none"  # Activation checkpointing per layer: none | full | dots (save matmul outputs).
   m.attention = "auto"  # Attention kernel: auto (flash) | dot (einsum reference, T x T scores) | flash (blockwise, linear memory) | cudnn (NVIDIA) | nki (Trainium); the last two not run here.
   m.attention_block_q = 128  # flash: query rows per block (measured on CPU: 128 best of 64-512).
