@@ -61,6 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.norm_eps = 1e-5  # RMSNorm epsilon (imported models keep theirs: LLaMA 3 uses 1e-5, LLaMA 2 1e-6).
   m.tie_embeddings = False  # Reuse the input embedding as the output head.
   m.scan_layers = True  # Stack layers and lax.scan them: compile time independent of depth.
+  m.scan_unroll = 1  # Layers per scan iteration (scan_layers): > 1 stacks fewer residuals (faster on CPU) but compiles k layer bodies.
   m.remat = "none"  # Activation checkpointing per layer: none | full | dots (save matmul outputs).
   m.attention = "auto"  # Attention kernel: auto (flash) | dot (einsum reference, T x T scores) | flash (blockwise, linear memory) | cudnn (NVIDIA) | nki (Trainium); the last two not run here.
   m.attention_block_q = 128  # flash: query rows per block (measured on CPU: 128 best of 64-512).
@@ -135,7 +136,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.runtime.init_timeout_s = 300.0  # Seconds for all processes to join the coordinator, then exit 1 naming its address.
   c.runtime.heartbeat_timeout_s = 100.0  # Seconds without heartbeats after which jax declares a process dead.
   c.runtime.shutdown_timeout_s = 300.0  # Seconds the processes wait for each other at a clean exit.
-  c.runtime.coordinator_port = 0  # Port of a detected coordinator; 0 = derived from the job id (maxtrain/cluster.py).
+  c.runtime.coordinator_port = 0  # Port of a detected coordinator; 0 = derived from the job id (maxtrain/runtime/cluster.py).
   c.runtime.platform = "auto"  # auto (JAX picks, no presets) | cpu | gpu | neuron | tpu: sets the platform's flags and env.
   c.runtime.neuron_target = ""  # trn1 | trn2; "" = --target of $NEURON_CC_FLAGS, else trn2 (checked against the devices).
   c.runtime.neuron_lnc = 0  # Logical NeuronCore config, 1 or 2, for compiler and runtime alike; 0 = the target's default.

@@ -165,5 +165,8 @@ def test_readme_layout_matches_the_tree():
   listed = set(re.findall(r"\b([a-z_0-9]+\.py)\b", tree))
   actual = {p.name for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
   assert actual - listed == set(), f"modules missing from README's Layout: {sorted(actual - listed)}"
-  existing = actual | {p.name for d in ("configs", "tools") for p in (REPO / d).glob("*.py")}
+  configs_line = next(line for line in tree.splitlines() if line.startswith("configs/"))
+  configs = {p.name for p in (REPO / "configs").glob("*.py")}
+  assert set(re.findall(r"\b([a-z_0-9]+\.py)\b", configs_line)) == configs, "README's Layout: configs/ differs"
+  existing = actual | configs | {p.name for p in (REPO / "tools").glob("*.py")}
   assert listed - existing == set(), f"README's Layout names files that do not exist: {sorted(listed - existing)}"

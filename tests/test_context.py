@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,8 @@ import pytest
 from maxtrain import batch as batch_lib
 from maxtrain import config as config_lib
 from maxtrain import train
+from maxtrain.data import pipeline
+from maxtrain.data.indexing import index_files
 from maxtrain.errors import UserError
 from maxtrain.models.attention import dot_product_attention
 from maxtrain.sharding import context_attention as ca
@@ -113,19 +116,41 @@ def test_bad_context_layouts_are_refused(monkeypatch):
   with pytest.raises(UserError, match=r"maps nothing to mesh axis context.*Set mesh.context=1"):
     plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.mesh.rules=no_context")
   assert plan("--config.mesh.context=4", "--config.mesh.fsdp=2").layout.shards("act_length") == 4
+  # Under context parallelism attention is the flash core: another kernel is refused, not replaced.
+  with pytest.raises(UserError, match=r"attention=dot with a sequence split over .*context.*model.attention=flash"):
+    plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.model.attention=dot")
+  assert plan("--config.mesh.context=1", "--config.mesh.fsdp=8", "--config.model.attention=dot")
 
 
-# The trainer, end to end. seq_len 64 over the repository's own sources: windows cross file
-# boundaries, so batches hold packed documents. The chunked loss (4 chunks either way) is forced on:
-# under context parallelism it folds each shard's tokens into rows of their own.
+# The trainer, end to end, on packed documents: seq_len 64 over the repository's sources cut into
+# documents of 8-47 bytes, so every row holds several (over whole source files, 1 row in the 160
+# of 20 steps did). GQA (2 query heads per kv head). The chunked loss (4 chunks either way) is forced
+# on: under context parallelism it folds each shard's tokens into rows of their own.
 TINY = TINY_MODEL + ["--config.data.seq_len=64", "--config.eval.every_steps=0", "--config.log_every=1",
                      "--config.checkpoint.every_steps=10", "--config.optimizer.decay_steps=20",
-                     "--config.model.loss_chunk_tokens=16"]
+                     "--config.model.loss_chunk_tokens=16", "--config.model.num_kv_heads=2"]
 CONTEXT_1 = ["--config.mesh.fsdp=8"]
 CONTEXT_4 = ["--config.mesh.fsdp=2", "--config.mesh.context=4"]
 
 
-def test_context4_trains_like_context1_and_resumes_its_checkpoint(store, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def short_docs_store(tmp_path_factory) -> str:
+  """A token store of ~5,000 short documents (one .jsonl line each) cut from this repository's sources."""
+  root = tmp_path_factory.mktemp("short_docs")
+  text = "".join(p.read_text() for p in sorted((Path(__file__).resolve().parent.parent / "maxtrain").glob("*.py")))
+  text = text[:150_000]
+  cuts = np.cumsum(np.random.default_rng(0).integers(8, 48, len(text) // 8))
+  docs = [text[a:b] for a, b in zip([0, *cuts], cuts) if a < len(text)]
+  (root / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+  index_files([str(root / "docs.jsonl")], str(root / "docs"), val_fraction=0.2, workers=1, progress=False)
+  return str(root / "docs")
+
+
+def test_context4_trains_like_context1_and_resumes_its_checkpoint(short_docs_store, tmp_path, monkeypatch):
+  store = short_docs_store
+  # The 20 steps' batches (the trainer's loader, seed 0): every row holds more than one document.
+  loader = pipeline.TrainLoader(f"{store}.train", 64, 8, 0, 0, 1, vocab_size=384)
+  assert min(len(set(row.tolist())) for _ in range(20) for row in next(loader)["segment_ids"]) >= 2
   traced = []  # the shards of every context-parallel attention the trainer traced
   sharded = ca.sharded
   monkeypatch.setattr(ca, "sharded", lambda mesh, rules, **kw: traced.append(mesh.shape["context"]) or

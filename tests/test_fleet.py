@@ -283,6 +283,17 @@ def test_two_processes_straggler_hang_and_preemption(store, tmp_path):
   assert report["events"]["hang"] == 1 and report["events"]["preemption"] == 1 and "crash" not in report["events"]
   assert [s["process"] for s in report["stragglers"]] == [1]
 
+  # The README's example picture (docs/goodput_fleet.png) is this run's timeline: a row per process
+  # under the job's, the job's row drawing the report's seconds, a dashed line per supervisor start.
+  data = goodput.timeline(records)
+  assert [label for label, _ in data["rows"]] == ["job", "process 0", "process 1"] and len(data["restarts"]) == 3
+  drawn = {c: sum((e - s) * parts.get(c, 0.0) for s, e, parts in data["rows"][0][1]) for c in goodput.CATEGORIES}
+  assert drawn == pytest.approx(report["seconds"], abs=1e-6)
+  png = tmp_path / "goodput.png"
+  result = subprocess.run([sys.executable, str(REPO / "tools" / "goodput_report.py"), str(faulty), "--plot", str(png)],
+                          capture_output=True, text=True, cwd=REPO)
+  assert result.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", result.stderr
+
 
 def test_grafana_dashboard_uses_the_exporters_metrics_and_labels():
   import re

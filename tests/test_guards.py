@@ -5,6 +5,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from maxtrain import guards, train
 from maxtrain.monitor.events import read_events
@@ -88,3 +89,40 @@ def test_spike_rollback_then_abort(store, tmp_path, capsys):
   assert train.main(args) == train.EXIT_ABORTED
   err = capsys.readouterr().err
   assert "aborted: loss spike at step 7" in err and "z-score" in err
+
+
+def guard_flags(nonfinite=False, spike=False, consecutive_bad=0, loss=1.0, zscore=0.0, nonfinite_update=False):
+  """A step's guard metrics as the jitted step returns them (arrays), before the host reads them."""
+  return {"nonfinite": np.bool_(nonfinite), "nonfinite_update": np.bool_(nonfinite_update), "spike": np.bool_(spike),
+          "loss_zscore": np.float32(zscore), "consecutive_bad": np.int32(consecutive_bad), "loss": np.float32(loss)}
+
+
+def test_guard_policy_reads_flags_one_step_late_and_keeps_the_budget(tmp_path):
+  """The loop's guard component on its own: step n's flags are read after step n+1 (the last at once),
+  a rollback forgets the unread step after the fault, the budget and spike_action=abort stop the run."""
+  from maxtrain import config as config_lib
+  from maxtrain.errors import Aborted
+  from maxtrain.guard_policy import GuardPolicy, Rollback
+  from maxtrain.monitor.events import EventLog
+
+  cfg = config_lib.load(["--config.guards.max_consecutive_bad=2", "--config.guards.max_rollbacks=1"]).guards
+  with EventLog(tmp_path / "events.jsonl", attempt=0) as events:
+    policy = GuardPolicy(cfg, events, rollbacks_used=0)
+    assert policy.after_step(1, guard_flags(nonfinite=True, consecutive_bad=1), last=False) is None
+    assert read_events(tmp_path / "events.jsonl") == []  # step 1 is not read before step 2 is dispatched
+    assert policy.after_step(2, guard_flags(nonfinite=True, consecutive_bad=2), last=False) is None
+    assert [(r["kind"], r["step"]) for r in read_events(tmp_path / "events.jsonl")] == [("nan_skip", 1)]
+    # Step 2's flags (2 in a row) are read after step 3: roll back to before step 1; step 3 is forgotten.
+    rollback = policy.after_step(3, guard_flags(nonfinite=True, consecutive_bad=3), last=False)
+    assert rollback == Rollback(step=2, first_bad=1, reason="2 non-finite steps in a row") and policy.rollbacks == 1
+    assert policy.after_step(4, guard_flags(), last=True) is None  # the last step is read at once
+    assert [r["step"] for r in read_events(tmp_path / "events.jsonl")] == [1, 2]
+    # The budget (one rollback) is used up: the next fault stops the run.
+    policy.after_step(5, guard_flags(nonfinite=True, consecutive_bad=1), last=False)
+    with pytest.raises(Aborted, match="guards.max_rollbacks=1"):
+      policy.after_step(6, guard_flags(nonfinite=True, consecutive_bad=2), last=True)
+    # A budget counted before this process (with the checkpoints) counts from the start.
+    assert GuardPolicy(cfg, events, rollbacks_used=1).rollbacks == 1
+    abort = config_lib.load(["--config.guards.spike_action=abort"]).guards
+    with pytest.raises(Aborted, match="loss spike at step 7"):
+      GuardPolicy(abort, events, 0).after_step(7, guard_flags(spike=True, loss=9.0, zscore=12.0), last=True)

@@ -74,10 +74,11 @@ def test_round_trip_hf_maxtrain_hf_is_bitwise(tmp_path, variant):
   assert (tmp_path / "hf2" / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
 
 
-def test_export_loads_in_transformers_without_warnings_and_matches(tmp_path):
+@pytest.mark.parametrize("variant", sorted(VARIANTS))  # GQA, tied and untied, rope_theta 500 / 1e4 / 5e5
+def test_export_loads_in_transformers_without_warnings_and_matches(tmp_path, variant):
   import transformers
 
-  make_hf_model(tmp_path / "hf", "llama3_rope")
+  make_hf_model(tmp_path / "hf", variant)
   hf_import.from_hf(tmp_path / "hf", tmp_path / "mt")
   hf_export.to_hf(tmp_path / "mt", tmp_path / "hf2", max_shard_bytes=30_000)
   model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", output_loading_info=True)
@@ -97,15 +98,16 @@ def run_train(args, capsys):
   return code, captured.out + captured.err
 
 
-@pytest.mark.parametrize("scan", [True, False])
-def test_training_checkpoint_to_hf_and_back_is_bitwise(store, tmp_path, capsys, scan):
+@pytest.mark.parametrize("scan,model", [(True, []),  # untied, rope_theta 1e4
+                                        (False, ["--config.model.tie_embeddings=True", "--config.model.rope_theta=5e5"])])
+def test_training_checkpoint_to_hf_and_back_is_bitwise(store, tmp_path, capsys, scan, model):
   import transformers
   from tiny import TINY_MODEL
 
   run = tmp_path / "run"
   code, out = run_train(TINY_MODEL + [f"--config.data.path={store}", "--config.steps=2",
                                       "--config.model.num_kv_heads=2", f"--config.model.scan_layers={scan}",
-                                      f"--config.output_dir={run}"], capsys)
+                                      f"--config.output_dir={run}", *model], capsys)
   assert code == 0, out
   hf_export.to_hf(run, tmp_path / "hf", max_shard_bytes=40_000, block_bytes=BLOCK)
   hf_import.from_hf(tmp_path / "hf", tmp_path / "mt")

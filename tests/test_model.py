@@ -98,6 +98,23 @@ def test_scan_and_unrolled_layers_agree():
                              rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("unroll", [2, 3])
+def test_scan_unroll_does_not_change_loss_or_gradients(unroll):
+  """Unrolling the layer scan (all 3 layers, or 2 per iteration with a remainder) is the same math."""
+  cfg = ModelConfig(**{**CFG.__dict__, "num_layers": 3})
+  tokens, segs, pos = make_inputs(seed=4)
+
+  def loss_and_grads(cfg):
+    graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(params=7)))
+    loss = lambda p: nnx.merge(graphdef, p)(tokens, segs, pos).mean()
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  (base_loss, base), (loss, other) = loss_and_grads(cfg), loss_and_grads(ModelConfig(**{**cfg.__dict__, "scan_unroll": unroll}))
+  np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(other)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_does_not_change_gradients(remat):
   tokens, segs, pos = make_inputs(seed=2)

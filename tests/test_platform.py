@@ -261,3 +261,33 @@ def test_missing_plugin_exits_2_before_compiling(tmp_path):
     assert f"config.runtime.platform={name} needs" in err
     assert ("pip.repos.neuron.amazonaws.com" if name == "neuron" else "jax[cuda12]") in err
     assert not (tmp_path / name).exists()  # stopped before the trainer made its output dir
+
+
+def test_hardware_auto_chooses_the_preset_of_the_machine(monkeypatch, caplog):
+  """hardware=auto (the default): the preset follows the accelerators' kind and count, with the reason
+  logged; an explicit hardware wins; no shipped config pins one."""
+  import logging
+
+  from maxtrain import config as config_lib
+  from maxtrain.runtime import hardware
+
+  h100 = "NVIDIA H100 80GB HBM3"
+  assert hardware.choose([h100] * 8, 0, "")[0] == "h100x8"
+  assert hardware.choose(["NVIDIA H200"] * 8, 0, "p5en.48xlarge")[0] == "h200x8"
+  name, reason = hardware.choose([h100] * 4, 0, "")  # a node shape no preset describes
+  assert name == "" and f"4 x {h100}" in reason and "--config.hardware" in reason
+  assert hardware.choose([h100] * 4 + ["NVIDIA H200"] * 4, 0, "")[0] == ""  # mixed kinds
+  assert hardware.choose([], 64, "trn2.48xlarge") == ("trn2.48xlarge", "64 Neuron devices (/dev/neuron*) on "
+                                                      "trn2.48xlarge: preset trn2.48xlarge")
+  assert hardware.choose([], 16, "")[0] == ""
+  assert hardware.choose([], 0, "")[0] == "cpu"
+  # What detect() found decides the keys (this machine has no GPU: its finding is stood in for).
+  monkeypatch.setattr(hardware, "detect", lambda: ("h100x8", "8 x H100 (nvidia-smi): preset h100x8"))
+  with caplog.at_level(logging.INFO, logger="maxtrain"):
+    cfg = config_lib.load(["--config=configs/llama3_8b.py"])
+  assert (cfg.hardware, cfg.runtime.platform, cfg.model.compute_dtype, cfg.mesh.fsdp) == ("h100x8", "gpu", "bfloat16", 8)
+  assert "hardware=auto: 8 x H100 (nvidia-smi): preset h100x8" in caplog.text
+  cfg = config_lib.load(["--config=configs/llama3_8b.py", "--config.hardware=cpu"])
+  assert (cfg.hardware, cfg.runtime.platform, cfg.model.compute_dtype) == ("cpu", "cpu", "float32")
+  for path in sorted((REPO / "configs").glob("*.py")):
+    assert config_lib.load_file(path)[0].hardware == "auto", path

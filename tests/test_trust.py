@@ -8,6 +8,7 @@ process (locks, supervisor, watchdog, what reaches stdout/stderr).
 
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -123,6 +124,7 @@ def test_non_numeric_attempt_exits_2(store, tmp_path, capsys, caplog, monkeypatc
     (["--config.monitor.prometheus_port=-1"], ["config.monitor.prometheus_port=-1"]),
     (["--config.runtime.coordinator_port=65536"], ["config.runtime.coordinator_port=65536", "1..65535"]),
     (["--config.optimizer.lr=inf"], ["config.optimizer.lr=inf", "finite"]),
+    (["--config.guards.spike_zscore=nan"], ["config.guards.spike_zscore=nan", "finite"]),  # any float key
     (["--config.checkpoint.s3_read_timeout_s=0"], ["config.checkpoint.s3_read_timeout_s=0"]),
     (["--config.runtime.env=hf_secretvalue123"], ["config.runtime.env", "KEY=VALUE"]),
 ])
@@ -327,6 +329,100 @@ def test_corrupt_newest_checkpoint_under_launch_resumes_from_the_previous(store,
   moved = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("4.corrupt-")]
   assert len(moved) == 1 and (moved[0] / victim.relative_to(tmp_path / "checkpoints" / "4")).exists()
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4", "6"]
+
+
+# ---- damaged checkpoints at the entry point ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(store, tmp_path_factory):
+  """A finished 4-step run with checkpoints at steps 2 and 4 (never modified: tests damage copies)."""
+  out = tmp_path_factory.mktemp("trained") / "run"
+  assert train.main(base(store, out) + ["--config.checkpoint.every_steps=2"]) == 0
+  return out
+
+
+def copy_run(trained, tmp_path):
+  out = tmp_path / "run"
+  shutil.copytree(trained, out)
+  return out, out / "checkpoints" / "4"
+
+
+def largest_file(step_dir, item):
+  return max((p for p in (step_dir / item).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def flip_byte(path):
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x01
+  path.write_bytes(bytes(data))
+
+
+def cut_in_half(path):
+  with open(path, "r+b") as f:
+    f.truncate(path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("damage", [flip_byte, cut_in_half], ids=["flipped", "truncated"])
+@pytest.mark.parametrize("item", ["state", "data", "meta"])
+def test_explicit_resume_of_a_damaged_checkpoint_exits_2(store, trained, tmp_path, capsys, caplog, item, damage):
+  out, step_dir = copy_run(trained, tmp_path)
+  victim = largest_file(step_dir, item)
+  damage(victim)
+  code, output = run_main(base(store, out) + ["--config.checkpoint.resume=4"], capsys, caplog)
+  assert_exit(code, output, EXIT_BAD_INPUT, f"checkpoint {step_dir} is corrupt: {victim.relative_to(step_dir)}:",
+              "checksum" if damage is flip_byte else "size")
+  assert "compiled train step" not in output
+  assert victim.exists() and not [p for p in step_dir.parent.iterdir() if ".corrupt-" in p.name]  # explicit: not moved
+
+
+@pytest.mark.parametrize("field", ["size", "checksum"])
+def test_a_manifest_that_lies_exits_2_on_explicit_resume(store, trained, tmp_path, capsys, caplog, field):
+  out, step_dir = copy_run(trained, tmp_path)
+  path = step_dir / manifest.MANIFEST_NAME
+  recorded = json.loads(path.read_text())
+  name = largest_file(step_dir, "state").relative_to(step_dir).as_posix()
+  entry = recorded["files"][name]
+  entry[field] = entry[field] + 1 if field == "size" else format(int(entry[field], 16) ^ 1, f"0{len(entry[field])}x")
+  path.write_text(json.dumps(recorded))
+  code, output = run_main(base(store, out) + [f"--config.checkpoint.resume={step_dir}"], capsys, caplog)  # by path
+  assert_exit(code, output, EXIT_BAD_INPUT, f"checkpoint {step_dir} is corrupt: {name}:", field)
+  assert "compiled train step" not in output
+
+
+def test_cut_metadata_of_the_newest_checkpoint_is_moved_aside_under_resume_auto(store, trained, tmp_path, capsys, caplog):
+  out, step_dir = copy_run(trained, tmp_path)
+  cut_in_half(step_dir / "meta" / "metadata")
+  code, output = run_main(base(store, out, steps=2), capsys, caplog)  # step 2 is the last: restore, evaluate
+  assert code == 0 and "Traceback" not in output, output[-3000:]
+  records = read_events(out / "events.jsonl")
+  corrupt = [r for r in records if r["kind"] == "checkpoint_corrupt"]
+  assert [(r["step"], r["file"]) for r in corrupt] == [(4, "meta/metadata")]
+  assert [r["step"] for r in records if r["kind"] == "restore"] == [2]
+  moved = [p for p in step_dir.parent.iterdir() if p.name.startswith("4.corrupt-")]
+  assert len(moved) == 1 and (moved[0] / "meta" / "metadata").exists() and not step_dir.exists()
+
+
+def test_a_checkpoint_without_manifest_restores_and_says_so(store, trained, tmp_path, capsys, caplog):
+  out, step_dir = copy_run(trained, tmp_path)
+  (step_dir / manifest.MANIFEST_NAME).unlink()  # as saved before manifests existed
+  code, output = run_main(base(store, out), capsys, caplog)
+  assert code == 0 and "Traceback" not in output, output[-3000:]
+  assert f"checkpoint {step_dir} has no manifest" in output and "restoring it unverified" in output
+  assert [r["step"] for r in read_events(out / "events.jsonl") if r["kind"] == "restore"] == [4]
+
+
+def test_crafted_middle_offset_exits_2_at_the_entry_point(store, tmp_path, capsys, caplog):
+  prefix = tmp_path / "crafted"
+  for split in ("train", "val"):
+    for ext in ("bin", "idx", "json"):
+      shutil.copyfile(f"{store}.{split}.{ext}", f"{prefix}.{split}.{ext}")
+  offsets = np.fromfile(f"{prefix}.train.idx", dtype="<u8")
+  middle = len(offsets) // 2
+  offsets[middle] = offsets[middle - 1] - 1  # a document that starts inside the one before it
+  offsets.tofile(f"{prefix}.train.idx")
+  code, output = run_main(base(prefix, tmp_path / "run"), capsys, caplog)
+  assert_exit(code, output, EXIT_BAD_INPUT, "crafted.train.idx", f"offset {middle} (start of document {middle})")
+  assert "compiled train step" not in output
 
 
 # ---- the watchdog watches the exit ----------------------------------------------------------

@@ -48,11 +48,12 @@ def main() -> None:
     compile_s = time.perf_counter() - t0
     state, metrics = compiled(state, batches[0])
     jax.block_until_ready(metrics)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for batch in batches[1:]:
       state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
     step_s = (time.perf_counter() - t0) / args.steps
+    cpu_s = (time.process_time() - cpu0) / args.steps
     if args.top_ops:
       state = print_top_ops(compiled, state, batches[1:], args.top_ops, step_s)
   tokens = cfg.data.batch_size * cfg.data.seq_len
@@ -67,6 +68,8 @@ def main() -> None:
   print(f"compile {compile_s:.1f}s; step {step_s:.3f}s; {tokens / step_s:,.0f} tokens/s; "
         f"{flops / step_s / 1e9:.1f} model GFLOP/s ({flops_per_token / 1e6:.1f} "
         f"MFLOP/token)")
+  # On a shared machine wall time depends on how the scheduler slices the cores; CPU time much less.
+  print(f"CPU time {cpu_s:.3f}s per step (all of this process's threads)")
   print(f"peak: {peak * jax.device_count() / 1e9:,.1f} GFLOP/s over {jax.device_count()} device(s) ({peak_source})")
   print(f"MFU: {utilisation:.1%}" if utilisation is not None else "MFU: unavailable (unknown peak; set --config.mfu.peak_flops)")
   memory = compiled.memory_analysis()

@@ -49,6 +49,7 @@ class ModelConfig:
   rope_original_max_len: int = 8192
   tie_embeddings: bool = False
   scan_layers: bool = True
+  scan_unroll: int = 1
   remat: str = "none"
   attention: str = "dot"  # a kernel of models/attention.py (the config's "auto" is resolved there)
   attention_block_q: int = 128
@@ -104,6 +105,7 @@ def validate(m: Any) -> None:
           f"config.model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
   require(m.loss_chunk_tokens >= -1, f"config.model.loss_chunk_tokens={m.loss_chunk_tokens}: use a chunk size > 0, "
           "0 (off) or -1 (auto)")
+  require(m.scan_unroll >= 1, f"config.model.scan_unroll={m.scan_unroll}: must be >= 1 (1 = a rolled loop)")
   choice("model.remat", m.remat, REMAT_CHOICES)
   choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
   require(m.norm_eps > 0, f"config.model.norm_eps={m.norm_eps}: must be > 0")
@@ -193,7 +195,8 @@ class Llama(nnx.Module):
 
     if cfg.scan_layers:
       graphdef, stacked = nnx.split(self.blocks)
-      x_BTD, _ = jax.lax.scan(lambda x, s: (apply_block(x, s, graphdef), None), x_BTD, stacked)
+      x_BTD, _ = jax.lax.scan(lambda x, s: (apply_block(x, s, graphdef), None), x_BTD, stacked,
+                              unroll=min(cfg.scan_unroll, cfg.num_layers))
     else:
       for block in self.blocks:
         graphdef, state = nnx.split(block)
