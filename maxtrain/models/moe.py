@@ -127,7 +127,7 @@ class MoE(nnx.Module):
     self.cfg, self.compute_dtype = cfg, compute_dtype
     self.router = param(rngs, init, (d_model, E), ("embed", "router_experts"), param_dtype)
     # fp32 whatever param_dtype: sign steps of 1e-3 would vanish in bf16 next to an O(1) bias.
-    self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32), sharding_names=("router_experts",))
+    self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32), out_sharding=("router_experts",))
     self.gate = param(rngs, init, (E, d_model, F), ("experts", "expert_embed", "expert_mlp"), param_dtype)
     self.up = param(rngs, init, (E, d_model, F), ("experts", "expert_embed", "expert_mlp"), param_dtype)
     self.down = param(rngs, out_init, (E, F, d_model), ("experts", "expert_mlp", "expert_embed"), param_dtype)

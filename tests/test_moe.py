@@ -1,0 +1,253 @@
+"""Mixture of experts: the layer against NumPy (routing, capacity drops, combine, losses), dropless
+against capacity-based, one expert against the dense MLP, the optimizer routing of expert weights,
+the router bias (sign rule, guard skip), routing-collapse detection, and the real trainer with
+expert parallelism (expert=4 x fsdp=2 against expert=1) and bitwise resume.
+
+Shape legend: B batch, T length, D model, E experts, K experts per token, F expert hidden width.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from maxtrain import config as config_lib, optim, train
+from maxtrain.errors import UserError
+from maxtrain.models import moe as moe_lib
+from maxtrain.models import moe_dispatch
+from maxtrain.models.layers import MLP
+from maxtrain.models.moe import MoE, MoEConfig
+from maxtrain.monitor import events as ev
+from maxtrain.monitor.routing import RoutingMonitor
+from maxtrain.validate import validate
+from tiny import TINY_MODEL
+
+B, T, D, F = 3, 16, 8, 6
+
+
+def make_moe(seed=0, **kw) -> MoE:
+  cfg = MoEConfig(**{"num_experts": 4, "experts_per_token": 2, "expert_d_ff": F, **kw})
+  with nnx.use_eager_sharding(False):
+    moe = MoE(D, cfg, init_std=0.5, out_std=0.5, param_dtype=jnp.float32, compute_dtype=jnp.float32,
+              rngs=nnx.Rngs(params=seed))
+  return moe
+
+
+call = nnx.jit(lambda moe, x: moe(x))  # one compile instead of op-by-op dispatch
+
+
+def np_route(x, router, bias, cfg):
+  """NumPy router: scores, top-k by score + bias (lower index first among ties), normalised weights."""
+  logits = np.einsum("btd,de->bte", x, router).astype(np.float64)
+  if cfg.router == "softmax":
+    scores = np.exp(logits - logits.max(-1, keepdims=True))
+    scores /= scores.sum(-1, keepdims=True)
+  else:
+    scores = 1 / (1 + np.exp(-logits))
+  experts = np.argsort(-(scores + bias), axis=-1, kind="stable")[..., :cfg.experts_per_token]
+  chosen = np.take_along_axis(scores, experts, -1)
+  return logits, scores, experts, chosen / chosen.sum(-1, keepdims=True)
+
+
+def np_capacity(experts, num_experts, capacity):
+  """Kept mask and positions, filling each sequence's expert queues first choice first, token by token."""
+  kept, pos = np.zeros(experts.shape, bool), np.zeros(experts.shape, int)
+  for b in range(experts.shape[0]):
+    fill = np.zeros(num_experts, int)
+    for k in range(experts.shape[2]):
+      for t in range(experts.shape[1]):
+        e = experts[b, t, k]
+        pos[b, t, k], kept[b, t, k] = fill[e], fill[e] < capacity
+        fill[e] += 1
+  return kept, pos
+
+
+def np_swiglu(x, gate, up, down):
+  g, u = x @ gate, x @ up
+  return (g / (1 + np.exp(-g)) * u) @ down
+
+
+def np_moe(x, moe: MoE, bias):
+  cfg = moe.cfg
+  w = {n: np.asarray(getattr(moe, n)[...], np.float64) for n in ("router", "gate", "up", "down")}
+  _, _, experts, weights = np_route(x, w["router"], bias, cfg)
+  kept, _ = np_capacity(experts, cfg.num_experts, cfg.capacity(x.shape[1]))
+  if cfg.dispatch == "dropless":
+    kept[:] = True
+  out = np.zeros(x.shape)
+  for b, t, k in zip(*np.nonzero(kept)):
+    e = experts[b, t, k]
+    out[b, t] += weights[b, t, k] * np_swiglu(x[b, t], w["gate"][e], w["up"][e], w["down"][e])
+  return out, kept
+
+
+@pytest.mark.parametrize("router", moe_lib.ROUTERS)
+@pytest.mark.parametrize("dispatch,capacity_factor", [("capacity", 0.75), ("capacity", 1.25), ("dropless", 1.0)])
+def test_layer_matches_numpy(router, dispatch, capacity_factor):
+  moe = make_moe(router=router, dispatch=dispatch, capacity_factor=capacity_factor)
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((B, T, D)).astype(np.float32)
+  bias = rng.standard_normal(4).astype(np.float32) * 0.1
+  moe.router_bias[...] = jnp.asarray(bias)
+  y, stats = call(moe, jnp.asarray(x))
+  ref, kept = np_moe(x.astype(np.float64), moe, bias)
+  np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-6)
+  assert float(stats["dropped"]) == np.sum(~kept)
+  if dispatch == "capacity" and capacity_factor < 1:
+    assert np.sum(~kept) > 0  # the test exercises drops
+
+
+def test_routing_and_capacity_slots_match_numpy():
+  rng = np.random.default_rng(2)
+  cfg = MoEConfig(num_experts=6, experts_per_token=3, router="sigmoid")
+  x, router = rng.standard_normal((B, T, D)), rng.standard_normal((D, 6))
+  bias = rng.standard_normal(6) * 0.3
+  experts, weights, _ = moe_lib.route(jnp.asarray(x, jnp.float32), jnp.asarray(router, jnp.float32),
+                                      jnp.asarray(bias, jnp.float32), cfg)
+  _, _, ref_experts, ref_weights = np_route(x, router, bias, cfg)
+  np.testing.assert_array_equal(np.asarray(experts), ref_experts)  # same experts, in score order
+  np.testing.assert_allclose(np.asarray(weights), ref_weights, rtol=1e-5)
+  capacity = 5
+  slot, kept = moe_dispatch.capacity_slots(experts, 6, capacity)
+  ref_kept, ref_pos = np_capacity(ref_experts, 6, capacity)
+  np.testing.assert_array_equal(np.asarray(kept), ref_kept)
+  np.testing.assert_array_equal(np.asarray(slot), np.where(ref_kept, ref_experts * capacity + ref_pos, 6 * capacity))
+  # Dispatch puts each kept token in its slot, zeros elsewhere.
+  x_BECD = np.asarray(moe_dispatch.dispatch(jnp.asarray(x, jnp.float32), slot, 6, capacity)).reshape(B, -1, D)
+  expected = np.zeros_like(x_BECD)
+  for b, t, k in zip(*np.nonzero(ref_kept)):
+    expected[b, slot[b, t, k]] = x[b, t]
+  np.testing.assert_allclose(x_BECD, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("router", moe_lib.ROUTERS)
+def test_aux_and_z_loss_match_numpy(router):
+  rng = np.random.default_rng(3)
+  cfg = MoEConfig(num_experts=5, experts_per_token=2, router=router)
+  x, router_w = rng.standard_normal((B, T, D)), rng.standard_normal((D, 5))
+  _, _, stats = moe_lib.route(jnp.asarray(x, jnp.float32), jnp.asarray(router_w, jnp.float32), jnp.zeros(5), cfg)
+  logits, scores, experts, _ = np_route(x, router_w, np.zeros(5), cfg)
+  f = np.bincount(experts.ravel(), minlength=5) / experts.size
+  p = (scores / scores.sum(-1, keepdims=True)).mean(axis=(0, 1))
+  lse = np.log(np.exp(logits).sum(-1))
+  np.testing.assert_allclose(float(stats["aux"]), 5 * np.sum(f * p), rtol=1e-5)
+  np.testing.assert_allclose(float(stats["z"]), np.mean(lse ** 2), rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(stats["load"]), np.bincount(experts.ravel(), minlength=5))
+
+
+def test_dropless_equals_capacity_when_nothing_drops():
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((B, T, D)), jnp.float32)
+  capacity = make_moe(dispatch="capacity", capacity_factor=4.0)  # C = T: nothing can drop
+  dropless = make_moe(dispatch="dropless")
+  y_cap, stats = call(capacity, x)
+  assert float(stats["dropped"]) == 0
+  np.testing.assert_allclose(np.asarray(call(dropless, x)[0]), np.asarray(y_cap), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dispatch", moe_lib.DISPATCHES)
+@pytest.mark.parametrize("router", moe_lib.ROUTERS)
+def test_one_expert_top1_is_the_dense_mlp(dispatch, router):
+  moe = make_moe(num_experts=1, experts_per_token=1, dispatch=dispatch, router=router, capacity_factor=1.0)
+  with nnx.use_eager_sharding(False):
+    mlp = MLP(D, F, init_std=0.5, out_std=0.5, param_dtype=jnp.float32, compute_dtype=jnp.float32,
+              rngs=nnx.Rngs(params=5))
+  for name in ("gate", "up", "down"):
+    getattr(moe, name)[...] = getattr(mlp, name)[...][None]
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((B, T, D)), jnp.float32)
+  # fp32 parity at the repository's usual tolerances: the two sum their products in different orders.
+  np.testing.assert_allclose(np.asarray(call(moe, x)[0]), np.asarray(mlp(x)), rtol=1e-5, atol=1e-6)
+
+
+def test_validation_names_the_keys():
+  def plan(*args):
+    return validate(config_lib.load(TINY_MODEL + list(args)), 8, require_data=False)
+
+  moe = ["--config.model.moe.num_experts=4"]
+  with pytest.raises(UserError, match=r"model.moe.experts_per_token=5: must be in 1..model.moe.num_experts=4"):
+    plan(*moe, "--config.model.moe.experts_per_token=5")
+  with pytest.raises(UserError, match=r"model.moe.router='top'"):
+    plan(*moe, "--config.model.moe.router=top")
+  with pytest.raises(UserError, match=r"first_dense_layers=2: must be in 0..model.num_layers-1=1"):
+    plan(*moe, "--config.model.moe.first_dense_layers=2")
+  ep = ["--config.mesh.expert=4", "--config.mesh.fsdp=2"]
+  with pytest.raises(UserError, match=r"splits experts over mesh.expert=4, but config.model.moe.num_experts=0"):
+    plan(*ep)
+  with pytest.raises(UserError, match=r"dispatch='dropless' needs ragged all-to-all"):
+    plan(*ep, *moe, "--config.model.moe.dispatch=dropless")
+  with pytest.raises(UserError, match=r"capacity slots are per whole sequence"):
+    plan("--config.mesh.expert=2", "--config.mesh.context=2", "--config.mesh.fsdp=2", *moe)
+  assert plan(*ep, *moe).layout.shards("experts") == 4
+
+
+# ---- optimizer --------------------------------------------------------------------------------------
+
+def moe_params(scan: bool = True):
+  from maxtrain.models.llama import Llama, ModelConfig
+
+  cfg = ModelConfig(num_layers=3, d_model=16, num_heads=2, num_kv_heads=2, d_ff=32, vocab_size=32, max_seq_len=16,
+                    scan_layers=scan, moe=MoEConfig(num_experts=4, expert_d_ff=8, first_dense_layers=1,
+                                                    num_shared_experts=1))
+  abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(params=0))))[1]
+  return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)  # shapes are all these tests need
+
+
+def test_optimizer_routes_every_moe_parameter():
+  from maxtrain.sharding.layout import param_name
+
+  params = moe_params()
+  labels = {param_name(p): l for p, l in jax.tree_util.tree_leaves_with_path(optim.param_labels(params, "muon"))}
+  moe_labels = {k.removeprefix("moe_blocks/"): v for k, v in labels.items() if k.startswith("moe_blocks/moe/")}
+  assert moe_labels == {"moe/gate": "muon", "moe/up": "muon", "moe/down": "muon", "moe/router": "adam",
+                        "moe/router_bias": "none", "moe/shared/gate": "muon", "moe/shared/up": "muon",
+                        "moe/shared/down": "muon"}
+  assert labels["blocks/mlp/gate"] == "muon"
+  unscanned = optim.param_labels(moe_params(scan=False), "adamw")
+  assert {param_name(p): l for p, l in jax.tree_util.tree_leaves_with_path(unscanned)}["moe_blocks/1/moe/router_bias"] == "none"
+
+
+def test_muon_orthogonalises_each_expert_on_its_own():
+  cfg = config_lib.base_config().optimizer
+  cfg.name, cfg.weight_decay, cfg.clip_norm, cfg.warmup_steps = "muon", 0.0, 0.0, 0
+  tx = optim.make(cfg, 10).tx
+  rng = np.random.default_rng(6)
+  grads = {"moe_blocks": {"moe": {"gate": rng.standard_normal((2, 3, 8, 5)).astype(np.float32),
+                                  "router": rng.standard_normal((2, 8, 3)).astype(np.float32),
+                                  "router_bias": rng.standard_normal((2, 3)).astype(np.float32)}}}
+  params = jax.tree.map(jnp.zeros_like, grads)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  gate = np.asarray(updates["moe_blocks"]["moe"]["gate"])
+  for layer in range(2):
+    for e in range(3):
+      alone = {"blocks": {"mlp": {"gate": grads["moe_blocks"]["moe"]["gate"][layer, e]}}}
+      ref, _ = tx.update(alone, tx.init(jax.tree.map(jnp.zeros_like, alone)), alone)
+      np.testing.assert_allclose(gate[layer, e], np.asarray(ref["blocks"]["mlp"]["gate"]), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(updates["moe_blocks"]["moe"]["router_bias"]), 0.0)  # never trained
+  assert np.all(np.asarray(updates["moe_blocks"]["moe"]["router"]) != 0)  # AdamW
+
+
+# ---- router bias ------------------------------------------------------------------------------------
+
+def test_router_bias_sign_rule_in_scanned_and_unscanned_models():
+  load = jnp.asarray([[10.0, 2.0, 6.0, 6.0], [1.0, 1.0, 1.0, 9.0]])  # 2 MoE layers, mean 6 and 3
+  for scan in (True, False):
+    new = moe_lib.update_router_bias(moe_params(scan), load, 0.5)
+    bias = [np.asarray(leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(new)
+            if "router_bias" in jax.tree_util.keystr(p)]
+    np.testing.assert_array_equal(np.stack(bias).reshape(2, 4), [[-0.5, 0.5, 0.0, 0.0], [0.5, 0.5, 0.5, -0.5]])
+
+
+def test_routing_collapse_fires_once_per_episode(tmp_path):
+  log = ev.EventLog(tmp_path / "events.jsonl")
+  monitor = RoutingMonitor(log, threshold=0.5, steps=20)
+  seen = [monitor.check(step, {"moe/load_entropy": [0.9, entropy]})
+          for step, entropy in ((10, 0.2), (20, 0.3), (30, 0.1), (40, 0.1), (50, 0.8), (60, 0.1), (80, 0.1))]
+  assert seen == [[], [], [1], [], [], [], [1]]
+  records = [r for r in ev.read_events(tmp_path / "events.jsonl") if r["kind"] == ev.ROUTING_COLLAPSE]
+  assert [(r["step"], r["layer"], r["since_step"]) for r in records] == [(30, 1, 10), (80, 1, 60)]
+  assert monitor.check(90, {"loss": 1.0}) == []  # a dense model has no entropy metric
