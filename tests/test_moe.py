@@ -185,6 +185,9 @@ def test_validation_names_the_keys():
   assert plan(*ep, *moe).layout.shards("experts") == 4
 
 
+MOE_ARGS = ["--config.model.moe.num_experts=4", "--config.model.moe.expert_d_ff=16"]
+
+
 # ---- optimizer --------------------------------------------------------------------------------------
 
 def moe_params(scan: bool = True):
@@ -242,6 +245,32 @@ def test_router_bias_sign_rule_in_scanned_and_unscanned_models():
     np.testing.assert_array_equal(np.stack(bias).reshape(2, 4), [[-0.5, 0.5, 0.0, 0.0], [0.5, 0.5, 0.5, -0.5]])
 
 
+def test_router_bias_follows_the_load_and_a_skipped_step_keeps_it():
+  from maxtrain import batch as batch_lib, program as program_lib, state as state_lib
+  from maxtrain.sharding.mesh import make_mesh
+
+  cfg = config_lib.load(TINY_MODEL + MOE_ARGS + ["--config.mesh.fsdp=1", "--config.model.moe.bias_update_rate=0.25"])
+  plan = validate(cfg, 1, require_data=False)
+  program = program_lib.build(cfg, plan, mesh=make_mesh(plan.mesh, jax.devices()[:1]))
+  rng = np.random.default_rng(7)
+  rows = {k: v for k, v in program.abstract_batch().items() if k != batch_lib.FAULT}
+  batch = {k: jnp.asarray(rng.integers(1, 3 if k == "segment_ids" else 200, a.shape).astype(a.dtype))
+           for k, a in rows.items()}
+  bias = lambda state: np.asarray(state.params["moe_blocks"]["moe"]["router_bias"][...])
+  with jax.set_mesh(program.mesh):
+    state = state_lib.initialize(program.state, program.mesh)
+    state, metrics = program.train_step(state, {**batch, batch_lib.FAULT: jnp.asarray([0.0, 1.0])})
+    first = bias(state)
+    # One sign step from zero (0 for an expert exactly at the mean load); the rule itself is tested above.
+    assert set(np.abs(first).ravel()) <= {0.0, 0.25} and np.sum(np.abs(first) > 0) >= 6
+    assert "moe_load" not in metrics and metrics["moe/load_entropy"].shape == (2,)
+    before = jax.tree.map(np.asarray, state.params)
+    state, metrics = program.train_step(state, {**batch, batch_lib.FAULT: jnp.asarray([1.0, 1.0])})  # NaN step
+  assert int(metrics["nonfinite"]) == 1
+  np.testing.assert_array_equal(bias(state), first)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
+
+
 def test_routing_collapse_fires_once_per_episode(tmp_path):
   log = ev.EventLog(tmp_path / "events.jsonl")
   monitor = RoutingMonitor(log, threshold=0.5, steps=20)
@@ -251,3 +280,100 @@ def test_routing_collapse_fires_once_per_episode(tmp_path):
   records = [r for r in ev.read_events(tmp_path / "events.jsonl") if r["kind"] == ev.ROUTING_COLLAPSE]
   assert [(r["step"], r["layer"], r["since_step"]) for r in records] == [(30, 1, 10), (80, 1, 60)]
   assert monitor.check(90, {"loss": 1.0}) == []  # a dense model has no entropy metric
+
+
+# ---- the trainer: expert parallelism, checkpoints, bitwise resume ------------------------------------
+# Capacity 1.0 drops assignments (so the drops must match across meshes too); the router bias moves.
+MOE = ["--config.model.moe.num_experts=4", "--config.model.moe.expert_d_ff=16", "--config.model.moe.capacity_factor=1.0",
+       "--config.model.moe.bias_update_rate=0.01", "--config.model.moe.num_shared_experts=1"]
+TINY = TINY_MODEL + MOE + ["--config.data.seq_len=64", "--config.eval.every_steps=0", "--config.log_every=1",
+                           "--config.checkpoint.every_steps=10", "--config.optimizer.decay_steps=20"]
+EXPERT_1 = ["--config.mesh.fsdp=8"]
+EXPERT_4 = ["--config.mesh.fsdp=2", "--config.mesh.expert=4"]
+MOE_TAGS = ("train/moe/aux_loss", "train/moe/router_z_loss", "train/moe/dropped_fraction",
+            "train/moe/load_entropy/layer_0", "train/moe/max_load/layer_1")
+
+
+def scalars(out, tag):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  events = EventAccumulator(str(out / "tensorboard"))
+  events.Reload()
+  return {e.step: e.value for e in events.Scalars(tag)}
+
+
+@pytest.mark.slow
+def test_expert4_trains_like_expert1_and_its_checkpoint_restores_elsewhere(store, tmp_path, monkeypatch):
+  from maxtrain.sharding import expert_dispatch
+  from test_checkpoint import assert_bitwise_equal, losses, restore_raw
+
+  traced = []
+  sharded = expert_dispatch.sharded
+  monkeypatch.setattr(expert_dispatch, "sharded", lambda mesh, rules, **kw: traced.append(mesh.shape["expert"]) or
+                      sharded(mesh, rules, **kw))
+
+  def run(name, mesh):
+    code = train.main(TINY + mesh + [f"--config.data.path={store}", "--config.steps=20",
+                                     f"--config.output_dir={tmp_path / name}"])
+    assert code == 0, name
+
+  run("one", EXPERT_1)
+  assert traced == []
+  run("four", EXPERT_4)
+  assert traced and set(traced) == {4}
+  ref, got = losses(tmp_path / "one"), losses(tmp_path / "four")
+  assert sorted(got) == sorted(ref) == list(range(1, 21))
+  np.testing.assert_allclose([got[s] for s in ref], [ref[s] for s in ref], rtol=1e-5)
+  for tag in MOE_TAGS:
+    a, b = scalars(tmp_path / "one", tag), scalars(tmp_path / "four", tag)
+    np.testing.assert_allclose([b[s] for s in a], list(a.values()), rtol=1e-5, atol=1e-7, err_msg=tag)
+  assert max(scalars(tmp_path / "one", "train/moe/dropped_fraction").values()) > 0  # drops happened
+  saved = restore_raw(tmp_path / "four" / "checkpoints", 20)
+  ref_params = restore_raw(tmp_path / "one" / "checkpoints", 20)["params"]
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(saved["params"]), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+  bias = saved["params"]["moe_blocks"]["moe"]["router_bias"]["value"]
+  assert np.any(bias != 0)
+  _restore_onto_other_meshes(tmp_path / "four" / "checkpoints", saved, assert_bitwise_equal)
+
+
+def _restore_onto_other_meshes(ckpt_dir, saved, assert_bitwise_equal):
+  from maxtrain import state as state_lib
+  from maxtrain.checkpoint import Checkpointer
+  from maxtrain.models.llama import ModelConfig
+  from maxtrain.sharding.mesh import make_mesh
+
+  cfg = config_lib.load(TINY)
+  model_cfg, tx = ModelConfig.from_config(cfg.model), optim.make(cfg.optimizer, 20).tx
+  ckpt = Checkpointer(cfg.checkpoint, str(ckpt_dir))
+  for sizes, devices in (({"data": 1, "fsdp": 4, "expert": 2, "tensor": 1}, jax.devices()),
+                         ({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])):
+    mesh = make_mesh(sizes, devices)
+    spec = state_lib.spec(model_cfg, tx, mesh, seed=0)
+    restored = ckpt.restore(ckpt_dir / "20", spec.abstract, spec.shardings)
+    assert restored.meta["mesh"]["expert"] == 4
+    gate = restored.state.params["moe_blocks"]["moe"]["gate"][...]
+    assert gate.sharding.shard_shape(gate.shape)[1] == 4 // sizes.get("expert", 1)
+    assert_bitwise_equal(jax.tree.map(np.asarray, restored.state), saved)
+  ckpt.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_moe_resume_is_bitwise_identical(store, tmp_path, optimizer):
+  from test_checkpoint import OPTIMIZERS, assert_bitwise_equal, losses, restore_raw
+
+  base = TINY + EXPERT_4 + OPTIMIZERS[optimizer] + [f"--config.data.path={store}", "--config.checkpoint.every_steps=4",
+                                                    "--config.optimizer.decay_steps=8"]
+
+  def run(name, steps):
+    assert train.main(base + [f"--config.output_dir={tmp_path / name}", f"--config.steps={steps}"]) == 0
+
+  run("a", 8)
+  run("b", 4)  # stops after step 4; the second trainer resumes its checkpoint
+  run("b", 8)
+  final_a, final_b = restore_raw(tmp_path / "a/checkpoints", 8), restore_raw(tmp_path / "b/checkpoints", 8)
+  assert_bitwise_equal(final_a, final_b)  # parameters, router biases, optimizer state, guard, step
+  assert np.any(final_a["params"]["moe_blocks"]["moe"]["router_bias"]["value"] != 0)
+  assert losses(tmp_path / "b") == losses(tmp_path / "a")
+  assert sorted(losses(tmp_path / "a")) == list(range(1, 9))
