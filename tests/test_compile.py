@@ -151,7 +151,8 @@ def test_estimate_of_a_tiny_model_by_hand():
   est = estimate_lib.estimate(cfg, 4)
   per_layer = 2 * D * D + 2 * D * K * H + 3 * D * F + 2 * D
   assert est.params == {"total": 2 * V * D + L * per_layer + D, "embedding": V * D, "head": D * V,
-                        "per_layer": per_layer, "num_layers": L, "layers": L * per_layer, "other": D}
+                        "per_layer": per_layer, "num_layers": L, "layers": L * per_layer, "other": D,
+                        "active": 2 * V * D + L * per_layer + D}
   # 6 x matmul params (head included, embedding lookup not) + causal attention 6 N H (T + 1) per layer.
   matmul = L * (2 * D * D + 2 * D * K * H + 3 * D * F) + D * V
   assert est.flops_per_token == 6 * matmul + L * 6 * N * H * (T + 1) == 540_672 + 25_344

@@ -234,6 +234,24 @@ def test_muon_orthogonalises_each_expert_on_its_own():
   assert np.all(np.asarray(updates["moe_blocks"]["moe"]["router"]) != 0)  # AdamW
 
 
+def test_flops_and_estimate_count_active_parameters():
+  from maxtrain.aot import estimate as estimate_lib
+  from maxtrain.models.llama import ModelConfig
+
+  L, D, N, F, V, T, E, K, S, FE = 3, 32, 4, 64, 256, 32, 8, 2, 1, 16
+  cfg = config_lib.load(TINY_MODEL + [f"--config.model.vocab_size={V}", "--config.model.moe.num_experts=8",
+                                      "--config.model.moe.experts_per_token=2", "--config.model.moe.num_shared_experts=1",
+                                      "--config.model.moe.expert_d_ff=16", "--config.model.moe.first_dense_layers=1",
+                                      "--config.model.num_layers=3", "--config.mesh.fsdp=2", "--config.mesh.expert=4"])
+  attention = 4 * D * D  # wq, wk, wv, wo (4 kv heads of 8)
+  matmul = L * attention + 1 * 3 * D * F + 2 * (D * E + 3 * D * FE * (K + S)) + D * V
+  assert ModelConfig.from_config(cfg.model).train_flops_per_token(T) == 6 * matmul + L * 6 * N * (D // N) * (T + 1)
+  est = estimate_lib.estimate(cfg, 8)
+  routed = 2 * 3 * E * D * FE
+  assert est.params["active"] == est.params["total"] - routed * (E - K) // E
+  assert est.params["total"] == 2 * V * D + D + L * (attention + 2 * D) + 3 * D * F + 2 * (D * E + E + 3 * D * FE * (E + S))
+
+
 # ---- router bias ------------------------------------------------------------------------------------
 
 def test_router_bias_sign_rule_in_scanned_and_unscanned_models():
