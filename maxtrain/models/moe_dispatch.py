@@ -57,10 +57,16 @@ def combine(y_BECD: jax.Array, slot_BTK: jax.Array, weights_BTK: jax.Array) -> j
 
 
 def experts_ffn(x_BECD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array) -> jax.Array:
-  """Each expert's SwiGLU on its slots: down(silu(x @ gate) * (x @ up)), batched over experts."""
-  gate_BECF = jnp.einsum("becd,edf->becf", x_BECD, gate_EDF)
-  up_BECF = jnp.einsum("becd,edf->becf", x_BECD, up_EDF)
-  return jnp.einsum("becf,efd->becd", jax.nn.silu(gate_BECF) * up_BECF, down_EFD)
+  """Each expert's SwiGLU on its slots: down(silu(x @ gate) * (x @ up)), batched over experts.
+
+  Expert-major inside ([E, B x C, ...], transposed once in and once out): with the batch dim outside
+  the experts dim, XLA:CPU transposed every [B, E, C, F] activation for the weight gradients, which
+  took a fifth of the train step (tools/bench.py --top-ops; BENCHMARKS.md)."""
+  B, E, C, D = x_BECD.shape
+  matmul = lambda a, w: jax.lax.dot_general(a, w, (((2,), (1,)), ((0,), (0,))))  # [E, N, I] x [E, I, O]
+  x_END = jnp.swapaxes(x_BECD, 0, 1).reshape(E, B * C, D)
+  h_ENF = jax.nn.silu(matmul(x_END, gate_EDF)) * matmul(x_END, up_EDF)
+  return jnp.swapaxes(matmul(h_ENF, down_EFD).reshape(E, B, C, D), 0, 1)
 
 
 def dropless(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array, gate_EDF: jax.Array,
