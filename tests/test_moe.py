@@ -252,6 +252,35 @@ def test_flops_and_estimate_count_active_parameters():
   assert est.params["total"] == 2 * V * D + D + L * (attention + 2 * D) + 3 * D * F + 2 * (D * E + E + 3 * D * FE * (E + S))
 
 
+def test_microbatches_weight_the_moe_losses_by_their_loss_tokens():
+  from maxtrain import microbatch, step as step_lib
+  from maxtrain.models.llama import Llama, ModelConfig
+
+  moe = MoEConfig(num_experts=4, expert_d_ff=8, aux_loss_weight=0.5, router_z_loss_weight=0.25)
+  cfg = ModelConfig(num_layers=2, d_model=16, num_heads=2, num_kv_heads=2, d_ff=32, vocab_size=32, max_seq_len=16,
+                    moe=moe)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(params=0))))
+  rng = np.random.default_rng(8)  # random weights: the model's own init would cost a compile
+  params = jax.tree.map(lambda s: jnp.asarray(0.2 * rng.normal(size=s.shape), s.dtype), abstract)
+  n, t = 4, 16
+  mask = (rng.random((n, t)) < np.array([[0.9], [0.3], [0.6], [0.5]])).astype(np.float32)  # uneven loss tokens
+  batch = {"inputs": rng.integers(0, 32, (n, t)).astype(np.int32), "targets": rng.integers(0, 32, (n, t)).astype(np.int32),
+           "segment_ids": np.ones((n, t), np.int32), "positions": np.arange(t, dtype=np.int32)[None].repeat(n, 0),
+           "loss_mask": mask}
+  run = jax.jit(lambda p, b, k: step_lib.loss_and_grads(graphdef, p, b, moe=moe, grad_accum_steps=k), static_argnums=2)
+  metrics, grads = run(params, batch, 2)
+  # Reference: each microbatch alone (k=1), weighted by its loss tokens.
+  parts = [run(params, jax.tree.map(lambda x, i=i: microbatch.split(x, 2)[i], batch), 1) for i in range(2)]
+  counts = [float(m["loss_tokens"]) for m, _ in parts]
+  for key in ("moe/aux_loss", "moe/router_z_loss", "loss"):
+    expected = sum(c * float(m[key]) for c, (m, _) in zip(counts, parts)) / sum(counts)
+    np.testing.assert_allclose(float(metrics[key]), expected, rtol=1e-5, err_msg=key)
+  # The gradient is that of the token-weighted objective, auxiliary terms included.
+  expected_grads = jax.tree.map(lambda *g: sum(c * x for c, x in zip(counts, g)) / sum(counts), *[g for _, g in parts])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads, expected_grads)
+  np.testing.assert_array_equal(metrics["moe_load"], parts[0][0]["moe_load"] + parts[1][0]["moe_load"])
+
+
 # ---- router bias ------------------------------------------------------------------------------------
 
 def test_router_bias_sign_rule_in_scanned_and_unscanned_models():
