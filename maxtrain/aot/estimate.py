@@ -151,6 +151,16 @@ def _attention_bytes(m: ModelConfig, b: int, seq: int, h_t: int, kv_t: int, c_by
   return b * h_t * local * 4, rows * (4 + c_bytes) + block_scores
 
 
+def _param_counts(table: list[Param], m: ModelConfig) -> dict[str, int]:
+  by_name = {p.name: p for p in table}
+  embedding, head = by_name["embed"].size, by_name["head"].size if "head" in by_name else 0
+  layers = sum(p.size for p in table if p.name.startswith(("blocks/", "moe_blocks/")))
+  total = sum(p.size for p in table)
+  return {"total": total, "embedding": embedding, "head": head, "per_layer": layers // m.num_layers,
+          "num_layers": m.num_layers, "layers": layers, "other": total - embedding - head - layers,
+          "active": total - _inactive_experts(table, m)}
+
+
 def _is_routed_expert(name: str) -> bool:
   """'moe_blocks/moe/gate' (or .../<i>/moe/up ...): a stacked routed-expert weight, not a shared expert's."""
   parts = name.split("/")
@@ -196,14 +206,8 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
   o, m = cfg.optimizer, model_cfg
   table = param_table(model_cfg, layout, o.name)
 
-  # Parameter counts.
-  by_name = {p.name: p for p in table}
-  embedding, head = by_name["embed"].size, by_name["head"].size if "head" in by_name else 0
-  layers = sum(p.size for p in table if p.name.startswith(("blocks/", "moe_blocks/")))
-  total = sum(p.size for p in table)
-  params = {"total": total, "embedding": embedding, "head": head, "per_layer": layers // m.num_layers,
-            "num_layers": m.num_layers, "layers": layers, "other": total - embedding - head - layers,
-            "active": total - _inactive_experts(table, m)}
+  params = _param_counts(table, m)
+  head = params["head"]
 
   # The train state: exact, from the per-device shapes.
   state_bytes = _itemsize(o.state_dtype)
