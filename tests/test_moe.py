@@ -334,6 +334,7 @@ def test_routing_collapse_fires_once_per_episode(tmp_path):
 MOE = ["--config.model.moe.num_experts=4", "--config.model.moe.expert_d_ff=16", "--config.model.moe.capacity_factor=1.0",
        "--config.model.moe.bias_update_rate=0.01", "--config.model.moe.num_shared_experts=1"]
 TINY = TINY_MODEL + MOE + ["--config.data.seq_len=64", "--config.eval.every_steps=0", "--config.log_every=1",
+                           "--config.model.moe.collapse_entropy=1.0", "--config.model.moe.collapse_steps=5",
                            "--config.checkpoint.every_steps=10", "--config.optimizer.decay_steps=20"]
 EXPERT_1 = ["--config.mesh.fsdp=8"]
 EXPERT_4 = ["--config.mesh.fsdp=2", "--config.mesh.expert=4"]
@@ -366,6 +367,9 @@ def test_expert4_trains_like_expert1_and_its_checkpoint_restores_elsewhere(store
 
   run("one", EXPERT_1)
   assert traced == []
+  # Every layer is "collapsed" under threshold 1.0 (entropy < 1 unless perfectly balanced): one event each.
+  collapses = [r for r in ev.read_events(tmp_path / "one" / ev.FILENAME) if r["kind"] == ev.ROUTING_COLLAPSE]
+  assert sorted(r["layer"] for r in collapses) == [0, 1] and all(r["step"] == 6 for r in collapses)
   run("four", EXPERT_4)
   assert traced and set(traced) == {4}
   ref, got = losses(tmp_path / "one"), losses(tmp_path / "four")
