@@ -69,14 +69,29 @@ def base_config() -> ml_collections.ConfigDict:
   m.param_dtype = "float32"  # Storage dtype of parameters.
   m.compute_dtype = "float32"  # Matmul dtype (bf16 on accelerators; fp32 is faster on CPU).
   m.loss_chunk_tokens = -1  # Chunked cross-entropy, tokens per device per chunk (no full [B,T,V] logits); 0 = off; -1 = auto (2048 when vocab_size >= 4096).
+  m.moe = e = ml_collections.ConfigDict()  # Mixture of experts (maxtrain/models/moe.py); num_experts=0: dense.
+  e.num_experts = 0  # Routed experts per MoE layer; 0 = every layer a dense SwiGLU MLP (the default).
+  e.experts_per_token = 2  # Routed experts each token goes to (top-k).
+  e.num_shared_experts = 0  # Experts every token goes to as well (DeepSeek), each expert_d_ff wide.
+  e.expert_d_ff = 256  # SwiGLU hidden width of each routed and shared expert.
+  e.first_dense_layers = 0  # The first k layers keep the dense model.d_ff MLP (DeepSeek-V3: 3).
+  e.router = "softmax"  # softmax (Mixtral: top-k of the softmax, renormalised) | sigmoid (DeepSeek-V3: top-k sigmoid scores, normalised).
+  e.dispatch = "capacity"  # capacity (fixed slots per expert per sequence, overflow dropped) | dropless (sorted tokens, ragged_dot).
+  e.capacity_factor = 1.25  # capacity: slots per expert and sequence = ceil(factor x seq_len x experts_per_token / num_experts).
+  e.aux_loss_weight = 0.01  # Weight of the Switch/GShard load-balancing loss E x sum_e f_e P_e (1 when balanced); 0 = off.
+  e.router_z_loss_weight = 0.001  # Weight of the router z-loss, mean logsumexp(router logits)^2 (ST-MoE); 0 = off.
+  e.bias_update_rate = 0.0  # Auxiliary-loss-free balancing (DeepSeek-V3): per-step sign update of the routing bias; 0 = off.
+  e.collapse_entropy = 0.5  # Routing collapse: a layer's load entropy / log(num_experts) below this at log steps ...
+  e.collapse_steps = 100  # ... for this many steps emits a routing_collapse event and a warning; 0 = off.
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1  # Pure data parallel replicas.
   c.mesh.fsdp = -1  # Parameter-sharded data parallel; -1 takes the remaining devices.
   c.mesh.context = 1  # Context (sequence) parallel: each activation's length dim; attention all-gathers K/V.
   c.mesh.tensor = 1  # Tensor (model) parallel: heads, MLP and vocab dims.
-  # The four above lay out one granule (a node: NVLink/NeuronLink/ICI); these lay out the granules
-  # (across the network). At most one of all six may be -1.
+  c.mesh.expert = 1  # Expert parallel: routed experts split over it, tokens sent to them by all-to-all; data parallel elsewhere.
+  # The five above lay out one granule (a node: NVLink/NeuronLink/ICI); these lay out the granules
+  # (across the network). At most one of all seven may be -1.
   c.mesh.dcn_data = 1  # Data-parallel replicas across nodes.
   c.mesh.dcn_fsdp = 1  # FSDP across nodes (parameters sharded over the network too).
   c.mesh.rules = "default"  # Sharding rule set (logical axis -> mesh axes), of maxtrain/sharding/rules.py RULE_SETS.

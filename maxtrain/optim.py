@@ -43,7 +43,10 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
 WSD_DECAYS = ("linear", "cosine")
 STATE_DTYPES = ("float32", "bfloat16")
-PARAM_KINDS = ("embed", "head", "norm", "bias", "matrix")  # what param_kind returns
+# What param_kind returns. `router`: a MoE router (AdamW: Muon's orthogonalisation would equalise the
+# experts' logit scales, which is the router's whole job); `state`: a non-gradient variable the step
+# sets itself (the MoE router bias), left alone by the optimizer (no moments, no decay).
+PARAM_KINDS = ("embed", "head", "norm", "bias", "matrix", "router", "state")
 
 # How Muon sees a hidden weight as a matrix [fan_in, fan_out], with the weight's rank without the
 # layers dim. Axes are negative so the same numbers hold with and without a leading scanned `layers`
@@ -51,10 +54,17 @@ PARAM_KINDS = ("embed", "head", "norm", "bias", "matrix")  # what param_kind ret
 _IN_TO_HEADS = (3, MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1)))  # [D, N, H]: D -> N*H
 _HEADS_TO_OUT = (3, MuonDimensionNumbers(reduction_axis=(-3, -2), output_axis=-1))  # [N, H, D]: N*H -> D
 _IN_TO_OUT = (2, MuonDimensionNumbers(reduction_axis=-2, output_axis=-1))  # [D, F] or [F, D]
+# Stacked MoE experts [E, D, F] / [E, F, D]: the experts dim is a batch axis like `layers`, so each
+# expert (of each layer) is orthogonalised on its own.
+_EXPERTS = (3, MuonDimensionNumbers(reduction_axis=-2, output_axis=-1))
 HIDDEN_MATRICES: dict[str, tuple[int, MuonDimensionNumbers]] = {
     "attn/wq": _IN_TO_HEADS, "attn/wk": _IN_TO_HEADS, "attn/wv": _IN_TO_HEADS, "attn/wo": _HEADS_TO_OUT,
     "mlp/gate": _IN_TO_OUT, "mlp/up": _IN_TO_OUT, "mlp/down": _IN_TO_OUT,
+    "moe/gate": _EXPERTS, "moe/up": _EXPERTS, "moe/down": _EXPERTS,
+    "shared/gate": _IN_TO_OUT, "shared/up": _IN_TO_OUT, "shared/down": _IN_TO_OUT,  # MoE shared experts
 }
+# Non-matrix parameters by their last name (rank without the layers dim).
+_NAMED_KINDS = {"router": ("router", 2), "router_bias": ("state", 1)}
 
 
 def _matrix_key(name: str) -> str:
@@ -71,6 +81,12 @@ def param_kind(name: str, ndim: int) -> str:
     return "norm"
   if leaf == "bias":
     return "bias"
+  if leaf in _NAMED_KINDS:
+    kind, rank = _NAMED_KINDS[leaf]
+    if ndim not in (rank, rank + 1):
+      raise ValueError(f"parameter {name} has rank {ndim}; maxtrain/optim.py expects {rank} (or {rank + 1} with "
+                       "scanned layers)")
+    return kind
   key = _matrix_key(name)
   if key in HIDDEN_MATRICES:
     rank = HIDDEN_MATRICES[key][0]
@@ -89,11 +105,13 @@ def _map_named(fn: Callable[[str, Any], Any], tree: Any) -> Any:
 
 
 def param_labels(params: Any, optimizer_name: str) -> Any:
-  """The routing: a tree like `params` of 'muon' (hidden matrices, when optimizer_name is muon)
-  or 'adam' (everything else)."""
+  """The routing: a tree like `params` of 'muon' (hidden matrices, when optimizer_name is muon),
+  'none' (non-gradient state, never updated by the optimizer) or 'adam' (everything else)."""
   def label(name: str, leaf) -> str:
-    is_matrix = param_kind(name, leaf.ndim) == "matrix"
-    return "muon" if optimizer_name == "muon" and is_matrix else "adam"
+    kind = param_kind(name, leaf.ndim)
+    if kind == "state":
+      return "none"
+    return "muon" if optimizer_name == "muon" and kind == "matrix" else "adam"
 
   return _map_named(label, params)
 
@@ -278,6 +296,7 @@ def make(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
       optax.add_decayed_weights(opt_cfg.weight_decay, mask),  # stateless
       guarded(optax.scale_by_learning_rate(adam_lr)),  # its count is the schedule's step
   )
+  transforms["none"] = optax.set_to_zero()  # stateless: the optimizer state of a dense model is unchanged
   parts = [optax.clip_by_global_norm(opt_cfg.clip_norm)] if opt_cfg.clip_norm > 0 else []
   tx = optax.chain(*parts, optax.partition(transforms, labels))
   return Optimizer(tx=_init_state_in(tx, state_dtype), learning_rates=learning_rates, labels=labels)
@@ -293,6 +312,8 @@ def update_norms(updates: Any, labels: Any) -> dict[str, jax.Array]:
   """Global norm of the applied update per group: {'update_norm/muon': ..., 'update_norm/adam': ...}."""
   squares: dict[str, jax.Array] = {}
   for u, label in zip(jax.tree.leaves(updates), jax.tree.leaves(labels)):
+    if label == "none":  # always zero
+      continue
     squares[label] = squares.get(label, 0.0) + jnp.sum(jnp.square(u.astype(jnp.float32)))
   return {f"update_norm/{label}": jnp.sqrt(sq) for label, sq in sorted(squares.items())}
 

@@ -112,6 +112,7 @@ def load(path: str, *, seed: int = 0) -> tuple[Generator, Any, Any]:
   from maxtrain import config as config_lib
   from maxtrain import state as state_lib
   from maxtrain.data.tokenizer import load_tokenizer
+  from maxtrain.errors import require
   from maxtrain.interop import init_from
   from maxtrain.interop.sources import open_source
   from maxtrain.models.llama import ModelConfig
@@ -124,6 +125,9 @@ def load(path: str, *, seed: int = 0) -> tuple[Generator, Any, Any]:
     if key in cfg.model:
       cfg.model[key] = value
   cfg.data.seq_len = min(cfg.data.seq_len, cfg.model.max_seq_len)
+  experts = source.model.get("moe", {}).get("num_experts", 0)
+  require(not experts, f"{path}: a mixture-of-experts model (model.moe.num_experts={experts}); generation (the "
+          "KV-cache decoder, models/decode.py) runs dense models only")
   plan = validate(cfg, jax.device_count(), require_data=False)
   mesh, rules = make_mesh(plan.mesh), plan.layout.rules
   model_cfg = ModelConfig.from_config(cfg.model)

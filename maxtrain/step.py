@@ -17,6 +17,8 @@ from flax import nnx
 
 from maxtrain import guards, loss, microbatch, optim
 from maxtrain.batch import FAULT
+from maxtrain.models import moe as moe_lib
+from maxtrain.models.moe import MoEConfig
 from maxtrain.sharding import rules as sharding_rules
 from maxtrain.state import TrainState
 
@@ -24,38 +26,68 @@ Batch = dict[str, jax.Array]
 
 
 def head_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, chunk_tokens: int = 0,
-                batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, jax.Array]:
+                batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
   """Per-token (cross-entropy, log Z) of the model on `batch`, fp32: the output head through
-  `loss.head_losses` (chunked when `chunk_tokens` > 0: never the full [B, T, V] logits)."""
+  `loss.head_losses` (chunked when `chunk_tokens` > 0: never the full [B, T, V] logits); and the MoE
+  layers' statistics (models/moe.py STATS, stacked over MoE layers; {} for a dense model)."""
   model = nnx.merge(graphdef, params)
-  x_BTD = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
-  return loss.head_losses(x_BTD, model.head_weights(), batch["targets"], chunk_tokens=chunk_tokens,
-                          compute_dtype=model.cfg.compute_dtype, batch_shards=batch_shards,
-                          length_shards=length_shards)
+  x_BTD, moe_stats = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
+  ce_BT, log_z_BT = loss.head_losses(x_BTD, model.head_weights(), batch["targets"], chunk_tokens=chunk_tokens,
+                                     compute_dtype=model.cfg.compute_dtype, batch_shards=batch_shards,
+                                     length_shards=length_shards)
+  return ce_BT, log_z_BT, moe_stats
+
+
+def _moe_parts(moe_stats: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:
+  """The MoE layers' statistics as sums over microbatches. aux and z are means over a microbatch's
+  tokens (aux is not a sum over tokens: a product of two means), averaged over MoE layers, then
+  weighted by the microbatch's loss tokens so that `loss_and_grads`'s single division by all loss
+  tokens gives their token-weighted mean, as for the cross-entropy (exactly the batch's value for one
+  microbatch)."""
+  return {"moe_aux": jnp.mean(moe_stats["aux"]) * count, "moe_z": jnp.mean(moe_stats["z"]) * count,
+          "moe_load": moe_stats["load"], "moe_dropped": jnp.sum(moe_stats["dropped"]),
+          "moe_assignments": jnp.sum(moe_stats["assignments"])}
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, z_loss: float = 0.0, *,
-              chunk_tokens: int = 0, batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
+              moe: MoEConfig = MoEConfig(), chunk_tokens: int = 0, batch_shards: int = 1,
+              length_shards: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(objective summed over loss tokens, its parts): sums, not means, so that microbatches add up.
 
   objective = sum of (cross-entropy + z_loss * log(Z)^2) over loss tokens; the z term keeps the
-  softmax normaliser near 1 (PaLM), which keeps bf16 logits well conditioned.
+  softmax normaliser near 1 (PaLM), which keeps bf16 logits well conditioned. A MoE model adds
+  aux_loss_weight x its load-balancing loss and router_z_loss_weight x its router z-loss (`_moe_parts`).
   """
-  ce_BT, log_z_BT = head_losses(graphdef, params, batch, chunk_tokens=chunk_tokens, batch_shards=batch_shards,
-                                length_shards=length_shards)
+  ce_BT, log_z_BT, moe_stats = head_losses(graphdef, params, batch, chunk_tokens=chunk_tokens,
+                                           batch_shards=batch_shards, length_shards=length_shards)
   mask_BT = batch["loss_mask"].astype(jnp.float32)
   parts = {"ce": jnp.sum(ce_BT * mask_BT), "z": jnp.sum(jnp.square(log_z_BT) * mask_BT), "count": jnp.sum(mask_BT)}
-  return parts["ce"] + z_loss * parts["z"], parts
+  objective = parts["ce"] + z_loss * parts["z"]
+  if moe_stats:
+    parts.update(_moe_parts(moe_stats, parts["count"]))
+    objective = objective + moe.aux_loss_weight * parts["moe_aux"] + moe.router_z_loss_weight * parts["moe_z"]
+  return objective, parts
+
+
+def moe_metrics(parts: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:
+  """The MoE metrics of a step's summed parts: the two losses (unweighted), the share of dropped
+  assignments, and per MoE layer [L] the load entropy / log E and the max / mean expert load."""
+  load_LE = parts["moe_load"]
+  return {"moe/aux_loss": parts["moe_aux"] / count, "moe/router_z_loss": parts["moe_z"] / count,
+          "moe/dropped_fraction": parts["moe_dropped"] / jnp.maximum(parts["moe_assignments"], 1.0),
+          "moe/load_entropy": moe_lib.load_entropy(load_LE),
+          "moe/max_load": jnp.max(load_LE, axis=-1) / jnp.maximum(jnp.mean(load_LE, axis=-1), 1e-9)}
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z_loss: float = 0.0,
-                   grad_accum_steps: int = 1, chunk_tokens: int = 0, batch_shards: int = 1,
-                   length_shards: int = 1) -> tuple[dict[str, jax.Array], nnx.State]:
-  """Metrics (mean cross-entropy `loss`, `z_loss` term, `loss_tokens`) and the gradient of the mean
-  objective over the batch's loss tokens."""
+                   moe: MoEConfig = MoEConfig(), grad_accum_steps: int = 1, chunk_tokens: int = 0,
+                   batch_shards: int = 1, length_shards: int = 1) -> tuple[dict[str, jax.Array], nnx.State]:
+  """Metrics (mean cross-entropy `loss`, `z_loss` term, `loss_tokens`; of a MoE model `moe_metrics`
+  and `moe_load`, the [L, E] assignments per layer and expert that the router bias follows) and the
+  gradient of the mean objective over the batch's loss tokens."""
   def sums_and_grads(p, b):
-    objective = lambda p: loss_sums(graphdef, p, b, z_loss, chunk_tokens=chunk_tokens, batch_shards=batch_shards,
-                                    length_shards=length_shards)
+    objective = lambda p: loss_sums(graphdef, p, b, z_loss, moe=moe, chunk_tokens=chunk_tokens,
+                                    batch_shards=batch_shards, length_shards=length_shards)
     (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(p)
     return parts, grads
 
@@ -65,11 +97,13 @@ def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z
   metrics = {"loss": parts["ce"] / count, "loss_tokens": parts["count"]}
   if z_loss:
     metrics["z_loss"] = z_loss * parts["z"] / count  # the term added to the objective
+  if "moe_load" in parts:
+    metrics.update(moe_metrics(parts, count), moe_load=parts["moe_load"])
   return metrics, grads
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_loss: float = 0.0,
-                    grad_accum_steps: int = 1, spike_zscore: float = 6.0, spike_warmup: int = 20,
+                    moe: MoEConfig = MoEConfig(), grad_accum_steps: int = 1, spike_zscore: float = 6.0, spike_warmup: int = 20,
                     rules: sharding_rules.Rules | None = None, chunk_tokens: int = 0,
                     batch_shards: int = 1, length_shards: int = 1) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
   """The step. `batch` may carry `fault`: f32[2] = (make this step NaN?, loss scale), replicated, for
@@ -80,7 +114,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
     batch = dict(batch)
     fault = batch.pop(FAULT, None)
     with sharding_rules.activate(rules):
-      metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss, grad_accum_steps=grad_accum_steps,
+      metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss, moe=moe,
+                                      grad_accum_steps=grad_accum_steps,
                                       chunk_tokens=chunk_tokens, batch_shards=batch_shards,
                                       length_shards=length_shards)
     if fault is not None:
@@ -95,6 +130,9 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
     with sharding_rules.activate(rules):  # Muon's Newton-Schulz lays out whole layers per device (maxtrain/muon.py)
       updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params, skip=skip)
     candidate = optax.apply_updates(state.params, updates)
+    load_LE = metrics.pop("moe_load", None)
+    if moe.bias_update_rate:  # aux-loss-free balancing: part of the candidate, so a skipped step keeps it too
+      candidate = moe_lib.update_router_bias(candidate, load_LE, moe.bias_update_rate)
     update_norms = optim.update_norms(updates, optimizer.labels(state.params))
     old_norm, new_norm = optax.tree.norm(state.params), optax.tree.norm(candidate)
     # Finite loss and gradients can still give a non-finite update (an overflowing learning rate) or

@@ -31,6 +31,7 @@ from maxtrain.monitor import events as ev
 from maxtrain.monitor import mfu as mfu_lib
 from maxtrain.monitor.metrics import MetricsLogger
 from maxtrain.monitor.profiler import Profiler
+from maxtrain.monitor.routing import RoutingMonitor
 from maxtrain.monitor.stragglers import StragglerMonitor
 from maxtrain.monitor.watchdog import Watchdog
 from maxtrain.runtime import cache, distributed
@@ -94,6 +95,7 @@ class Trainer:
              program.plan.mesh.describe(), self.data.describe())
     log.info("MFU peak: %s; model FLOPs/token %.3g", peak_source, program.flops_per_token)
     self.guards = GuardPolicy(cfg.guards, self.events, self.checkpoints.rollbacks_used(self.resume_path))
+    self.routing = RoutingMonitor(self.events, cfg.model.moe.collapse_entropy, cfg.model.moe.collapse_steps)
     self.profiler = Profiler(self.out_dir / "tensorboard", cfg.profile.start_step, cfg.profile.num_steps)
     stack.callback(self.profiler.stop)
     self.stop = StopRequest(self.kv).install()
@@ -151,7 +153,7 @@ class Trainer:
         if self.metrics.summary is None:
           self.metrics.first_step(step, metrics, self.t_start)
         if step % cfg.log_every == 0 or step == cfg.steps:
-          self.metrics.train(step, metrics, fleet=self.stragglers.exchange(step))
+          self.routing.check(step, self.metrics.train(step, metrics, fleet=self.stragglers.exchange(step)))
         if step == cfg.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
           eval_loss = self._evaluate(state, step)
         # After the step and its events: a hang's idle window (goodput's `hang`) starts after them.

@@ -78,6 +78,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   require(not unused, f"mesh {mesh_layout.describe()}: rule set mesh.rules={cfg.mesh.rules!r} maps nothing to mesh "
           f"axis {', '.join(unused)}, so its devices would duplicate each other's work. Set "
           f"{', '.join(f'mesh.{a}=1' for a in unused)}, or choose a rule set that uses it (maxtrain/sharding/rules.py).")
+  _validate_expert_parallel(cfg.model.moe, layout, mesh_layout)
   batch = BatchLayout.plan(d, cfg.optimizer, layout, f"mesh {mesh_layout.describe()}", num_processes)
   # Each process loads whole rows of its own batch shards (data/pipeline.py): a sequence split over
   # devices must not be split over processes too.
@@ -94,6 +95,19 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           "context-parallel attention runs the flash kernel on each shard. Set model.attention=flash (or auto), "
           "or mesh.context=1.")
   return Plan(mesh=mesh_layout, layout=layout, batch=batch)
+
+
+def _validate_expert_parallel(moe: Any, layout: Layout, mesh_layout: mesh_lib.MeshLayout) -> None:
+  """Expert parallelism needs routed experts, fixed-capacity messages and whole sequences per device."""
+  if layout.shards("experts") == 1:
+    return
+  where = f"mesh {mesh_layout.describe()} splits experts over {layout.describe('experts')}"
+  require(moe.num_experts > 0, f"{where}, but config.model.moe.num_experts=0 (a dense model): set model.moe.num_experts "
+          "or make that mesh axis 1")
+  require(moe.dispatch == "capacity", f"{where}: config.model.moe.dispatch={moe.dispatch!r} needs ragged all-to-all "
+          "messages, which maxtrain does not implement (XLA:CPU cannot run them). Use model.moe.dispatch=capacity.")
+  require(layout.shards("act_length") == 1, f"{where} and sequences over {layout.describe('act_length')}: capacity "
+          "slots are per whole sequence. Use one of the two.")
 
 
 def _validate_fleet(cfg: ml_collections.ConfigDict, num_processes: int) -> None:

@@ -52,7 +52,7 @@ def test_reduced_8b_compiles_and_reports(reduced_8b):
   cfg, report = reduced_8b
   n_params = llama_params(2, 4096, 32, 8, 14336, 128256)
   assert report.num_params == n_params
-  assert report.plan.mesh.sizes == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+  assert report.plan.mesh.sizes == {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
   mem = report.memory
   # The state (fp32 params, Adam mu and nu) is 12 bytes per parameter, an eighth of it per device;
   # the batch and counters add ~20 KB.
@@ -153,7 +153,8 @@ def test_estimate_of_a_tiny_model_by_hand():
   est = estimate_lib.estimate(cfg, 4)
   per_layer = 2 * D * D + 2 * D * K * H + 3 * D * F + 2 * D
   assert est.params == {"total": 2 * V * D + L * per_layer + D, "embedding": V * D, "head": D * V,
-                        "per_layer": per_layer, "num_layers": L, "layers": L * per_layer, "other": D}
+                        "per_layer": per_layer, "num_layers": L, "layers": L * per_layer, "other": D,
+                        "active": 2 * V * D + L * per_layer + D}
   # 6 x matmul params (head included, embedding lookup not) + causal attention 6 N H (T + 1) per layer.
   matmul = L * (2 * D * D + 2 * D * K * H + 3 * D * F) + D * V
   assert est.flops_per_token == 6 * matmul + L * 6 * N * H * (T + 1) == 540_672 + 25_344

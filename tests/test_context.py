@@ -94,7 +94,7 @@ def test_context_order_moves_every_field_together():
 
 def test_mesh_keeps_tensor_innermost():
   mesh = make_mesh({"data": 1, "fsdp": 2, "context": 2, "tensor": 2})
-  assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 2}
   ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(-1, 2)
   for group in ids:  # each tensor group is two consecutive devices
     assert group[1] == group[0] + 1
@@ -112,7 +112,8 @@ def test_bad_context_layouts_are_refused(monkeypatch):
     validate(cfg, 8, num_processes=8, require_data=False)
   assert validate(cfg, 8, num_processes=2, require_data=False).layout.shards("act_length") == 4
   # A mesh axis the rule set never uses would only duplicate work.
-  monkeypatch.setitem(rules_lib.RULE_SETS, "no_context", {**DEFAULT_RULES, "act_length": None, "embed": "fsdp"})
+  monkeypatch.setitem(rules_lib.RULE_SETS, "no_context", {**DEFAULT_RULES, "act_length": None, "embed": "fsdp",
+                                                            "expert_embed": "fsdp"})
   with pytest.raises(UserError, match=r"maps nothing to mesh axis context.*Set mesh.context=1"):
     plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.mesh.rules=no_context")
   assert plan("--config.mesh.context=4", "--config.mesh.fsdp=2").layout.shards("act_length") == 4

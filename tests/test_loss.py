@@ -157,7 +157,7 @@ def test_head_gradient_reduce_scattered_under_the_rules():
   tensor) by an all-to-all and a local sum: no all-reduce of the whole [D, V_local] fp32 gradient, and
   the same values and gradients as one device."""
   Bs, Vs = 8, 256
-  mesh = jax.make_mesh((2, 2, 1, 2), ("data", "fsdp", "context", "tensor"), axis_types=(AxisType.Auto,) * 4)
+  mesh = jax.make_mesh((2, 2, 1, 1, 2), ("data", "fsdp", "expert", "context", "tensor"), axis_types=(AxisType.Auto,) * 5)
   fn = lambda x, h, t: loss.chunked_token_losses(x, h, t, chunk_tokens=16, batch_shards=4)
   step, args = _sharded_objective_and_args(mesh, fn, Bs, Vs)
   with jax.set_mesh(mesh), sharding_rules.activate(sharding_rules.get("default")):

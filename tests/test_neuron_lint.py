@@ -25,6 +25,12 @@ CONFIGS = {
     # Context parallelism: attention under shard_map, all-gathers, a shard-dependent block-pair list.
     "llama3_8b on trn2, context=2": ["--config=configs/llama3_8b.py", *TRN2_ON_8, "--config.mesh.fsdp=1",
                                      "--config.mesh.context=2"],
+    # MoE: fp32 router, top-k, capacity slots (integer scatter, gathers), the router-bias update.
+    "moe, sigmoid router, bias": ["--config=configs/moe.py", "--config.runtime.platform=neuron",
+                                  "--config.model.moe.router=sigmoid", "--config.model.moe.bias_update_rate=1e-3"],
+    # Expert parallelism: all-to-all and FSDP all-gathers under shard_map.
+    "moe on trn2, expert=2": ["--config=configs/moe.py", *TRN2_ON_8, "--config.mesh.fsdp=1", "--config.mesh.expert=2",
+                              "--config.model.num_kv_heads=4"],
 }
 
 
@@ -49,6 +55,7 @@ def _lower(cfg):
 def test_train_step_and_init_pass_the_neuron_lint(name):
   step, init = lowered_step_and_init(CONFIGS[name])
   assert " while(" in step or name == "default"  # scanned layers / microbatches: static loops are allowed
+  assert ("all-to-all(" in step) == ("expert=" in name)  # expert parallelism is in the linted program
   assert neuron_problems(step) == []
   assert neuron_problems(init) == []
 

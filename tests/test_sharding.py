@@ -91,7 +91,7 @@ def test_mesh_equivalence(results, name):
 
 # The layout the default rules must produce on a data x fsdp x context x tensor mesh (scanned layers:
 # the leading dim is `layers`, never sharded). A change here is a deliberate change of strategy.
-FSDP = ("fsdp", "context")  # parameters are FSDP-sharded over the context axis too
+FSDP = ("fsdp", "context", "expert")  # parameters are FSDP-sharded over the context and expert axes too
 EXPECTED_PARAM_SPECS = {
     "embed": P("tensor", FSDP),
     "head": P(FSDP, "tensor"),

@@ -149,7 +149,7 @@ def test_shipped_configs_parse_and_validate(path):
   _, model_presets = config_lib.load_file(path)
   for name in ["", *sorted({"cpu", *model_presets})]:
     cfg = config_lib.load([f"--config={path}", f"--config.hardware={name}"] if name else [f"--config={path}"])
-    node = math.prod(max(1, cfg.mesh[a]) for a in ("data", "fsdp", "context", "tensor")) if cfg.mesh.fsdp != -1 else 8
+    node = math.prod(max(1, cfg.mesh[a]) for a in ("data", "fsdp", "expert", "context", "tensor")) if cfg.mesh.fsdp != -1 else 8
     plan = validate(cfg, num_devices=node, require_data=bool(cfg.data.corpus or cfg.data.path))
     # The model is built abstractly and its parameters divide over the layout.
     abstract = nnx.state(nnx.eval_shape(lambda: Llama(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(0))))

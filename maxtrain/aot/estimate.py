@@ -67,7 +67,7 @@ def param_table(model_cfg: ModelConfig, layout: Layout, optimizer_name: str) -> 
 class Estimate:
   num_devices: int
   mesh_shape: dict[str, int]
-  params: dict[str, int]  # total, embedding, head, per_layer, layers (all L), other
+  params: dict[str, int]  # total, embedding, head, per_layer, layers (all L), other, active (per token)
   flops_per_token: float
   microbatch: int  # sequences per device per microbatch
   memory: dict[str, int]  # bytes per device, by component (see COMPONENTS)
@@ -102,6 +102,7 @@ class Estimate:
              f"  head            {p['head']:>16,}",
              f"  per layer       {p['per_layer']:>16,}  (x {p['num_layers']} layers = {p['layers']:,})",
              f"  other (norms)   {p['other']:>16,}",
+             f"  active/token    {p['active']:>16,}  (MoE: routed experts count experts_per_token of num_experts)",
              f"FLOPs per token:  {self.flops_per_token:>16.4g}  (train: 6 x matmul params + causal attention)",
              "memory per device:"]
     for key, (label, _) in COMPONENTS.items():
@@ -150,6 +151,53 @@ def _attention_bytes(m: ModelConfig, b: int, seq: int, h_t: int, kv_t: int, c_by
   return b * h_t * local * 4, rows * (4 + c_bytes) + block_scores
 
 
+def _param_counts(table: list[Param], m: ModelConfig) -> dict[str, int]:
+  by_name = {p.name: p for p in table}
+  embedding, head = by_name["embed"].size, by_name["head"].size if "head" in by_name else 0
+  layers = sum(p.size for p in table if p.name.startswith(("blocks/", "moe_blocks/")))
+  total = sum(p.size for p in table)
+  return {"total": total, "embedding": embedding, "head": head, "per_layer": layers // m.num_layers,
+          "num_layers": m.num_layers, "layers": layers, "other": total - embedding - head - layers,
+          "active": total - _inactive_experts(table, m)}
+
+
+def _is_routed_expert(name: str) -> bool:
+  """'moe_blocks/moe/gate' (or .../<i>/moe/up ...): a stacked routed-expert weight, not a shared expert's."""
+  parts = name.split("/")
+  return len(parts) >= 2 and parts[-2] == "moe" and parts[-1] in ("gate", "up", "down")
+
+
+def _inactive_experts(table: list[Param], m: ModelConfig) -> int:
+  """Routed-expert parameters a token does not use: all but experts_per_token of num_experts."""
+  routed = sum(p.size for p in table if _is_routed_expert(p.name))
+  return 0 if not m.moe.enabled else routed - routed * m.moe.experts_per_token // m.moe.num_experts
+
+
+def _mean_ffn_width(m: ModelConfig) -> int:
+  """The feed-forward hidden width per token, averaged over layers: d_ff for a dense layer; for a MoE
+  layer the expert slots a token fills (x capacity_factor with capacity dispatch) plus shared experts."""
+  moe, num_moe = m.moe, m.moe.num_moe_layers(m.num_layers)
+  if not num_moe:
+    return m.d_ff
+  slots = moe.experts_per_token * (moe.capacity_factor if moe.dispatch == "capacity" else 1.0)
+  moe_width = round((slots + moe.num_shared_experts) * moe.expert_d_ff)
+  return ((m.num_layers - num_moe) * m.d_ff + num_moe * moe_width) // m.num_layers
+
+
+def _largest_layer_gathered(table: list[Param], m: ModelConfig, layout: Layout) -> int:
+  """Elements of the largest layer's weights on one device once gathered over the FSDP axes: each
+  stack's per-layer size split over the tensor axis (and a MoE layer's experts over the expert axis)."""
+  largest = 0
+  for stack, num in (("blocks/", m.num_layers - m.moe.num_moe_layers(m.num_layers)),
+                     ("moe_blocks/", m.moe.num_moe_layers(m.num_layers))):
+    if num:
+      experts = sum(p.size for p in table if p.name.startswith(stack) and _is_routed_expert(p.name))
+      rest = sum(p.size for p in table if p.name.startswith(stack)) - experts
+      local = rest // layout.shards("mlp") + experts // (layout.shards("experts") * layout.shards("expert_mlp"))
+      largest = max(largest, local // num)
+  return largest
+
+
 def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
   """Per-device memory and FLOPs of `cfg`'s train step on `num_devices` devices."""
   plan = validate(cfg, num_devices, require_data=False)
@@ -158,17 +206,12 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
   o, m = cfg.optimizer, model_cfg
   table = param_table(model_cfg, layout, o.name)
 
-  # Parameter counts.
-  by_name = {p.name: p for p in table}
-  embedding, head = by_name["embed"].size, by_name["head"].size if "head" in by_name else 0
-  layers = sum(p.size for p in table if p.name.startswith("blocks/"))
-  total = sum(p.size for p in table)
-  params = {"total": total, "embedding": embedding, "head": head, "per_layer": layers // m.num_layers,
-            "num_layers": m.num_layers, "layers": layers, "other": total - embedding - head - layers}
+  params = _param_counts(table, m)
+  head = params["head"]
 
   # The train state: exact, from the per-device shapes.
   state_bytes = _itemsize(o.state_dtype)
-  moments = {"adam": 2, "muon": 1}
+  moments = {"adam": 2, "muon": 1, "none": 0}
   weights = sum(p.local_size * _itemsize(p.dtype) for p in table)
   optimizer_state = sum(moments[p.label] * p.local_size * state_bytes for p in table)
   k, b = plan.batch.num_microbatches, plan.batch.per_microbatch
@@ -193,11 +236,12 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
                                 for p in table)
 
   v_t, h_t = m.vocab_size // layout.shards("act_vocab"), m.num_heads // layout.shards("act_heads")
-  kv_t, f_t = m.num_kv_heads // layout.shards("act_kv_heads"), m.d_ff // layout.shards("act_mlp")
+  kv_t, f_t = m.num_kv_heads // layout.shards("act_kv_heads"), _mean_ffn_width(m) // layout.shards("act_mlp")
   tokens = b * seq_local
   attention_saved, attention_work = _attention_bytes(m, b, seq, h_t, kv_t, c_bytes, context)
-  # One layer's weights when all-gathered over the embed dim's shards (FSDP): split over the others only.
-  layer_weights = params["per_layer"] // layout.shards("mlp")
+  # One layer's weights when all-gathered over the embed dim's shards (FSDP): split over the others only
+  # (a MoE layer gathers only its own device's experts).
+  layer_weights = _largest_layer_gathered(table, m, layout)
   # Per token of one layer: the matmul outputs (q, k, v, attention output, its projection, gate, up,
   # down) and the layer input.
   dots_per_token = h_t * m.head_dim * 2 + kv_t * m.head_dim * 2 + 2 * d + 2 * f_t + d

@@ -69,6 +69,9 @@ def to_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 <
   if isinstance(source, HFSource):
     raise UserError(f"{checkpoint} is already a Hugging Face directory (to-hf reads a run, a checkpoint step or "
                     "a converted checkpoint)")
+  if source.model.get("moe", {}).get("num_experts"):
+    raise UserError(f"{checkpoint}: a mixture-of-experts model (model.moe.num_experts="
+                    f"{source.model['moe']['num_experts']}); the Hugging Face export maps dense LLaMA layers only")
   pieces = _pieces(source, dtype)
   plan = safetensors_io.plan([t for _, t in pieces], max_shard_bytes)
   mine = [i for i in range(len(plan)) if i % process_count == process_index]

@@ -1,4 +1,8 @@
-"""LLaMA-style dense decoder: embed -> [RMSNorm -> GQA -> RMSNorm -> SwiGLU] x L -> RMSNorm -> head.
+"""LLaMA-style decoder: embed -> [RMSNorm -> GQA -> RMSNorm -> SwiGLU or MoE] x L -> RMSNorm -> head.
+
+The layers form up to two stacks: `blocks` (dense SwiGLU: all layers of a dense model, the first
+`model.moe.first_dense_layers` of a MoE one) then `moe_blocks` (mixture of experts, `models/moe.py`).
+Each stack is scanned on its own (`model.scan_layers`), so compile time stays independent of depth.
 
 Shape legend: B batch, T length, D model, V vocab, L layers.
 """
@@ -14,8 +18,10 @@ from flax import nnx
 
 from maxtrain.errors import choice, require
 from maxtrain.models import attention
+from maxtrain.models import moe as moe_lib
 from maxtrain.models.attention import Attention
 from maxtrain.models.layers import MLP, RMSNorm, Rope, param, project
+from maxtrain.models.moe import MoE, MoEConfig
 from maxtrain.sharding import rules as sharding_rules
 
 REMAT_POLICIES = {
@@ -29,7 +35,8 @@ ROPE_SCALINGS = ("none", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 # The config key that sets each logical parameter dim: what a layout error tells the user to change.
 CONFIG_KEYS = {"heads": "model.num_heads", "kv_heads": "model.num_kv_heads", "mlp": "model.d_ff",
-               "vocab": "model.vocab_size", "embed": "model.d_model", "layers": "model.num_layers"}
+               "vocab": "model.vocab_size", "embed": "model.d_model", "layers": "model.num_layers",
+               "experts": "model.moe.num_experts", "expert_embed": "model.d_model", "expert_mlp": "model.moe.expert_d_ff"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +65,7 @@ class ModelConfig:
   init_std: float = 0.02
   param_dtype: Any = jnp.float32
   compute_dtype: Any = jnp.float32
+  moe: MoEConfig = MoEConfig()
 
   @property
   def head_dim(self) -> int:
@@ -76,10 +84,16 @@ class ModelConfig:
     Attention scores and values: causal, so each query attends to (T + 1) / 2 keys on average:
     2 matmuls x 2 FLOPs x N x H x (T + 1) / 2 forward, x 3 for training. Norms, RoPE and softmax
     are not counted (they are not matmuls; the convention of PaLM's MFU).
+    MoE layers count their active parameters: the router, experts_per_token routed experts and the
+    shared experts (what one token is multiplied by), not all experts.
     """
     n, k, h, d = self.num_heads, self.num_kv_heads, self.head_dim, self.d_model
-    per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * self.d_ff
-    matmul_params = self.num_layers * per_layer + d * self.vocab_size
+    attention_params = d * n * h * 2 + d * k * h * 2
+    moe, num_moe = self.moe, self.moe.num_moe_layers(self.num_layers)
+    active_experts = moe.experts_per_token + moe.num_shared_experts
+    moe_ffn = d * moe.num_experts + 3 * d * moe.expert_d_ff * active_experts
+    matmul_params = (self.num_layers * attention_params + (self.num_layers - num_moe) * 3 * d * self.d_ff
+                     + num_moe * moe_ffn + d * self.vocab_size)
     attention = self.num_layers * 3 * 2 * n * h * (seq_len + 1)
     return 6.0 * matmul_params + attention
 
@@ -90,6 +104,8 @@ class ModelConfig:
     for key in ("param_dtype", "compute_dtype"):
       if key in kwargs:
         kwargs[key] = jnp.dtype(kwargs[key])
+    if "moe" in kwargs:
+      kwargs["moe"] = MoEConfig.from_config(kwargs["moe"])
     return cls(**kwargs)
 
 
@@ -120,10 +136,13 @@ def validate(m: Any) -> None:
     require(m[key] > 0, f"config.model.{key}={m[key]}: must be > 0")
   for key in ("param_dtype", "compute_dtype"):
     choice(f"model.{key}", m[key], DTYPES)
+  moe_lib.validate(m)
 
 
 class Block(nnx.Module):
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  """One decoder layer; its feed-forward part is a dense SwiGLU (`mlp`) or a mixture of experts (`moe`)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, moe: bool = False):
     # GPT-2/LLaMA practice: shrink residual-branch outputs with depth so activations stay O(1).
     out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
     common = dict(init_std=cfg.init_std, out_std=out_std, param_dtype=cfg.param_dtype,
@@ -133,12 +152,21 @@ class Block(nnx.Module):
                           kernel=cfg.attention, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
                           **common)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
-    self.mlp = MLP(cfg.d_model, cfg.d_ff, **common)
+    self.is_moe = moe
+    if moe:
+      self.moe = MoE(cfg.d_model, cfg.moe, **common)
+    else:
+      self.mlp = MLP(cfg.d_model, cfg.d_ff, **common)
 
-  def __call__(self, x_BTD, segment_ids_BT, positions_BT):
+  def __call__(self, x_BTD, segment_ids_BT, positions_BT) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(the layer's output, its MoE statistics: models/moe.py STATS, empty for a dense layer)."""
     x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), segment_ids_BT, positions_BT)
-    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
-    return sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
+    if self.is_moe:
+      y_BTD, stats = self.moe(self.mlp_norm(x_BTD))
+    else:
+      y_BTD, stats = self.mlp(self.mlp_norm(x_BTD)), {}
+    x_BTD = x_BTD + y_BTD
+    return sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed")), stats
 
 
 class Llama(nnx.Module):
@@ -152,18 +180,11 @@ class Llama(nnx.Module):
     self.cfg = cfg
     self.embed = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
                        ("vocab", "embed"), cfg.param_dtype)
-    if cfg.scan_layers:
-      # One stacked Block whose parameters have a leading `layers` dim: the step compiles one
-      # layer body and scans it, so compile time does not grow with depth.
-      @nnx.split_rngs(splits=cfg.num_layers)
-      @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers,
-                transform_metadata={nnx.PARTITION_NAME: "layers"})
-      def make_blocks(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs)
-
-      self.blocks = make_blocks(rngs)
-    else:
-      self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    num_moe = cfg.moe.num_moe_layers(cfg.num_layers)
+    if cfg.num_layers - num_moe:
+      self.blocks = _stack(cfg, rngs, cfg.num_layers - num_moe, moe=False)
+    if num_moe:
+      self.moe_blocks = _stack(cfg, rngs, num_moe, moe=True)
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
     if not cfg.tie_embeddings:
       self.head = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
@@ -172,7 +193,7 @@ class Llama(nnx.Module):
   def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
     """Returns fp32 logits [B, T, V] (training computes the loss from `features` and `head_weights`
     instead, in chunks when the vocabulary is large: maxtrain/loss.py)."""
-    x_BTD = self.features(tokens_BT, segment_ids_BT, positions_BT)
+    x_BTD, _ = self.features(tokens_BT, segment_ids_BT, positions_BT)
     logits_BTV = project(x_BTD, self.head_weights().astype(self.cfg.compute_dtype), preferred_element_type=jnp.float32)
     return sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
 
@@ -180,29 +201,55 @@ class Llama(nnx.Module):
     """The output head [D, V] at the parameter dtype (the embedding transposed when tied)."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
 
-  def features(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
-    """The final-norm hidden states [B, T, D] in the compute dtype: the output head's input."""
+  def features(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array,
+               positions_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(the final-norm hidden states [B, T, D] in the compute dtype: the output head's input, the MoE
+    layers' statistics stacked over them: models/moe.py STATS, {} for a dense model)."""
     cfg = self.cfg
     x_BTD = self.embed[...].astype(cfg.compute_dtype)[tokens_BT]
     x_BTD = sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
 
-    def apply_block(x_BTD, block_state, graphdef):
-      return nnx.merge(graphdef, block_state)(x_BTD, segment_ids_BT, positions_BT)
+    moe_stats: dict[str, jax.Array] = {}
+    for name in ("blocks", "moe_blocks"):
+      if hasattr(self, name):
+        x_BTD, moe_stats = _run_stack(cfg, getattr(self, name), x_BTD, segment_ids_BT, positions_BT)
+    return self.final_norm(x_BTD), moe_stats
 
-    policy = REMAT_POLICIES[cfg.remat]
-    if policy is not None:
-      apply_block = jax.checkpoint(apply_block, policy=policy, static_argnums=(2,))
 
-    if cfg.scan_layers:
-      graphdef, stacked = nnx.split(self.blocks)
-      x_BTD, _ = jax.lax.scan(lambda x, s: (apply_block(x, s, graphdef), None), x_BTD, stacked,
-                              unroll=min(cfg.scan_unroll, cfg.num_layers))
-    else:
-      for block in self.blocks:
-        graphdef, state = nnx.split(block)
-        x_BTD = apply_block(x_BTD, state, graphdef)
+def _stack(cfg: ModelConfig, rngs: nnx.Rngs, num: int, *, moe: bool) -> nnx.Module:
+  """`num` Blocks: one stacked Block whose parameters have a leading `layers` dim (scan_layers: the
+  step compiles one layer body and scans it), or a list."""
+  if not cfg.scan_layers:
+    return nnx.List([Block(cfg, rngs, moe=moe) for _ in range(num)])
 
-    return self.final_norm(x_BTD)
+  @nnx.split_rngs(splits=num)
+  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def make_blocks(rngs: nnx.Rngs) -> Block:
+    return Block(cfg, rngs, moe=moe)
+
+  return make_blocks(rngs)
+
+
+def _run_stack(cfg: ModelConfig, blocks: nnx.Module, x_BTD: jax.Array, segment_ids_BT: jax.Array,
+               positions_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The stack's output and its layers' statistics, stacked: each [layers, ...]."""
+  def apply_block(x_BTD, block_state, graphdef):
+    return nnx.merge(graphdef, block_state)(x_BTD, segment_ids_BT, positions_BT)
+
+  policy = REMAT_POLICIES[cfg.remat]
+  if policy is not None:
+    apply_block = jax.checkpoint(apply_block, policy=policy, static_argnums=(2,))
+  if cfg.scan_layers:
+    graphdef, stacked = nnx.split(blocks)
+    length = jax.tree.leaves(stacked)[0].shape[0]
+    return jax.lax.scan(lambda x, s: apply_block(x, s, graphdef), x_BTD, stacked,
+                        unroll=min(cfg.scan_unroll, length))
+  stats = []
+  for block in blocks:
+    graphdef, state = nnx.split(block)
+    x_BTD, layer_stats = apply_block(x_BTD, state, graphdef)
+    stats.append(layer_stats)
+  return x_BTD, jax.tree.map(lambda *s: jnp.stack(s), *stats) if stats[0] else {}
 
 
 def param_count(state: nnx.State) -> int:

@@ -48,6 +48,7 @@ NAN_SKIP = "nan_skip"  # Steps whose update the in-graph guard skipped: count (i
 SPIKE = "spike"  # Loss spike detected at `step`: loss, threshold.
 ROLLBACK = "rollback"  # Rolled back: from_step, to_step (step = to_step); seconds (to restore).
 HANG = "hang"  # Watchdog fired: idle_s (seconds since the last completed step), dump[, peer: who hung first].
+ROUTING_COLLAPSE = "routing_collapse"  # A MoE layer's load entropy stayed low: layer, load_entropy, threshold, since_step.
 STRAGGLER = "straggler"  # Process 0 found a slow process: slow_process, host, own_s, median_s, slower_by_s, ratio.
 PREEMPTION = "preemption"  # Asked to stop (SIGTERM / maintenance notice); a checkpoint follows.
 CRASH = "crash"  # An attempt died: code, reason (written by the supervisor or an excepthook).
@@ -55,7 +56,7 @@ RESTART = "restart"  # Supervisor launches a new attempt (its `attempt`); backof
 EXIT = "exit"  # A process is exiting: code (see DESIGN.md exit codes).
 
 KINDS = (JOB_START, COMPILE_START, COMPILE_END, FIRST_STEP, STEPS, EVAL, CHECKPOINT_SAVE_START, CHECKPOINT_BLOCKED,
-         CHECKPOINT_SAVE_END, RESTORE, CHECKPOINT_CORRUPT, NAN_SKIP, SPIKE, ROLLBACK, HANG, STRAGGLER, PREEMPTION, CRASH,
+         CHECKPOINT_SAVE_END, RESTORE, CHECKPOINT_CORRUPT, NAN_SKIP, SPIKE, ROLLBACK, HANG, ROUTING_COLLAPSE, STRAGGLER, PREEMPTION, CRASH,
          RESTART, EXIT)
 # Worth an fsync: the last words of an attempt, which the goodput report needs to place downtime.
 CRITICAL = frozenset({HANG, PREEMPTION, CRASH, EXIT})

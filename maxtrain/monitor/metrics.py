@@ -1,7 +1,8 @@
 """The training loop's one metrics logger: TensorBoard, Prometheus, throughput and MFU, memory, the
 console line, and the `steps` records of the event log (`events.StepsSummary`).
 
-Every scalar the step returns is logged as `train/<name>`: new metrics need no change here.
+Every scalar the step returns is logged as `train/<name>`: new metrics need no change here. A
+per-layer metric (a 1-D array, e.g. `moe/load_entropy`) is logged as `train/<name>/layer_<i>`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,17 @@ from maxtrain.monitor import memory, mfu as mfu_lib, prometheus
 from maxtrain.monitor.tensorboard import MetricWriter
 
 log = logging.getLogger("maxtrain")
+
+
+def scalar_tags(metrics: Mapping[str, Any]) -> dict[str, float]:
+  """`train/<name>` -> value of each metric; per-layer arrays become `train/<name>/layer_<i>`."""
+  scalars = {}
+  for k, v in metrics.items():
+    if getattr(v, "ndim", 0) == 1:
+      scalars.update({f"train/{k}/layer_{i}": x for i, x in enumerate(v)})
+    else:
+      scalars[f"train/{k}"] = v
+  return scalars
 
 
 class MetricsLogger:
@@ -59,11 +71,11 @@ class MetricsLogger:
   def text(self, tag: str, value: str) -> None:
     self.writer.text(tag, value)
 
-  def train(self, step: int, metrics: Mapping[str, Any], fleet: Mapping[str, float] | None = None) -> None:
+  def train(self, step: int, metrics: Mapping[str, Any], fleet: Mapping[str, float] | None = None) -> dict:
     """A log step: the step's metrics, speed, MFU and memory, the fleet's straggler scalars (process
-    0); then the steps record."""
+    0); then the steps record. Returns the metrics on the host."""
     metrics = jax.device_get(metrics)  # note: a host-device sync point, once per log interval
-    scalars = {f"train/{k}": v for k, v in metrics.items()}
+    scalars = scalar_tags(metrics)
     scalars.update(fleet or {})
     pending = self.summary.pending(step) if self.summary is not None else None
     speed = ""
@@ -82,12 +94,17 @@ class MetricsLogger:
     self.writer.scalars(step, scalars)
     if self.prometheus is not None:
       self.prometheus.update(scalars)
-    log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e%s", step, self.total_steps, metrics["loss"],
-             metrics["grad_norm"], metrics["lr"], speed)
+    moe = ""
+    if "moe/aux_loss" in metrics:
+      moe = (f"  moe aux {metrics['moe/aux_loss']:.3f} dropped {metrics['moe/dropped_fraction']:.1%} "
+             f"max/mean load {max(metrics['moe/max_load']):.2f}")
+    log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e%s%s", step, self.total_steps, metrics["loss"],
+             metrics["grad_norm"], metrics["lr"], moe, speed)
     # Flushed after the logging above, so that its time is inside the steps interval (the loop's
     # own cost) rather than a gap the goodput report could only call `other`.
     if self.summary is not None:
       self.summary.flush(step)
+    return metrics
 
   @contextlib.contextmanager
   def eval(self, step: int) -> Iterator[dict]:

@@ -43,9 +43,9 @@ class Layout:
 
   def describe(self, logical: str) -> str:
     """How a dim is split, for messages: 'mesh.tensor=8', or 'data x fsdp = 8' for several axes
-    (`context` left out while it is 1, as in mesh descriptions)."""
+    (`expert` and `context` left out while they are 1, as in mesh descriptions)."""
     axes = self.axes(logical)
-    axes = tuple(a for a in axes if a != "context" or self.mesh_sizes[a] > 1) or axes[:1]
+    axes = tuple(a for a in axes if a not in ("expert", "context") or self.mesh_sizes[a] > 1) or axes[:1]
     if not axes:
       return "nothing (replicated)"
     if len(axes) == 1:

@@ -28,10 +28,14 @@ Rules = Mapping[str, MeshAxes]
 # Context parallelism splits the sequence (`act_length`) of every activation; attention, the one
 # op that mixes positions, runs under shard_map (`context_attention.py`). The context axis also
 # shards parameters FSDP-style: otherwise each of its devices would hold a full FSDP shard.
+# Expert parallelism splits the routed experts of MoE layers over `expert` (tokens reach them by
+# all-to-all, `expert_dispatch.py`); everywhere else `expert` is one more data-parallel / FSDP axis,
+# so dense weights and activations are sharded over it too and no device duplicates another's work.
+# Expert weights cannot use `expert` twice: their model dim has a rule of its own (`expert_embed`).
 DEFAULT_RULES: dict[str, MeshAxes] = {
     # parameters
     "vocab": "tensor",
-    "embed": ("fsdp", "context"),
+    "embed": ("fsdp", "context", "expert"),
     "mlp": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
@@ -41,8 +45,12 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     # optimizer: Muon orthogonalises a stacked weight with its layers split over the devices that
     # shard its matrix dims (maxtrain/muon.py), so each device holds whole matrices
     "opt_layers": ("fsdp", "context", "tensor"),
+    "experts": "expert",  # the routed-expert dim of expert weights [experts, ...]
+    "expert_embed": ("fsdp", "context"),  # the model dim of expert weights
+    "expert_mlp": "tensor",  # the hidden dim of expert weights
+    "router_experts": None,  # the expert dim of the router and its bias: small, every device routes its tokens
     # activations
-    "act_batch": ("data", "fsdp"),
+    "act_batch": ("data", "fsdp", "expert"),
     "act_length": "context",
     "act_embed": None,
     "act_heads": "tensor",

@@ -1,0 +1,189 @@
+"""Mixture-of-experts feed-forward block (`model.moe.*`): a router sends each token to
+`experts_per_token` of `num_experts` SwiGLU experts and mixes their outputs; optional shared experts
+see every token. `models/llama.py` uses it in place of the dense MLP in every layer after the first
+`first_dense_layers`.
+
+Shape legend: B batch, T length, D model, E routed experts, K experts per token, F expert hidden width,
+L MoE layers.
+
+Router (fp32 whatever the compute dtype: the top-k choice must not flip on bf16 rounding):
+  logits = x @ router;  softmax router: scores = softmax(logits) (Mixtral);
+                        sigmoid router: scores = sigmoid(logits) (DeepSeek-V3).
+  The top-k experts by scores + bias (the bias only chooses, it never weighs); the weights are the
+  chosen scores normalised to sum 1 (Mixtral's renormalised softmax; DeepSeek-V3's normalised sigmoid).
+Losses, per layer, over the layer's B x T tokens (reported apart from the LM loss, added to it with
+their weights; the step averages them over MoE layers, `step.py`):
+  aux    = E x sum_e f_e P_e (Switch/GShard): f_e = share of the B x T x K assignments routed to e (no
+           gradient), P_e = mean over tokens of e's normalised score (scores / their sum). 1 when balanced.
+  z-loss = mean over tokens of logsumexp(logits)^2 (ST-MoE): keeps router logits small.
+Aux-loss-free balancing (DeepSeek-V3): `router_bias` is a non-gradient variable the step moves after
+each update by `bias_update_rate` x sign(mean load - load_e) from the measured per-expert load
+(`update_router_bias`); it is part of the model state, hence checkpointed and restored with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtrain.errors import choice, require
+from maxtrain.models import moe_dispatch
+from maxtrain.models.layers import MLP, param
+from maxtrain.sharding import expert_dispatch
+from maxtrain.sharding.layout import param_name
+
+ROUTERS = ("softmax", "sigmoid")
+DISPATCHES = ("capacity", "dropless")
+# Per-layer statistics a MoE layer returns (each [L] or [L, E] once stacked over layers). All but aux
+# and z are sums over tokens, so microbatches add them up; aux and z are the layer's means.
+STATS = ("aux", "z", "load", "dropped", "assignments")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  num_experts: int = 0
+  experts_per_token: int = 2
+  num_shared_experts: int = 0
+  expert_d_ff: int = 256
+  first_dense_layers: int = 0
+  router: str = "softmax"
+  dispatch: str = "capacity"
+  capacity_factor: float = 1.25
+  aux_loss_weight: float = 0.01
+  router_z_loss_weight: float = 0.001
+  bias_update_rate: float = 0.0
+  collapse_entropy: float = 0.5
+  collapse_steps: int = 100
+
+  @property
+  def enabled(self) -> bool:
+    return self.num_experts > 0
+
+  def num_moe_layers(self, num_layers: int) -> int:
+    return num_layers - self.first_dense_layers if self.enabled else 0
+
+  def capacity(self, seq_len: int) -> int:
+    """Slots per expert per sequence: ceil(capacity_factor x T x K / E), at most T (a token takes an
+    expert at most once)."""
+    return min(seq_len, math.ceil(self.capacity_factor * seq_len * self.experts_per_token / self.num_experts))
+
+  @classmethod
+  def from_config(cls, moe_cfg: Any) -> "MoEConfig":
+    return cls(**dict(moe_cfg.items()))
+
+
+def validate(m: Any) -> None:
+  """UserError naming the key for a bad `config.model.moe` (m: the `config.model` section)."""
+  e = m.moe
+  require(e.num_experts >= 0, f"config.model.moe.num_experts={e.num_experts}: must be >= 0 (0 = dense)")
+  if not e.num_experts:
+    return
+  require(1 <= e.experts_per_token <= e.num_experts, f"config.model.moe.experts_per_token={e.experts_per_token}: "
+          f"must be in 1..model.moe.num_experts={e.num_experts}")
+  require(e.num_shared_experts >= 0, f"config.model.moe.num_shared_experts={e.num_shared_experts}: must be >= 0")
+  require(e.expert_d_ff > 0, f"config.model.moe.expert_d_ff={e.expert_d_ff}: must be > 0")
+  require(0 <= e.first_dense_layers < m.num_layers, f"config.model.moe.first_dense_layers={e.first_dense_layers}: "
+          f"must be in 0..model.num_layers-1={m.num_layers - 1} (some layer must be a MoE layer)")
+  choice("model.moe.router", e.router, ROUTERS)
+  choice("model.moe.dispatch", e.dispatch, DISPATCHES)
+  require(e.capacity_factor > 0, f"config.model.moe.capacity_factor={e.capacity_factor}: must be > 0")
+  for key in ("aux_loss_weight", "router_z_loss_weight", "bias_update_rate", "collapse_entropy", "collapse_steps"):
+    require(e[key] >= 0, f"config.model.moe.{key}={e[key]}: must be >= 0 (0 = off)")
+  require(e.collapse_entropy <= 1, f"config.model.moe.collapse_entropy={e.collapse_entropy}: a share of the "
+          "maximum entropy log(num_experts), in [0, 1]")
+
+
+class RouterBias(nnx.Variable):
+  """The aux-loss-free balancing bias [E]: model state the optimizer never touches (no gradient);
+  the step sets it from the measured load."""
+
+
+def route(x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array, dict]:
+  """(experts_BTK int32, weights_BTK fp32, {aux, z, load_E, assignments}) of the router, in fp32."""
+  logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), router_DE.astype(jnp.float32),
+                          preferred_element_type=jnp.float32)
+  scores_BTE = jax.nn.softmax(logits_BTE, axis=-1) if cfg.router == "softmax" else jax.nn.sigmoid(logits_BTE)
+  _, experts_BTK = jax.lax.top_k(scores_BTE + jax.lax.stop_gradient(bias_E), cfg.experts_per_token)
+  chosen_BTK = jnp.take_along_axis(scores_BTE, experts_BTK, axis=-1)
+  weights_BTK = chosen_BTK / jnp.sum(chosen_BTK, axis=-1, keepdims=True)
+  load_E = jnp.sum(jax.nn.one_hot(experts_BTK, cfg.num_experts, dtype=jnp.float32), axis=(0, 1, 2))
+  assignments = jnp.float32(experts_BTK.size)
+  probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)  # the softmax's own for softmax
+  aux = cfg.num_experts * jnp.sum(load_E / assignments * jnp.mean(probs_BTE, axis=(0, 1)))
+  z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
+  return experts_BTK.astype(jnp.int32), weights_BTK, {"aux": aux, "z": z, "load": load_E, "assignments": assignments}
+
+
+class MoE(nnx.Module):
+  def __init__(self, d_model: int, cfg: MoEConfig, *, init_std: float, out_std: float, param_dtype, compute_dtype,
+               rngs: nnx.Rngs):
+    E, F = cfg.num_experts, cfg.expert_d_ff
+    init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
+    self.cfg, self.compute_dtype = cfg, compute_dtype
+    self.router = param(rngs, init, (d_model, E), ("embed", "router_experts"), param_dtype)
+    # fp32 whatever param_dtype: sign steps of 1e-3 would vanish in bf16 next to an O(1) bias.
+    self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32), out_sharding=("router_experts",))
+    self.gate = param(rngs, init, (E, d_model, F), ("experts", "expert_embed", "expert_mlp"), param_dtype)
+    self.up = param(rngs, init, (E, d_model, F), ("experts", "expert_embed", "expert_mlp"), param_dtype)
+    self.down = param(rngs, out_init, (E, F, d_model), ("experts", "expert_mlp", "expert_embed"), param_dtype)
+    if cfg.num_shared_experts:
+      self.shared = MLP(d_model, cfg.num_shared_experts * F, init_std=init_std, out_std=out_std,
+                        param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
+
+  def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(output [B, T, D] in the compute dtype, this layer's STATS)."""
+    cfg, dt = self.cfg, self.compute_dtype
+    experts_BTK, weights_BTK, stats = route(x_BTD, self.router[...], self.router_bias[...], cfg)
+    weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
+    x_BTD = x_BTD.astype(dt)
+    if cfg.dispatch == "dropless":
+      y_BTD = moe_dispatch.dropless(x_BTD, experts_BTK, weights_BTK, *weights)
+      stats["dropped"] = jnp.float32(0.0)
+    else:
+      capacity = cfg.capacity(x_BTD.shape[1])
+      slot_BTK, kept_BTK = moe_dispatch.capacity_slots(experts_BTK, cfg.num_experts, capacity)
+      stats["dropped"] = jnp.sum(~kept_BTK).astype(jnp.float32)
+      parallel = expert_dispatch.for_active_rules(cfg.num_experts, capacity)
+      if parallel is not None:  # experts split over devices: tokens travel to them and back
+        y_BTD = parallel(x_BTD, slot_BTK, weights_BTK, *weights)
+      else:
+        x_BECD = moe_dispatch.dispatch(x_BTD, slot_BTK, cfg.num_experts, capacity)
+        y_BTD = moe_dispatch.combine(moe_dispatch.experts_ffn(x_BECD, *weights), slot_BTK, weights_BTK)
+    if cfg.num_shared_experts:
+      y_BTD = y_BTD + self.shared(x_BTD)
+    return y_BTD.astype(dt), stats
+
+
+def load_entropy(load_LE: jax.Array) -> jax.Array:
+  """[L] entropy of each layer's load distribution over experts, divided by log(E): 1 = balanced,
+  0 = every token to one expert."""
+  p_LE = load_LE / jnp.maximum(jnp.sum(load_LE, axis=-1, keepdims=True), 1.0)
+  entropy_L = -jnp.sum(jnp.where(p_LE > 0, p_LE * jnp.log(jnp.where(p_LE > 0, p_LE, 1.0)), 0.0), axis=-1)
+  return entropy_L / math.log(load_LE.shape[-1]) if load_LE.shape[-1] > 1 else jnp.ones_like(entropy_L)
+
+
+def is_router_bias(name: str) -> bool:
+  return name.split("/")[-1] == "router_bias"
+
+
+def update_router_bias(params: nnx.State, load_LE: jax.Array, rate: float) -> nnx.State:
+  """DeepSeek-V3's aux-loss-free update: bias_e += rate x sign(mean load - load_e) in every MoE layer
+  (underloaded experts become likelier picks). `load_LE` is in layer order: a stacked bias [L, E]
+  takes it whole, unscanned layers' biases [E] (named moe_blocks/<i>/...) take row i."""
+  step_LE = rate * jnp.sign(jnp.mean(load_LE, axis=-1, keepdims=True) - load_LE)
+
+  def update(path, leaf):
+    name = param_name(path)
+    if not is_router_bias(name):
+      return leaf
+    if leaf.ndim == 2:
+      return leaf + step_LE
+    layer = int(name.split("/")[-3])
+    return leaf + step_LE[layer]
+
+  return jax.tree_util.tree_map_with_path(update, params)

@@ -1,0 +1,86 @@
+"""How tokens reach their experts and come back: capacity slots, dispatch, the expert SwiGLUs and the
+weighted combine (capacity-based), and the sorted grouped matmul (dropless). Pure functions of arrays:
+`models/moe.py` calls them directly; `sharding/expert_dispatch.py` calls the same ones on each device
+with an all-to-all in between (expert parallelism).
+
+Shape legend: B batch, T length, D model, E routed experts, K experts per token, C capacity (slots per
+expert per sequence), S = E x C slots, F expert hidden width, N = B x T x K assignments.
+
+Capacity-based dispatch (GShard): every sequence has C slots per expert. A sequence's assignments
+take their expert's slots in priority order: every token's first choice in token order, then every
+token's second choice, and so on, so a token loses its 2nd expert before another token loses its 1st.
+Assignments beyond C are dropped: they contribute zero, and the token's residual stream carries it
+past the layer. Groups are sequences (not devices), so which assignments drop is the same on every
+mesh: expert parallelism changes where slots are computed, never which tokens fill them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def capacity_slots(experts_BTK: jax.Array, num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+  """(slot_BTK, kept_BTK): each assignment's slot e x C + position in its expert's queue, or the
+  empty slot S = E x C when dropped; kept = not dropped."""
+  B, T, K = experts_BTK.shape
+  onehot_BNE = jax.nn.one_hot(jnp.swapaxes(experts_BTK, 1, 2).reshape(B, K * T), num_experts, dtype=jnp.int32)
+  # Slot-major priority: position = earlier assignments (k, then t) to the same expert.
+  position_BN = jnp.sum((jnp.cumsum(onehot_BNE, axis=1) - 1) * onehot_BNE, axis=-1)
+  position_BTK = jnp.swapaxes(position_BN.reshape(B, K, T), 1, 2)
+  kept_BTK = position_BTK < capacity
+  slot_BTK = jnp.where(kept_BTK, experts_BTK * capacity + position_BTK, num_experts * capacity)
+  return slot_BTK.astype(jnp.int32), kept_BTK
+
+
+def dispatch(x_BTD: jax.Array, slot_BTK: jax.Array, num_experts: int, capacity: int) -> jax.Array:
+  """x_BECD: each slot's token (zeros in empty slots), by a gather: the slots' token indices come
+  from a scatter of integers, so no [B, T, S] one-hot tensor is built."""
+  B, T, K = slot_BTK.shape
+  S = num_experts * capacity
+  token_BTK = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None], (B, T, K))
+  rows_BTK = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None, None], (B, T, K))
+  # Slot S is the bin of dropped assignments (any token may land there); it is cut off below.
+  token_BS = jnp.full((B, S + 1), T, jnp.int32).at[rows_BTK, slot_BTK].set(token_BTK)[:, :S]
+  x_pad_BTD = jnp.concatenate([x_BTD, jnp.zeros_like(x_BTD[:, :1])], axis=1)  # row T: the empty slot's zeros
+  x_BSD = jnp.take_along_axis(x_pad_BTD, token_BS[..., None], axis=1)
+  return x_BSD.reshape(B, num_experts, capacity, x_BTD.shape[-1])
+
+
+def combine(y_BECD: jax.Array, slot_BTK: jax.Array, weights_BTK: jax.Array) -> jax.Array:
+  """out_BTD = sum over k of weight x the expert output in the assignment's slot (zero if dropped)."""
+  B, E, C, D = y_BECD.shape
+  T, K = slot_BTK.shape[1:]
+  y_pad_BSD = jnp.concatenate([y_BECD.reshape(B, E * C, D), jnp.zeros((B, 1, D), y_BECD.dtype)], axis=1)
+  y_BNKD = jnp.take_along_axis(y_pad_BSD, slot_BTK.reshape(B, T * K)[..., None], axis=1).reshape(B, T, K, D)
+  return jnp.einsum("btk,btkd->btd", weights_BTK.astype(y_BECD.dtype), y_BNKD)
+
+
+def experts_ffn(x_BECD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array) -> jax.Array:
+  """Each expert's SwiGLU on its slots: down(silu(x @ gate) * (x @ up)), batched over experts.
+
+  Expert-major inside ([E, B x C, ...], transposed once in and once out): with the batch dim outside
+  the experts dim, XLA:CPU transposed every [B, E, C, F] activation for the weight gradients, which
+  took a fifth of the train step (tools/bench.py --top-ops; BENCHMARKS.md)."""
+  B, E, C, D = x_BECD.shape
+  matmul = lambda a, w: jax.lax.dot_general(a, w, (((2,), (1,)), ((0,), (0,))))  # [E, N, I] x [E, I, O]
+  x_END = jnp.swapaxes(x_BECD, 0, 1).reshape(E, B * C, D)
+  h_ENF = jax.nn.silu(matmul(x_END, gate_EDF)) * matmul(x_END, up_EDF)
+  return jnp.swapaxes(matmul(h_ENF, down_EFD).reshape(E, B, C, D), 0, 1)
+
+
+def dropless(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array, gate_EDF: jax.Array,
+             up_EDF: jax.Array, down_EFD: jax.Array) -> jax.Array:
+  """No capacity: the B x T x K assignments sorted by expert, each expert's rows one group of a
+  grouped matmul (`lax.ragged_dot`), unsorted and combined. Every assignment is computed."""
+  B, T, K = experts_BTK.shape
+  E, D = gate_EDF.shape[0], x_BTD.shape[-1]
+  expert_N = experts_BTK.reshape(-1)
+  order_N = jnp.argsort(expert_N, stable=True)
+  x_ND = x_BTD.reshape(B * T, D)[order_N // K]  # assignment n belongs to token n // K
+  group_sizes_E = jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
+  gate_NF = jax.lax.ragged_dot(x_ND, gate_EDF, group_sizes_E)
+  up_NF = jax.lax.ragged_dot(x_ND, up_EDF, group_sizes_E)
+  y_ND = jax.lax.ragged_dot(jax.nn.silu(gate_NF) * up_NF, down_EFD, group_sizes_E)
+  y_BTKD = y_ND[jnp.argsort(order_N)].reshape(B, T, K, D)  # back to assignment order
+  return jnp.einsum("btk,btkd->btd", weights_BTK.astype(y_ND.dtype), y_BTKD)
