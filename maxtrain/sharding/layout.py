@@ -63,7 +63,8 @@ class Layout:
   def unused_axes(self) -> tuple[str, ...]:
     """Mesh axes of size > 1 that no rule maps anything to: their devices would all hold and
     compute the same thing."""
-    used = {a for mapped in self.rules.values() for a in _axes(mapped)}
+    # The optimizer's own resharding (`opt_layers`) does not count: it splits no model work.
+    used = {a for name, mapped in self.rules.items() if name not in rules_lib.OPTIMIZER_ONLY for a in _axes(mapped)}
     return tuple(a for a, n in self.mesh_sizes.items() if n > 1 and a not in used)
 
   def batch_sharding(self, mesh: Mesh) -> NamedSharding:

@@ -59,6 +59,9 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "act_vocab": "tensor",
 }
 
+# Logical names only the optimizer uses (maxtrain/muon.py): an axis they alone map splits no model work.
+OPTIMIZER_ONLY = ("opt_layers",)
+
 RULE_SETS: dict[str, Rules] = {"default": DEFAULT_RULES}  # config key mesh.rules
 
 _ACTIVE: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("maxtrain_sharding_rules", default=None)
