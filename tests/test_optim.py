@@ -239,7 +239,8 @@ def optax_muon(cfg, total_steps):
                      optax.add_decayed_weights(cfg.weight_decay, mask),
                      optax.scale_by_learning_rate(lambda step: cfg.adam_lr * multiplier(step)))
   tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                   optax.partition({"muon": muon, "adam": adam}, lambda p: optim.param_labels(p, "muon")))
+                   optax.partition({"muon": muon, "adam": adam, "none": optax.set_to_zero()},
+                                   lambda p: optim.param_labels(p, "muon")))
   return optim._init_state_in(tx, state_dtype)
 
 
