@@ -180,6 +180,20 @@ def _scale_by_shape(consistent_rms: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(optax.init_empty_state, update)
 
 
+def _partition_used(transforms: dict[str, optax.GradientTransformation], labels: Callable) -> optax.GradientTransformationExtraArgs:
+  """optax.partition without the `none` group when no parameter has that label. Why: partition keeps
+  a (masked, empty) state for every group, and that extra node changed a dense model's optimizer-state
+  tree, so checkpoints saved before MoE existed no longer restored."""
+  def partition(tree: Any) -> optax.GradientTransformationExtraArgs:
+    used = set(jax.tree.leaves(labels(tree)))
+    return optax.partition({k: t for k, t in transforms.items() if k != "none" or k in used}, labels)
+
+  def update(updates, state, params=None, **extra):
+    return partition(updates).update(updates, state, params, **extra)
+
+  return optax.GradientTransformationExtraArgs(lambda params: partition(params).init(params), update)
+
+
 def _init_state_in(tx: optax.GradientTransformationExtraArgs, dtype) -> optax.GradientTransformationExtraArgs:
   """Creates the optimizer state from params cast to `dtype`: Adam's second moment takes the
   params' dtype (optax has no nu_dtype), and both moments then keep it across updates."""
@@ -296,9 +310,9 @@ def make(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
       optax.add_decayed_weights(opt_cfg.weight_decay, mask),  # stateless
       guarded(optax.scale_by_learning_rate(adam_lr)),  # its count is the schedule's step
   )
-  transforms["none"] = optax.set_to_zero()  # stateless: the optimizer state of a dense model is unchanged
+  transforms["none"] = optax.set_to_zero()  # non-gradient state (MoE router bias): never moved by the optimizer
   parts = [optax.clip_by_global_norm(opt_cfg.clip_norm)] if opt_cfg.clip_norm > 0 else []
-  tx = optax.chain(*parts, optax.partition(transforms, labels))
+  tx = optax.chain(*parts, _partition_used(transforms, labels))
   return Optimizer(tx=_init_state_in(tx, state_dtype), learning_rates=learning_rates, labels=labels)
 
 
