@@ -26,16 +26,17 @@ Batch = dict[str, jax.Array]
 
 
 def head_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, chunk_tokens: int = 0,
-                batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+                batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, jax.Array, dict[str, jax.Array], MoEConfig]:
   """Per-token (cross-entropy, log Z) of the model on `batch`, fp32: the output head through
-  `loss.head_losses` (chunked when `chunk_tokens` > 0: never the full [B, T, V] logits); and the MoE
-  layers' statistics (models/moe.py STATS, stacked over MoE layers; {} for a dense model)."""
+  `loss.head_losses` (chunked when `chunk_tokens` > 0: never the full [B, T, V] logits); the MoE
+  layers' statistics (models/moe.py STATS, stacked over MoE layers; {} for a dense model), and the
+  model's own MoE config, whose loss weights the objective uses."""
   model = nnx.merge(graphdef, params)
   x_BTD, moe_stats = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
   ce_BT, log_z_BT = loss.head_losses(x_BTD, model.head_weights(), batch["targets"], chunk_tokens=chunk_tokens,
                                      compute_dtype=model.cfg.compute_dtype, batch_shards=batch_shards,
                                      length_shards=length_shards)
-  return ce_BT, log_z_BT, moe_stats
+  return ce_BT, log_z_BT, moe_stats, model.cfg.moe
 
 
 def _moe_parts(moe_stats: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:
@@ -50,15 +51,15 @@ def _moe_parts(moe_stats: dict[str, jax.Array], count: jax.Array) -> dict[str, j
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, z_loss: float = 0.0, *,
-              moe: MoEConfig = MoEConfig(), chunk_tokens: int = 0, batch_shards: int = 1,
-              length_shards: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
+              chunk_tokens: int = 0, batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(objective summed over loss tokens, its parts): sums, not means, so that microbatches add up.
 
   objective = sum of (cross-entropy + z_loss * log(Z)^2) over loss tokens; the z term keeps the
   softmax normaliser near 1 (PaLM), which keeps bf16 logits well conditioned. A MoE model adds
-  aux_loss_weight x its load-balancing loss and router_z_loss_weight x its router z-loss (`_moe_parts`).
+  aux_loss_weight x its load-balancing loss and router_z_loss_weight x its router z-loss (`_moe_parts`),
+  the weights of the model's own config.
   """
-  ce_BT, log_z_BT, moe_stats = head_losses(graphdef, params, batch, chunk_tokens=chunk_tokens,
+  ce_BT, log_z_BT, moe_stats, moe = head_losses(graphdef, params, batch, chunk_tokens=chunk_tokens,
                                            batch_shards=batch_shards, length_shards=length_shards)
   mask_BT = batch["loss_mask"].astype(jnp.float32)
   parts = {"ce": jnp.sum(ce_BT * mask_BT), "z": jnp.sum(jnp.square(log_z_BT) * mask_BT), "count": jnp.sum(mask_BT)}
@@ -80,13 +81,13 @@ def moe_metrics(parts: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z_loss: float = 0.0,
-                   moe: MoEConfig = MoEConfig(), grad_accum_steps: int = 1, chunk_tokens: int = 0,
+                   grad_accum_steps: int = 1, chunk_tokens: int = 0,
                    batch_shards: int = 1, length_shards: int = 1) -> tuple[dict[str, jax.Array], nnx.State]:
   """Metrics (mean cross-entropy `loss`, `z_loss` term, `loss_tokens`; of a MoE model `moe_metrics`
   and `moe_load`, the [L, E] assignments per layer and expert that the router bias follows) and the
   gradient of the mean objective over the batch's loss tokens."""
   def sums_and_grads(p, b):
-    objective = lambda p: loss_sums(graphdef, p, b, z_loss, moe=moe, chunk_tokens=chunk_tokens,
+    objective = lambda p: loss_sums(graphdef, p, b, z_loss, chunk_tokens=chunk_tokens,
                                     batch_shards=batch_shards, length_shards=length_shards)
     (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(p)
     return parts, grads
@@ -103,7 +104,8 @@ def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_loss: float = 0.0,
-                    moe: MoEConfig = MoEConfig(), grad_accum_steps: int = 1, spike_zscore: float = 6.0, spike_warmup: int = 20,
+                    moe: MoEConfig = MoEConfig(), grad_accum_steps: int = 1, spike_zscore: float = 6.0,
+                    spike_warmup: int = 20,
                     rules: sharding_rules.Rules | None = None, chunk_tokens: int = 0,
                     batch_shards: int = 1, length_shards: int = 1) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
   """The step. `batch` may carry `fault`: f32[2] = (make this step NaN?, loss scale), replicated, for
@@ -114,7 +116,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
     batch = dict(batch)
     fault = batch.pop(FAULT, None)
     with sharding_rules.activate(rules):
-      metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss, moe=moe,
+      metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss,
                                       grad_accum_steps=grad_accum_steps,
                                       chunk_tokens=chunk_tokens, batch_shards=batch_shards,
                                       length_shards=length_shards)

@@ -302,7 +302,7 @@ def test_microbatches_weight_the_moe_losses_by_their_loss_tokens():
   batch = {"inputs": rng.integers(0, 32, (n, t)).astype(np.int32), "targets": rng.integers(0, 32, (n, t)).astype(np.int32),
            "segment_ids": np.ones((n, t), np.int32), "positions": np.arange(t, dtype=np.int32)[None].repeat(n, 0),
            "loss_mask": mask}
-  run = jax.jit(lambda p, b, k: step_lib.loss_and_grads(graphdef, p, b, moe=moe, grad_accum_steps=k), static_argnums=2)
+  run = jax.jit(lambda p, b, k: step_lib.loss_and_grads(graphdef, p, b, grad_accum_steps=k), static_argnums=2)
   metrics, grads = run(params, batch, 2)
   # Reference: each microbatch alone (k=1), weighted by its loss tokens.
   parts = [run(params, jax.tree.map(lambda x, i=i: microbatch.split(x, 2)[i], batch), 1) for i in range(2)]
