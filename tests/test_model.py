@@ -151,3 +151,25 @@ def test_causal_and_document_isolation():
   changed = forward(model, other_doc, segs, pos)
   np.testing.assert_array_equal(changed[0, 5:], base[0, 5:])
   assert not np.allclose(changed[0, :5], base[0, :5])
+
+
+def test_rope_tables_are_computed_once_not_per_element():
+  """XLA:CPU fuses sin/cos into every consumer and evaluates them per consumer element (per head,
+  half and pass: a tenth of the default step) unless `layers._computed_once` stops it."""
+  import re
+
+  import jax.numpy as jnp
+
+  from maxtrain.models.layers import apply_rope
+
+  b, t, n, h = 2, 64, 4, 32
+  x = jax.random.normal(jax.random.key(0), (b, t, n, h))
+  positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+  grad = jax.jit(jax.grad(lambda x: jnp.sum(apply_rope(x, positions, 10000.0) ** 2)))
+  hlo = grad.lower(x).compile().as_text()
+  # Every computation that evaluates sin produces at most the [2, B, T, H/2] tables.
+  computations = [c for c in hlo.split("\n\n") if "sine(" in c]
+  assert computations
+  for computation in computations:
+    root = re.search(r"ROOT %\S+ = \w+\[([\d,]*)\]", computation).group(1)
+    assert np.prod([int(d) for d in root.split(",") if d]) <= 2 * b * t * (h // 2), computation[:400]
