@@ -17,7 +17,6 @@ from maxtrain import checkpoint, guards, optim
 from maxtrain.batch import BatchLayout
 from maxtrain.errors import choice, require
 from maxtrain.models import llama
-from maxtrain.models.attention import resolve_kernel
 from maxtrain.monitor import prometheus
 from maxtrain.sharding import mesh as mesh_lib
 from maxtrain.sharding import rules as rules_lib
@@ -89,8 +88,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           "per node, or a smaller mesh.context.")
   # Context-parallel attention is the flash core on each shard (sharding/context_attention.py): any
   # other kernel would be silently replaced.
-  kernel = resolve_kernel(cfg.model.attention)
-  require(layout.shards("act_length") == 1 or kernel == "flash",
+  require(layout.shards("act_length") == 1 or cfg.model.attention in ("auto", "flash"),
           f"config.model.attention={cfg.model.attention} with a sequence split over {layout.describe('act_length')}: "
           "context-parallel attention runs the flash kernel on each shard. Set model.attention=flash (or auto), "
           "or mesh.context=1.")

@@ -1,6 +1,7 @@
-"""flash_attention against the einsum reference: forward and gradients, fp32 and bf16, packed documents,
-GQA, ragged and tiny T, sharded on 8 fake devices; and the lowered program's shape (no T x T array,
-nothing the Neuron compiler rejects, causal blocks skipped statically).
+"""flash_attention (and blocked_attention, the short-sequence kernel) against the einsum reference:
+forward and gradients, fp32 and bf16, packed documents, GQA, ragged and tiny T, sharded on 8 fake
+devices; and the lowered program's shape (no T x T array, nothing the Neuron compiler rejects, causal
+blocks skipped statically).
 
 Shape legend: B batch, T query length, S key length, N heads, K kv heads, H head dim.
 """
@@ -17,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtrain.aot import hlo_lint
 from maxtrain.models import flash_attention as fa
-from maxtrain.models.attention import dot_product_attention
+from maxtrain.models.attention import BLOCKED_MAX_LEN, dot_product_attention, resolve_kernel
+from maxtrain.models.blocked_attention import blocked_attention, default_block_q
 
 # fp32 parity (STYLE.md 9) with the einsum reference computed in float64 (NumPy, below). atol only covers
 # values near zero; inputs are unit-variance, so scores are O(1). Why float64: the fp32 einsum itself is
@@ -87,15 +89,53 @@ def test_matches_reference_fp32(b, t, n, k, h, block_q, block_kv):
     np.testing.assert_allclose(g, e, rtol=RTOL, atol=ATOL, err_msg=name)
 
 
-def test_bf16_no_worse_than_the_bf16_reference():
-  """bf16 inputs: compared with the fp32 reference, flash (fp32 scores and accumulators) must be no
-  less accurate than the reference computed in bf16, and within a few bf16 epsilons (2**-8)."""
+@pytest.mark.parametrize("b,t,n,k,h,block_q", [
+    (2, 128, 4, 2, 16, 32),     # packed documents, GQA with G = 2
+    (2, 200, 4, 1, 16, 64),     # T not a multiple of the block: a shorter last block; one kv head
+    (2, 96, 4, 4, 16, None),    # N == K; the default blocks
+    (2, 256, 4, 2, 16, None),   # the default CPU config's T: 4 blocks of 64
+    (2, 48, 2, 1, 16, 128),     # one block larger than T
+    (3, 1, 2, 1, 8, None),      # very short T
+    (3, 3, 2, 1, 8, 2),
+])
+def test_blocked_matches_reference_fp32(b, t, n, k, h, block_q):
+  args = _inputs(t + 1, b, t, n, k, h)
+  expected = _np_value_and_grads(*args)
+  blocked = lambda q, kk, v, seg: blocked_attention(q, kk, v, seg, block_q=block_q)
+  got = jax.jit(lambda *a: _value_and_grads(blocked, *a))(*args)
+  for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
+    assert g.dtype == jnp.float32, name
+    assert np.isfinite(np.asarray(g)).all(), name
+    np.testing.assert_allclose(g, e, rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_blocked_skips_the_blocks_above_the_diagonal():
+  """4 query blocks of 64 at T=256: block i's scores are [.., 64, .., 64 * (i + 1)], never the whole T x T."""
+  assert default_block_q(256) == 64 and default_block_q(1024) == 256 and default_block_q(8) == 8
+  text = jax.jit(lambda *a: _value_and_grads(blocked_attention, *a)).lower(*_inputs(0, 1, 256, 2, 1, 8)).as_text()
+  # [B, K, q, G, s] arrays with s >= 64 (smaller last dims are q's head dim and row statistics).
+  scores = {int(s) for s in re.findall(r"tensor<1x1x64x2x(\d+)xf32>", text)} - {1, 8}
+  assert scores == {64, 128, 192, 256}, scores
+  assert not re.findall(r"tensor<1x1x256x2x256xf32>", text)
+
+
+def test_auto_picks_blocked_for_short_sequences_only():
+  assert resolve_kernel("auto", BLOCKED_MAX_LEN) == "blocked"
+  assert resolve_kernel("auto", BLOCKED_MAX_LEN + 1) == "flash"
+  assert resolve_kernel("flash", 256) == "flash" and resolve_kernel("dot", 8192) == "dot"
+
+
+@pytest.mark.parametrize("kernel", ["flash", "blocked"])
+def test_bf16_no_worse_than_the_bf16_reference(kernel):
+  """bf16 inputs: compared with the fp32 reference, flash and blocked (fp32 scores and accumulators)
+  must be no less accurate than the reference computed in bf16, and within a few bf16 epsilons (2**-8)."""
   args = _inputs(0, 2, 256, 4, 2, 32)
   reference = jax.jit(lambda *a: _value_and_grads(dot_product_attention, *a))
   exact = reference(*args)
   as_bf16 = [x.astype(jnp.bfloat16) for x in args[:4]] + [args[4]]
   ref_bf16 = reference(*as_bf16)
-  flash_bf16 = jax.jit(lambda *a: _value_and_grads(_flash(64, 64), *a))(*as_bf16)
+  attention = _flash(64, 64) if kernel == "flash" else blocked_attention
+  flash_bf16 = jax.jit(lambda *a: _value_and_grads(attention, *a))(*as_bf16)
   for name, e, r, f in zip(("out", "dq", "dk", "dv"), exact, ref_bf16, flash_bf16):
     assert f.dtype == jnp.bfloat16, name
     e, r, f = (np.asarray(x, np.float32) for x in (e, r, f))
@@ -190,9 +230,11 @@ def test_lowered_program_passes_the_neuron_lint():
   hlo = _lowered_fwd_bwd(_flash(128, 128), 1024, dialect="hlo")
   assert hlo_lint.neuron_problems(hlo) == []
   assert " while(" in hlo  # the scans
-  stablehlo = _lowered_fwd_bwd(_flash(128, 128), 1024)
-  for banned in ("stablehlo.case", "stablehlo.if", "custom_call @xla_python", "callback"):
-    assert banned not in stablehlo, banned
+  for attention in (_flash(128, 128), blocked_attention):
+    stablehlo = _lowered_fwd_bwd(attention, 1024)
+    for banned in ("stablehlo.case", "stablehlo.if", "custom_call @xla_python", "callback"):
+      assert banned not in stablehlo, banned
+  assert hlo_lint.neuron_problems(_lowered_fwd_bwd(blocked_attention, 1024, dialect="hlo")) == []
 
 
 @pytest.mark.parametrize("t,block_q,block_kv", [(256, 32, 32), (256, 64, 32), (256, 32, 64), (200, 64, 48)])

@@ -24,6 +24,7 @@ from flax import nnx
 
 from maxtrain import optim
 from maxtrain.models.attention import resolve_kernel
+from maxtrain.models.blocked_attention import default_block_q
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.program import loss_chunk_tokens
 from maxtrain.sharding.layout import Layout, named_leaves
@@ -140,11 +141,17 @@ def _itemsize(dtype: Any) -> int:
 def _attention_bytes(m: ModelConfig, b: int, seq: int, h_t: int, kv_t: int, c_bytes: int,
                      context: int = 1) -> tuple[int, int]:
   """(kept for the backward pass without remat, working set of one layer's attention) per device, by
-  kernel: `dot` holds B x H x T x T scores; `flash` only per-row statistics, fp32 gradient
+  kernel: `dot` holds B x H x T x T scores; `blocked` the probabilities of its computed blocks (5/8 of
+  T x T with 4 blocks) and one block's scores; `flash` only per-row statistics, fp32 gradient
   accumulators and one block of scores (linear in T). With `context` shards (always flash,
   `sharding/context_attention.py`) a device holds T / context queries and all T keys and values."""
-  if resolve_kernel(m.attention) == "dot" and context == 1:
+  kernel = resolve_kernel(m.attention, seq)
+  if kernel == "dot" and context == 1:
     return b * h_t * seq * seq * (4 + c_bytes), b * h_t * seq * seq * ATTENTION_BYTES_PER_SCORE
+  if kernel == "blocked" and context == 1:
+    bq = default_block_q(seq)
+    kept = b * h_t * sum(min(r0 + bq, seq) * (min(r0 + bq, seq) - r0) for r0 in range(0, seq, bq)) * 4
+    return kept, b * h_t * bq * seq * ATTENTION_BYTES_PER_SCORE
   local = seq // context
   rows = b * (local * h_t + seq * 2 * kv_t) * m.head_dim  # q, gathered k, v (and their gradients)
   block_scores = 3 * b * h_t * min(m.attention_block_q, local) * min(m.attention_block_kv, seq) * 4

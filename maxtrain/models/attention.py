@@ -8,7 +8,10 @@ Kernels behind one signature (q, k, v, segment ids), chosen by `model.attention`
          backend and is the reference the other kernels are checked against.
   flash  `flash_attention.flash_attention`: blockwise, online softmax, recomputing backward; memory
          linear in T. Measured faster than `dot` on CPU at every length tried (1.5x at T=256, 6.5x
-         at 4096; BENCHMARKS.md), so `auto` picks it.
+         at 4096; BENCHMARKS.md), so `auto` picks it, except for short sequences on CPU:
+  blocked `blocked_attention.blocked_attention`: a few query blocks over their key prefix, exact
+         softmax, probabilities kept for the backward; memory O(T^2). 1.2-1.7x flash on CPU for
+         T <= 1024, so `auto` picks it for those lengths.
   cudnn  `vendor_attention.cudnn_attention`: jax.nn.dot_product_attention on cuDNN (NVIDIA GPUs).
   nki    `vendor_attention.nki_attention`: the Neuron NKI flash kernels (Trainium, jax-neuronx).
          Neither vendor kernel has run on this project's machines (see that module).
@@ -24,20 +27,28 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.models import vendor_attention
+from maxtrain.models.blocked_attention import blocked_attention
 from maxtrain.models.flash_attention import flash_attention
 from maxtrain.models.layers import apply_rope, param, project
 from maxtrain.sharding import context_attention
 from maxtrain.sharding import rules as sharding_rules
 
 
-KERNELS = ("dot", "flash", "cudnn", "nki")
+KERNELS = ("dot", "flash", "blocked", "cudnn", "nki")
 CHOICES = ("auto",) + KERNELS
+# Longest sequence for which `auto` picks `blocked`: measured faster than flash up to here (on CPU), and
+# its kept probabilities (O(T^2)) stay small next to the rest of the step.
+BLOCKED_MAX_LEN = 1024
 
 
-def resolve_kernel(name: str) -> str:
-  """`auto` -> the kernel measured best: flash. The vendor kernels (`vendor_attention.py`: cudnn, nki)
-  have not run here (no GPU, no Trainium), so `auto` never picks them."""
-  return "flash" if name == "auto" else name
+def resolve_kernel(name: str, seq_len: int) -> str:
+  """`auto` -> the kernel measured best for sequences of `seq_len`: `blocked` up to BLOCKED_MAX_LEN, else
+  flash. Measured on CPU only (no GPU or Trainium here); by sequence length alone, so an ahead-of-time
+  compile for another platform traces the kernel that platform will run. The vendor kernels
+  (`vendor_attention.py`: cudnn, nki) have not run here, so `auto` never picks them."""
+  if name != "auto":
+    return name
+  return "blocked" if seq_len <= BLOCKED_MAX_LEN else "flash"
 
 
 def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
@@ -73,7 +84,7 @@ class Attention(nnx.Module):
     self.wo = param(rngs, out_init, (num_heads, head_dim, d_model), ("heads", "head_dim", "embed"), param_dtype)
     self.rope_theta = rope_theta
     self.compute_dtype = compute_dtype
-    self.kernel, self.block_q, self.block_kv = resolve_kernel(kernel), block_q, block_kv
+    self.kernel, self.block_q, self.block_kv = kernel, block_q, block_kv
 
   def __call__(self, x_BTD, segment_ids_BT, positions_BT) -> jax.Array:
     dt = self.compute_dtype
@@ -85,15 +96,20 @@ class Attention(nnx.Module):
     k_BTKH = sharding_rules.constrain(apply_rope(k_BTKH, positions_BT, self.rope_theta),
                                       ("act_batch", "act_length", "act_kv_heads", None))
     v_BTKH = sharding_rules.constrain(v_BTKH, ("act_batch", "act_length", "act_kv_heads", None))
+    return project(self._attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT), self.wo[...].astype(dt),
+                   contract=2)
+
+  def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT) -> jax.Array:
     context_parallel = context_attention.for_active_rules(block_q=self.block_q, block_kv=self.block_kv)
     if context_parallel is not None:  # the sequence is split over devices: flash on each shard
-      out_BTNH = context_parallel(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
-    elif self.kernel == "flash":
-      out_BTNH = flash_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, block_q=self.block_q, block_kv=self.block_kv)
-    elif self.kernel == "cudnn":
-      out_BTNH = vendor_attention.cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
-    elif self.kernel == "nki":
-      out_BTNH = vendor_attention.nki_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
-    else:
-      out_BTNH = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
-    return project(out_BTNH, self.wo[...].astype(dt), contract=2)
+      return context_parallel(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
+    kernel = resolve_kernel(self.kernel, q_BTNH.shape[1])
+    if kernel == "flash":
+      return flash_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, block_q=self.block_q, block_kv=self.block_kv)
+    if kernel == "blocked":
+      return blocked_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+    if kernel == "cudnn":
+      return vendor_attention.cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+    if kernel == "nki":
+      return vendor_attention.nki_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+    return dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
