@@ -1,4 +1,5 @@
-"""One attention layer, einsum reference (`dot`) vs blockwise `flash`: time and compiled memory.
+"""One attention layer, einsum reference (`dot`) vs blockwise `flash` (and `blocked`, the short-sequence
+kernel): time and compiled memory.
 
   python tools/bench_attention.py [--tokens=16384] [--block-q=128 --block-kv=128] [--runs=5]
                                   [--time-lengths=256,1024,4096] [--memory-lengths=4096,8192,16384,32768]
@@ -40,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from maxtrain.models import flash_attention as fa  # noqa: E402
+from maxtrain.models.blocked_attention import blocked_attention  # noqa: E402
 from maxtrain.models.attention import dot_product_attention  # noqa: E402
 
 
@@ -111,13 +113,14 @@ def main() -> None:
   if args.time_lengths:
     print(f"\n## fwd+bwd time, fp32, B*T={args.tokens}, N={n} K={k} H={h}, "
           f"flash blocks {args.block_q}x{args.block_kv}: median of {args.runs}")
-    print("| T | B | dot (s) | flash (s) | dot / flash |")
-    print("|---|---|---|---|---|")
+    print("| T | B | dot (s) | flash (s) | blocked (s) | dot / flash | flash / blocked |")
+    print("|---|---|---|---|---|---|---|")
     for t in ints(args.time_lengths):
       x = inputs(args.tokens // t, t, n, k, h, jnp.float32)
-      dot_s, flash_s = time_calls([fwd_bwd(dot_product_attention), fwd_bwd(flash(args.block_q, args.block_kv))],
-                                  x, args.runs)
-      print(f"| {t} | {args.tokens // t} | {dot_s:.3f} | {flash_s:.3f} | {dot_s / flash_s:.2f}x |", flush=True)
+      dot_s, flash_s, blocked_s = time_calls([fwd_bwd(dot_product_attention), fwd_bwd(flash(args.block_q, args.block_kv)),
+                                              fwd_bwd(blocked_attention)], x, args.runs)
+      print(f"| {t} | {args.tokens // t} | {dot_s:.3f} | {flash_s:.3f} | {blocked_s:.3f} | {dot_s / flash_s:.2f}x | "
+            f"{flash_s / blocked_s:.2f}x |", flush=True)
 
   if args.memory_lengths:
     print(f"\n## compiled fwd+bwd temporaries, bf16, B=1, N=32 K=8 H=128, flash blocks "
