@@ -54,7 +54,10 @@ def _lower(cfg):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_train_step_and_init_pass_the_neuron_lint(name):
   step, init = lowered_step_and_init(CONFIGS[name])
-  assert " while(" in step or name == "default"  # scanned layers / microbatches: static loops are allowed
+  # Scanned layers / microbatches / flash's pair loop: static loops are allowed, and must reach the lint.
+  # The default and MoE configs have none: their layers are unrolled and at T <= 1024 `auto` attention
+  # is `blocked`, which has no loop.
+  assert " while(" in step or name in ("default", "moe, sigmoid router, bias")
   assert ("all-to-all(" in step) == ("expert=" in name)  # expert parallelism is in the linted program
   assert neuron_problems(step) == []
   assert neuron_problems(init) == []
