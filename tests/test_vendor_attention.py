@@ -35,7 +35,8 @@ def test_cudnn_call_masks_packed_documents_like_the_reference():
 
 
 def test_selection_and_refusals():
-  assert {"cudnn", "nki"} <= set(CHOICES) and resolve_kernel("auto") == "flash"
+  assert {"cudnn", "nki"} <= set(CHOICES)
+  assert {resolve_kernel("auto", t) for t in (1, 256, 1024, 8192, 131072)} == {"blocked", "flash"}  # never a vendor kernel
   x = jnp.zeros((1, 8, 2, 4))
   seg = jnp.ones((1, 8), jnp.int32)
   with pytest.raises(UserError, match="cudnn runs on NVIDIA GPUs only.*'cpu'.*model.attention=flash"):
