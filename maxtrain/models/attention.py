@@ -10,7 +10,7 @@ Kernels behind one signature (q, k, v, segment ids), chosen by `model.attention`
          linear in T. Measured faster than `dot` on CPU at every length tried (1.5x at T=256, 6.5x
          at 4096; BENCHMARKS.md), so `auto` picks it, except for short sequences on CPU:
   blocked `blocked_attention.blocked_attention`: a few query blocks over their key prefix, exact
-         softmax, probabilities kept for the backward; memory O(T^2). 1.2-1.7x flash on CPU for
+         softmax, probabilities kept for the backward; memory O(T^2). 1.3-1.5x flash on CPU for
          T <= 1024, so `auto` picks it for those lengths.
   cudnn  `vendor_attention.cudnn_attention`: jax.nn.dot_product_attention on cuDNN (NVIDIA GPUs).
   nki    `vendor_attention.nki_attention`: the Neuron NKI flash kernels (Trainium, jax-neuronx).

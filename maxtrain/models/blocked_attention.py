@@ -14,8 +14,9 @@ Masks come from segment ids and the block's static row and column indices.
 Why, next to flash: at short T flash's pair loop spends most of its time outside the matmuls' peak:
 at the default CPU config (T=256, 128-blocks) it visits 3 pairs, each with batched [B*K] matmuls of
 128 x 128 x 64 that XLA:CPU runs at about a third of its matmul peak, and recomputes the scores in
-the backward pass. Here there are 4 blocks of fewer, larger matmuls and no recomputation: 1.6-1.7x
-flash's forward + backward at T=256 and 1.2-1.4x at T=1024 on the 2-core CPU (tools/bench_attention.py).
+the backward pass. Here there are 4 blocks of fewer, larger matmuls and no recomputation: 1.46x
+flash's forward + backward at T=256, 1.50x at 512 and 1.31x at 1024 on the 2-core CPU
+(`tools/bench_attention.py --heads 4,2,64 --tokens 4096 --time-lengths 256,512,1024`).
 The price is memory: the kept P is O(T^2), 5/8 of B x N x T x T fp32 with 4 blocks, so `auto` picks
 this kernel only for short sequences (`models/attention.resolve_kernel`).
 Scores, P and the gradients' accumulators are fp32 whatever the input dtype; the matmuls take the
