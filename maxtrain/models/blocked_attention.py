@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Finite, as in flash: a masked score gives exp(-huge) = 0, never inf - inf = NaN.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+from maxtrain.models.flash_attention import MASK_VALUE  # finite: exp(-huge) = 0, never inf - inf = NaN
 
 
 def default_block_q(t: int) -> int:
@@ -64,7 +63,7 @@ def _probabilities(q_BKTGH, k_BKSH, segment_ids_BT, r0: int, r1: int) -> jax.Arr
                        preferred_element_type=jnp.float32) * scale
   causal_qs = np.arange(r1)[None, :] <= np.arange(r0, r1)[:, None]
   visible_Bqs = (segment_ids_BT[:, r0:r1, None] == segment_ids_BT[:, None, :r1]) & causal_qs
-  s_BKqGs = jnp.where(visible_Bqs[:, None, :, None, :], s_BKqGs, _MASK_VALUE)
+  s_BKqGs = jnp.where(visible_Bqs[:, None, :, None, :], s_BKqGs, MASK_VALUE)
   # Every row sees at least its own key, so the row max is a real score and the sum is >= 1.
   p_BKqGs = jnp.exp(s_BKqGs - s_BKqGs.max(axis=-1, keepdims=True))
   return p_BKqGs / p_BKqGs.sum(axis=-1, keepdims=True)

@@ -53,7 +53,7 @@ DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_KV = 128
 
 # Finite so that fully masked rows give exp(0) = 1 terms, never inf - inf = NaN.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _PAD_POSITION = np.iinfo(np.int32).max
 
 
@@ -160,7 +160,7 @@ def _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j) -> jax.A
 def _scores(q_BKqGH, k_BKsH, mask_B1q1s) -> jax.Array:
   scale = q_BKqGH.shape[-1] ** -0.5
   s_BKqGs = jnp.einsum("bkqgh,bksh->bkqgs", q_BKqGH, k_BKsH, preferred_element_type=jnp.float32) * scale
-  return jnp.where(mask_B1q1s, s_BKqGs, _MASK_VALUE)
+  return jnp.where(mask_B1q1s, s_BKqGs, MASK_VALUE)
 
 
 def _take(x, i):
@@ -191,7 +191,7 @@ def _forward(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, k
     return (_put(acc_QBKqGH, acc_new, i), _put(m_QBKqG, m_new, i), _put(l_QBKqG, l_new, i)), None
 
   # *_like keeps q's varying mesh axes under shard_map (a scan carry must match its body's output).
-  init = (jnp.zeros_like(q_QBKqGH, jnp.float32), jnp.full_like(q_QBKqGH[..., 0], _MASK_VALUE, jnp.float32),
+  init = (jnp.zeros_like(q_QBKqGH, jnp.float32), jnp.full_like(q_QBKqGH[..., 0], MASK_VALUE, jnp.float32),
           jnp.zeros_like(q_QBKqGH[..., 0], jnp.float32))
   (acc, m, l), _ = jax.lax.scan(step, init, pairs)
   # Every row (padded ones included) has l >= 1: its max term is exp(0).
