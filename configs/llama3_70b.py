@@ -7,7 +7,7 @@ SwiGLU 28672, vocabulary 128256, RoPE theta 500000), for a real tokenizer and to
   python -m maxtrain.compile --config=configs/llama3_70b.py --config.hardware=h100x8 --devices 64 \
       --device-memory-gb 80
 
-`HARDWARE` refines the generic presets of maxtrain/runtime/hardware.py for this model (per node).
+`HARDWARE` refines the generic presets of maxtrain/config/hardware.py for this model (per node).
 """
 
 from maxtrain.config import base_config

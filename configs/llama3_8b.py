@@ -9,7 +9,7 @@ Check that it compiles and fits before booking the cluster:
   python -m maxtrain.compile --config=configs/llama3_8b.py --config.hardware=h100x8 --devices 8 \
       --device-memory-gb 80
 
-`HARDWARE` refines the generic presets of maxtrain/runtime/hardware.py for this model (per node).
+`HARDWARE` refines the generic presets of maxtrain/config/hardware.py for this model (per node).
 """
 
 from maxtrain.config import base_config

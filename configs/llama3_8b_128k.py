@@ -9,7 +9,7 @@ Each GPU holds 16384 tokens of every sequence (one sequence per microbatch over 
 RoPE is plain (theta 500000): LLaMA 3.1's long-context frequency scaling is not a key on this
 branch; continue from a checkpoint of the 8K run either way (resume reshards onto the new mesh).
 
-`HARDWARE` refines the generic presets of maxtrain/runtime/hardware.py for this model (per node).
+`HARDWARE` refines the generic presets of maxtrain/config/hardware.py for this model (per node).
 """
 
 from pathlib import Path

@@ -1,51 +1,8 @@
-"""Entry point: `python -m maxtrain.train [--config=configs/x.py] [--config.key=value ...]`.
+"""`python -m maxtrain.train: the trainer (maxtrain/cli/train.py)."""
 
-`--help` lists every config key with its value and meaning. Exit codes are the contract in
-DESIGN.md (maxtrain/errors.py): 0 finished, 2 bad config or input, 3 stopped by a training policy,
-75 preempted (checkpoint saved).
-"""
-
-from __future__ import annotations
-
-import logging
 import sys
-import time
-from typing import Sequence
 
-from maxtrain import config as config_lib
-from maxtrain.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_PREEMPTED, Aborted, Preempted, UserError
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  t_start = time.monotonic()
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                      datefmt="%H:%M:%S")
-  logging.getLogger("maxtrain").setLevel(logging.INFO)
-  # Orbax logs every save step at INFO through absl (~20 lines per checkpoint); keep its warnings.
-  logging.getLogger("absl").setLevel(logging.WARNING)
-  argv = sys.argv[1:] if argv is None else argv
-  try:
-    if "--help" in argv or "-h" in argv:
-      print(config_lib.help_text(argv, "maxtrain.train"))
-      return 0
-    cfg = config_lib.load(argv)
-    from maxtrain.runtime import platform
-
-    platform.apply(cfg.runtime)  # XLA_FLAGS and plugin variables count only before the backend starts
-    from maxtrain import trainer  # imported late: config errors surface before any backend work
-
-    trainer.run(cfg, t_start)
-  except UserError as e:
-    print(f"maxtrain: error: {e}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-  except Preempted as e:
-    print(f"maxtrain: {e}", file=sys.stderr)
-    return EXIT_PREEMPTED
-  except Aborted as e:
-    print(f"maxtrain: aborted: {e}", file=sys.stderr)
-    return EXIT_ABORTED
-  return 0
-
+from maxtrain.cli.train import main
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -12,8 +12,11 @@ import orbax.checkpoint as ocp
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from maxtrain import config as config_lib, optim, state as state_lib, train
-from maxtrain.checkpoint import Checkpointer
+from maxtrain import config as config_lib
+from maxtrain.optim import optimizer as optim
+from maxtrain.program import state as state_lib
+from maxtrain.cli import train
+from maxtrain.checkpoint.storage import Checkpointer
 from maxtrain.models.llama import ModelConfig
 from maxtrain.sharding.mesh import make_mesh
 from tiny import TINY_MODEL

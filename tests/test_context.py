@@ -16,18 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain import batch as batch_lib
+from maxtrain.program import batch as batch_lib
 from maxtrain import config as config_lib
-from maxtrain import train
+from maxtrain.cli import train
 from maxtrain.data import pipeline
 from maxtrain.data.indexing import index_files
 from maxtrain.errors import UserError
-from maxtrain.models.attention import dot_product_attention
+from maxtrain.models.attention.layer import dot_product_attention
 from maxtrain.sharding import context_attention as ca
 from maxtrain.sharding.mesh import make_mesh
 from maxtrain.sharding import rules as rules_lib
 from maxtrain.sharding.rules import DEFAULT_RULES
-from maxtrain.validate import validate
+from maxtrain.program.plan import validate
 from test_checkpoint import losses, restore_raw
 from tiny import TINY_MODEL
 

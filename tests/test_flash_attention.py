@@ -17,9 +17,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtrain.aot import hlo_lint
-from maxtrain.models import flash_attention as fa
-from maxtrain.models.attention import BLOCKED_MAX_LEN, dot_product_attention, resolve_kernel
-from maxtrain.models.blocked_attention import blocked_attention, default_block_q
+from maxtrain.models.attention import flash as fa
+from maxtrain.models.attention.layer import BLOCKED_MAX_LEN, dot_product_attention, resolve_kernel
+from maxtrain.models.attention.blocked import blocked_attention, default_block_q
 
 # fp32 parity (STYLE.md 9) with the einsum reference computed in float64 (NumPy, below). atol only covers
 # values near zero; inputs are unit-variance, so scores are O(1). Why float64: the fp32 einsum itself is

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from maxtrain import launch
+from maxtrain.cli import launch
 from maxtrain.monitor import events as ev
 from maxtrain.monitor import goodput
 from maxtrain.monitor.stragglers import find_stragglers

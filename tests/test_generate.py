@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("transformers", reason="generation tests need the test extra: pip install -e '.[test]'")
 
 from hf_models import make_hf_model  # noqa: E402
-from maxtrain import sampling  # noqa: E402
+from maxtrain.inference import sampling  # noqa: E402
 from maxtrain.interop import hf_import  # noqa: E402
 from maxtrain.interop.sources import open_source  # noqa: E402
 from test_interop import maxtrain_logits, maxtrain_model  # noqa: E402
@@ -110,7 +110,7 @@ def test_sampling_rules():
 
 
 def test_entry_point_prints_text(converted, capsys):
-  from maxtrain import generate
+  from maxtrain.cli import generate
 
   root, _ = converted
   assert generate.main(["--checkpoint", str(root / "mt"), "--prompt", "the quick", "--prompt", "def f(x)",
@@ -123,7 +123,7 @@ def test_entry_point_prints_text(converted, capsys):
 def test_entry_point_on_a_training_run_with_the_byte_tokenizer(store, tmp_path, capsys):
   """A run's own checkpoint (the default run's kind: byte tokenizer, no tokenizer.json), read from the
   run dir onto the 8-device training mesh; seeded sampling gives the same text twice."""
-  from maxtrain import generate, train
+  from maxtrain.cli import generate, train
   from tiny import TINY_MODEL
 
   run = tmp_path / "run"

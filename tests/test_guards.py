@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain import guards, train
+from maxtrain.optim.masking import keep_if
+from maxtrain.program import guards
+from maxtrain.cli import train
 from maxtrain.monitor.events import read_events
 from test_checkpoint import TINY, assert_bitwise_equal, flat, restore_raw
 
@@ -33,8 +35,8 @@ def test_check_matches_numpy():
     assert int(m["skipped_steps"]) == skipped
   assert skipped == 3  # nan, the 9.0 spike, inf
   old, new = {"a": jnp.ones(3)}, {"a": jnp.zeros(3)}
-  assert np.array_equal(guards.keep_if(jnp.bool_(True), old, new)["a"], np.ones(3))
-  assert np.array_equal(guards.keep_if(jnp.bool_(False), old, new)["a"], np.zeros(3))
+  assert np.array_equal(keep_if(jnp.bool_(True), old, new)["a"], np.ones(3))
+  assert np.array_equal(keep_if(jnp.bool_(False), old, new)["a"], np.zeros(3))
 
 
 def base_args(store, out):
@@ -102,7 +104,7 @@ def test_guard_policy_reads_flags_one_step_late_and_keeps_the_budget(tmp_path):
   a rollback forgets the unread step after the fault, the budget and spike_action=abort stop the run."""
   from maxtrain import config as config_lib
   from maxtrain.errors import Aborted
-  from maxtrain.guard_policy import GuardPolicy, Rollback
+  from maxtrain.loop.rollback import GuardPolicy, Rollback
   from maxtrain.monitor.events import EventLog
 
   cfg = config_lib.load(["--config.guards.max_consecutive_bad=2", "--config.guards.max_rollbacks=1"]).guards

@@ -91,7 +91,7 @@ def test_export_loads_in_transformers_without_warnings_and_matches(tmp_path, var
 
 
 def run_train(args, capsys):
-  from maxtrain import train
+  from maxtrain.cli import train
 
   code = train.main(args)
   captured = capsys.readouterr()
@@ -265,7 +265,7 @@ def test_init_from_with_other_model_math_exits_2(tmp_path, capsys):
     ("hidden_act", "gelu", "hidden_act"),
 ])
 def test_unsupported_hf_models_exit_2_naming_the_field(tmp_path, capsys, field, value, named):
-  from maxtrain import convert
+  from maxtrain.cli import convert
 
   make_hf_model(tmp_path / "hf", "gqa_untied", tokenizer=False)
   config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -279,7 +279,7 @@ def test_unsupported_hf_models_exit_2_naming_the_field(tmp_path, capsys, field, 
 
 
 def test_bias_tensors_exit_2(tmp_path, capsys):
-  from maxtrain import convert
+  from maxtrain.cli import convert
   from safetensors.numpy import load_file, save_file
 
   make_hf_model(tmp_path / "hf", "gqa_untied", tokenizer=False)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from maxtrain import loss
+from maxtrain.program import loss
 from maxtrain.sharding import rules as sharding_rules
 
 B, T, D, V = 4, 37, 32, 200  # T prime: no chunk size below T divides it

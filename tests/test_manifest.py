@@ -11,7 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from maxtrain import manifest
+from maxtrain.checkpoint import manifest
 from maxtrain.errors import UserError
 
 DATA = {"next_window": 3, "source": "tiny"}

@@ -13,7 +13,7 @@ import pytest
 from maxtrain import config as config_lib
 from maxtrain.errors import UserError
 from maxtrain.sharding.mesh import make_mesh, resolve_layout
-from maxtrain.validate import validate
+from maxtrain.program.plan import validate
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,7 +64,7 @@ TRN2_SCRIPT = """
 import json, jax, numpy as np
 from maxtrain import config as config_lib
 from maxtrain.sharding.mesh import make_mesh
-from maxtrain.validate import validate
+from maxtrain.program.plan import validate
 out = {}
 for nodes in (1, 2):
   cfg = config_lib.load(["--config=configs/llama3_8b.py", "--config.hardware=trn2.48xlarge"])

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from maxtrain import step as step_lib
+from maxtrain.program import step as step_lib
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.monitor import mfu
 

@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxtrain import microbatch
-from maxtrain import state as state_lib
-from maxtrain import step as step_lib
+from maxtrain.program import microbatch
+from maxtrain.program import state as state_lib
+from maxtrain.program import step as step_lib
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.sharding.rules import DEFAULT_RULES, activate
 from maxtrain.sharding.mesh import make_mesh

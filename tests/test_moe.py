@@ -17,7 +17,9 @@ import optax
 import pytest
 from flax import nnx
 
-from maxtrain import config as config_lib, optim, train
+from maxtrain import config as config_lib
+from maxtrain.optim import optimizer as optim
+from maxtrain.cli import train
 from maxtrain.errors import UserError
 from maxtrain.models import moe as moe_lib
 from maxtrain.models import moe_dispatch
@@ -25,7 +27,7 @@ from maxtrain.models.layers import MLP
 from maxtrain.models.moe import MoE, MoEConfig
 from maxtrain.monitor import events as ev
 from maxtrain.monitor.routing import RoutingMonitor
-from maxtrain.validate import validate
+from maxtrain.program.plan import validate
 from tiny import TINY_MODEL
 
 B, T, D, F = 3, 16, 8, 6
@@ -288,7 +290,7 @@ def test_flops_and_estimate_count_active_parameters():
 
 
 def test_microbatches_weight_the_moe_losses_by_their_loss_tokens():
-  from maxtrain import microbatch, step as step_lib
+  from maxtrain.program import microbatch, step as step_lib
   from maxtrain.models.llama import Llama, ModelConfig
 
   moe = MoEConfig(num_experts=4, expert_d_ff=8, aux_loss_weight=0.5, router_z_loss_weight=0.25)
@@ -328,7 +330,7 @@ def test_router_bias_sign_rule_in_scanned_and_unscanned_models():
 
 
 def test_router_bias_follows_the_load_and_a_skipped_step_keeps_it():
-  from maxtrain import batch as batch_lib, program as program_lib, state as state_lib
+  from maxtrain.program import batch as batch_lib, build as program_lib, state as state_lib
   from maxtrain.sharding.mesh import make_mesh
 
   cfg = config_lib.load(TINY_MODEL + MOE_ARGS + ["--config.mesh.fsdp=1", "--config.model.moe.bias_update_rate=0.25"])
@@ -424,8 +426,8 @@ def test_expert4_trains_like_expert1_and_its_checkpoint_restores_elsewhere(store
 
 
 def _restore_onto_other_meshes(ckpt_dir, saved, assert_bitwise_equal):
-  from maxtrain import state as state_lib
-  from maxtrain.checkpoint import Checkpointer
+  from maxtrain.program import state as state_lib
+  from maxtrain.checkpoint.storage import Checkpointer
   from maxtrain.models.llama import ModelConfig
   from maxtrain.sharding.mesh import make_mesh
 

@@ -5,10 +5,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from maxtrain import config as config_lib, program as program_lib
+from maxtrain import config as config_lib
+from maxtrain.program import build as program_lib
 from maxtrain.runtime import platform
 from maxtrain.aot.hlo_lint import neuron_problems
-from maxtrain.validate import validate
+from maxtrain.program.plan import validate
 
 # Reduced depth; real widths and vocabularies. The trn2 node's tensor=4 groups on 8 devices.
 TRN2_ON_8 = ["--config.hardware=trn2.48xlarge", "--config.mesh.fsdp=2", "--config.mesh.context=1", "--config.mesh.tensor=4",

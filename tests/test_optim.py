@@ -12,8 +12,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxtrain import config as config_lib
-from maxtrain import muon, optim
-from maxtrain import state as state_lib
+from maxtrain.optim import muon, optimizer as optim
+from maxtrain.program import state as state_lib
 from maxtrain.aot import collectives
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.sharding.layout import param_name
@@ -96,7 +96,7 @@ def newton_schulz_np(x, coeffs, steps):
 
 
 def muon_reference(param, grads, *, lr, wd, beta, coeffs, ns_steps, fan_in, fan_out):
-  """Muon as documented in maxtrain/optim.py, in float64: Nesterov momentum with bias correction,
+  """Muon as documented in maxtrain/optim/optimizer.py, in float64: Nesterov momentum with bias correction,
   Newton-Schulz on the [fan_in, fan_out] matrix, scaling sqrt(max(1, fan_out / fan_in)),
   decoupled weight decay, learning rate. Returns the parameter after each step."""
   param, mu, out = param.astype(np.float64), np.zeros_like(param, np.float64), []

@@ -269,7 +269,7 @@ def test_hardware_auto_chooses_the_preset_of_the_machine(monkeypatch, caplog):
   import logging
 
   from maxtrain import config as config_lib
-  from maxtrain.runtime import hardware
+  from maxtrain.config import hardware
 
   h100 = "NVIDIA H100 80GB HBM3"
   assert hardware.choose([h100] * 8, 0, "")[0] == "h100x8"

@@ -6,11 +6,11 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxtrain import batch as batch_lib
+from maxtrain.program import batch as batch_lib
 from maxtrain import config as config_lib
-from maxtrain import optim
-from maxtrain import state as state_lib
-from maxtrain import step as step_lib
+from maxtrain.optim import optimizer as optim
+from maxtrain.program import state as state_lib
+from maxtrain.program import step as step_lib
 from maxtrain.errors import UserError
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.sharding.layout import param_name

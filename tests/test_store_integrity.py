@@ -354,7 +354,7 @@ def test_trainer_exits_2_on_an_id_poked_after_indexing(store, tmp_path, capsys,
   # val: found while the eval batches are built, before compiling; train: in
   # the first training batch. Either way exit 2 naming the store and document,
   # never a NaN run.
-  from maxtrain import train
+  from maxtrain.cli import train
   from tiny import TINY_MODEL
 
   prefix = _copy_store(store, tmp_path / "poked")

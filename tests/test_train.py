@@ -13,13 +13,13 @@ from flax import nnx
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from maxtrain import config as config_lib
-from maxtrain import train
+from maxtrain.cli import train
 from maxtrain.data.store import StoreWriter
 from maxtrain.models.llama import CONFIG_KEYS, Llama, ModelConfig
 from maxtrain.monitor import goodput
 from maxtrain.monitor.events import read_events
 from maxtrain.sharding.layout import check_divisible
-from maxtrain.validate import validate
+from maxtrain.program.plan import validate
 from tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parent.parent

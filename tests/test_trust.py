@@ -21,10 +21,12 @@ import jax
 import numpy as np
 import pytest
 
-from maxtrain import config as config_lib, manifest, train
+from maxtrain import config as config_lib
+from maxtrain.checkpoint import manifest
+from maxtrain.cli import train
 from maxtrain.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_HANG, UserError
 from maxtrain.monitor.events import read_events
-from maxtrain.remote import staged_path
+from maxtrain.checkpoint.remote import staged_path
 from test_checkpoint import assert_bitwise_equal, restore_raw, s3_server  # noqa: F401 (a fixture)
 from tiny import TINY_MODEL
 
@@ -184,7 +186,7 @@ def test_s3_key_outside_staging_exits_2_and_clients_have_timeouts(store, tmp_pat
                           capsys, caplog)
   assert_exit(code, output, EXIT_BAD_INPUT, "runs/evil/2//abs/path", "refusing")
   assert not Path("/abs/path").exists()
-  from maxtrain.remote import S3Mirror
+  from maxtrain.checkpoint.remote import S3Mirror
 
   mirror = S3Mirror("s3://ckpts/x", connect_timeout_s=3.0, read_timeout_s=7.0, max_attempts=2)
   config = mirror._client.meta.config

@@ -1,4 +1,4 @@
-"""The vendor kernels (`models/vendor_attention.py`: cudnn, nki) cannot run here (no GPU, no Trainium):
+"""The vendor kernels (`models/attention/vendor.py`: cudnn, nki) cannot run here (no GPU, no Trainium):
 their selection and refusals, and the mask the cudnn path passes, checked through JAX's XLA
 implementation of the same `jax.nn.dot_product_attention` call against the einsum reference."""
 
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from maxtrain import config as config_lib
-from maxtrain import train
+from maxtrain.cli import train
 from maxtrain.errors import UserError
-from maxtrain.models import vendor_attention
-from maxtrain.models.attention import CHOICES, dot_product_attention, resolve_kernel
-from maxtrain.validate import validate
+from maxtrain.models.attention import vendor as vendor_attention
+from maxtrain.models.attention.layer import CHOICES, dot_product_attention, resolve_kernel
+from maxtrain.program.plan import validate
 from tiny import TINY_MODEL
 
 

@@ -1,6 +1,6 @@
 """Train-step throughput for a config: `python tools/bench.py [--config=...] [--config.key=value ...]`.
 
-Builds the sharded state and the jitted step with the trainer's builder (`maxtrain/program.py`), feeds
+Builds the sharded state and the jitted step with the trainer's builder (`maxtrain/program/build.py`), feeds
 real batches from the configured token store, and prints step time, tokens/s, achieved model FLOP/s (see
 `ModelConfig.train_flops_per_token`) and MFU against the device's peak (`maxtrain/monitor/mfu.py`: the
 table by device kind, `mfu.peak_flops` when set, or on CPU a matmul peak measured once per machine).
@@ -20,13 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
-from maxtrain import config as config_lib, program as program_lib, state as state_lib  # noqa: E402
-from maxtrain import batch as batch_lib  # noqa: E402
-from maxtrain.data.loaders import Data  # noqa: E402
+from maxtrain import config as config_lib  # noqa: E402
+from maxtrain.program import build as program_lib, state as state_lib
+from maxtrain.program import batch as batch_lib  # noqa: E402
+from maxtrain.loop.data import Data  # noqa: E402
 from maxtrain.models.llama import param_count  # noqa: E402
 from maxtrain.monitor import mfu, profiler  # noqa: E402
 from maxtrain.runtime import platform as platform_env  # noqa: E402
-from maxtrain.validate import validate  # noqa: E402
+from maxtrain.program.plan import validate  # noqa: E402
 
 
 def main() -> None:

@@ -23,10 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
-from maxtrain import batch as batch_lib, config as config_lib, program as program_lib, state as state_lib  # noqa: E402
-from maxtrain.data.loaders import Data  # noqa: E402
+from maxtrain.program import batch as batch_lib, build as program_lib, state as state_lib  # noqa: E402
+from maxtrain import config as config_lib
+from maxtrain.loop.data import Data  # noqa: E402
 from maxtrain.runtime import platform as platform_env  # noqa: E402
-from maxtrain.validate import validate  # noqa: E402
+from maxtrain.program.plan import validate  # noqa: E402
 
 
 class Variant:

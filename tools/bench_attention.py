@@ -22,7 +22,7 @@ Measured on this 2-core CPU (shared with other jobs, so +-30%; jax 0.10.2, Pytho
   | 8192  | 28.406         | 0.696            | 3.2               |
   | 16384 | 112.812        | 1.393            | 2.7               |
   | 32768 | 449.625        | 2.785            | 3.6               |
-Block sweeps (--sweep-blocks) that chose the defaults are in maxtrain/models/flash_attention.py.
+Block sweeps (--sweep-blocks) that chose the defaults are in maxtrain/models/attention/flash.py.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from maxtrain.models import flash_attention as fa  # noqa: E402
-from maxtrain.models.blocked_attention import blocked_attention  # noqa: E402
-from maxtrain.models.attention import dot_product_attention  # noqa: E402
+from maxtrain.models.attention import flash as fa  # noqa: E402
+from maxtrain.models.attention.blocked import blocked_attention  # noqa: E402
+from maxtrain.models.attention.layer import dot_product_attention  # noqa: E402
 
 
 def fwd_bwd(attention):

@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from maxtrain.models.flash_attention import flash_attention_qkv  # noqa: E402
+from maxtrain.models.attention.flash import flash_attention_qkv  # noqa: E402
 from maxtrain.sharding import context_attention as ca  # noqa: E402
 from maxtrain.sharding import rules as rules_lib  # noqa: E402
 from maxtrain.sharding.mesh import make_mesh  # noqa: E402

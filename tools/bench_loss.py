@@ -1,7 +1,7 @@
 """Plain vs chunked head cross-entropy: `python tools/bench_loss.py [--repeats=N] [--chunks=...]`.
 
 Prints, for the jitted forward+backward of the step's objective (sum of ce + z_loss * log_z^2 over a
-random loss mask, gradients wrt x and head; see `maxtrain/loss.py`):
+random loss mask, gradients wrt x and head; see `maxtrain/program/loss.py`):
 - wall time on this machine (median of `--repeats` runs after a warm-up; compile excluded) and the
   compiled temp memory, at the default model's dims and at a large vocabulary, for several chunk sizes;
 - compiled temp memory only (compile, never run) at LLaMA 3 8B dims in bf16 compute, on one device
@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from maxtrain import loss  # noqa: E402
+from maxtrain.program import loss  # noqa: E402
 
 Z_LOSS = 1e-4
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from maxtrain import manifest  # noqa: E402
+from maxtrain.checkpoint import manifest  # noqa: E402
 
 
 def _drop_cache(path: Path) -> None:

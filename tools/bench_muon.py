@@ -46,12 +46,14 @@ def accuracy(rest: list[str], steps: int) -> None:
   import jax
   import numpy as np
 
-  from maxtrain import batch as batch_lib, config as config_lib, optim, program as program_lib
-  from maxtrain import state as state_lib, step as step_lib
-  from maxtrain.data.loaders import Data
-  from maxtrain.muon import nesterov_input, newton_schulz
+  from maxtrain.program import batch as batch_lib, build as program_lib
+  from maxtrain import config as config_lib
+  from maxtrain.optim import optimizer as optim
+  from maxtrain.program import state as state_lib, step as step_lib
+  from maxtrain.loop.data import Data
+  from maxtrain.optim.muon import nesterov_input, newton_schulz
   from maxtrain.sharding.layout import param_name
-  from maxtrain.validate import validate
+  from maxtrain.program.plan import validate
 
   cfg = config_lib.load(rest)
   o = cfg.optimizer

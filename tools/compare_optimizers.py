@@ -25,7 +25,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from maxtrain import config as config_lib, trainer  # noqa: E402
+from maxtrain import config as config_lib  # noqa: E402
+from maxtrain.loop import trainer
 
 
 def eval_curve(out_dir: Path) -> tuple[np.ndarray, np.ndarray]:

@@ -18,21 +18,18 @@ neuron), 2 bad config, does not fit, or fails the lint.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
-import sys
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import ml_collections
 
-from maxtrain import config as config_lib
-from maxtrain.errors import EXIT_BAD_INPUT, UserError
+from maxtrain.errors import UserError
 from maxtrain.sharding.mesh import AXES
-from maxtrain.validate import Plan, validate
+from maxtrain.program.plan import Plan, validate
 
 GiB = 2**30
 
@@ -164,7 +161,7 @@ def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int) -> Comp
   """Compiles `cfg`'s train step for `num_devices` fake CPU devices (set up here when the backend has
   not started; otherwise it must already be that many CPU devices)."""
   use_cpu_devices(num_devices)
-  from maxtrain import program as program_lib  # imported after the backend is set up
+  from maxtrain.program import build as program_lib  # imported after the backend is set up
 
   plan = validate(cfg, num_devices, require_data=False)
   t0 = time.perf_counter()
@@ -219,36 +216,3 @@ def neuron_lint(report: CompileReport) -> str:
     raise UserError("the train step would not compile on Neuron: " + "; ".join(map(str, problems[:10])))
   return "Neuron lint of the lowered train step: clean (no conditional, host callback, dynamic loop, variadic " \
          "reduce, integer matmul or f8e4m3fn)"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m maxtrain.compile", description=__doc__.split("\n\n")[0],
-                                   epilog="Other arguments: --config=PATH and --config.KEY=VALUE, as for maxtrain.train.",
-                                   add_help=False)
-  parser.add_argument("-h", "--help", action="store_true", help="this message and every config key")
-  parser.add_argument("--devices", type=int, default=0,
-                      help="devices of the target mesh (default: one node of the hardware preset's mesh)")
-  parser.add_argument("--device-memory-gb", type=float, default=0.0,
-                      help="memory per device in GiB; exit 2 when the compiled step's peak exceeds it (0: no check)")
-  args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-  try:
-    if args.help:
-      print(parser.format_help() + "\n" + config_lib.help_text(rest, "maxtrain.compile").split("\n", 2)[2])
-      return 0
-    cfg = config_lib.load(rest)
-    num_devices = args.devices or default_devices(cfg)
-    print(f"maxtrain.compile: {num_devices} devices, hardware preset {cfg.hardware or '(none)'}", flush=True)
-    report = compile_train_step(cfg, num_devices)
-    print(report.describe())
-    if cfg.runtime.platform == "neuron":
-      print(neuron_lint(report))
-    if args.device_memory_gb > 0:
-      print(check_fits(report, args.device_memory_gb))
-  except UserError as e:
-    print(f"maxtrain: error: {e}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

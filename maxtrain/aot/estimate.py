@@ -22,13 +22,13 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from maxtrain import optim
-from maxtrain.models.attention import resolve_kernel
-from maxtrain.models.blocked_attention import default_block_q
+from maxtrain.optim import optimizer as optim
+from maxtrain.models.attention.layer import resolve_kernel
+from maxtrain.models.attention.blocked import default_block_q
 from maxtrain.models.llama import Llama, ModelConfig
-from maxtrain.program import loss_chunk_tokens
+from maxtrain.program.build import loss_chunk_tokens
 from maxtrain.sharding.layout import Layout, named_leaves
-from maxtrain.validate import validate
+from maxtrain.program.plan import validate
 
 GiB = 2**30
 # XLA:CPU's attention working set per score element while one layer runs: three fp32 B x H x T x T

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from maxtrain import guards
+from maxtrain.program import guards
 from maxtrain.errors import UserError
 from maxtrain.interop.sources import open_source
 from maxtrain.sharding.layout import param_name
@@ -55,7 +55,8 @@ def load_params(path: str, model_cfg: Any, abstract_params: Any) -> Any:
 
 def initial_state(program: Any, path: str, guard_window: int) -> Any:
   """A TrainState at step 0 with `path`'s parameters and a fresh optimizer state, on the run's mesh."""
-  from maxtrain.state import TrainState, with_shardings
+  from maxtrain.program.state import TrainState
+  from maxtrain.sharding.layout import with_shardings
 
   spec = program.state
   params = load_params(path, program.model_cfg, with_shardings(spec.abstract.params, spec.shardings.params))

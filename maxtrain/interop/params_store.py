@@ -8,7 +8,7 @@ OUT/
     meta.json      format, config.model keys, every parameter's shape and dtype, the HF ids and vocab
     embed/ blocks.attn.wq/ ...   one TensorStore zarr3 array per parameter (layers stacked, as in
                                  training), uncompressed, chunked in the blocks `names.Piece` moves
-    maxtrain_manifest.json       written last: sizes and checksums (maxtrain/manifest.py); its
+    maxtrain_manifest.json       written last: sizes and checksums (maxtrain/checkpoint/manifest.py); its
                                  presence marks a complete conversion, and readers verify it
 ```
 TensorStore is the storage layer under Orbax; it is used directly because Orbax 0.12 saves and
@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from maxtrain import manifest
+from maxtrain.checkpoint import manifest
 from maxtrain.errors import UserError
 
 FORMAT = "maxtrain-params"

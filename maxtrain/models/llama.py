@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.errors import choice, require
-from maxtrain.models import attention
+from maxtrain.models.attention import layer as attention
 from maxtrain.models import moe as moe_lib
-from maxtrain.models.attention import Attention
+from maxtrain.models.attention.layer import Attention
 from maxtrain.models.layers import MLP, RMSNorm, Rope, param, project
 from maxtrain.models.moe import MoE, MoEConfig
 from maxtrain.sharding import rules as sharding_rules
@@ -58,7 +58,7 @@ class ModelConfig:
   scan_layers: bool = True
   scan_unroll: int = 1
   remat: str = "none"
-  attention: str = "dot"  # a kernel of models/attention.py (the config's "auto" is resolved there)
+  attention: str = "dot"  # a kernel of models/attention/layer.py (the config's "auto" is resolved there)
   attention_block_q: int = 128
   attention_block_kv: int = 128
   norm_eps: float = 1e-5
@@ -192,7 +192,7 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
     """Returns fp32 logits [B, T, V] (training computes the loss from `features` and `head_weights`
-    instead, in chunks when the vocabulary is large: maxtrain/loss.py)."""
+    instead, in chunks when the vocabulary is large: maxtrain/program/loss.py)."""
     x_BTD, _ = self.features(tokens_BT, segment_ids_BT, positions_BT)
     logits_BTV = project(x_BTD, self.head_weights().astype(self.cfg.compute_dtype), preferred_element_type=jnp.float32)
     return sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))

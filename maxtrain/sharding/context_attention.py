@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.models.flash_attention import flash_attention_qkv
+from maxtrain.models.attention.flash import flash_attention_qkv
 from maxtrain.sharding import rules as rules_lib
 
 Q_LOGICAL = ("act_batch", "act_length", "act_heads", None)

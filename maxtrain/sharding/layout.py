@@ -125,3 +125,11 @@ def check_replication(abstract_params: Any, shardings: Any, layout: Layout, max_
         f"{share:.0%} of parameter bytes would be replicated on every device of mesh {dict(layout.mesh_sizes)} "
         f"(limit {max_share:.0%}); largest: {listing}. Check the sharding rules in maxtrain/sharding/rules.py."
     )
+
+
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs that carry their shardings: the inputs of an ahead-of-time lowering or a
+  sharded restore. `shardings` is a prefix of the state (an optax MaskedNode is an empty subtree
+  under one sharding)."""
+  return jax.tree.map(lambda s, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if hasattr(a, "shape") else a,
+                      shardings, abstract)

@@ -43,7 +43,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "norm": None,
     "layers": None,
     # optimizer: Muon orthogonalises a stacked weight with its layers split over the devices that
-    # shard its matrix dims (maxtrain/muon.py), so each device holds whole matrices
+    # shard its matrix dims (maxtrain/optim/muon.py), so each device holds whole matrices
     "opt_layers": ("fsdp", "context", "tensor"),
     "experts": "expert",  # the routed-expert dim of expert weights [experts, ...]
     "expert_embed": ("fsdp", "context"),  # the model dim of expert weights
@@ -59,7 +59,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "act_vocab": "tensor",
 }
 
-# Logical names only the optimizer uses (maxtrain/muon.py): an axis they alone map splits no model work.
+# Logical names only the optimizer uses (maxtrain/optim/muon.py): an axis they alone map splits no model work.
 OPTIMIZER_ONLY = ("opt_layers",)
 
 RULE_SETS: dict[str, Rules] = {"default": DEFAULT_RULES}  # config key mesh.rules

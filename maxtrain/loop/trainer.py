@@ -1,7 +1,7 @@
 """The training loop: fetch batch -> step -> guards -> metrics -> eval / checkpoint schedule.
 
 `Trainer.__init__` builds the run's components and does everything that can fail on bad input,
-before compiling: the plan (`validate.py`), the program (`program.py`), the data (`data/loaders.py`),
+before compiling: the plan (`validate.py`), the program (`program.py`), the data (`loop/data.py`),
 checkpoints (`checkpoint.py`), the guard policy (`guard_policy.py`), metrics (`monitor/metrics.py`)
 and the process's lifecycle (watchdog, signals, fault injection). `Trainer.train` runs the loop.
 Every attempt appends to `<output_dir>/events.jsonl` (monitor/events.py).
@@ -20,12 +20,13 @@ import jax
 import ml_collections
 
 from maxtrain import config as config_lib
-from maxtrain import optim, program as program_lib
-from maxtrain import state as state_lib
-from maxtrain.checkpoint import Checkpoints
-from maxtrain.data.loaders import Data
+from maxtrain.optim import optimizer as optim
+from maxtrain.program import build as program_lib
+from maxtrain.program import state as state_lib
+from maxtrain.checkpoint.schedule import Checkpoints
+from maxtrain.loop.data import Data
 from maxtrain.errors import EXIT_CRASH, EXIT_HANG, Preempted, UserError, exit_code, require_writable_dir
-from maxtrain.guard_policy import GuardPolicy, Rollback
+from maxtrain.loop.rollback import GuardPolicy, Rollback
 from maxtrain.models.llama import param_count
 from maxtrain.monitor import events as ev
 from maxtrain.monitor import mfu as mfu_lib
@@ -39,7 +40,7 @@ from maxtrain.runtime.faults import Faults
 from maxtrain.runtime.kv import KeyValue
 from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
-from maxtrain.validate import validate
+from maxtrain.program.plan import validate
 
 log = logging.getLogger("maxtrain")
 

@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers, MuonState
 
-from maxtrain.guards import keep_if
+from maxtrain.optim.masking import keep_if
 from maxtrain.sharding import rules as sharding_rules
 from maxtrain.sharding.layout import param_name
 

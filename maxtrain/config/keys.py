@@ -1,9 +1,5 @@
-"""Config: the base definition (every key documented where it is declared), loading with overrides,
-hardware presets, and `--help` generated from the declarations. Validation lives in
-`maxtrain/validate.py`, next to what it checks.
-
-No jax import, directly or through other modules: the supervisor (`maxtrain.launch`) loads configs,
-and the platform environment must be set before JAX starts.
+"""The declaration of every config key: `base_config()`, each key on one line with its meaning in the
+comment beside it (`key_docs` reads those comments back for `--help` and the docs test).
 
 `configs/*.py` presets call `base_config()` and change a few keys.
 """
@@ -11,29 +7,13 @@ and the platform environment must be set before JAX starts.
 from __future__ import annotations
 
 import ast
-import difflib
 import functools
-import importlib.util
 import inspect
 import io
-import json
-import logging
-import os
-import re
 import textwrap
 import tokenize
-from pathlib import Path
-from typing import Any, Sequence
 
 import ml_collections
-
-from maxtrain.errors import UserError
-from maxtrain.runtime import hardware
-
-log = logging.getLogger("maxtrain")
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.py"
-USAGE = "usage: python -m {prog} [--config=PATH] [--config.KEY=VALUE ...]"
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -205,124 +185,14 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-def _flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
   keys = []
   for k, v in cfg.items():
     if isinstance(v, ml_collections.ConfigDict):
-      keys += _flat_keys(v, f"{prefix}{k}.")
+      keys += flat_keys(v, f"{prefix}{k}.")
     else:
       keys.append(f"{prefix}{k}")
   return keys
-
-
-def _unknown_key(key: str, cfg: ml_collections.ConfigDict) -> UserError:
-  close = difflib.get_close_matches(key, _flat_keys(cfg), n=3, cutoff=0.5)
-  hint = f" Did you mean {' or '.join('config.' + c for c in close)}?" if close else ""
-  return UserError(f"unknown config key config.{key}.{hint} See the config keys in README.md.")
-
-
-def _parse_value(key: str, text: str, current: Any) -> Any:
-  try:
-    if isinstance(current, bool):
-      low = text.lower()
-      if low in ("true", "1", "yes"):
-        return True
-      if low in ("false", "0", "no"):
-        return False
-      raise ValueError
-    if isinstance(current, int):
-      return int(text)
-    if isinstance(current, float):
-      return float(text)
-  except ValueError:
-    raise UserError(
-        f"config.{key}={text!r}: expected a {type(current).__name__} (current value {current!r})"
-    ) from None
-  return text
-
-
-def set_override(cfg: ml_collections.ConfigDict, key: str, text: str) -> None:
-  node, *_ = cfg, None
-  parts = key.split(".")
-  for part in parts[:-1]:
-    if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-      raise _unknown_key(key, cfg)
-    node = node[part]
-  if parts[-1] not in node or isinstance(node[parts[-1]], ml_collections.ConfigDict):
-    raise _unknown_key(key, cfg)
-  node[parts[-1]] = _parse_value(key, text, node[parts[-1]])
-
-
-def load_file(path: str | Path) -> tuple[ml_collections.ConfigDict, dict[str, dict[str, Any]]]:
-  """The config of a preset file and its model-specific hardware presets (`HARDWARE`, may be absent)."""
-  path = Path(path)
-  if not path.is_file():
-    raise UserError(f"--config={path}: no such file. Configs live in {REPO_ROOT / 'configs'}.")
-  spec = importlib.util.spec_from_file_location(f"maxtrain_config_{path.stem}", path)
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-      raise UserError(f"--config={path}: the file must define get_config() returning a ConfigDict")
-    cfg = module.get_config()
-  except UserError:
-    raise
-  except Exception as e:  # noqa: BLE001 - any error in user code is a bad config, not a crash
-    where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
-    raise UserError(f"--config={path}: loading it failed{where}: {type(e).__name__}: {e}. Fix the file.") from None
-  if not isinstance(cfg, ml_collections.ConfigDict):
-    raise UserError(f"--config={path}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
-  return cfg, getattr(module, "HARDWARE", {})
-
-
-def apply_hardware(cfg: ml_collections.ConfigDict, name: str, model_presets: dict[str, dict[str, Any]]) -> None:
-  """Sets the keys of hardware preset `name` (runtime/hardware.py, then the config file's HARDWARE);
-  `auto` picks the preset of the machine's accelerators (runtime/hardware.py `detect`)."""
-  if name == "auto":
-    name, reason = hardware.detect()
-    log.info("hardware=auto: %s", reason)
-  for key, value in hardware.preset(name, model_presets).items() if name else ():
-    set_override(cfg, key, str(value))
-  cfg.hardware = name
-
-
-def parse_args(argv: Sequence[str]) -> tuple[str | Path, list[tuple[str, str]]]:
-  """`--config=PATH` (default configs/default.py) and the `--config.a.b=value` overrides, in order."""
-  path, overrides = DEFAULT_CONFIG, []
-  args = list(argv)
-  while args:
-    arg = args.pop(0)
-    if arg.startswith("--config.") or arg.startswith("--config="):
-      name, eq, value = arg[2:].partition("=")
-      if not eq:
-        if not args:
-          raise UserError(f"{arg}: missing value (use {arg}=VALUE)")
-        value = args.pop(0)
-    elif arg == "--config":
-      if not args:
-        raise UserError("--config: missing path")
-      name, value = "config", args.pop(0)
-    else:
-      raise UserError(f"unexpected argument {arg!r}: use --config=PATH and --config.KEY=VALUE (--help lists the keys)")
-    if name == "config":
-      path = value
-    else:
-      overrides.append((name[len("config."):], value))
-  return path, overrides
-
-
-def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
-  """The config file, its hardware preset (`hardware`, from the file or the command line), then the
-  `--config.a.b=value` overrides, in order; locked."""
-  path, overrides = parse_args(argv)
-  cfg, model_presets = load_file(path)
-  # The hardware preset goes first so that every explicit --config.* override wins over it.
-  apply_hardware(cfg, next((v for k, v in reversed(overrides) if k == "hardware"), cfg.hardware), model_presets)
-  for key, value in overrides:
-    if key != "hardware":
-      set_override(cfg, key, value)
-  cfg.lock()
-  return cfg
 
 
 @functools.cache
@@ -354,91 +224,3 @@ def _dotted(target: ast.expr, prefixes: dict[str, str]) -> str | None:
   if not isinstance(target, ast.Name) or not parts:
     return None
   return prefixes.get(target.id, "") + ".".join(reversed(parts))
-
-
-def help_text(argv: Sequence[str], prog: str) -> str:
-  """Usage and every config key with its value (the defaults, or those of `--config=PATH`) and meaning."""
-  path, _ = parse_args([a for a in argv if a not in ("--help", "-h")])
-  cfg, _ = load_file(path)
-  docs = key_docs()
-  lines = [USAGE.format(prog=prog), "", f"config keys (values from {path}; set with --config.KEY=VALUE):"]
-  declared = [k for k in docs if k in set(_flat_keys(cfg))]
-  for key in declared + sorted(set(_flat_keys(cfg)) - set(declared)):
-    value = cfg
-    for part in key.split("."):
-      value = value[part]
-    lines.append(f"  {key} = {value!r}\n      {docs.get(key) or '(undocumented)'}")
-  return "\n".join(lines)
-
-
-# ---- secrets ---------------------------------------------------------------------------------
-# Credentials reach a run through `runtime.env` (HF_TOKEN=..., AWS_SECRET_ACCESS_KEY=...) or, by
-# mistake, through any string key. Everything that writes or logs a config goes through `redacted`
-# (config.json, checkpoint meta, TensorBoard, the event log's config hash, log lines), so none of
-# them can hold a secret value.
-REDACTED = "<redacted>"
-SECRET_ENV_KEYS = ("runtime.env",)  # every value of these KEY=VALUE lists is redacted, whatever its name
-# A name is a credential's when one of its words is one of these, or it contains SECRET, PASSWORD or
-# CREDENTIAL anywhere (`data.tokenizer` and `model.loss_chunk_tokens` are not: whole words only).
-_SECRET_WORDS = {"token", "key", "apikey", "secret", "password", "passwd", "credential", "credentials", "auth"}
-_SECRET_PARTS = ("secret", "password", "passwd", "credential")
-# Values that are credentials whatever the name: AWS access key ids, Hugging Face, GitHub, OpenAI and
-# Slack tokens, the password of a URL (scheme://user:password@host), and NAME=value pairs inside a
-# string whose NAME looks like a credential's.
-_SECRET_VALUES = re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b|\bhf_[A-Za-z0-9]{16,}|\bgh[pousr]_[A-Za-z0-9]{20,}"
-                            r"|\bsk-[A-Za-z0-9_-]{20,}|\bxox[abpr]-[A-Za-z0-9-]{10,}")
-_URL_PASSWORD = re.compile(r"(\w+://[^/\s:@]+:)[^/\s@]+(@)")
-_NAMED_PAIR = re.compile(r"\b([A-Za-z_][A-Za-z0-9_.]*)=([^,\s]*)")
-
-
-def is_secret_name(name: str) -> bool:
-  low = name.lower()
-  return any(w in _SECRET_WORDS for w in re.split(r"[^a-z0-9]+", low)) or any(p in low for p in _SECRET_PARTS)
-
-
-def redact_text(text: str) -> str:
-  """`text` with every credential-looking value replaced by <redacted> (for log lines and messages)."""
-  text = _SECRET_VALUES.sub(REDACTED, text)
-  text = _URL_PASSWORD.sub(rf"\g<1>{REDACTED}\g<2>", text)
-  return _NAMED_PAIR.sub(lambda m: f"{m[1]}={REDACTED}" if is_secret_name(m[1]) and m[2] else m[0], text)
-
-
-def redact_env_list(text: str) -> str:
-  """`K=V,K=V` (runtime.env) -> `K=<redacted>,K=<redacted>`: the names stay, no value does."""
-  names = re.findall(r"(?:^|,)\s*([A-Za-z_][A-Za-z0-9_]*)=", text)
-  return ",".join(f"{name}={REDACTED}" for name in names) if names else (REDACTED if text else text)
-
-
-def _redact_value(key: str, value: Any) -> Any:
-  if not isinstance(value, str) or not value:
-    return value
-  if key in SECRET_ENV_KEYS:
-    return redact_env_list(value)
-  if is_secret_name(key.rsplit(".", 1)[-1]):
-    return REDACTED
-  return redact_text(value)
-
-
-def redacted(cfg: ml_collections.ConfigDict | dict, prefix: str = "") -> dict:
-  """The config as a plain dict with every secret value replaced by <redacted>: the only form in which
-  a config is written or logged."""
-  out = {}
-  for key, value in cfg.items():
-    if isinstance(value, (ml_collections.ConfigDict, dict)):
-      out[key] = redacted(value, f"{prefix}{key}.")
-    else:
-      out[key] = _redact_value(prefix + key, value)
-  return out
-
-
-def write_private(path: str | Path, text: str) -> None:
-  """Writes `text` to a file only its owner can read (0o600, also when it existed with another mode)."""
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-  with os.fdopen(fd, "w") as f:
-    os.fchmod(f.fileno(), 0o600)
-    f.write(text)
-
-
-def save(cfg: ml_collections.ConfigDict, path: str | Path) -> None:
-  """The resolved config as JSON (config.json of a run), secrets redacted, readable by its owner only."""
-  write_private(path, json.dumps(redacted(cfg), indent=2, sort_keys=True) + "\n")

@@ -12,13 +12,15 @@ import jax
 import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxtrain import batch as batch_lib
-from maxtrain import loss, optim
-from maxtrain import state as state_lib
-from maxtrain import step as step_lib
+from maxtrain.program import batch as batch_lib
+from maxtrain.program import loss
+from maxtrain.optim import optimizer as optim
+from maxtrain.program import state as state_lib
+from maxtrain.program import step as step_lib
 from maxtrain.models.llama import ModelConfig
+from maxtrain.sharding.layout import with_shardings
 from maxtrain.sharding.mesh import make_mesh
-from maxtrain.validate import Plan, total_steps
+from maxtrain.program.plan import Plan, total_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Program:
 
   def abstract_state(self) -> state_lib.TrainState:
     """ShapeDtypeStructs carrying their shardings: inputs of an ahead-of-time lowering or a restore."""
-    return state_lib.with_shardings(self.state.abstract, self.state.shardings)
+    return with_shardings(self.state.abstract, self.state.shardings)
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
     return batch_lib.abstract(self.plan.batch, self.batch_shardings)
@@ -66,7 +68,7 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) 
   state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window)
   batch_shardings = batch_lib.shardings(mesh, plan.layout)
   replicated = NamedSharding(mesh, P())
-  # Each batch shard keeps its own partial head gradient across loss chunks (maxtrain/loss.py).
+  # Each batch shard keeps its own partial head gradient across loss chunks (maxtrain/program/loss.py).
   chunking = dict(chunk_tokens=loss_chunk_tokens(cfg.model), batch_shards=plan.layout.shards("act_batch"),
                   length_shards=plan.layout.shards("act_length"))
   step = step_lib.make_train_step(state_spec.graphdef, optimizer, z_loss=cfg.optimizer.z_loss, moe=model_cfg.moe,

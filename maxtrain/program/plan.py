@@ -13,8 +13,10 @@ from typing import Any
 
 import ml_collections
 
-from maxtrain import checkpoint, guards, optim
-from maxtrain.batch import BatchLayout
+from maxtrain.checkpoint import storage as checkpoint
+from maxtrain.program import guards
+from maxtrain.optim import optimizer as optim
+from maxtrain.program.batch import BatchLayout
 from maxtrain.errors import choice, require
 from maxtrain.models import llama
 from maxtrain.monitor import prometheus

@@ -4,7 +4,7 @@ A checkpoint is one Orbax step directory with three items:
   state  the TrainState (params, optimizer state, step), saved sharded, restorable onto any mesh;
   data   the data-iterator state (JSON: the next window index and the loader's identity);
   meta   the resolved config, mesh shape, package version, parameter shapes and wall time;
-and, written last once the save is complete, `maxtrain_manifest.json` (maxtrain/manifest.py): every
+and, written last once the save is complete, `maxtrain_manifest.json` (maxtrain/checkpoint/manifest.py): every
 file's size and checksum. A checkpoint is verified against it before anything is restored; with
 `resume=auto` a corrupt one is moved aside (renamed, never deleted) and the next older one is tried.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -30,13 +29,10 @@ import orbax.checkpoint as ocp
 import maxtrain
 from maxtrain import config as config_lib
 from maxtrain.errors import UserError, require, require_writable_dir
-from maxtrain.monitor import events as ev
-from maxtrain import manifest
-from maxtrain import state as state_lib
-from maxtrain.sharding.layout import param_name
+from maxtrain.checkpoint import manifest
+from maxtrain.sharding.layout import param_name, with_shardings
 
 log = logging.getLogger("maxtrain")
-ROLLBACKS_FILE = "maxtrain_rollbacks.json"  # beside the step directories: the run's rollback count
 
 
 @dataclasses.dataclass
@@ -108,7 +104,7 @@ class Checkpointer:
     self.cfg = ckpt_cfg
     self.remote = None
     if location.startswith("s3://"):
-      from maxtrain.remote import S3Mirror
+      from maxtrain.checkpoint.remote import S3Mirror
 
       self.remote = S3Mirror(location, ckpt_cfg.s3_connect_timeout_s, ckpt_cfg.s3_read_timeout_s,
                              ckpt_cfg.s3_max_attempts, on_progress)
@@ -216,7 +212,7 @@ class Checkpointer:
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
     meta = self.read_meta(path)
     self._check_compatible(path, meta, abstract_state)
-    target = state_lib.with_shardings(abstract_state, shardings)
+    target = with_shardings(abstract_state, shardings)
     try:
       restored = checkpointer.restore(path, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
@@ -322,114 +318,3 @@ class Checkpointer:
       t0 = time.monotonic()
       self.remote.close()
       log.info("uploads to %s finished %.2fs after the end of training", self.location, time.monotonic() - t0)
-
-
-class Checkpoints:
-  """The run's checkpoint component: where (`checkpoint.dir`, default `<output_dir>/checkpoints`), when
-  (every `checkpoint.every_steps`, at the end, on preemption), restoring onto the run's state spec,
-  and the record of every save (events, TensorBoard, the log)."""
-
-  def __init__(self, cfg: ml_collections.ConfigDict, output_dir: Path, events: Any, metrics: Any,
-               on_save_started: Any = None, on_progress: Callable[[], None] | None = None):
-    local = output_dir / "checkpoints"
-    self.cfg = cfg
-    self.store = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(local), local, on_progress)
-    self.events, self.metrics = events, metrics
-    self.on_save_started = on_save_started or (lambda step: None)
-    self.on_progress = on_progress or (lambda: None)
-    self.rollbacks = 0  # the run's rollbacks so far: saved in every checkpoint's meta
-
-  # ---- the rollback budget ------------------------------------------------------------------
-  # Kept with the checkpoints, not re-counted from the telemetry log: a file beside them, rewritten at
-  # each rollback (so a crash right after one still counts it), and each checkpoint's meta (so it
-  # travels with a checkpoint to object storage and a new machine). The larger of the two counts.
-
-  @property
-  def _rollbacks_file(self) -> Path:
-    return self.store.directory / ROLLBACKS_FILE
-
-  def rollbacks_used(self, resume_path: Path | None) -> int:
-    counts = [0]
-    if resume_path is not None:
-      counts.append(int(self.store.read_meta(resume_path).get("rollbacks", 0)))
-    if self._rollbacks_file.exists():
-      try:
-        counts.append(int(json.loads(self._rollbacks_file.read_text())["rollbacks"]))
-      except (ValueError, KeyError, TypeError):
-        raise UserError(f"{self._rollbacks_file} is not maxtrain's rollback record (expected {{\"rollbacks\": N}}): "
-                        "restore it, or delete it to reset the run's rollback budget (guards.max_rollbacks)") from None
-    self.rollbacks = max(counts)
-    return self.rollbacks
-
-  def record_rollback(self, count: int, record: dict) -> None:
-    self.rollbacks = count
-    if jax.process_index() == 0:
-      tmp = self._rollbacks_file.with_suffix(".tmp")
-      tmp.write_text(json.dumps({"rollbacks": count, "last": record}) + "\n")
-      os.replace(tmp, self._rollbacks_file)  # atomic: a crash leaves the old count or the new one
-
-  @property
-  def location(self) -> str:
-    return self.store.location
-
-  def resolve_resume(self) -> Path | None:
-    def corrupt(step: int, error: manifest.CorruptCheckpoint, moved: Path) -> None:
-      self.events.emit(ev.CHECKPOINT_CORRUPT, step, file=error.first_bad_file, reason=error.reason,
-                       moved_to=str(moved))
-
-    return self.store.resolve_resume(on_corrupt=corrupt)
-
-  def restore(self, path: Path, state_spec: Any) -> Restored:
-    t0 = time.monotonic()
-    restored = self.store.restore(path, state_spec.abstract, state_spec.shardings)
-    self.events.emit(ev.RESTORE, restored.step, seconds=time.monotonic() - t0, path=str(path))
-    log.info("restored step %d from %s in %.2fs (saved on mesh %s)", restored.step, path, time.monotonic() - t0,
-             restored.meta.get("mesh"))
-    return restored
-
-  def restore_before(self, step: int, state_spec: Any) -> Any | None:
-    """The newest checkpoint's state from before `step` (waiting for a save in flight), or None."""
-    self._log(self.store.wait())
-    good = [s for s in self.store.steps() if s < step]
-    if not good:
-      return None
-    return self.store.restore(self.store.local_path(good[-1]), state_spec.abstract, state_spec.shardings).state
-
-  def after_step(self, step: int, state: Any, data_state: dict, mesh_shape: dict, *, final: bool) -> None:
-    """Saves when the schedule says so (the final step synchronously); else collects finished saves."""
-    if final or self.store.should_save(step):
-      self.save(step, state, data_state, mesh_shape, sync=final)
-    else:
-      self._log(self.store.poll())
-
-  def save(self, step: int, state: Any, data_state: dict, mesh_shape: dict, *, sync: bool) -> None:
-    with self.metrics.outside(step):
-      self.events.emit(ev.CHECKPOINT_SAVE_START, step)
-      t0 = time.monotonic()
-      timing = self.store.save(step, state, data_state, self.cfg, mesh_shape, {"rollbacks": self.rollbacks})
-      if timing is not None:
-        self.on_save_started(step)
-        done = self.store.wait() if sync else self.store.poll()
-        if sync:
-          timing.blocking_s = time.monotonic() - t0  # the loop waited for all of it
-        self.events.emit(ev.CHECKPOINT_BLOCKED, step, blocking_s=time.monotonic() - t0)
-        self._log(done)
-
-  def check_final(self, step: int) -> None:
-    """Exiting 0 would lose this run's work silently when its last save failed; a crash exit lets a
-    supervisor restart from the newest complete checkpoint."""
-    if self.store.failed_step == step:
-      raise RuntimeError(f"the final checkpoint (step {step}) could not be written to {self.location}: "
-                         f"{self.store.last_error}")
-
-  def _log(self, timings: list[SaveTiming]) -> None:
-    for timing in timings:
-      self.events.emit(ev.CHECKPOINT_SAVE_END, timing.step, blocking_s=timing.blocking_s, save_s=timing.save_s)
-      self.metrics.scalars(timing.step, {"checkpoint/blocking_s": timing.blocking_s,
-                                         "checkpoint/save_s": timing.save_s})
-      log.info("checkpoint step %d saved: loop blocked %.3fs, complete on disk after %.3fs",
-               timing.step, timing.blocking_s, timing.save_s)
-
-  def close(self) -> None:
-    self.on_progress()  # the wait for the last save and upload starts now, under the watchdog
-    self.store.close()

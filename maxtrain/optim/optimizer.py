@@ -2,14 +2,14 @@
 
 Routing is decided by one function, `param_labels`: every parameter leaf is labelled `muon` or
 `adam`, and `optax.partition` applies one transformation per label. Muon (momentum orthogonalised
-by Newton-Schulz, maxtrain/muon.py: optax.contrib.scale_by_muon's math) is for hidden weight matrices only; embeddings,
+by Newton-Schulz, maxtrain/optim/muon.py: optax.contrib.scale_by_muon's math) is for hidden weight matrices only; embeddings,
 the output head, norm scales and biases stay on AdamW. Parameters are classified by name
 (`param_kind`), and a parameter the table does not know is an error rather than a silent fallback
 to Adam: with scanned layers every hidden matrix is 3-D or 4-D, and optax's default (Muon for 2-D
 leaves only) would send all of them to Adam and the 2-D embedding and head to Muon.
 
 The Muon update of one hidden matrix W, viewed as [fan_in, fan_out] (a scanned weight: each
-layer's slice on its own), with gradient G_t at step t = 1, 2, ... (maxtrain/muon.py, then
+layer's slice on its own), with gradient G_t at step t = 1, 2, ... (maxtrain/optim/muon.py, then
 `_scale_by_shape`, decoupled weight decay and the learning rate):
 
   M_t = beta M_{t-1} + (1 - beta) G_t                                       momentum
@@ -35,8 +35,8 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from maxtrain.errors import choice, require
-from maxtrain.guards import keep_if
-from maxtrain.muon import NS_DTYPES, scale_by_muon_guarded
+from maxtrain.optim.masking import keep_if
+from maxtrain.optim.muon import NS_DTYPES, scale_by_muon_guarded
 from maxtrain.sharding.layout import param_name
 
 OPTIMIZERS = ("adamw", "muon")
@@ -84,18 +84,18 @@ def param_kind(name: str, ndim: int) -> str:
   if leaf in _NAMED_KINDS:
     kind, rank = _NAMED_KINDS[leaf]
     if ndim not in (rank, rank + 1):
-      raise ValueError(f"parameter {name} has rank {ndim}; maxtrain/optim.py expects {rank} (or {rank + 1} with "
+      raise ValueError(f"parameter {name} has rank {ndim}; maxtrain/optim/optimizer.py expects {rank} (or {rank + 1} with "
                        "scanned layers)")
     return kind
   key = _matrix_key(name)
   if key in HIDDEN_MATRICES:
     rank = HIDDEN_MATRICES[key][0]
     if ndim not in (rank, rank + 1):
-      raise ValueError(f"parameter {name} has rank {ndim}; maxtrain/optim.py HIDDEN_MATRICES expects "
+      raise ValueError(f"parameter {name} has rank {ndim}; maxtrain/optim/optimizer.py HIDDEN_MATRICES expects "
                        f"{rank} (or {rank + 1} with scanned layers)")
     return "matrix"
   raise ValueError(f"parameter {name} (rank {ndim}) has no optimizer routing: add it to HIDDEN_MATRICES in "
-                   "maxtrain/optim.py with its Muon dimension numbers, or name it so param_kind classifies it")
+                   "maxtrain/optim/optimizer.py with its Muon dimension numbers, or name it so param_kind classifies it")
 
 
 def _map_named(fn: Callable[[str, Any], Any], tree: Any) -> Any:
@@ -200,7 +200,7 @@ def _init_state_in(tx: optax.GradientTransformationExtraArgs, dtype) -> optax.Gr
   return optax.GradientTransformationExtraArgs(lambda params: tx.init(optax.tree.cast(params, dtype)), tx.update)
 
 
-# The guard (maxtrain/guards.py) skips an update by passing `skip` (a bool scalar) to `tx.update`:
+# The guard (maxtrain/program/guards.py) skips an update by passing `skip` (a bool scalar) to `tx.update`:
 # every stateful transform keeps its state exactly as it was, so a skipped step leaves the optimizer
 # bit-identical. The select sits inside each transform rather than after the whole update because
 # Adam's update is computed from its new moments: selecting afterwards keeps old and new moments
@@ -293,7 +293,7 @@ def make(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
   if opt_cfg.name == "muon":
     adam_lr = lambda step: opt_cfg.adam_lr * multiplier(step)
     learning_rates["adam_lr"] = adam_lr
-    # optax.contrib.scale_by_muon's math and state tree, with the guard's select inside (maxtrain/muon.py).
+    # optax.contrib.scale_by_muon's math and state tree, with the guard's select inside (maxtrain/optim/muon.py).
     transforms["muon"] = optax.chain(
         scale_by_muon_guarded(ns_coeffs=parse_ns_coeffs(opt_cfg.muon_ns_coeffs), ns_steps=opt_cfg.muon_ns_steps,
                               beta=opt_cfg.muon_momentum, mu_dtype=state_dtype, ns_dtype=opt_cfg.muon_ns_dtype,

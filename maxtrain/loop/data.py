@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from maxtrain import batch as batch_lib
+from maxtrain.program import batch as batch_lib
 from maxtrain.data import corpus, pipeline
 from maxtrain.data.store import TokenStore
 from maxtrain.errors import UserError

@@ -110,14 +110,15 @@ def load(path: str, *, seed: int = 0) -> tuple[Generator, Any, Any]:
   """(generator, tokenizer, source) for the model at `path` on a mesh over all devices (the training
   defaults: FSDP over every device, the default rules)."""
   from maxtrain import config as config_lib
-  from maxtrain import state as state_lib
+  from maxtrain.program import state as state_lib
   from maxtrain.data.tokenizer import load_tokenizer
   from maxtrain.errors import require
   from maxtrain.interop import init_from
   from maxtrain.interop.sources import open_source
   from maxtrain.models.llama import ModelConfig
+  from maxtrain.program.plan import validate
+  from maxtrain.sharding.layout import with_shardings
   from maxtrain.sharding.mesh import make_mesh
-  from maxtrain.validate import validate
 
   source = open_source(path)
   cfg = config_lib.base_config()
@@ -132,8 +133,7 @@ def load(path: str, *, seed: int = 0) -> tuple[Generator, Any, Any]:
   mesh, rules = make_mesh(plan.mesh), plan.layout.rules
   model_cfg = ModelConfig.from_config(cfg.model)
   spec = state_lib.spec(model_cfg, optax.identity(), mesh, seed, rules)
-  params = init_from.load_params(path, model_cfg, state_lib.with_shardings(spec.abstract.params,
-                                                                           spec.shardings.params))
+  params = init_from.load_params(path, model_cfg, with_shardings(spec.abstract.params, spec.shardings.params))
   model = nnx.merge(spec.graphdef, params)
   tokenizer = load_tokenizer(source.tokenizer or "byte")
   return Generator(model, mesh, rules, batch_multiple=plan.layout.shards("act_batch")), tokenizer, source

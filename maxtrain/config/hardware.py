@@ -62,7 +62,7 @@ def preset(name: str, model_presets: dict[str, Preset] | None = None) -> Preset:
   if name not in PRESETS and name not in model_presets:
     known = sorted(set(PRESETS) | set(model_presets))
     raise UserError(f"config.hardware={name!r}: unknown hardware preset; choose one of {', '.join(known)}, "
-                    "auto, or add one to maxtrain/runtime/hardware.py (see its docstring)")
+                    "auto, or add one to maxtrain/config/hardware.py (see its docstring)")
   return {**PRESETS.get(name, {}), **model_presets.get(name, {})}
 
 

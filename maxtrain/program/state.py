@@ -7,7 +7,7 @@ static config) is split off once and kept outside, so the state is a plain pytre
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxtrain import guards
+from maxtrain.program import guards
 from maxtrain.models.llama import CONFIG_KEYS, Llama, ModelConfig
 from maxtrain.sharding import rules as sharding_rules
 from maxtrain.sharding.layout import Layout, check_divisible, check_replication
@@ -61,14 +61,6 @@ def spec(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, s
   shardings = sharding_rules.named_shardings(nnx.get_partition_spec(abstract), mesh, rules)
   check_replication(abstract.params, shardings.params, layout)
   return StateSpec(graphdef, abstract, shardings, init)
-
-
-def with_shardings(abstract: Any, shardings: Any) -> Any:
-  """ShapeDtypeStructs that carry their shardings: the inputs of an ahead-of-time lowering or a
-  sharded restore. `shardings` is a prefix of the state (an optax MaskedNode is an empty subtree
-  under one sharding)."""
-  return jax.tree.map(lambda s, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if hasattr(a, "shape") else a,
-                      shardings, abstract)
 
 
 def initialize(state_spec: StateSpec, mesh: Mesh) -> TrainState:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.models.flash_attention import MASK_VALUE  # finite: exp(-huge) = 0, never inf - inf = NaN
+from maxtrain.models.attention.flash import MASK_VALUE  # finite: exp(-huge) = 0, never inf - inf = NaN
 
 
 def default_block_q(t: int) -> int:

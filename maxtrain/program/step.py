@@ -15,12 +15,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from maxtrain import guards, loss, microbatch, optim
-from maxtrain.batch import FAULT
+from maxtrain.optim.masking import keep_if
+from maxtrain.program import guards, loss, microbatch
+from maxtrain.optim import optimizer as optim
+from maxtrain.program.batch import FAULT
 from maxtrain.models import moe as moe_lib
 from maxtrain.models.moe import MoEConfig
 from maxtrain.sharding import rules as sharding_rules
-from maxtrain.state import TrainState
+from maxtrain.program.state import TrainState
 
 Batch = dict[str, jax.Array]
 
@@ -129,7 +131,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
                                               warmup=spike_warmup)
     # A skipped step keeps the optimizer state inside the optimizer (maxtrain.optim.guarded: the moments
     # are updated in place) and the parameters here.
-    with sharding_rules.activate(rules):  # Muon's Newton-Schulz lays out whole layers per device (maxtrain/muon.py)
+    with sharding_rules.activate(rules):  # Muon's Newton-Schulz lays out whole layers per device (maxtrain/optim/muon.py)
       updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params, skip=skip)
     candidate = optax.apply_updates(state.params, updates)
     load_LE = metrics.pop("moe_load", None)
@@ -143,7 +145,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
     # this step's finite gradient; holding the old ones to put back would keep a second copy of them.
     update_finite = jnp.isfinite(new_norm) & jnp.all(jnp.stack([jnp.isfinite(n) for n in update_norms.values()]))
     guard, skip, guard_metrics = guards.reject_update(state.guard, guard, skip, update_finite, guard_metrics)
-    params = guards.keep_if(skip, state.params, candidate)
+    params = keep_if(skip, state.params, candidate)
     metrics["grad_norm"] = grad_norm
     metrics["param_norm"] = jnp.where(skip, old_norm, new_norm)  # of the parameters after this step
     metrics.update(guard_metrics)

@@ -84,8 +84,3 @@ def reject_update(before: GuardState, after: GuardState, skip: jax.Array, update
              "consecutive_bad": guard.consecutive_bad, "skipped_steps": guard.skipped,
              "nonfinite_update": bad.astype(jnp.int32)}
   return guard, skip | bad, metrics
-
-
-def keep_if(skip: jax.Array, old: Any, new: Any) -> Any:
-  """`old` where `skip`, else `new`, leaf by leaf: a masked update, not a branch."""
-  return jax.tree.map(lambda o, n: jnp.where(skip, o, n), old, new)

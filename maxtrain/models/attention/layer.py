@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtrain.models import vendor_attention
-from maxtrain.models.blocked_attention import blocked_attention
-from maxtrain.models.flash_attention import flash_attention
+from maxtrain.models.attention import vendor as vendor_attention
+from maxtrain.models.attention.blocked import blocked_attention
+from maxtrain.models.attention.flash import flash_attention
 from maxtrain.models.layers import apply_rope, param, project
 from maxtrain.sharding import context_attention
 from maxtrain.sharding import rules as sharding_rules

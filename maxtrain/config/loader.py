@@ -1,0 +1,131 @@
+"""Loading a config: the file (`--config=PATH`, default configs/default.py), its hardware preset
+(`hardware.py`, then the file's own `HARDWARE`), then the `--config.a.b=value` overrides, in order.
+Validation lives in `maxtrain/program/plan.py`, next to what it checks."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+import ml_collections
+
+from maxtrain.config import hardware
+from maxtrain.config.keys import flat_keys
+from maxtrain.errors import UserError
+
+log = logging.getLogger("maxtrain")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.py"
+
+
+def _unknown_key(key: str, cfg: ml_collections.ConfigDict) -> UserError:
+  close = difflib.get_close_matches(key, flat_keys(cfg), n=3, cutoff=0.5)
+  hint = f" Did you mean {' or '.join('config.' + c for c in close)}?" if close else ""
+  return UserError(f"unknown config key config.{key}.{hint} See the config keys in README.md.")
+
+
+def _parse_value(key: str, text: str, current: Any) -> Any:
+  try:
+    if isinstance(current, bool):
+      low = text.lower()
+      if low in ("true", "1", "yes"):
+        return True
+      if low in ("false", "0", "no"):
+        return False
+      raise ValueError
+    if isinstance(current, int):
+      return int(text)
+    if isinstance(current, float):
+      return float(text)
+  except ValueError:
+    raise UserError(
+        f"config.{key}={text!r}: expected a {type(current).__name__} (current value {current!r})"
+    ) from None
+  return text
+
+
+def set_override(cfg: ml_collections.ConfigDict, key: str, text: str) -> None:
+  node, *_ = cfg, None
+  parts = key.split(".")
+  for part in parts[:-1]:
+    if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+      raise _unknown_key(key, cfg)
+    node = node[part]
+  if parts[-1] not in node or isinstance(node[parts[-1]], ml_collections.ConfigDict):
+    raise _unknown_key(key, cfg)
+  node[parts[-1]] = _parse_value(key, text, node[parts[-1]])
+
+
+def load_file(path: str | Path) -> tuple[ml_collections.ConfigDict, dict[str, dict[str, Any]]]:
+  """The config of a preset file and its model-specific hardware presets (`HARDWARE`, may be absent)."""
+  path = Path(path)
+  if not path.is_file():
+    raise UserError(f"--config={path}: no such file. Configs live in {REPO_ROOT / 'configs'}.")
+  spec = importlib.util.spec_from_file_location(f"maxtrain_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+      raise UserError(f"--config={path}: the file must define get_config() returning a ConfigDict")
+    cfg = module.get_config()
+  except UserError:
+    raise
+  except Exception as e:  # noqa: BLE001 - any error in user code is a bad config, not a crash
+    where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
+    raise UserError(f"--config={path}: loading it failed{where}: {type(e).__name__}: {e}. Fix the file.") from None
+  if not isinstance(cfg, ml_collections.ConfigDict):
+    raise UserError(f"--config={path}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
+  return cfg, getattr(module, "HARDWARE", {})
+
+
+def apply_hardware(cfg: ml_collections.ConfigDict, name: str, model_presets: dict[str, dict[str, Any]]) -> None:
+  """Sets the keys of hardware preset `name` (config/hardware.py, then the config file's HARDWARE);
+  `auto` picks the preset of the machine's accelerators (config/hardware.py `detect`)."""
+  if name == "auto":
+    name, reason = hardware.detect()
+    log.info("hardware=auto: %s", reason)
+  for key, value in hardware.preset(name, model_presets).items() if name else ():
+    set_override(cfg, key, str(value))
+  cfg.hardware = name
+
+
+def parse_args(argv: Sequence[str]) -> tuple[str | Path, list[tuple[str, str]]]:
+  """`--config=PATH` (default configs/default.py) and the `--config.a.b=value` overrides, in order."""
+  path, overrides = DEFAULT_CONFIG, []
+  args = list(argv)
+  while args:
+    arg = args.pop(0)
+    if arg.startswith("--config.") or arg.startswith("--config="):
+      name, eq, value = arg[2:].partition("=")
+      if not eq:
+        if not args:
+          raise UserError(f"{arg}: missing value (use {arg}=VALUE)")
+        value = args.pop(0)
+    elif arg == "--config":
+      if not args:
+        raise UserError("--config: missing path")
+      name, value = "config", args.pop(0)
+    else:
+      raise UserError(f"unexpected argument {arg!r}: use --config=PATH and --config.KEY=VALUE (--help lists the keys)")
+    if name == "config":
+      path = value
+    else:
+      overrides.append((name[len("config."):], value))
+  return path, overrides
+
+
+def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
+  """The config file, its hardware preset (`hardware`, from the file or the command line), then the
+  `--config.a.b=value` overrides, in order; locked."""
+  path, overrides = parse_args(argv)
+  cfg, model_presets = load_file(path)
+  # The hardware preset goes first so that every explicit --config.* override wins over it.
+  apply_hardware(cfg, next((v for k, v in reversed(overrides) if k == "hardware"), cfg.hardware), model_presets)
+  for key, value in overrides:
+    if key != "hardware":
+      set_override(cfg, key, value)
+  cfg.lock()
+  return cfg
