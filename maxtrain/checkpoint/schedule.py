@@ -1,27 +1,21 @@
 """The run's checkpoint component: where (`checkpoint.dir`, default `<output_dir>/checkpoints`), when
-(every `checkpoint.every_steps`, at the end, on preemption), restoring onto the run's state spec, the
-rollback budget kept beside the checkpoints, and the record of every save (events, TensorBoard, the
-log). The storage itself (Orbax, S3, verification) is `storage.py`."""
+(every `checkpoint.every_steps`, at the end, on preemption), restoring onto the run's state spec, and
+the record of every save (events, TensorBoard, the log). The storage itself (Orbax, S3, verification) is `storage.py`."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import jax
 import ml_collections
 
 from maxtrain.checkpoint import manifest
 from maxtrain.checkpoint.storage import Checkpointer, Restored, SaveTiming
-from maxtrain.errors import UserError
 from maxtrain.monitor import events as ev
 
 log = logging.getLogger("maxtrain")
-ROLLBACKS_FILE = "maxtrain_rollbacks.json"  # beside the step directories: the run's rollback count
 
 
 class Checkpoints:
@@ -37,36 +31,7 @@ class Checkpoints:
     self.events, self.metrics = events, metrics
     self.on_save_started = on_save_started or (lambda step: None)
     self.on_progress = on_progress or (lambda: None)
-    self.rollbacks = 0  # the run's rollbacks so far: saved in every checkpoint's meta
-
-  # ---- the rollback budget ------------------------------------------------------------------
-  # Kept with the checkpoints, not re-counted from the telemetry log: a file beside them, rewritten at
-  # each rollback (so a crash right after one still counts it), and each checkpoint's meta (so it
-  # travels with a checkpoint to object storage and a new machine). The larger of the two counts.
-
-  @property
-  def _rollbacks_file(self) -> Path:
-    return self.store.directory / ROLLBACKS_FILE
-
-  def rollbacks_used(self, resume_path: Path | None) -> int:
-    counts = [0]
-    if resume_path is not None:
-      counts.append(int(self.store.read_meta(resume_path).get("rollbacks", 0)))
-    if self._rollbacks_file.exists():
-      try:
-        counts.append(int(json.loads(self._rollbacks_file.read_text())["rollbacks"]))
-      except (ValueError, KeyError, TypeError):
-        raise UserError(f"{self._rollbacks_file} is not maxtrain's rollback record (expected {{\"rollbacks\": N}}): "
-                        "restore it, or delete it to reset the run's rollback budget (guards.max_rollbacks)") from None
-    self.rollbacks = max(counts)
-    return self.rollbacks
-
-  def record_rollback(self, count: int, record: dict) -> None:
-    self.rollbacks = count
-    if jax.process_index() == 0:
-      tmp = self._rollbacks_file.with_suffix(".tmp")
-      tmp.write_text(json.dumps({"rollbacks": count, "last": record}) + "\n")
-      os.replace(tmp, self._rollbacks_file)  # atomic: a crash leaves the old count or the new one
+    self.rollbacks = 0  # the run's rollbacks so far (loop/rollback.py keeps the count): in every checkpoint's meta
 
   @property
   def location(self) -> str:

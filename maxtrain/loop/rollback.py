@@ -1,5 +1,7 @@
-"""The host side of the guards (`guards.py` does the in-graph part): what to do about a step whose
-update was skipped for a non-finite loss or a loss spike: log it, roll back to a checkpoint, or stop.
+"""Rollback, in one place: the host side of the guards (`program/guards.py` does the in-graph part)
+decides what to do about a step whose update was skipped for a non-finite loss or a loss spike (log
+it, roll back to a checkpoint, or stop); the rollback budget is kept beside the checkpoints; and
+`Rollbacks.perform` restores the newest checkpoint from before the fault.
 
 The flags are read one step late: after dispatching step n the host reads step n-1's flags, which
 are ready (or nearly) by then, so the device never waits for the host. The last step is read at once.
@@ -8,16 +10,21 @@ are ready (or nearly) by then, so the device never waits for the host. The last 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 import jax
 import ml_collections
 
-from maxtrain.errors import Aborted
+from maxtrain.errors import Aborted, UserError
 from maxtrain.monitor import events as ev
 
 log = logging.getLogger("maxtrain")
+ROLLBACKS_FILE = "maxtrain_rollbacks.json"  # beside the step directories: the run's rollback count
 FLAGS = ("nonfinite", "nonfinite_update", "spike", "loss_zscore", "consecutive_bad", "loss")
 
 
@@ -77,3 +84,60 @@ class GuardPolicy:
                     "rollbacks were already used in this run")
     self.rollbacks += 1
     return rollback
+
+
+class RollbackBudget:
+  """The run's rollback count, kept with the checkpoints, not re-counted from the telemetry log: a file
+  beside them, rewritten at each rollback (so a crash right after one still counts it), and each
+  checkpoint's meta (so it travels with a checkpoint to object storage and a new machine). The larger
+  of the two counts."""
+
+  def __init__(self, checkpoint_dir: Path):
+    self.file = checkpoint_dir / ROLLBACKS_FILE
+
+  def used(self, resume_meta: dict | None) -> int:
+    counts = [0, int((resume_meta or {}).get("rollbacks", 0))]
+    if self.file.exists():
+      try:
+        counts.append(int(json.loads(self.file.read_text())["rollbacks"]))
+      except (ValueError, KeyError, TypeError):
+        raise UserError(f"{self.file} is not maxtrain's rollback record (expected {{\"rollbacks\": N}}): "
+                        "restore it, or delete it to reset the run's rollback budget (guards.max_rollbacks)") from None
+    return max(counts)
+
+  def record(self, count: int, record: dict) -> None:
+    if jax.process_index() == 0:
+      tmp = self.file.with_suffix(".tmp")
+      tmp.write_text(json.dumps({"rollbacks": count, "last": record}) + "\n")
+      os.replace(tmp, self.file)  # atomic: a crash leaves the old count or the new one
+
+
+class Rollbacks:
+  """The run's rollback component: the policy over the guards' flags, the budget, and the restore."""
+
+  def __init__(self, guards_cfg: ml_collections.ConfigDict, events: ev.EventLog, checkpoints: Any,
+               resume_path: Path | None):
+    self.budget = RollbackBudget(checkpoints.store.directory)
+    meta = checkpoints.store.read_meta(resume_path) if resume_path is not None else None
+    self.policy = GuardPolicy(guards_cfg, events, self.budget.used(meta))
+    self.checkpoints, self.events, self.max_rollbacks = checkpoints, events, guards_cfg.max_rollbacks
+    checkpoints.rollbacks = self.policy.rollbacks  # saved in every checkpoint's meta
+
+  def after_step(self, step: int, metrics: Any, *, last: bool) -> Rollback | None:
+    return self.policy.after_step(step, metrics, last=last)
+
+  def perform(self, rollback: Rollback, state_spec: Any, initialize: Any) -> Any:
+    """The newest checkpoint's state from before the fault (`initialize()` when there is none). The data
+    loader keeps going forward, so the batches that led to the fault are not replayed."""
+    t0 = time.monotonic()
+    state = self.checkpoints.restore_before(rollback.first_bad, state_spec)
+    if state is None:
+      state = initialize()
+    step, count = int(state.step), self.policy.rollbacks
+    record = self.events.emit(ev.ROLLBACK, step, from_step=rollback.step, to_step=step,
+                              seconds=time.monotonic() - t0, reason=rollback.reason)
+    self.budget.record(count, record)
+    self.checkpoints.rollbacks = count
+    log.warning("rollback %d/%d: %s at step %d; restored step %d; the data skips ahead past the fault",
+                count, self.max_rollbacks, rollback.reason, rollback.step, step)
+    return state

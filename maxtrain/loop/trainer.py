@@ -1,8 +1,8 @@
 """The training loop: fetch batch -> step -> guards -> metrics -> eval / checkpoint schedule.
 
 `Trainer.__init__` builds the run's components and does everything that can fail on bad input,
-before compiling: the plan (`validate.py`), the program (`program.py`), the data (`loop/data.py`),
-checkpoints (`checkpoint.py`), the guard policy (`guard_policy.py`), metrics (`monitor/metrics.py`)
+before compiling: the plan (`program/plan.py`), the program (`program/build.py`), the data (`loop/data.py`),
+checkpoints (`checkpoint/schedule.py`), rollbacks (`loop/rollback.py`), metrics (`monitor/metrics.py`)
 and the process's lifecycle (watchdog, signals, fault injection). `Trainer.train` runs the loop.
 Every attempt appends to `<output_dir>/events.jsonl` (monitor/events.py).
 """
@@ -26,7 +26,7 @@ from maxtrain.program import state as state_lib
 from maxtrain.checkpoint.schedule import Checkpoints
 from maxtrain.loop.data import Data
 from maxtrain.errors import EXIT_CRASH, EXIT_HANG, Preempted, UserError, exit_code, require_writable_dir
-from maxtrain.loop.rollback import GuardPolicy, Rollback
+from maxtrain.loop.rollback import Rollback, Rollbacks
 from maxtrain.models.llama import param_count
 from maxtrain.monitor import events as ev
 from maxtrain.monitor import mfu as mfu_lib
@@ -95,7 +95,7 @@ class Trainer:
     log.info("devices: %d x %s; mesh %s; %s", jax.device_count(), jax.devices()[0].device_kind,
              program.plan.mesh.describe(), self.data.describe())
     log.info("MFU peak: %s; model FLOPs/token %.3g", peak_source, program.flops_per_token)
-    self.guards = GuardPolicy(cfg.guards, self.events, self.checkpoints.rollbacks_used(self.resume_path))
+    self.rollbacks = Rollbacks(cfg.guards, self.events, self.checkpoints, self.resume_path)
     self.routing = RoutingMonitor(self.events, cfg.model.moe.collapse_entropy, cfg.model.moe.collapse_steps)
     self.profiler = Profiler(self.out_dir / "tensorboard", cfg.profile.start_step, cfg.profile.num_steps)
     stack.callback(self.profiler.stop)
@@ -144,7 +144,7 @@ class Trainer:
         data_state = self.data.get_state()
         if step < cfg.steps:  # host work for the next batch overlaps the device running this step
           batch = self._next_batch(step + 1)
-        rollback = self.guards.after_step(step, metrics, last=step == cfg.steps)
+        rollback = self.rollbacks.after_step(step, metrics, last=step == cfg.steps)
         if rollback is not None:
           state, step = self._rollback(rollback)
           self.watchdog.beat(step)
@@ -197,18 +197,9 @@ class Trainer:
     return compiled
 
   def _rollback(self, rollback: Rollback) -> tuple[state_lib.TrainState, int]:
-    """Restores the newest checkpoint before the fault; the data loader keeps going forward, so the
-    batches that led to it are not replayed."""
-    t0 = time.monotonic()
-    state = self.checkpoints.restore_before(rollback.first_bad, self.program.state)
-    if state is None:
-      state = state_lib.initialize(self.program.state, self.program.mesh)
+    spec, mesh = self.program.state, self.program.mesh
+    state = self.rollbacks.perform(rollback, spec, lambda: state_lib.initialize(spec, mesh))
     step = self.step = int(state.step)
-    record = self.events.emit(ev.ROLLBACK, step, from_step=rollback.step, to_step=step,
-                              seconds=time.monotonic() - t0, reason=rollback.reason)
-    self.checkpoints.record_rollback(self.guards.rollbacks, record)
-    log.warning("rollback %d/%d: %s at step %d; restored step %d; the data skips ahead past the fault",
-                self.guards.rollbacks, self.cfg.guards.max_rollbacks, rollback.reason, rollback.step, step)
     self.metrics.restart_interval(step)
     return state, step
 
