@@ -330,26 +330,27 @@ def test_router_bias_sign_rule_in_scanned_and_unscanned_models():
 
 
 def test_router_bias_follows_the_load_and_a_skipped_step_keeps_it():
-  from maxtrain.program import batch as batch_lib, build as program_lib, state as state_lib
+  from maxtrain.program import build as program_lib, state as state_lib
+  from maxtrain.runtime import faults
   from maxtrain.sharding.mesh import make_mesh
 
   cfg = config_lib.load(TINY_MODEL + MOE_ARGS + ["--config.mesh.fsdp=1", "--config.model.moe.bias_update_rate=0.25"])
   plan = validate(cfg, 1, require_data=False)
   program = program_lib.build(cfg, plan, mesh=make_mesh(plan.mesh, jax.devices()[:1]))
   rng = np.random.default_rng(7)
-  rows = {k: v for k, v in program.abstract_batch().items() if k != batch_lib.FAULT}
+  rows = {k: v for k, v in program.abstract_batch().items() if k != faults.INPUT}
   batch = {k: jnp.asarray(rng.integers(1, 3 if k == "segment_ids" else 200, a.shape).astype(a.dtype))
            for k, a in rows.items()}
   bias = lambda state: np.asarray(state.params["moe_blocks"]["moe"]["router_bias"][...])
   with jax.set_mesh(program.mesh):
     state = state_lib.initialize(program.state, program.mesh)
-    state, metrics = program.train_step(state, {**batch, batch_lib.FAULT: jnp.asarray([0.0, 1.0])})
+    state, metrics = program.train_step(state, {**batch, faults.INPUT: jnp.asarray([0.0, 1.0])})
     first = bias(state)
     # One sign step from zero (0 for an expert exactly at the mean load); the rule itself is tested above.
     assert set(np.abs(first).ravel()) <= {0.0, 0.25} and np.sum(np.abs(first) > 0) >= 6
     assert "moe_load" not in metrics and metrics["moe/load_entropy"].shape == (2,)
     before = jax.tree.map(np.asarray, state.params)
-    state, metrics = program.train_step(state, {**batch, batch_lib.FAULT: jnp.asarray([1.0, 1.0])})  # NaN step
+    state, metrics = program.train_step(state, {**batch, faults.INPUT: jnp.asarray([1.0, 1.0])})  # NaN step
   assert int(metrics["nonfinite"]) == 1
   np.testing.assert_array_equal(bias(state), first)
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)

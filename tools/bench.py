@@ -22,7 +22,6 @@ import jax  # noqa: E402
 
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain.program import build as program_lib, state as state_lib
-from maxtrain.program import batch as batch_lib  # noqa: E402
 from maxtrain.loop.data import Data  # noqa: E402
 from maxtrain.models.llama import param_count  # noqa: E402
 from maxtrain.monitor import mfu, profiler  # noqa: E402
@@ -42,7 +41,7 @@ def main() -> None:
   mesh, model_cfg = program.mesh, program.model_cfg
   state = state_lib.initialize(program.state, mesh)
   data = Data(cfg, program.batch_shardings)
-  batches = [data.next_batch(batch_lib.NO_FAULT)[0] for _ in range(args.steps + 1)]
+  batches = [data.next_batch()[0] for _ in range(args.steps + 1)]
   with jax.set_mesh(mesh):
     t0 = time.perf_counter()
     compiled = program.train_step.lower(state, batches[0]).compile()

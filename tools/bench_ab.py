@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
-from maxtrain.program import batch as batch_lib, build as program_lib, state as state_lib  # noqa: E402
+from maxtrain.program import build as program_lib, state as state_lib  # noqa: E402
 from maxtrain import config as config_lib
 from maxtrain.loop.data import Data  # noqa: E402
 from maxtrain.runtime import platform as platform_env  # noqa: E402
@@ -39,7 +39,7 @@ class Variant:
     program = program_lib.build(cfg, validate(cfg, jax.device_count(), jax.process_count()))
     self.mesh, self.state = program.mesh, state_lib.initialize(program.state, program.mesh)
     data = Data(cfg, program.batch_shardings)
-    self.batches = [data.next_batch(batch_lib.NO_FAULT)[0] for _ in range(steps)]
+    self.batches = [data.next_batch()[0] for _ in range(steps)]
     with jax.set_mesh(self.mesh):
       t0 = time.perf_counter()
       self.compiled = program.train_step.lower(self.state, self.batches[0]).compile()

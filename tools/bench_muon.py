@@ -46,7 +46,7 @@ def accuracy(rest: list[str], steps: int) -> None:
   import jax
   import numpy as np
 
-  from maxtrain.program import batch as batch_lib, build as program_lib
+  from maxtrain.program import build as program_lib
   from maxtrain import config as config_lib
   from maxtrain.optim import optimizer as optim
   from maxtrain.program import state as state_lib, step as step_lib
@@ -64,8 +64,8 @@ def accuracy(rest: list[str], steps: int) -> None:
   data = Data(cfg, program.batch_shardings)
   with jax.set_mesh(program.mesh):
     for _ in range(steps):
-      state, metrics = program.train_step(state, data.next_batch(batch_lib.NO_FAULT)[0])
-    batch = data.next_batch(batch_lib.NO_FAULT)[0]
+      state, metrics = program.train_step(state, data.next_batch()[0])
+    batch = data.next_batch()[0]
     _, grads = jax.jit(lambda p, b: step_lib.loss_and_grads(program.state.graphdef, p, b))(state.params, batch)
   print(f"after {steps} steps: train loss {float(metrics['loss']):.3f}")
   muon_state = state.opt_state[-1].inner_states["muon"].inner_state[0]

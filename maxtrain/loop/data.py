@@ -14,6 +14,7 @@ from maxtrain.program import batch as batch_lib
 from maxtrain.data import corpus, pipeline
 from maxtrain.data.store import TokenStore
 from maxtrain.errors import UserError
+from maxtrain.runtime import faults
 
 log = logging.getLogger("maxtrain")
 
@@ -57,12 +58,12 @@ class Data:
     return (f"train {self.train_store.prefix} ({self.train_store.num_tokens} tokens), "
             f"val {self.val_store.prefix} ({self.val_store.num_tokens} tokens)")
 
-  def next_batch(self, fault: tuple[float, float]) -> tuple[dict[str, jax.Array], float]:
+  def next_batch(self, fault: tuple[float, float] = faults.NONE) -> tuple[dict[str, jax.Array], float]:
     """The next train batch on device (with the step's fault input) and the seconds spent waiting."""
     t0 = time.monotonic()
     batch = batch_lib.to_device(next(self.loader), self.shardings)
     wait_s = time.monotonic() - t0
-    return batch_lib.with_fault(batch, fault, self.shardings), wait_s
+    return faults.attach(batch, fault, self.shardings[faults.INPUT]), wait_s
 
   def get_state(self) -> dict:
     return self.loader.get_state()

@@ -1,5 +1,5 @@
 """The train batch as the step sees it: the pipeline's fields (`data/pipeline.py` KEYS, DTYPES) plus
-the fault input; its layout over processes, batch shards and microbatches (computed once, as a
+the fault input (`runtime/faults.py`); its layout over processes, batch shards and microbatches (computed once, as a
 value); its shardings (from the `act_batch`/`act_length` rules); and the one way host rows become
 global device arrays.
 
@@ -18,12 +18,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtrain.data import pipeline
 from maxtrain.errors import require
+from maxtrain.runtime import faults
 from maxtrain.sharding import context_attention
 from maxtrain.sharding import rules as rules_lib
 from maxtrain.sharding.layout import Layout
 
-FAULT = "fault"  # f32[2] = (make this step NaN?, loss scale), replicated: fault injection (runtime/faults.py)
-NO_FAULT = (0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +90,14 @@ class BatchLayout:
 def shardings(mesh: Mesh, layout: Layout) -> dict[str, NamedSharding]:
   """Every field's sharding: [B, T] arrays by the batch rules; the fault input replicated."""
   rows = layout.batch_sharding(mesh)
-  return {**{k: rows for k in pipeline.KEYS}, FAULT: NamedSharding(mesh, P())}
+  return {**{k: rows for k in pipeline.KEYS}, faults.INPUT: NamedSharding(mesh, P())}
 
 
 def abstract(batch_layout: BatchLayout, batch_shardings: dict[str, NamedSharding]) -> dict[str, jax.ShapeDtypeStruct]:
   """A train batch's shapes, dtypes and shardings, for compiling without data."""
   shape = (batch_layout.global_size, batch_layout.seq_len)
   batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_shardings[k]) for k, dtype in pipeline.DTYPES.items()}
-  batch[FAULT] = jax.ShapeDtypeStruct((2,), np.float32, sharding=batch_shardings[FAULT])
+  batch[faults.INPUT] = jax.ShapeDtypeStruct((2,), np.float32, sharding=batch_shardings[faults.INPUT])
   return batch
 
 
@@ -124,8 +123,3 @@ def to_device(rows: dict[str, np.ndarray], batch_shardings: dict[str, NamedShard
   sharding = batch_shardings[pipeline.KEYS[0]]
   return pipeline.to_global(context_order(rows, length_shards(sharding)), sharding)
 
-
-def with_fault(batch: dict[str, jax.Array], fault: tuple[float, float],
-               batch_shardings: dict[str, NamedSharding]) -> dict[str, jax.Array]:
-  """The train step's batch: `batch` and the fault input (NO_FAULT: nothing injected)."""
-  return {**batch, FAULT: jax.device_put(np.asarray(fault, np.float32), batch_shardings[FAULT])}

@@ -18,6 +18,7 @@ from maxtrain.optim import optimizer as optim
 from maxtrain.program import state as state_lib
 from maxtrain.program import step as step_lib
 from maxtrain.models.llama import ModelConfig
+from maxtrain.runtime import faults
 from maxtrain.sharding.layout import with_shardings
 from maxtrain.sharding.mesh import make_mesh
 from maxtrain.program.plan import Plan, total_steps
@@ -76,7 +77,7 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) 
                                   spike_warmup=cfg.guards.spike_warmup, rules=rules, **chunking)
   train_step = jax.jit(step, in_shardings=(state_spec.shardings, batch_shardings),
                        out_shardings=(state_spec.shardings, replicated), donate_argnums=0)
-  eval_batch_shardings = {k: v for k, v in batch_shardings.items() if k != batch_lib.FAULT}
+  eval_batch_shardings = {k: v for k, v in batch_shardings.items() if k != faults.INPUT}
   eval_step = jax.jit(step_lib.make_eval_step(state_spec.graphdef, rules, **chunking),
                       in_shardings=(state_spec.shardings.params, eval_batch_shardings), out_shardings=replicated)
   return Program(cfg=cfg, plan=plan, mesh=mesh, model_cfg=model_cfg, optimizer=optimizer, state=state_spec,

@@ -17,8 +17,8 @@ from flax import nnx
 
 from maxtrain.optim.masking import keep_if
 from maxtrain.program import guards, loss, microbatch
+from maxtrain.runtime import faults
 from maxtrain.optim import optimizer as optim
-from maxtrain.program.batch import FAULT
 from maxtrain.models import moe as moe_lib
 from maxtrain.models.moe import MoEConfig
 from maxtrain.sharding import rules as sharding_rules
@@ -110,22 +110,17 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
                     spike_warmup: int = 20,
                     rules: sharding_rules.Rules | None = None, chunk_tokens: int = 0,
                     batch_shards: int = 1, length_shards: int = 1) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-  """The step. `batch` may carry `fault`: f32[2] = (make this step NaN?, loss scale), replicated, for
-  fault injection (`runtime/faults.py`); absent, nothing is injected. `rules` lay out the model's
-  activations (None: GSPMD decides alone); `chunk_tokens`, `batch_shards`, `length_shards`: see
+  """The step. `batch` may carry the fault input (`runtime/faults.py`); absent, nothing is injected.
+  `rules` lay out the model's activations (None: GSPMD decides alone); `chunk_tokens`, `batch_shards`, `length_shards`: see
   `loss.head_losses`."""
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-    batch = dict(batch)
-    fault = batch.pop(FAULT, None)
+    rows, fault = faults.split(batch)
     with sharding_rules.activate(rules):
-      metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss,
+      metrics, grads = loss_and_grads(graphdef, state.params, rows, z_loss=z_loss,
                                       grad_accum_steps=grad_accum_steps,
                                       chunk_tokens=chunk_tokens, batch_shards=batch_shards,
                                       length_shards=length_shards)
-    if fault is not None:
-      scale = jnp.where(fault[0] > 0, jnp.nan, fault[1])
-      metrics["loss"] = metrics["loss"] * scale
-      grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+    metrics["loss"], grads = faults.inject(fault, metrics["loss"], grads)
     grad_norm = optax.tree.norm(grads)  # before clipping
     guard, skip, guard_metrics = guards.check(state.guard, metrics["loss"], grad_norm, zscore=spike_zscore,
                                               warmup=spike_warmup)

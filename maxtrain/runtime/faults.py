@@ -6,6 +6,11 @@ fault again: a fired fault is recorded in `<output_dir>/faults_fired.json` (proc
 `faults.process` picks the one process that faults (-1: all; `faults.sigterm_process` may pick
 another for the SIGTERM, so that one run can stop one process and hang another); `faults.slow_step_s` makes it a
 straggler for the whole run (it is not a one-off, so it is not recorded).
+
+This module is the one seam: the host side (`Faults`) and the in-graph side (`INPUT`, `attach`,
+`inject`), which the loaders and the step call unconditionally; no production module branches on a
+fault of its own. The in-graph faults reach the jitted step through one replicated input, f32[2] =
+(make this step NaN?, loss scale), so the same compiled program runs with and without them.
 """
 
 from __future__ import annotations
@@ -17,12 +22,39 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding
 
 from maxtrain.errors import UserError
 
 log = logging.getLogger("maxtrain")
+INPUT = "fault"  # the batch field that carries the step's in-graph fault
+NONE = (0.0, 1.0)  # (not NaN, loss x 1): nothing injected
+
+
+def attach(batch: dict[str, jax.Array], fault: tuple[float, float], sharding: NamedSharding) -> dict[str, jax.Array]:
+  """The train step's batch: `batch` and its fault input (NONE: nothing injected)."""
+  return {**batch, INPUT: jax.device_put(np.asarray(fault, np.float32), sharding)}
+
+
+def split(batch: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], jax.Array | None]:
+  """(the batch's token rows, its fault input or None): the rows go to the model and its microbatches."""
+  rows = dict(batch)
+  return rows, rows.pop(INPUT, None)
+
+
+def inject(fault: jax.Array | None, loss: jax.Array, grads: Any) -> tuple[jax.Array, Any]:
+  """In the step: the loss and gradients with the step's fault applied (NaN, or x a spike factor);
+  unchanged without a fault input (an eval batch, a caller that injects nothing)."""
+  if fault is None:  # trace time: which program, not which step
+    return loss, grads
+  scale = jnp.where(fault[0] > 0, jnp.nan, fault[1])
+  return loss * scale, jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
 
 
 class Faults:
