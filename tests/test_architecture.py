@@ -1,6 +1,6 @@
 """The shape of the code: no import cycles, the mesh named only in `sharding/`, short functions, a
-supervisor that starts without jax, `--help` generated from the declarations, and a README layout
-that matches the tree."""
+supervisor that starts without jax, `--help` generated from the declarations, and a layout drawing
+(docs/architecture.md) that matches the tree."""
 
 import ast
 import io
@@ -161,13 +161,13 @@ def test_help_lists_every_key_with_default_and_meaning(module):
 
 
 def test_readme_layout_matches_the_tree():
-  readme = (REPO / "README.md").read_text()
-  tree = readme.split("## Layout", 1)[1].split("```", 2)[1]  # the tree drawing
+  readme = (REPO / "docs" / "architecture.md").read_text()
+  tree = readme.split("# Layout", 1)[1].split("```", 2)[1]  # the tree drawing
   listed = set(re.findall(r"\b([a-z_0-9]+\.py)\b", tree))
   actual = {p.name for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
-  assert actual - listed == set(), f"modules missing from README's Layout: {sorted(actual - listed)}"
+  assert actual - listed == set(), f"modules missing from docs/architecture.md's Layout: {sorted(actual - listed)}"
   configs_line = next(line for line in tree.splitlines() if line.startswith("configs/"))
   configs = {p.name for p in (REPO / "configs").glob("*.py")}
-  assert set(re.findall(r"\b([a-z_0-9]+\.py)\b", configs_line)) == configs, "README's Layout: configs/ differs"
+  assert set(re.findall(r"\b([a-z_0-9]+\.py)\b", configs_line)) == configs, "docs/architecture.md's Layout: configs/ differs"
   existing = actual | configs | {p.name for p in (REPO / "tools").glob("*.py")}
-  assert listed - existing == set(), f"README's Layout names files that do not exist: {sorted(listed - existing)}"
+  assert listed - existing == set(), f"docs/architecture.md's Layout names files that do not exist: {sorted(listed - existing)}"

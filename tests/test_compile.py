@@ -81,7 +81,7 @@ def test_estimate_agrees_with_the_compiled_step(reduced_8b):
   arguments to 0.1% (the rest is the batch and counters). The peak is a model of XLA's live set:
   measured +5.4% here (temporaries +7.0%); it counts the copy of the donated state whole, while XLA
   puts some temporaries into donated buffers once they are dead (0-0.7 GiB over the fp32 configs
-  measured, README "Will it fit?"). Hence the bounds: peak within [-5%, +10%], temporaries within
+  measured, docs/fitting.md). Hence the bounds: peak within [-5%, +10%], temporaries within
   [-5%, +12%].
   """
   _, report = reduced_8b

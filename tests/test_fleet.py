@@ -283,7 +283,7 @@ def test_two_processes_straggler_hang_and_preemption(store, tmp_path):
   assert report["events"]["hang"] == 1 and report["events"]["preemption"] == 1 and "crash" not in report["events"]
   assert [s["process"] for s in report["stragglers"]] == [1]
 
-  # The README's example picture (docs/goodput_fleet.png) is this run's timeline: a row per process
+  # The example picture in docs/fleet.md (docs/goodput_fleet.png) is this run's timeline: a row per process
   # under the job's, the job's row drawing the report's seconds, a dashed line per supervisor start.
   data = goodput.timeline(records)
   assert [label for label, _ in data["rows"]] == ["job", "process 0", "process 1"] and len(data["restarts"]) == 3

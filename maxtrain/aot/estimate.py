@@ -4,8 +4,8 @@ Each parameter's per-device size comes from its logical axis names (the model's 
 run's layout (`sharding/layout.py`: the rule set and the mesh shape from `validate`): a dim mapped to
 mesh axes is split over their product, rounded up as XLA pads uneven shards. The state terms
 (weights, optimizer moments) are therefore exact. The temporaries are a model of what the compiled
-step keeps alive at its peak; `python -m maxtrain.compile` measures the real thing (README.md, "Will
-it fit?", gives the agreement).
+step keeps alive at its peak; `python -m maxtrain.compile` measures the real thing (docs/fitting.md
+gives the agreement).
 
 Shape legend (per device): b sequences per microbatch, T length, D model, V_t vocab / its shards,
 H_t heads / their shards, F_t ffn / its shards, L layers.

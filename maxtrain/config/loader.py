@@ -24,7 +24,7 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.py"
 def _unknown_key(key: str, cfg: ml_collections.ConfigDict) -> UserError:
   close = difflib.get_close_matches(key, flat_keys(cfg), n=3, cutoff=0.5)
   hint = f" Did you mean {' or '.join('config.' + c for c in close)}?" if close else ""
-  return UserError(f"unknown config key config.{key}.{hint} See the config keys in README.md.")
+  return UserError(f"unknown config key config.{key}.{hint} See the config keys in docs/config.md.")
 
 
 def _parse_value(key: str, text: str, current: Any) -> Any:
