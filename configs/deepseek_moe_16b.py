@@ -9,7 +9,7 @@ that it compiles and fits:
   python -m maxtrain.compile --config=configs/deepseek_moe_16b.py --config.hardware=h100x8 --devices 8 \
       --device-memory-gb 80
 
-`HARDWARE` refines the generic presets of maxtrain/hardware.py for this model (per node).
+`HARDWARE` refines the generic presets of maxtrain/config/hardware.py for this model (per node).
 """
 
 from maxtrain.config import base_config

@@ -7,7 +7,7 @@ of 8 H100s:
   python -m maxtrain.compile --config=configs/mixtral_8x7b.py --config.hardware=h100x8 --devices 64 \
       --device-memory-gb 80
 
-`HARDWARE` refines the generic presets of maxtrain/hardware.py for this model (per node).
+`HARDWARE` refines the generic presets of maxtrain/config/hardware.py for this model (per node).
 """
 
 from maxtrain.config import base_config
