@@ -27,6 +27,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import time
 import zlib
@@ -35,6 +36,7 @@ from typing import Callable
 
 from maxtrain.errors import UserError
 
+log = logging.getLogger("maxtrain")
 MANIFEST_NAME = "maxtrain_manifest.json"
 FORMAT = "maxtrain-checkpoint-manifest"
 VERSION = 2  # 1: unkeyed checksums (CRC-32C, xxh3-64 or CRC-32); 2: keyed SHA-256
@@ -361,8 +363,23 @@ def verify(step_dir: Path, *, strict: bool = False, workers: int | None = None) 
 # ---- quarantine -----------------------------------------------------------------------------------
 
 
-def move_aside(step_dir: Path) -> Path:
-  """Renames a bad step directory to `<step>.corrupt-<UTC time>` beside it; returns the new path.
+def check(step_dir: Path) -> Verification:
+  """`verify`, logged: what every reader of a checkpoint calls before reading it. Raises CorruptCheckpoint
+  (a UserError naming the file); a step without a manifest (saved before manifests) is read with a warning."""
+  result = verify(step_dir)
+  if not result.verified:
+    log.warning("checkpoint %s has no manifest (saved before manifests, or the process died between the save "
+                "and its manifest): reading it unverified", step_dir)
+    return result
+  log.info("checkpoint %s verified: %d files, %.1f MB in %.2fs%s", step_dir, result.num_files, result.num_bytes / 1e6,
+           result.seconds, f"; files not in the manifest: {', '.join(result.extra_files)}"
+           if result.extra_files else "")
+  return result
+
+
+def move_aside(step_dir: Path, why: str = "corrupt") -> Path:
+  """Renames a step directory to `<step>.<why>-<UTC time>` beside it (corrupt, incomplete, branched);
+  returns the new path.
 
   Nothing is deleted. Orbax lists only directories whose name is a step number, so the renamed one
   is no longer a step (nor a temporary directory Orbax would clean up). Call it on one process.
@@ -370,7 +387,7 @@ def move_aside(step_dir: Path) -> Path:
   step_dir = Path(step_dir)
   stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
   for n in range(1000):
-    target = step_dir.with_name(f"{step_dir.name}.corrupt-{stamp}" + (f"-{n}" if n else ""))
+    target = step_dir.with_name(f"{step_dir.name}.{why}-{stamp}" + (f"-{n}" if n else ""))
     if target.exists():
       continue
     try:
