@@ -33,6 +33,7 @@ class Checkpoints:
     self.events, self.metrics = events, metrics
     self.on_save_started = on_save_started or (lambda step: None)
     self.on_progress = on_progress or (lambda: None)
+    self.tokenizer_identity: str | None = None  # of the run's stores (loop/data.py): in every checkpoint's meta
     self.rollbacks = 0  # the run's rollbacks so far (loop/rollback.py keeps the count): in every checkpoint's meta
 
   @property
@@ -85,7 +86,8 @@ class Checkpoints:
     with self.metrics.outside(step):
       self.events.emit(ev.CHECKPOINT_SAVE_START, step)
       t0 = time.monotonic()
-      timing = self.store.save(step, state, data_state, self.cfg, mesh_shape, {"rollbacks": self.rollbacks})
+      extra = {"rollbacks": self.rollbacks, "tokenizer_identity": self.tokenizer_identity}
+      timing = self.store.save(step, state, data_state, self.cfg, mesh_shape, extra)
       if timing is not None:
         self.on_save_started(step)
         done = self.store.wait() if sync else self.store.poll()

@@ -79,7 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = d = ml_collections.ConfigDict()
   d.corpus = "python-stdlib"  # Embedded corpus, built and cached on first use; ignored when data.path is set.
   d.path = ""  # Token-store prefix from tools/index_data.py (reads PREFIX.train.* and PREFIX.val.*).
-  d.tokenizer = "byte"  # "byte" or a path to a Hugging Face tokenizer.json (embedded corpus only).
+  d.tokenizer = "byte"  # "byte" or a path to a Hugging Face tokenizer.json: builds the embedded corpus; must match data.path's store headers.
   d.seq_len = 256  # Tokens per training sequence (documents are packed).
   d.batch_size = 16  # Global batch, in sequences, across all processes.
 
