@@ -369,7 +369,7 @@ def check(step_dir: Path) -> Verification:
   result = verify(step_dir)
   if not result.verified:
     log.warning("checkpoint %s has no manifest (saved before manifests, or the process died between the save "
-                "and its manifest): reading it unverified", step_dir)
+                "and its manifest): restoring it unverified", step_dir)
     return result
   log.info("checkpoint %s verified: %d files, %.1f MB in %.2fs%s", step_dir, result.num_files, result.num_bytes / 1e6,
            result.seconds, f"; files not in the manifest: {', '.join(result.extra_files)}"
