@@ -34,6 +34,7 @@ from maxtrain.checkpoint import manifest
 from maxtrain.sharding.layout import param_name, with_shardings
 
 log = logging.getLogger("maxtrain")
+ITEMS = "state meta data".split()  # a step's Orbax items
 
 
 @dataclasses.dataclass
@@ -180,7 +181,7 @@ class Checkpointer:
         raise UserError(f"checkpoint.dir={self.location}: step directory {path.name} is a symlink (to "
                         f"{os.readlink(path)}); rotation and manifests need real step directories: replace it "
                         f"with a copy (cp -r) or remove it")
-      if path.is_dir() and not all((path / item).is_dir() for item in ("state", "meta", "data")):
+      if path.is_dir() and not all((path / item).is_dir() for item in ITEMS):
         moved = manifest.move_aside(path, "incomplete") if jax.process_index() == 0 else path
         log.warning("checkpoint step directory %s is incomplete (no finished state/meta/data items): skipped, "
                     "moved aside to %s", path, moved)

@@ -57,7 +57,7 @@ def check_tokenizer(store: TokenStore, tokenizer: str) -> None:
 def check_checkpoint_tokenizer(store: TokenStore, data_cfg: ml_collections.ConfigDict, meta: dict, path: Any) -> None:
   """A resumed checkpoint was trained on stores of one tokenizer: this run's must be the same."""
   saved = meta.get("tokenizer_identity")
-  saved_cfg = meta.get("config", {}).get("data", {}).get("tokenizer")
+  saved_cfg = _dotted(meta.get("config", {}), "data.tokenizer")
   if saved is not None and saved != store.tokenizer_identity:
     raise UserError(f"checkpoint {path} was trained on stores tokenized by {saved} (data.tokenizer={saved_cfg!r}), "
                     f"but token store {store.prefix} was built with {store.tokenizer_identity}: resume with the "
@@ -65,6 +65,12 @@ def check_checkpoint_tokenizer(store: TokenStore, data_cfg: ml_collections.Confi
   if saved is None and saved_cfg is not None and saved_cfg != data_cfg.tokenizer:
     raise UserError(f"checkpoint {path} was trained with data.tokenizer={saved_cfg!r}, this run has "
                     f"config.data.tokenizer={data_cfg.tokenizer!r}: resume with the one it was trained with")
+
+
+def _dotted(tree: dict, key: str) -> Any:
+  for part in key.split("."):
+    tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+  return tree if tree != {} else None
 
 
 class Data:
