@@ -269,3 +269,28 @@ def test_move_aside_hides_the_step_from_orbax_and_deletes_nothing(tmp_path):
     (root / "9" / "f").write_text(content)
     twice.append(manifest.move_aside(root / "9"))
   assert twice[0] != twice[1] and [(p / "f").read_text() for p in twice] == ["first", "second"]
+
+
+def test_version_1_manifests_still_verify_and_files_that_end_in_their_crc_are_told_apart(step, tmp_path):
+  """A CRC-32C of data that ends in its own CRC-32C is one constant: version 1 cannot tell two such
+  files apart; version 2 can. A version-1 manifest (as old checkpoints have) is still checked."""
+  import google_crc32c
+
+  def ends_in_crc(seed: int) -> bytes:
+    body = np.random.default_rng(seed).bytes(4096)
+    return body + google_crc32c.value(body).to_bytes(4, "little")
+
+  for name, algorithm, caught in (("v1", "crc32c", False), ("v2", manifest.default_algorithm(), True)):
+    root = tmp_path / name
+    root.mkdir()
+    (root / "f").write_bytes(ends_in_crc(0))
+    manifest.write(root, algorithm=algorithm)
+    assert json.loads((root / manifest.MANIFEST_NAME).read_text())["version"] == (1 if name == "v1" else 2)
+    (root / "f").write_bytes(ends_in_crc(1))  # same size, other bytes
+    if caught:
+      with pytest.raises(manifest.CorruptCheckpoint):
+        manifest.verify(root)
+    else:
+      assert manifest.verify(root).verified
+  manifest.write(step, algorithm="crc32c")
+  assert manifest.verify(step).verified and _same_as_saved(_restore(step))

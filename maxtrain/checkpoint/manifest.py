@@ -7,10 +7,14 @@ directory is complete, one process writes `maxtrain_manifest.json` beside its it
 relative path, size and checksum. `verify` checks a step directory against it before anything is
 restored, and `move_aside` renames a bad step so that Orbax no longer lists it (nothing is deleted).
 
-Checksum: CRC-32C when `google-crc32c` is installed with its C extension (hardware-accelerated, the
-checksum TensorStore, GCS and S3 use, detects every burst error up to 32 bits); else xxh3-64 when
-`xxhash` is installed; else zlib's CRC-32 (stdlib, slower). The manifest names its algorithm, and
-`verify` uses that one. Figures: `tools/bench_manifest.py`.
+Checksum (version 2): SHA-256 (hashlib; SHA-NI makes it ~1 GB/s a core) of the file's relative path and
+size, then its bytes. Version 1 used CRC-32C (else xxh3-64, else zlib CRC-32) of the bytes alone, and
+a CRC cannot tell apart files that end in their own CRC (OCDBT manifests and data files do): the CRC
+of any such file of a given length is one constant, so a same-size file swapped in from another step
+passed. No CRC prefixed or seeded with the path helps (the constant only shifts), so version 2 uses a
+non-linear hash; keying it with the path and size also catches a file moved to another name.
+Version 1 manifests are still read and checked as written. The manifest names its algorithm, and
+`verify` uses that one. Figures: `tools/bench_manifest.py`, BENCHMARKS.md.
 
 Files on disk that the manifest does not list are reported, not an error (unless `strict`): they are
 not part of what was saved, nothing Orbax restores reads a file it did not write, and a filesystem
@@ -21,7 +25,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
+import logging
 import os
 import time
 import zlib
@@ -30,10 +36,12 @@ from typing import Callable
 
 from maxtrain.errors import UserError
 
+log = logging.getLogger("maxtrain")
 MANIFEST_NAME = "maxtrain_manifest.json"
 FORMAT = "maxtrain-checkpoint-manifest"
-VERSION = 1
+VERSION = 2  # 1: unkeyed checksums (CRC-32C, xxh3-64 or CRC-32); 2: keyed SHA-256
 _CHUNK_BYTES = 1 << 20  # measured: 1-4 MiB is fastest here (8 MiB chunks fall out of cache: 30% slower)
+_BLOCK_BYTES = 1 << 16  # sha256+crc32c: one CRC per block (64 KiB: reads stay fast, the SHA-256 of the last is cheap)
 _TMP_PREFIX = f".{MANIFEST_NAME}.tmp-"
 
 
@@ -90,6 +98,10 @@ def _xxh3() -> Callable[[], object] | None:
 
 def _hasher(algorithm: str):
   """An object with update(bytes) and hexdigest(), or None if the algorithm is not installed."""
+  if algorithm == "sha256":
+    return hashlib.sha256()
+  if algorithm == "sha256+crc32c":  # not incremental (file_checksum reads the file itself)
+    return None if _crc32c() is None else hashlib.sha256()
   if algorithm == "crc32c":
     extend = _crc32c()
     return None if extend is None else _Crc(extend)
@@ -112,7 +124,8 @@ class _Crc:
     return f"{self._crc:08x}"
 
 
-ALGORITHMS = ("crc32c", "xxh3_64", "crc32")  # in order of preference
+ALGORITHMS = ("sha256+crc32c", "sha256", "crc32c", "xxh3_64", "crc32")  # in order of preference
+KEYED = ("sha256+crc32c", "sha256")  # the file's path and size go in first (version 2); the others are version 1's
 
 
 def available_algorithms() -> list[str]:
@@ -123,9 +136,40 @@ def default_algorithm() -> str:
   return available_algorithms()[0]  # crc32 (stdlib) is always there
 
 
-def file_checksum(path: Path, algorithm: str) -> tuple[int, str]:
-  """(bytes read, hex checksum) of a file, read in chunks (never whole into memory)."""
+def _key(name: str, size: int) -> bytes:
+  """What a keyed checksum reads before the file's bytes: a file counts only at its own path and size."""
+  return f"maxtrain-file\0{name}\0{size}\0".encode()
+
+
+def _blocked(f, key: bytes, extend: Callable[[bytes, int], int]) -> tuple[int, str]:
+  """SHA-256 of `key`, the CRC-32C of each block but the last, then the last block's bytes: CRC-32C
+  speed (a 64 KiB block holds no self-checksum unless a format puts one exactly there), and a file
+  that ends in its own CRC (which makes its CRC a constant) is told apart by its last block's SHA-256."""
+  h, size, crcs = hashlib.sha256(key), 0, bytearray()
+  block = f.read(_BLOCK_BYTES)
+  while block:
+    following = f.read(_BLOCK_BYTES)
+    size += len(block)
+    if following:
+      crcs += extend(block, 0).to_bytes(4, "little")
+      if len(crcs) >= 4096:
+        h.update(crcs)
+        crcs.clear()
+    else:
+      h.update(crcs)
+      h.update(block)
+    block = following
+  return size, h.hexdigest()
+
+
+def file_checksum(path: Path, algorithm: str, key: bytes = b"") -> tuple[int, str]:
+  """(bytes read, hex checksum) of `key` then a file, read in chunks (never whole into memory)."""
+  if algorithm == "sha256+crc32c":
+    with open(path, "rb", buffering=0) as f:
+      return _blocked(f, key, _crc32c())
   h = _hasher(algorithm)
+  if key:
+    h.update(key)
   size = 0
   with open(path, "rb", buffering=0) as f:
     if algorithm == "crc32c":  # google_crc32c takes only immutable buffers: a fresh bytes per chunk
@@ -141,14 +185,16 @@ def file_checksum(path: Path, algorithm: str) -> tuple[int, str]:
   return size, h.hexdigest()
 
 
-def _checksum_all(step_dir: Path, names: list[str], algorithm: str, workers: int | None) -> dict:
-  """{name: (bytes read, checksum) or OSError}, files in parallel (reads and all three checksums
-  release the GIL)."""
+def _checksum_all(step_dir: Path, names: list[str], algorithm: str, workers: int | None,
+                  sizes: dict[str, int] | None = None) -> dict:
+  """{name: (bytes read, checksum) or OSError}, files in parallel (reads and all the checksums release
+  the GIL). `sizes`: the sizes keyed checksums take (the manifest's when verifying)."""
   workers = workers or min(8, os.cpu_count() or 1)
 
   def one(name):
     try:
-      return file_checksum(step_dir / name, algorithm)
+      key = _key(name, sizes[name]) if algorithm in KEYED else b""
+      return file_checksum(step_dir / name, algorithm, key)
     except OSError as e:
       return e
 
@@ -195,7 +241,7 @@ def write(step_dir: Path, *, algorithm: str | None = None, workers: int | None =
     raise ValueError(f"checksum {algorithm!r} is not available here (available: {available_algorithms()})")
   names = _files(step_dir)
   sizes = {n: (step_dir / n).stat().st_size for n in names}
-  sums = _checksum_all(step_dir, names, algorithm, workers)
+  sums = _checksum_all(step_dir, names, algorithm, workers, sizes)
   files = {}
   for name in names:
     result = sums[name]
@@ -206,7 +252,8 @@ def write(step_dir: Path, *, algorithm: str | None = None, workers: int | None =
       raise RuntimeError(f"{step_dir / name} changed while its checksum was taken: the step is still being "
                          "written (the manifest must be written after the save is complete)")
     files[name] = {"size": read, "checksum": checksum}
-  manifest = {"format": FORMAT, "version": VERSION, "algorithm": algorithm, "created": time.time(),
+  manifest = {"format": FORMAT, "version": VERSION if algorithm in KEYED else 1, "algorithm": algorithm,
+              "created": time.time(),
               "num_bytes": sum(f["size"] for f in files.values()), "files": files}
   path = step_dir / MANIFEST_NAME
   tmp = step_dir / f"{_TMP_PREFIX}{os.getpid()}"
@@ -246,7 +293,7 @@ def _read_manifest(step_dir: Path, path: Path) -> dict:
     raise UnsupportedManifest(f"{path}: manifest version {version} is newer than this maxtrain reads "
                               f"({VERSION}); upgrade maxtrain to verify it, or set checkpoint.verify=False")
   algorithm = manifest.get("algorithm")
-  if algorithm not in ALGORITHMS:
+  if algorithm not in ALGORITHMS or (algorithm in KEYED) != (version >= 2):
     raise bad(f"unreadable manifest (unknown checksum algorithm {algorithm!r})")
   if _hasher(algorithm) is None:
     package = {"crc32c": "google-crc32c", "xxh3_64": "xxhash"}.get(algorithm, algorithm)
@@ -295,7 +342,7 @@ def verify(step_dir: Path, *, strict: bool = False, workers: int | None = None) 
   extra = tuple(sorted(set(_files(step_dir)) - set(expected)))
   if strict and extra:
     raise CorruptCheckpoint(step_dir, extra[0], "not in the manifest (strict verification)")
-  sums = _checksum_all(step_dir, names, manifest["algorithm"], workers)
+  sums = _checksum_all(step_dir, names, manifest["algorithm"], workers, {n: expected[n]["size"] for n in names})
   bad = []
   for name in names:
     result = sums[name]
@@ -316,8 +363,23 @@ def verify(step_dir: Path, *, strict: bool = False, workers: int | None = None) 
 # ---- quarantine -----------------------------------------------------------------------------------
 
 
-def move_aside(step_dir: Path) -> Path:
-  """Renames a bad step directory to `<step>.corrupt-<UTC time>` beside it; returns the new path.
+def check(step_dir: Path) -> Verification:
+  """`verify`, logged: what every reader of a checkpoint calls before reading it. Raises CorruptCheckpoint
+  (a UserError naming the file); a step without a manifest (saved before manifests) is read with a warning."""
+  result = verify(step_dir)
+  if not result.verified:
+    log.warning("checkpoint %s has no manifest (saved before manifests, or the process died between the save "
+                "and its manifest): restoring it unverified", step_dir)
+    return result
+  log.info("checkpoint %s verified: %d files, %.1f MB in %.2fs%s", step_dir, result.num_files, result.num_bytes / 1e6,
+           result.seconds, f"; files not in the manifest: {', '.join(result.extra_files)}"
+           if result.extra_files else "")
+  return result
+
+
+def move_aside(step_dir: Path, why: str = "corrupt") -> Path:
+  """Renames a step directory to `<step>.<why>-<UTC time>` beside it (corrupt, incomplete, branched);
+  returns the new path.
 
   Nothing is deleted. Orbax lists only directories whose name is a step number, so the renamed one
   is no longer a step (nor a temporary directory Orbax would clean up). Call it on one process.
@@ -325,7 +387,7 @@ def move_aside(step_dir: Path) -> Path:
   step_dir = Path(step_dir)
   stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
   for n in range(1000):
-    target = step_dir.with_name(f"{step_dir.name}.corrupt-{stamp}" + (f"-{n}" if n else ""))
+    target = step_dir.with_name(f"{step_dir.name}.{why}-{stamp}" + (f"-{n}" if n else ""))
     if target.exists():
       continue
     try:

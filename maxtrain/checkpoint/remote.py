@@ -16,7 +16,9 @@ read locally when the disk survived. The endpoint comes from the standard AWS co
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -140,3 +142,84 @@ class S3Mirror:
   def close(self) -> None:
     self.wait()
     self._pool.shutdown()
+
+  def lease(self) -> "S3Lease":
+    """Takes the prefix's lease (UserError naming the holder if another live run has it)."""
+    return S3Lease(self).acquire()
+
+
+LEASE = ".maxtrain.lease"
+LEASE_S = 60.0  # a lease not renewed for this long is stale (its holder died): the next run takes it over
+
+
+class S3Lease:
+  """The s3:// form of the checkpoint-directory lock (object storage has no flock): an object
+  `<prefix>/.maxtrain.lease` naming its holder and an expiry, renewed every LEASE_S / 3 while the run
+  lives, deleted at a clean exit, taken over once expired. Last writer wins a simultaneous start, so the
+  lease is read back after it is written."""
+
+  def __init__(self, mirror: S3Mirror):
+    import os
+    import secrets
+    import socket
+
+    self.mirror, self.key = mirror, mirror._key(LEASE)
+    self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                   "token": secrets.token_hex(8)}
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def _read(self) -> dict:
+    try:
+      body = self.mirror._client.get_object(Bucket=self.mirror.bucket, Key=self.key)["Body"].read()
+      holder = json.loads(body)
+      return holder if isinstance(holder, dict) else {}
+    except self.mirror._client.exceptions.NoSuchKey:
+      return {}
+    except ValueError:
+      return {}
+
+  def _write(self) -> None:
+    body = json.dumps({**self.holder, "expires": time.time() + LEASE_S}).encode()
+    self.mirror._client.put_object(Bucket=self.mirror.bucket, Key=self.key, Body=body)
+
+  def _refuse(self, holder: dict) -> UserError:
+    left = float(holder.get("expires", 0)) - time.time()
+    return UserError(f"checkpoint.dir={self.mirror.url} is in use by another trainer (pid {holder.get('pid', '?')} on "
+                     f"host {holder.get('host', '?')}; lease s3://{self.mirror.bucket}/{self.key}, renewed while it "
+                     f"runs, expires in {left:.0f}s). Two runs saving into one checkpoint.dir would overwrite each "
+                     "other: wait for it, stop it, or choose another checkpoint.dir.")
+
+  def acquire(self) -> "S3Lease":
+    holder = self._read()
+    if holder.get("token") and float(holder.get("expires", 0)) > time.time():
+      raise self._refuse(holder)
+    if holder.get("token"):
+      log.warning("checkpoint.dir %s: taking over the expired lease of pid %s on host %s", self.mirror.url,
+                  holder.get("pid"), holder.get("host"))
+    self._write()
+    time.sleep(0.2)  # a second starter's write lands in this window: the read-back sees the winner
+    winner = self._read()
+    if winner.get("token") != self.holder["token"]:
+      raise self._refuse(winner)
+    self._thread = threading.Thread(target=self._renew, name="s3-lease", daemon=True)
+    self._thread.start()
+    return self
+
+  def _renew(self) -> None:
+    while not self._stop.wait(LEASE_S / 3):
+      try:
+        self._write()
+      except Exception as e:  # noqa: BLE001 - a missed renewal is retried; the lease has two more periods
+        log.warning("checkpoint.dir %s: renewing the lease failed: %s", self.mirror.url, e)
+
+  def release(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+    try:
+      if self._read().get("token") == self.holder["token"]:
+        self.mirror._client.delete_object(Bucket=self.mirror.bucket, Key=self.key)
+    except Exception as e:  # noqa: BLE001 - it expires by itself
+      log.warning("checkpoint.dir %s: could not delete the lease (%s); it expires in %.0fs", self.mirror.url, e,
+                  LEASE_S)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import ml_collections
 
 from maxtrain.checkpoint import manifest
@@ -27,10 +28,12 @@ class Checkpoints:
                on_save_started: Any = None, on_progress: Callable[[], None] | None = None):
     local = output_dir / "checkpoints"
     self.cfg = cfg
-    self.store = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(local), local, on_progress)
+    self.store = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(local), local, on_progress,
+                              lock=jax.process_index() == 0)
     self.events, self.metrics = events, metrics
     self.on_save_started = on_save_started or (lambda step: None)
     self.on_progress = on_progress or (lambda: None)
+    self.tokenizer_identity: str | None = None  # of the run's stores (loop/data.py): in every checkpoint's meta
     self.rollbacks = 0  # the run's rollbacks so far (loop/rollback.py keeps the count): in every checkpoint's meta
 
   @property
@@ -42,7 +45,10 @@ class Checkpoints:
       self.events.emit(ev.CHECKPOINT_CORRUPT, step, file=error.first_bad_file, reason=error.reason,
                        moved_to=str(moved))
 
-    return self.store.resolve_resume(on_corrupt=corrupt)
+    def branch(step: int, newer: list[int], moved: list[Path]) -> None:
+      self.events.emit(ev.CHECKPOINT_BRANCH, step, newer_steps=newer, moved_to=[str(m) for m in moved])
+
+    return self.store.resolve_resume(on_corrupt=corrupt, on_branch=branch)
 
   def restore(self, path: Path, state_spec: Any) -> Restored:
     t0 = time.monotonic()
@@ -53,12 +59,21 @@ class Checkpoints:
     return restored
 
   def restore_before(self, step: int, state_spec: Any) -> Any | None:
-    """The newest checkpoint's state from before `step` (waiting for a save in flight), or None."""
+    """The newest checkpoint's state from before `step` that verifies (waiting for a save in flight), or
+    None when there is none at all. Corrupt ones above a good one are moved aside (an event each); when
+    checkpoints exist but none verifies, CorruptCheckpoint (exit 2): the run must not go on from step 0."""
     self._log(self.store.wait())
-    good = [s for s in self.store.steps() if s < step]
-    if not good:
+    before = [s for s in self.store.steps() if s < step]
+    good, corrupt = self.store.newest_good(before)
+    if good is None and corrupt:
+      raise corrupt[0][1]
+    for bad, error in corrupt:
+      moved = self.store.move_aside(bad)
+      log.error("rollback: %s; moved aside to %s, trying an older checkpoint", error, moved)
+      self.events.emit(ev.CHECKPOINT_CORRUPT, bad, file=error.first_bad_file, reason=error.reason, moved_to=str(moved))
+    if good is None:
       return None
-    return self.store.restore(self.store.local_path(good[-1]), state_spec.abstract, state_spec.shardings).state
+    return self.store.restore(good, state_spec.abstract, state_spec.shardings).state
 
   def after_step(self, step: int, state: Any, data_state: dict, mesh_shape: dict, *, final: bool) -> None:
     """Saves when the schedule says so (the final step synchronously); else collects finished saves."""
@@ -71,7 +86,8 @@ class Checkpoints:
     with self.metrics.outside(step):
       self.events.emit(ev.CHECKPOINT_SAVE_START, step)
       t0 = time.monotonic()
-      timing = self.store.save(step, state, data_state, self.cfg, mesh_shape, {"rollbacks": self.rollbacks})
+      extra = {"rollbacks": self.rollbacks, "tokenizer_identity": self.tokenizer_identity}
+      timing = self.store.save(step, state, data_state, self.cfg, mesh_shape, extra)
       if timing is not None:
         self.on_save_started(step)
         done = self.store.wait() if sync else self.store.poll()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -33,6 +34,7 @@ from maxtrain.checkpoint import manifest
 from maxtrain.sharding.layout import param_name, with_shardings
 
 log = logging.getLogger("maxtrain")
+ITEMS = "state meta data".split()  # a step's Orbax items
 
 
 @dataclasses.dataclass
@@ -100,8 +102,11 @@ class Checkpointer:
   """
 
   def __init__(self, ckpt_cfg: ml_collections.ConfigDict, location: str, staging: Path | None = None,
-               on_progress: Callable[[], None] | None = None):
+               on_progress: Callable[[], None] | None = None, lock: bool = False):
+    """`lock`: hold the checkpoint directory for the life of this object (the trainer's process 0 does; an
+    s3:// one also by a lease object there), so that two runs never save into one directory."""
     self.cfg = ckpt_cfg
+    self._locks: list[Any] = []
     self.remote = None
     if location.startswith("s3://"):
       from maxtrain.checkpoint.remote import S3Mirror
@@ -117,6 +122,8 @@ class Checkpointer:
     self.directory = directory.absolute()  # Orbax refuses relative paths (the default output_dir is one)
     directory = self.directory
     check_writable(directory)
+    if lock:  # before Orbax looks at the directory: a second run leaves the first one's saves alone
+      self._take_locks()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=ckpt_cfg.max_to_keep if ckpt_cfg.max_to_keep > 0 else None,
         keep_period=ckpt_cfg.keep_every if ckpt_cfg.keep_every > 0 else None,
@@ -129,6 +136,22 @@ class Checkpointer:
     self._pending_t0 = 0.0
     self.last_error: Exception | None = None
     self.failed_step: int | None = None
+    self._verified: set[Path] = set()
+
+  def _take_locks(self) -> None:
+    from maxtrain.runtime.lock import RunLock
+
+    self._locks.append(RunLock(self.directory, "checkpoint.dir").acquire())
+    if self.remote is not None:
+      try:
+        self._locks.append(self.remote.lease())
+      except BaseException:
+        self.release_locks()
+        raise
+
+  def release_locks(self) -> None:
+    while self._locks:
+      self._locks.pop().release()
 
   # ---- resume -------------------------------------------------------------------------------
 
@@ -147,27 +170,35 @@ class Checkpointer:
       log.info("downloaded checkpoint step %d from %s in %.2fs", step, self.location, time.monotonic() - t0)
     return path
 
-  def resolve_resume(self, on_corrupt: Callable[[int, manifest.CorruptCheckpoint, Path], None] | None = None
-                     ) -> Path | None:
+  def check_step_dirs(self) -> None:
+    """Before the steps are listed: a symlinked step directory is refused (rotation would delete through
+    it, its manifest would land in another run's directory); a numeric directory without the finished
+    items (empty, or copied in part) is an incomplete step: moved aside with a warning, never restored."""
+    for path in sorted(self.directory.iterdir()) if self.directory.is_dir() else ():
+      if not path.name.isdigit():
+        continue
+      if path.is_symlink():
+        raise UserError(f"checkpoint.dir={self.location}: step directory {path.name} is a symlink (to "
+                        f"{os.readlink(path)}); rotation and manifests need real step directories: replace it "
+                        f"with a copy (cp -r) or remove it")
+      if path.is_dir() and not all((path / item).is_dir() for item in ITEMS):
+        moved = manifest.move_aside(path, "incomplete") if jax.process_index() == 0 else path
+        log.warning("checkpoint step directory %s is incomplete (no finished state/meta/data items): skipped, "
+                    "moved aside to %s", path, moved)
+    self._manager.reload()
+
+  def resolve_resume(self, on_corrupt: Callable[[int, manifest.CorruptCheckpoint, Path], None] | None = None,
+                     on_branch: Callable[[int, list[int], list[Path]], None] | None = None) -> Path | None:
     """The checkpoint to restore per `checkpoint.resume`, or None for a fresh start. Verified against
-    its manifest (`checkpoint.verify`): with `auto`, a corrupt step is moved aside, reported through
-    `on_corrupt(step, error, new_path)` and the next older one tried; an explicit one that fails is a
-    UserError (exit 2)."""
+    its manifest (`checkpoint.verify`): with `auto`, corrupt steps newer than the newest good one are
+    moved aside and reported through `on_corrupt(step, error, new_path)`; when none verifies it is a
+    UserError unless `checkpoint.start_over_if_corrupt`. An explicit step while newer ones exist is a
+    UserError unless `checkpoint.branch` (then they are moved aside: `on_branch(step, newer, moved)`)."""
+    self.check_step_dirs()
     resume = str(self.cfg.resume)
     steps = self.steps()
     if resume == "auto":
-      for step in reversed(steps):
-        path = self.local_path(step)
-        try:
-          self._verify(path)
-          return path
-        except manifest.CorruptCheckpoint as e:
-          moved = manifest.move_aside(path) if jax.process_index() == 0 else path
-          self._manager.reload()
-          log.error("%s; moved aside to %s, trying an older checkpoint", e, moved)
-          if on_corrupt is not None:
-            on_corrupt(step, e, moved)
-      return None
+      return self._resume_newest_good(steps, on_corrupt)
     if resume == "never":
       if steps:
         raise UserError(
@@ -179,28 +210,79 @@ class Checkpointer:
         raise UserError(f"checkpoint.resume={resume}: no complete checkpoint at step {resume} in "
                         f"{self.location}; found steps {steps or 'none'}")
       path = self.local_path(int(resume))
-    else:
-      path = Path(resume).absolute()
-      if not path.is_dir():
-        raise UserError(f"checkpoint.resume={resume!r}: not 'auto', 'never', a step number, nor an existing "
-                        "checkpoint directory")
-      if not ocp.step.is_checkpoint_finalized(path) or not (path / "state").is_dir():
-        raise UserError(f"checkpoint.resume={resume!r}: not a complete maxtrain checkpoint (it has no finished "
-                        "'state' item; an interrupted save is never restored)")
-    self._verify(path)  # a CorruptCheckpoint is a UserError: exit 2, naming the file
+      self.verify(path)  # a CorruptCheckpoint is a UserError: exit 2, naming the file
+      self._branch(int(resume), [s for s in steps if s > int(resume)], on_branch)
+      return path
+    path = Path(resume).absolute()
+    if not path.is_dir():
+      raise UserError(f"checkpoint.resume={resume!r}: not 'auto', 'never', a step number, nor an existing "
+                      "checkpoint directory")
+    if not ocp.step.is_checkpoint_finalized(path) or not (path / "state").is_dir():
+      raise UserError(f"checkpoint.resume={resume!r}: not a complete maxtrain checkpoint (it has no finished "
+                      "'state' item; an interrupted save is never restored)")
+    self.verify(path)
     return path
 
-  def _verify(self, path: Path) -> None:
-    if not self.cfg.verify:
+  def _resume_newest_good(self, steps: list[int], on_corrupt) -> Path | None:
+    """The newest step that verifies; the corrupt ones above it moved aside. None verifying is exit 2 (nothing
+    moved, so a rerun says the same) unless `start_over_if_corrupt`: then all are moved aside."""
+    good, corrupt = self.newest_good(steps)
+    if good is None and corrupt and not self.cfg.start_over_if_corrupt:
+      raise UserError(f"checkpoint.dir={self.location}: no checkpoint verifies (steps {[s for s, _ in corrupt]}; "
+                      f"newest: {corrupt[0][1]}). Nothing was moved or trained. Restore the files, resume a "
+                      "step explicitly after checking it, or set checkpoint.start_over_if_corrupt=True to move "
+                      "them aside and train from step 0.")
+    for step, error in corrupt:
+      moved = self.move_aside(step)
+      log.error("%s; moved aside to %s%s", error, moved, "" if good else " (checkpoint.start_over_if_corrupt)")
+      if on_corrupt is not None:
+        on_corrupt(step, error, moved)
+    return good
+
+  def newest_good(self, steps: list[int]) -> tuple[Path | None, list[tuple[int, manifest.CorruptCheckpoint]]]:
+    """(the newest of `steps` that verifies or None, [(step, error)] of the corrupt ones above it), newest
+    first. Nothing is moved."""
+    corrupt = []
+    for step in reversed(steps):
+      path = self.local_path(step)
+      try:
+        self.verify(path)
+        return path, corrupt
+      except manifest.CorruptCheckpoint as e:
+        corrupt.append((step, e))
+    return None, corrupt
+
+  def _branch(self, step: int, newer: list[int], on_branch) -> None:
+    if not newer:
       return
-    result = manifest.verify(path)
-    if not result.verified:
-      log.warning("checkpoint %s has no manifest (saved before manifests, or the process died between the save "
-                  "and its manifest): restoring it unverified", path)
+    if not self.cfg.branch:
+      raise UserError(f"checkpoint.resume={step} but {self.location} holds newer steps {newer}: continuing from "
+                      f"step {step} would train over them (and resume=auto would pick them up later). Use "
+                      f"resume=auto to continue from step {newer[-1]}, or set checkpoint.branch=True to move the "
+                      f"newer steps aside (renamed, not deleted) and continue from step {step}.")
+    if self.remote is not None:
+      raise UserError(f"checkpoint.branch=True with checkpoint.dir={self.location}: branching an s3:// "
+                      "checkpoint directory is not supported; copy the step to a new checkpoint.dir instead")
+    moved = [self.move_aside(s, "branched") for s in newer]
+    log.warning("checkpoint.branch: resuming step %d; newer steps %s moved aside to %s", step, newer,
+                [str(m) for m in moved])
+    if on_branch is not None:
+      on_branch(step, newer, moved)
+
+  def move_aside(self, step: int, why: str = "corrupt") -> Path:
+    """Renames a step directory out of Orbax's sight (process 0; nothing is deleted)."""
+    path = self.directory / str(step)
+    moved = manifest.move_aside(path, why) if jax.process_index() == 0 else path
+    self._manager.reload()
+    return moved
+
+  def verify(self, path: Path) -> None:
+    """Checks a step against its manifest once per process (`checkpoint.verify`): every read of a checkpoint
+    (resume, rollback, the tools through interop/sources.py) goes through `manifest.check`."""
+    if not self.cfg.verify or Path(path) in self._verified:
       return
-    log.info("checkpoint %s verified: %d files, %.1f MB in %.2fs%s", path, result.num_files, result.num_bytes / 1e6,
-             result.seconds, f"; files not in the manifest: {', '.join(result.extra_files)}"
-             if result.extra_files else "")
+    manifest.check(path)
+    self._verified.add(Path(path))
 
   @staticmethod
   def read_meta(path: Path) -> dict:
@@ -208,7 +290,8 @@ class Checkpointer:
     return checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
   def restore(self, path: Path, abstract_state: Any, shardings: Any) -> Restored:
-    """Restores onto the current mesh (resharding if the checkpoint was saved on another)."""
+    """Verifies (once), then restores onto the current mesh (resharding if it was saved on another)."""
+    self.verify(path)
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
     meta = self.read_meta(path)
     self._check_compatible(path, meta, abstract_state)
@@ -225,16 +308,24 @@ class Checkpointer:
 
   @staticmethod
   def _check_compatible(path: Path, meta: dict, abstract_state: Any) -> None:
+    """UserError naming what differs. The parameters first: a model of another shape (MoE vs dense) also
+    has another optimizer state, and the model is the cause."""
     saved, current = meta.get("param_shapes", {}), _param_shapes(abstract_state)
     diffs = [f"{k}: checkpoint {saved.get(k)} vs model {current.get(k)}"
              for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
-    saved_opt = meta.get("opt_state_paths")
-    if saved_opt is not None and saved_opt != _opt_state_paths(abstract_state):
-      raise _optimizer_mismatch(path, meta)
     if diffs:
       raise UserError(f"checkpoint {path} does not fit this model ({len(diffs)} parameters differ; "
                       f"{'; '.join(diffs[:4])}). Restore it with the model config it was saved with "
                       f"(its config.model: {json.dumps(meta.get('config', {}).get('model', {}))}).")
+    saved_opt = meta.get("opt_state_paths")
+    if saved_opt is not None and saved_opt != _opt_state_paths(abstract_state):
+      raise _optimizer_mismatch(path, meta)
+    window = meta.get("config", {}).get("guards", {}).get("spike_window")
+    mine = int(abstract_state.guard.losses.shape[0])
+    if window is not None and int(window) != mine:  # the guard's loss window is part of the saved state
+      raise UserError(f"guards.spike_window={mine} but checkpoint {path} was saved with guards.spike_window={window} "
+                      f"(the spike guard's loss window is saved with the state): resume with "
+                      f"--config.guards.spike_window={window}, or start a new run in another output_dir.")
 
   # ---- save ---------------------------------------------------------------------------------
 
@@ -312,9 +403,12 @@ class Checkpointer:
 
   def close(self) -> None:
     """Waits for the last save (and its upload) to be complete."""
-    self._wait_pending()
-    self._manager.close()
-    if self.remote is not None:
-      t0 = time.monotonic()
-      self.remote.close()
-      log.info("uploads to %s finished %.2fs after the end of training", self.location, time.monotonic() - t0)
+    try:
+      self._wait_pending()
+      self._manager.close()
+      if self.remote is not None:
+        t0 = time.monotonic()
+        self.remote.close()
+        log.info("uploads to %s finished %.2fs after the end of training", self.location, time.monotonic() - t0)
+    finally:
+      self.release_locks()  # last: the directory is ours until the last save is complete

@@ -79,7 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = d = ml_collections.ConfigDict()
   d.corpus = "python-stdlib"  # Embedded corpus, built and cached on first use; ignored when data.path is set.
   d.path = ""  # Token-store prefix from tools/index_data.py (reads PREFIX.train.* and PREFIX.val.*).
-  d.tokenizer = "byte"  # "byte" or a path to a Hugging Face tokenizer.json (embedded corpus only).
+  d.tokenizer = "byte"  # "byte" or a path to a Hugging Face tokenizer.json: builds the embedded corpus; must match data.path's store headers.
   d.seq_len = 256  # Tokens per training sequence (documents are packed).
   d.batch_size = 16  # Global batch, in sequences, across all processes.
 
@@ -117,6 +117,8 @@ def base_config() -> ml_collections.ConfigDict:
   k.resume = "auto"  # auto (newest complete checkpoint, if any) | never | a step number | a checkpoint path.
   k.async_save = True  # Write in the background; the loop blocks only for the device-to-host copy.
   k.verify = True  # Check a checkpoint against its manifest (sizes, checksums) before restoring it.
+  k.branch = False  # resume=N while newer steps exist: move them aside (renamed, an event) and continue from N; else exit 2.
+  k.start_over_if_corrupt = False  # resume=auto and no checkpoint verifies: move them all aside and train from step 0; else exit 2.
   k.s3_connect_timeout_s = 10.0  # s3:// checkpoints: seconds to wait for a connection to the endpoint.
   k.s3_read_timeout_s = 60.0  # s3:// checkpoints: seconds to wait for a response (per read).
   k.s3_max_attempts = 5  # s3:// checkpoints: attempts per request (retries with backoff) before the request fails.

@@ -135,5 +135,9 @@ def load(path: str, *, seed: int = 0) -> tuple[Generator, Any, Any]:
   spec = state_lib.spec(model_cfg, optax.identity(), mesh, seed, rules)
   params = init_from.load_params(path, model_cfg, with_shardings(spec.abstract.params, spec.shardings.params))
   model = nnx.merge(spec.graphdef, params)
-  tokenizer = load_tokenizer(source.tokenizer or "byte")
+  tokenizer = load_tokenizer(source.tokenizer or "byte")  # the one the run trained with (its saved config)
+  trained = getattr(source, "tokenizer_identity", None)
+  require(trained is None or trained == tokenizer.identity,
+          f"{path} was trained on stores tokenized by {trained}, but its data.tokenizer={source.tokenizer!r} is "
+          f"now {tokenizer.identity} (the file changed since): restore that tokenizer file")
   return Generator(model, mesh, rules, batch_multiple=plan.layout.shards("act_batch")), tokenizer, source

@@ -109,17 +109,22 @@ class HFSource:
 
 
 class TrainingSource:
-  """The parameters of a maxtrain training checkpoint (one step directory)."""
+  """The parameters of a maxtrain training checkpoint (one step directory), verified against its manifest
+  before anything is read (init_from, generate, convert and the eval tools all read through here)."""
 
   def __init__(self, step_dir: Path):
     import orbax.checkpoint as ocp
 
+    from maxtrain.checkpoint import manifest
+
     self.dir = step_dir.absolute()
+    manifest.check(self.dir)  # CorruptCheckpoint: a UserError naming the file
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
     meta = checkpointer.restore(self.dir, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     self.config = meta["config"]
     self.model = self.config["model"]
     self.tokenizer = ml_collections.ConfigDict(self.config).data.tokenizer
+    self.tokenizer_identity = meta.get("tokenizer_identity")  # of the stores it trained on (saved since issue 23)
     self.vocab_size = self.model["vocab_size"]
     from maxtrain.data.tokenizer import load_tokenizer
 

@@ -34,10 +34,44 @@ def open_stores(data_cfg: ml_collections.ConfigDict, vocab_size: int) -> tuple[T
           f"Set --config.model.vocab_size to at least {store.vocab_size} (rounded up so the mesh divides it)."
       )
     store.check_vocab(vocab_size)  # the ids actually stored (the header's maximum, or one scan of old stores)
+  if data_cfg.path:
+    check_tokenizer(train, data_cfg.tokenizer)
   if train.tokenizer_identity != val.tokenizer_identity:
     raise UserError(f"{train.prefix} and {val.prefix} were built with different tokenizers "
                     f"({train.tokenizer_identity} vs {val.tokenizer_identity}); rebuild both with tools/index_data.py")
   return train, val
+
+
+def check_tokenizer(store: TokenStore, tokenizer: str) -> None:
+  """The tokenizer is part of a run's identity: the store's header must name the config's `data.tokenizer`
+  (what generate and convert will decode with). UserError naming both."""
+  from maxtrain.data.tokenizer import load_tokenizer
+
+  identity = load_tokenizer(tokenizer).identity
+  if store.tokenizer_identity != identity:
+    raise UserError(f"token store {store.prefix} was built with tokenizer {store.tokenizer_identity}, but "
+                    f"config.data.tokenizer={tokenizer!r} is {identity}: set --config.data.tokenizer to the "
+                    "tokenizer.json the store was built with (generate and convert decode with it), or rebuild "
+                    "the store with tools/index_data.py --tokenizer")
+
+
+def check_checkpoint_tokenizer(store: TokenStore, data_cfg: ml_collections.ConfigDict, meta: dict, path: Any) -> None:
+  """A resumed checkpoint was trained on stores of one tokenizer: this run's must be the same."""
+  saved = meta.get("tokenizer_identity")
+  saved_cfg = _dotted(meta.get("config", {}), "data.tokenizer")
+  if saved is not None and saved != store.tokenizer_identity:
+    raise UserError(f"checkpoint {path} was trained on stores tokenized by {saved} (data.tokenizer={saved_cfg!r}), "
+                    f"but token store {store.prefix} was built with {store.tokenizer_identity}: resume with the "
+                    "stores and data.tokenizer it was trained with, or start a new run in another output_dir")
+  if saved is None and saved_cfg is not None and saved_cfg != data_cfg.tokenizer:
+    raise UserError(f"checkpoint {path} was trained with data.tokenizer={saved_cfg!r}, this run has "
+                    f"config.data.tokenizer={data_cfg.tokenizer!r}: resume with the one it was trained with")
+
+
+def _dotted(tree: dict, key: str) -> Any:
+  for part in key.split("."):
+    tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+  return tree if tree != {} else None
 
 
 class Data:

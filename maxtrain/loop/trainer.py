@@ -24,7 +24,7 @@ from maxtrain.optim import optimizer as optim
 from maxtrain.program import build as program_lib
 from maxtrain.program import state as state_lib
 from maxtrain.checkpoint.schedule import Checkpoints
-from maxtrain.loop.data import Data
+from maxtrain.loop.data import Data, check_checkpoint_tokenizer
 from maxtrain.errors import EXIT_CRASH, EXIT_HANG, Preempted, UserError, exit_code, require_writable_dir
 from maxtrain.loop.rollback import Rollback, Rollbacks
 from maxtrain.models.llama import param_count
@@ -92,6 +92,10 @@ class Trainer:
     if jax.process_index() == 0:
       config_lib.save(cfg, self.out_dir / "config.json")
     self.data = Data(cfg, program.batch_shardings)
+    self.checkpoints.tokenizer_identity = self.data.train_store.tokenizer_identity
+    if self.resume_path is not None:  # before compiling: the checkpoint's tokenizer is this run's
+      check_checkpoint_tokenizer(self.data.train_store, cfg.data, self.checkpoints.store.read_meta(self.resume_path),
+                                 self.resume_path)
     log.info("devices: %d x %s; mesh %s; %s", jax.device_count(), jax.devices()[0].device_kind,
              program.plan.mesh.describe(), self.data.describe())
     log.info("MFU peak: %s; model FLOPs/token %.3g", peak_source, program.flops_per_token)

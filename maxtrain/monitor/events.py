@@ -44,6 +44,7 @@ CHECKPOINT_BLOCKED = "checkpoint_blocked"  # The loop resumed after a save's blo
 CHECKPOINT_SAVE_END = "checkpoint_save_end"  # That save is durable: blocking_s (loop blocked), save_s (total).
 RESTORE = "restore"  # State restored from the checkpoint of `step`: seconds.
 CHECKPOINT_CORRUPT = "checkpoint_corrupt"  # The checkpoint of `step` failed verification: file, reason, moved_to.
+CHECKPOINT_BRANCH = "checkpoint_branch"  # checkpoint.branch: resumed `step`; newer_steps moved aside to moved_to.
 NAN_SKIP = "nan_skip"  # Steps whose update the in-graph guard skipped: count (in the last interval).
 SPIKE = "spike"  # Loss spike detected at `step`: loss, threshold.
 ROLLBACK = "rollback"  # Rolled back: from_step, to_step (step = to_step); seconds (to restore).
@@ -56,7 +57,8 @@ RESTART = "restart"  # Supervisor launches a new attempt (its `attempt`); backof
 EXIT = "exit"  # A process is exiting: code (see DESIGN.md exit codes).
 
 KINDS = (JOB_START, COMPILE_START, COMPILE_END, FIRST_STEP, STEPS, EVAL, CHECKPOINT_SAVE_START, CHECKPOINT_BLOCKED,
-         CHECKPOINT_SAVE_END, RESTORE, CHECKPOINT_CORRUPT, NAN_SKIP, SPIKE, ROLLBACK, HANG, ROUTING_COLLAPSE, STRAGGLER, PREEMPTION, CRASH,
+         CHECKPOINT_SAVE_END, RESTORE, CHECKPOINT_CORRUPT,
+         CHECKPOINT_BRANCH, NAN_SKIP, SPIKE, ROLLBACK, HANG, ROUTING_COLLAPSE, STRAGGLER, PREEMPTION, CRASH,
          RESTART, EXIT)
 # Worth an fsync: the last words of an attempt, which the goodput report needs to place downtime.
 CRITICAL = frozenset({HANG, PREEMPTION, CRASH, EXIT})

@@ -9,6 +9,9 @@ holder, before it writes anything there. Process 0 takes it in a multi-process r
 flock is advisory and per host: it keeps two trainers of one machine (or of one NFS client) apart,
 which is the common mistake (a rerun while the first is still going). Across hosts on a shared
 filesystem the file's contents still name the holder, but the lock may not be enforced.
+
+The same lock is taken in the checkpoint directory (`checkpoint.dir`, when it is not the output
+directory's own): two runs with different output directories must not save into one.
 """
 
 from __future__ import annotations
@@ -46,28 +49,29 @@ def _describe(holder: dict) -> str:
 class RunLock:
   """`acquire()` takes the lock or raises UserError naming the holder; `release()` lets it go."""
 
-  def __init__(self, output_dir: Path):
-    self.path = Path(output_dir) / FILENAME
+  def __init__(self, directory: Path, key: str = "config.output_dir"):
+    self.path = Path(directory) / FILENAME
+    self.key = key  # what the user sets to choose another directory, for the messages
     self._fd: int | None = None
 
   def acquire(self) -> "RunLock":
     try:
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as e:
-      raise UserError(f"output_dir={self.path.parent}: cannot create {self.path.name} ({e.strerror}); choose a "
-                      "writable config.output_dir") from None
+      raise UserError(f"{self.key}={self.path.parent}: cannot create {self.path.name} ({e.strerror}); choose a "
+                      f"writable {self.key}") from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       holder = self._read(fd)
       os.close(fd)
-      raise UserError(f"output_dir={self.path.parent} is in use by another trainer ({_describe(holder)}; lock file "
+      raise UserError(f"{self.key}={self.path.parent} is in use by another trainer ({_describe(holder)}; lock file "
                       f"{self.path}). Two runs in one directory would overwrite each other's checkpoints: wait for "
-                      "it to finish, stop it, or choose another config.output_dir.") from None
+                      f"it to finish, stop it, or choose another {self.key}.") from None
     previous = self._read(fd)
     if previous.get("pid") and previous.get("host") == socket.gethostname() and not _alive(int(previous["pid"])):
-      log.warning("output_dir %s: taking over the lock of a trainer that is gone (%s); it did not exit cleanly",
-                  self.path.parent, _describe(previous))
+      log.warning("%s %s: taking over the lock of a trainer that is gone (%s); it did not exit cleanly",
+                  self.key, self.path.parent, _describe(previous))
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
