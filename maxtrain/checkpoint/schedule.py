@@ -25,7 +25,8 @@ class Checkpoints:
   and the record of every save (events, TensorBoard, the log)."""
 
   def __init__(self, cfg: ml_collections.ConfigDict, output_dir: Path, events: Any, metrics: Any,
-               on_save_started: Any = None, on_progress: Callable[[], None] | None = None):
+               on_save_started: Any = None, on_progress: Callable[[], None] | None = None,
+               on_saved: Callable[[int, Path], None] | None = None):
     local = output_dir / "checkpoints"
     self.cfg = cfg
     self.store = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(local), local, on_progress,
@@ -33,6 +34,7 @@ class Checkpoints:
     self.events, self.metrics = events, metrics
     self.on_save_started = on_save_started or (lambda step: None)
     self.on_progress = on_progress or (lambda: None)
+    self.on_saved = on_saved or (lambda step, path: None)  # a save is complete on disk
     self.tokenizer_identity: str | None = None  # of the run's stores (loop/data.py): in every checkpoint's meta
     self.rollbacks = 0  # the run's rollbacks so far (loop/rollback.py keeps the count): in every checkpoint's meta
 
@@ -110,6 +112,7 @@ class Checkpoints:
                                          "checkpoint/save_s": timing.save_s})
       log.info("checkpoint step %d saved: loop blocked %.3fs, complete on disk after %.3fs",
                timing.step, timing.blocking_s, timing.save_s)
+      self.on_saved(timing.step, self.store.local_path(timing.step))
 
   def close(self) -> None:
     self.on_progress()  # the wait for the last save and upload starts now, under the watchdog

@@ -155,6 +155,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.faults = f = ml_collections.ConfigDict()  # Fault injection for tests and drills; -1 = off.
   f.sigterm_at_step = -1  # Send SIGTERM to itself after this step (exercises preemption).
   f.kill_during_save_at_step = -1  # SIGKILL itself while this step's checkpoint is being written.
+  f.corrupt_checkpoint_at_step = -1  # Flip a byte of this step's checkpoint once it is complete (bit rot).
   f.crash_at_step = -1  # Raise an exception after this step (exit 1, a crash).
   f.hang_at_step = -1  # Block forever after this step (the watchdog must fire).
   f.nan_at_step = -1  # Make this step's loss and gradients NaN (in-graph).

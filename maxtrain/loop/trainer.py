@@ -86,7 +86,7 @@ class Trainer:
     stack.callback(self.metrics.close)
     self.faults = Faults(cfg.faults, self.out_dir, jax.process_index())
     self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.faults.after_save_started,
-                                   on_progress=self.watchdog.progress)
+                                   on_progress=self.watchdog.progress, on_saved=self.faults.after_save_complete)
     stack.callback(self.checkpoints.close)  # waits for the last save (and its upload)
     self.resume_path = self.checkpoints.resolve_resume()
     if jax.process_index() == 0:

@@ -59,7 +59,7 @@ def inject(fault: jax.Array | None, loss: jax.Array, grads: Any) -> tuple[jax.Ar
 
 class Faults:
   def __init__(self, faults_cfg: ml_collections.ConfigDict, output_dir: Path, process_index: int = 0):
-    self.cfg = faults_cfg
+    self.cfg, self.process_index = faults_cfg, process_index
     self.targeted = faults_cfg.process in (-1, process_index)
     sigterm_process = faults_cfg.process if faults_cfg.sigterm_process == -1 else faults_cfg.sigterm_process
     self._sigterm_targeted = sigterm_process in (-1, process_index)
@@ -112,6 +112,16 @@ class Faults:
     if self._armed("spike_at_step", step):
       return 0.0, float(self.cfg.spike_factor)
     return 0.0, 1.0
+
+  def after_save_complete(self, step: int, path: Path) -> None:
+    # Bit rot in a finished checkpoint: the next read (resume, rollback, generate) must catch it. Process 0
+    # only: the files are shared, and a second flip of the same byte would undo the first.
+    if self.process_index == 0 and self._fire("corrupt_checkpoint_at_step", step):
+      victim = max((p for p in path.rglob("*") if p.is_file() and p.name != "maxtrain_manifest.json"),
+                   key=lambda p: p.stat().st_size)
+      data = bytearray(victim.read_bytes())
+      data[len(data) // 2] ^= 0xFF
+      victim.write_bytes(bytes(data))
 
   def after_save_started(self, step: int) -> None:
     # The async write is in flight: SIGKILL now leaves an incomplete checkpoint behind.
