@@ -147,4 +147,5 @@ def load(path: str, *, seed: int = 0, overrides: Sequence[str] = ()) -> tuple[Ge
   params = init_from.load_params(path, program.model_cfg, program.abstract_state().params)
   model = nnx.merge(spec.graphdef, params)
   tokenizer = load_tokenizer(source.tokenizer or "byte")
-  return Generator(model, program.mesh, rules, batch_multiple=program.plan.layout.shards("act_batch")), tokenizer, source
+  generator = Generator(model, program.mesh, rules, batch_multiple=program.plan.layout.shards("act_batch"))
+  return generator, tokenizer, source
