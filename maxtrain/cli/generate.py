@@ -32,7 +32,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   logging.basicConfig(level=logging.WARNING)
   logging.getLogger("absl").setLevel(logging.ERROR)
-  args, overrides = parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+  p = parser()
+  args, overrides = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+  unknown = [a for a in overrides if not (a.startswith("--config.") and "=" in a)]
+  if unknown:
+    p.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides are --config.KEY=VALUE)")
   try:
     if args.max_new_tokens <= 0 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
       raise UserError("--max-new-tokens must be > 0, --temperature >= 0, --top-k >= 0, --top-p in (0, 1]")
