@@ -140,3 +140,28 @@ def test_entry_point_on_a_training_run_with_the_byte_tokenizer(store, tmp_path, 
   first, second = texts[0].split("-" * 40 + "\n")[:2]
   assert first.startswith("def f(x):") and len(first) > len("def f(x):\n") and second.startswith("import os")
   assert texts[0] == texts[1]
+
+
+def test_load_honours_the_runs_mesh_and_overrides(store, tmp_path):
+  """A run trained on data=2 x fsdp=2 x tensor=2 generates on that mesh; --config.mesh.* overrides win, and
+  are validated as training validates them."""
+  from maxtrain.cli import train
+  from maxtrain.errors import UserError
+  from tiny import TINY_MODEL
+
+  run = tmp_path / "run"
+  mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+  assert train.main(TINY_MODEL + mesh + [f"--config.data.path={store}", "--config.steps=1",
+                                         f"--config.output_dir={run}"]) == 0
+  generator, tokenizer, _ = sampling.load(str(run))
+  assert dict(generator.mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
+  assert generator.batch_multiple == 4
+  out, _ = generator.generate([[tokenizer.bos_id, 5, 6]], 4, sampling.Sampling())
+  assert len(out) == 1 and len(out[0]) <= 4
+  generator, _, _ = sampling.load(str(run), overrides=["--config.mesh.data=1", "--config.mesh.fsdp=-1",
+                                                       "--config.mesh.tensor=1"])
+  assert dict(generator.mesh.shape)["fsdp"] == 8 and generator.batch_multiple == 8
+  with pytest.raises(UserError, match="mesh"):
+    sampling.load(str(run), overrides=["--config.mesh.tensor=3"])
+  with pytest.raises(UserError, match="--config.KEY=VALUE"):
+    sampling.load(str(run), overrides=["--config=configs/default.py"])

@@ -4,56 +4,52 @@ Builds the sharded state and the jitted step with the trainer's builder (`maxtra
 real batches from the configured token store, and prints step time, tokens/s, achieved model FLOP/s (see
 `ModelConfig.train_flops_per_token`) and MFU against the device's peak (`maxtrain/monitor/mfu.py`: the
 table by device kind, `mfu.peak_flops` when set, or on CPU a matmul peak measured once per machine).
-Timing excludes compilation and a warm-up step.
+Timing (`maxtrain/monitor/timing.py`) excludes compilation and a warm-up step.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import tempfile
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
 
-import jax  # noqa: E402
-
-from maxtrain import config as config_lib  # noqa: E402
+from maxtrain import config as config_lib
+from maxtrain.loop.data import Data
+from maxtrain.models.llama import param_count
+from maxtrain.monitor import mfu, profiler, timing
 from maxtrain.program import build as program_lib, state as state_lib
-from maxtrain.loop.data import Data  # noqa: E402
-from maxtrain.models.llama import param_count  # noqa: E402
-from maxtrain.monitor import mfu, profiler  # noqa: E402
-from maxtrain.runtime import platform as platform_env  # noqa: E402
-from maxtrain.program.plan import validate  # noqa: E402
+from maxtrain.runtime import platform as platform_env
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--steps", type=int, default=10, help="timed steps")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+  parser.add_argument("--rounds", type=int, default=1, help="rounds of --steps steps; the median round is reported")
   parser.add_argument("--top-ops", type=int, default=0,
                       help="after timing, trace the steps again and print the N ops that took the most time")
   args, rest = parser.parse_known_args()
   cfg = config_lib.load(rest)
   platform_env.apply(cfg.runtime)  # XLA/Neuron flags of runtime.platform, before the backend starts
-  program = program_lib.build(cfg, validate(cfg, jax.device_count(), jax.process_count()))
-  mesh, model_cfg = program.mesh, program.model_cfg
+  program = program_lib.program_for(cfg, jax.devices())
+  mesh = program.mesh
   state = state_lib.initialize(program.state, mesh)
   data = Data(cfg, program.batch_shardings)
   batches = [data.next_batch()[0] for _ in range(args.steps + 1)]
   with jax.set_mesh(mesh):
-    t0 = time.perf_counter()
-    compiled = program.train_step.lower(state, batches[0]).compile()
-    compile_s = time.perf_counter() - t0
-    state, metrics = compiled(state, batches[0])
+    compile_s, _, compiled = timing.once(lambda: program.train_step.lower(state, batches[0]).compile())
+    state, metrics = compiled(state, batches[0])  # the warm-up step, outside the timing
     jax.block_until_ready(metrics)
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    for batch in batches[1:]:
-      state, metrics = compiled(state, batch)
-    jax.block_until_ready(metrics)
-    step_s = (time.perf_counter() - t0) / args.steps
-    cpu_s = (time.process_time() - cpu0) / args.steps
+
+    def steps():
+      nonlocal state
+      for batch in batches[1:]:
+        state, metrics = compiled(state, batch)
+      return metrics
+
+    timed = timing.repeated(steps, args.rounds, warmup=0).per(args.steps)
+    step_s, cpu_s = timed.wall, timed.cpu
     if args.top_ops:
       state = print_top_ops(compiled, state, batches[1:], args.top_ops, step_s)
   tokens = cfg.data.batch_size * cfg.data.seq_len

@@ -29,20 +29,15 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from maxtrain.models.attention import flash as fa  # noqa: E402
-from maxtrain.models.attention.blocked import blocked_attention  # noqa: E402
-from maxtrain.models.attention.layer import dot_product_attention  # noqa: E402
+from maxtrain.models.attention import flash as fa
+from maxtrain.models.attention.blocked import blocked_attention
+from maxtrain.models.attention.layer import dot_product_attention
+from maxtrain.monitor import timing
 
 
 def fwd_bwd(attention):
@@ -65,18 +60,10 @@ def inputs(b: int, t: int, n: int, k: int, h: int, dtype, *, abstract: bool = Fa
 
 
 def time_calls(fns, args, runs: int) -> list[float]:
-  """Median seconds per call of each fn after compile and one warm-up. The calls alternate between
-  the fns so that load from other processes on a shared machine hits them alike."""
+  """Median seconds per call of each fn after compile and one warm-up, the fns interleaved."""
   compiled = [fn.lower(*args).compile() for fn in fns]
-  for c in compiled:
-    jax.block_until_ready(c(*args))
-  times = [[] for _ in fns]
-  for _ in range(runs):
-    for c, ts in zip(compiled, times):
-      t0 = time.perf_counter()
-      jax.block_until_ready(c(*args))
-      ts.append(time.perf_counter() - t0)
-  return [statistics.median(ts) for ts in times]
+  times = timing.interleaved({str(i): lambda c=c: c(*args) for i, c in enumerate(compiled)}, runs, warmup=1)
+  return [times[str(i)].wall for i in range(len(fns))]
 
 
 def flash(block_q: int, block_kv: int):
@@ -130,9 +117,7 @@ def main() -> None:
     for t in ints(args.memory_lengths):
       x = inputs(1, t, 32, 8, 128, jnp.bfloat16, abstract=True)
       dot_mem = fwd_bwd(dot_product_attention).lower(*x).compile().memory_analysis().temp_size_in_bytes
-      t0 = time.perf_counter()
-      compiled = fwd_bwd(flash(args.block_q, args.block_kv)).lower(*x).compile()
-      compile_s = time.perf_counter() - t0
+      compile_s, _, compiled = timing.once(lambda: fwd_bwd(flash(args.block_q, args.block_kv)).lower(*x).compile())
       flash_mem = compiled.memory_analysis().temp_size_in_bytes
       print(f"| {t} | {dot_mem / 2**30:.3f} | {flash_mem / 2**30:.3f} | {compile_s:.1f} |", flush=True)
 

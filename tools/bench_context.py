@@ -4,7 +4,7 @@
 
 Jitted forward + backward (vjp with a random cotangent) of one attention layer, N=8, K=2, H=64, fp32,
 packed documents, blocks 128 x 128, on a mesh of fsdp x context fake CPU devices; median of --runs
-after compile and a warm-up, the variants interleaved:
+after compile and a warm-up, the variants interleaved (`maxtrain/monitor/timing.py`):
   gathered   `sharding/context_attention.py` as the model runs it: K/V, segment ids and positions
              all-gathered over `context`, zigzag chunks, wholly masked block pairs skipped.
   no-comm    the same computation with the all-gather replaced by a local copy of the right shape
@@ -20,22 +20,19 @@ import argparse
 import functools
 import os
 import platform
-import statistics
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax starts its backend
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from maxtrain import config as config_lib  # noqa: E402
 from maxtrain.models.attention.flash import flash_attention_qkv  # noqa: E402
+from maxtrain.monitor import timing  # noqa: E402
 from maxtrain.sharding import context_attention as ca  # noqa: E402
+from maxtrain.sharding import mesh as mesh_lib  # noqa: E402
 from maxtrain.sharding import rules as rules_lib  # noqa: E402
-from maxtrain.sharding.mesh import make_mesh  # noqa: E402
 from maxtrain.sharding.rules import DEFAULT_RULES  # noqa: E402
 
 BLOCK = 128
@@ -76,8 +73,11 @@ def main() -> None:
   p.add_argument("--length", type=int, default=4096)
   p.add_argument("--runs", type=int, default=3)
   args = p.parse_args()
-  sizes = {"data": 1, "fsdp": args.fsdp, "context": args.context, "tensor": 1}
-  mesh = make_mesh(sizes, jax.devices()[:args.fsdp * args.context])
+  # The mesh as the trainer lays it out from its config keys (sharding/mesh.py names the axes).
+  num_devices = args.fsdp * args.context
+  cfg = config_lib.load([f"--config.mesh.fsdp={args.fsdp}", f"--config.mesh.context={args.context}"])
+  layout = mesh_lib.from_config(cfg.mesh, num_devices)
+  mesh = mesh_lib.make_mesh(layout, jax.devices()[:num_devices])
   b, t, n, k, h = args.batch, args.length, 8, 2, 64
   rng = np.random.default_rng(0)
   q, kk, v, dout = (rng.standard_normal(s).astype(np.float32) for s in [(b, t, n, h), (b, t, k, h), (b, t, k, h),
@@ -100,20 +100,14 @@ def main() -> None:
         out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, seg, pos), q, k, v)
         return out, vjp(dout)
 
-      fns[name] = run
-      jax.block_until_ready(run(*inputs[name]))  # compile + warm-up
-    times = {name: [] for name in fns}
-    for _ in range(args.runs):
-      for name, fn in fns.items():
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*inputs[name]))
-        times[name].append(time.perf_counter() - start)
+      fns[name] = functools.partial(run, *inputs[name])
+    times = timing.interleaved(fns, args.runs, warmup=1)  # the warm-up call compiles
   print(f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__}, Python {platform.python_version()}; "
-        f"mesh {sizes}, B={b} T={t} N={n} K={k} H={h} fp32, fwd+bwd, median of {args.runs}")
-  base = statistics.median(times["gathered"])
+        f"mesh {layout.describe()}, B={b} T={t} N={n} K={k} H={h} fp32, fwd+bwd, median of {args.runs}")
+  base = times["gathered"].wall
   for name, ts in times.items():
-    med = statistics.median(ts)
-    print(f"  {name:<11} {med:8.3f} s  ({med / base:.2f}x gathered)  runs {', '.join(f'{x:.3f}' for x in ts)}")
+    print(f"  {name:<11} {ts.wall:8.3f} s  ({ts.wall / base:.2f}x gathered)  CPU {ts.cpu:8.3f} s  "
+          f"runs {', '.join(f'{x:.3f}' for x in ts.walls)}")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,6 @@ import argparse
 import os
 import platform
 import sys
-import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 if "--sharded" in sys.argv:  # fake devices must be set before jax starts its backend
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -27,9 +23,14 @@ if "--sharded" in sys.argv:  # fake devices must be set before jax starts its ba
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from maxtrain import config as config_lib  # noqa: E402
+from maxtrain.monitor import timing  # noqa: E402
 from maxtrain.program import loss  # noqa: E402
+from maxtrain.sharding import mesh as mesh_lib  # noqa: E402
+from maxtrain.sharding import rules as rules_lib  # noqa: E402
+from maxtrain.sharding.layout import BATCH_LOGICAL, Layout  # noqa: E402
 
 Z_LOSS = 1e-4
 
@@ -69,42 +70,35 @@ def time_table(B, T, D, V, chunks, repeats):
   print("| --- | --- | --- | --- | --- |")
   args = concrete_inputs(B, T, D, V)
   compiled = {c: jax.jit(value_and_grads_fn(c, jnp.float32)).lower(*args).compile() for c in chunks}
+  times = timing.interleaved({str(c): lambda c=c: compiled[c](*args) for c in chunks}, repeats, warmup=1)
+  plain = times["0"].wall if chunks[0] == 0 else None
   for c in chunks:
-    jax.block_until_ready(compiled[c](*args))  # warm-up
-  times = {c: [] for c in chunks}
-  for _ in range(repeats):  # alternating, so that load from other processes hits every variant alike
-    for c in chunks:
-      start = time.perf_counter()
-      jax.block_until_ready(compiled[c](*args))
-      times[c].append(time.perf_counter() - start)
-  plain = np.median(times[chunks[0]]) if chunks[0] == 0 else None
-  for c in chunks:
-    med = np.median(times[c])
+    med = times[str(c)].wall
     ratio = f"{med / plain:.2f}x" if plain else "-"
-    print(f"| {c or 'plain'} | {1e3 * med:.1f} | {1e3 * min(times[c]):.1f} | {ratio} | "
+    print(f"| {c or 'plain'} | {1e3 * med:.1f} | {1e3 * times[str(c)].min_wall:.1f} | {ratio} | "
           f"{mib(compiled[c].memory_analysis().temp_size_in_bytes).strip()} |")
 
 
-def memory_table(B, T, D, V, chunks, compute_dtype, mesh=None):
+def memory_table(B, T, D, V, chunks, compute_dtype, mesh=None, layout: Layout | None = None):
   where = "1 device" if mesh is None else f"8 fake devices, mesh {dict(mesh.shape)}"
   print(f"\n## compiled fwd+bwd memory (compile only), {np.dtype(compute_dtype).name} compute, {where}: "
         f"B={B} T={T} D={D} V={V}; full fp32 logits = {mib(B * T * V * 4).strip()} MiB")
   print("| chunk_tokens | temp MiB (per device) | argument MiB | output MiB | compile s |")
   print("| --- | --- | --- | --- | --- |")
   shardings, batch_shards = (None,) * 4, 1
-  if mesh is not None:
-    batch = ("data", "fsdp")
-    shardings = tuple(NamedSharding(mesh, s) for s in (P(batch, None, None), P("fsdp", "tensor"), P(batch, None),
-                                                       P(batch, None)))
-    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if mesh is not None:  # the model's logical names: the final activations, the head, the batch's rows
+    specs = (layout.spec(BATCH_LOGICAL + ("act_embed",)), layout.spec(("embed", "vocab")), layout.spec(BATCH_LOGICAL),
+             layout.spec(BATCH_LOGICAL))
+    shardings = tuple(NamedSharding(mesh, s) for s in specs)
+    batch_shards = layout.shards("act_batch")
   args = abstract_inputs(B, T, D, V, compute_dtype, shardings)
   for c in chunks:
-    start = time.perf_counter()
     out_shardings = None if mesh is None else (NamedSharding(mesh, P()), shardings[:2])
     fn = jax.jit(value_and_grads_fn(c, compute_dtype, batch_shards), out_shardings=out_shardings)
-    m = fn.lower(*args).compile().memory_analysis()
+    compile_s, _, compiled = timing.once(lambda: fn.lower(*args).compile())
+    m = compiled.memory_analysis()
     print(f"| {c or 'plain'} | {mib(m.temp_size_in_bytes).strip()} | {mib(m.argument_size_in_bytes).strip()} | "
-          f"{mib(m.output_size_in_bytes).strip()} | {time.perf_counter() - start:.1f} |")
+          f"{mib(m.output_size_in_bytes).strip()} | {compile_s:.1f} |")
 
 
 def main() -> None:
@@ -124,9 +118,12 @@ def main() -> None:
     time_table(4, 1024, 512, 32768, chunks, args.repeats)
   if not args.skip_8b:
     memory_table(1, 8192, 4096, 128256, chunks, jnp.bfloat16)
-    if args.sharded:
-      mesh = jax.make_mesh((1, 8, 1), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
-      memory_table(8, 8192, 4096, 128256, chunks, jnp.bfloat16, mesh)  # chunk_tokens are per device
+    if args.sharded:  # the h100x8 preset's mesh and rules, as the trainer lays them out
+      cfg = config_lib.load(["--config.hardware=h100x8"])
+      mesh_layout = mesh_lib.from_config(cfg.mesh, 8)
+      layout = Layout(mesh_layout.sizes, rules_lib.get(cfg.mesh.rules))
+      mesh = mesh_lib.make_mesh(mesh_layout)
+      memory_table(8, 8192, 4096, 128256, chunks, jnp.bfloat16, mesh, layout)  # chunk_tokens are per device
 
 
 if __name__ == "__main__":

@@ -14,14 +14,11 @@ import argparse
 import os
 import platform
 import shutil
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from maxtrain.checkpoint import manifest  # noqa: E402
+from maxtrain.checkpoint import manifest
+from maxtrain.monitor import timing
 
 
 def _drop_cache(path: Path) -> None:
@@ -37,9 +34,8 @@ def _drop_cache(path: Path) -> None:
 
 
 def _timed(fn, *args, **kwargs) -> float:
-  t0 = time.perf_counter()
-  fn(*args, **kwargs)
-  return time.perf_counter() - t0
+  """Wall seconds of one call (each measurement here is one pass over a file or a checkpoint)."""
+  return timing.once(lambda: fn(*args, **kwargs))[0]
 
 
 def bench_checksums(workdir: Path, file_gb: float) -> None:
@@ -89,10 +85,11 @@ def bench_checkpoint(workdir: Path, ckpt_mb: int) -> None:
   abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
   root = workdir / "ckpt"
   manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=True))
-  t0 = time.perf_counter()
-  manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"a": 1})))
-  manager.wait_until_finished()
-  save_s = time.perf_counter() - t0
+  def save():
+    manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"a": 1})))
+    manager.wait_until_finished()
+
+  save_s = _timed(save)
   manager.close()
   step = root / "1"
   files = [p for p in step.rglob("*") if p.is_file()]
@@ -121,13 +118,10 @@ def bench_checkpoint(workdir: Path, ckpt_mb: int) -> None:
     restore_s = _timed(restore)
     print(f"  {'orbax restore (' + label + ')':33s} {restore_s:7.3f} s")
     if cold:  # what a resume does: verify from disk, then restore from the pages verify left cached
-      both, alone = [], []
-      for _ in range(3):  # interleaved, median: restore time varies a lot on a shared machine
-        _drop_cache(step)
-        both.append(_timed(lambda: (manifest.verify(step), restore())))
-        _drop_cache(step)
-        alone.append(_timed(restore))
-      both_s, alone_s = sorted(both)[1], sorted(alone)[1]
+      # Interleaved, median of 3: restore time varies a lot on a shared machine.
+      timed = timing.interleaved({"both": lambda: (manifest.verify(step), restore()), "alone": restore}, 3, warmup=0,
+                                 before=lambda _: _drop_cache(step))
+      both_s, alone_s = timed["both"].wall, timed["alone"].wall
       print(f"  verify + restore (cold, median 3) {both_s:7.3f} s   vs restore alone {alone_s:.3f} s: "
             f"+{both_s - alone_s:.3f} s (+{100 * (both_s - alone_s) / alone_s:.0f}%)")
   shutil.rmtree(root)

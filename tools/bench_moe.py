@@ -6,7 +6,7 @@ SwiGLU of the same active width.
 
 Jitted forward + backward (gradients of the sum of squares of the output w.r.t. input and weights) of
 one layer, fp32, random inputs, on one device; median of --runs after compile and a warm-up, the
-variants interleaved. Defaults are configs/moe.py's shapes (the default run's batch):
+variants interleaved (`maxtrain/monitor/timing.py`). Defaults are configs/moe.py's shapes (the default run's batch):
   dense      the SwiGLU MLP of width experts_per_token x expert_d_ff (the dense layer of equal active size)
   capacity   models/moe.py with model.moe.dispatch=capacity (slots per expert and sequence, gather/scatter)
   dropless   models/moe.py with model.moe.dispatch=dropless (tokens sorted by expert, lax.ragged_dot;
@@ -17,20 +17,15 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from maxtrain.models.layers import MLP  # noqa: E402
-from maxtrain.models.moe import MoE, MoEConfig  # noqa: E402
+from maxtrain.models.layers import MLP
+from maxtrain.models.moe import MoE, MoEConfig
+from maxtrain.monitor import timing
 
 
 def _layer(args, name: str):
@@ -63,23 +58,16 @@ def main() -> None:
   parser.add_argument("--capacity-factor", type=float, default=1.25)
   args = parser.parse_args()
   x = jnp.asarray(np.random.default_rng(0).standard_normal((args.batch, args.length, args.d_model)), jnp.float32)
-  variants = {name: _step(_layer(args, name)) for name in ("dense", "capacity", "dropless")}
-  times: dict[str, list[float]] = {name: [] for name in variants}
-  for fn, params in variants.values():
-    jax.block_until_ready(fn(params, x))  # compile
-    jax.block_until_ready(fn(params, x))  # warm-up
-  for _ in range(args.runs):
-    for name, (fn, params) in variants.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(params, x))
-      times[name].append(time.perf_counter() - t0)
+  steps = {name: _step(_layer(args, name)) for name in ("dense", "capacity", "dropless")}
+  # Two untimed calls each: the compile, then a warm-up.
+  times = timing.interleaved({name: lambda fn=fn, p=params: fn(p, x) for name, (fn, params) in steps.items()},
+                             args.runs, warmup=2)
   print(f"{platform.processor() or platform.machine()}, jax {jax.__version__}, {jax.devices()[0].device_kind}; "
         f"B={args.batch} T={args.length} D={args.d_model} E={args.experts} K={args.top_k} F={args.expert_d_ff} "
         f"capacity_factor={args.capacity_factor}; fwd+bwd, median of {args.runs}")
-  dense = statistics.median(times["dense"])
-  for name, ts in times.items():
-    median = statistics.median(ts)
-    print(f"  {name:<9s} {median * 1e3:8.1f} ms  ({median / dense:.2f}x dense)")
+  dense = times["dense"].wall
+  for name, t in times.items():
+    print(f"  {name:<9s} {t.wall * 1e3:8.1f} ms  ({t.wall / dense:.2f}x dense)  CPU {t.cpu * 1e3:8.1f} ms")
 
 
 if __name__ == "__main__":

@@ -17,11 +17,9 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def collectives(rest: list[str], devices: int, top: int = 12) -> None:
   from maxtrain import config as config_lib
@@ -46,20 +44,18 @@ def accuracy(rest: list[str], steps: int) -> None:
   import jax
   import numpy as np
 
-  from maxtrain.program import build as program_lib
   from maxtrain import config as config_lib
-  from maxtrain.optim import optimizer as optim
-  from maxtrain.program import state as state_lib, step as step_lib
   from maxtrain.loop.data import Data
+  from maxtrain.optim import optimizer as optim
   from maxtrain.optim.muon import nesterov_input, newton_schulz
+  from maxtrain.program import build as program_lib, state as state_lib, step as step_lib
   from maxtrain.sharding.layout import param_name
-  from maxtrain.program.plan import validate
 
   cfg = config_lib.load(rest)
   o = cfg.optimizer
   if o.name != "muon":
     sys.exit("bench_muon.py accuracy: needs optimizer.name=muon (--config=configs/muon.py)")
-  program = program_lib.build(cfg, validate(cfg, jax.device_count(), jax.process_count()))
+  program = program_lib.program_for(cfg, jax.devices())
   state = state_lib.initialize(program.state, program.mesh)
   data = Data(cfg, program.batch_shardings)
   with jax.set_mesh(program.mesh):

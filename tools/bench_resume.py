@@ -9,27 +9,20 @@ corpus size: the loader indexes windows directly and replays nothing.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from maxtrain.data import corpus, pipeline  # noqa: E402
-from maxtrain.data.store import StoreWriter, TokenStore  # noqa: E402
+from maxtrain.data import corpus, pipeline
+from maxtrain.data.store import StoreWriter, TokenStore
+from maxtrain.monitor import timing
 
 
 def time_resume(prefix: str, seq_len: int, batch: int, step: int) -> tuple[float, float, float]:
-  t0 = time.perf_counter()
-  loader = pipeline.TrainLoader(prefix, seq_len, batch, seed=0, process_index=0, process_count=1)
-  t1 = time.perf_counter()
+  open_s, _, loader = timing.once(
+      lambda: pipeline.TrainLoader(prefix, seq_len, batch, seed=0, process_index=0, process_count=1))
   state = {**loader.get_state(), "next_index": step * batch}
-  loader.set_state(state)
-  t2 = time.perf_counter()
-  next(loader)
-  t3 = time.perf_counter()
-  return t1 - t0, t2 - t1, t3 - t2
+  set_s, _, _ = timing.once(lambda: loader.set_state(state))
+  batch_s, _, _ = timing.once(lambda: next(loader))
+  return open_s, set_s, batch_s
 
 
 def main() -> None:
@@ -41,12 +34,15 @@ def main() -> None:
   base = TokenStore.open(train_prefix)
   with tempfile.TemporaryDirectory() as tmp:
     big = f"{tmp}/big"
-    t0 = time.perf_counter()
-    with StoreWriter(big, base.vocab_size, base.tokenizer_identity) as writer:
-      for _ in range(args.scale):
-        for i in range(base.num_docs):
-          writer.add(base.doc(i))
-    print(f"built {args.scale}x store: {TokenStore.open(big).num_tokens:,} tokens in {time.perf_counter() - t0:.1f}s")
+
+    def build() -> None:
+      with StoreWriter(big, base.vocab_size, base.tokenizer_identity) as writer:
+        for _ in range(args.scale):
+          for i in range(base.num_docs):
+            writer.add(base.doc(i))
+
+    build_s, _, _ = timing.once(build)
+    print(f"built {args.scale}x store: {TokenStore.open(big).num_tokens:,} tokens in {build_s:.1f}s")
     for name, prefix in (("1x", train_prefix), (f"{args.scale}x", big)):
       open_s, set_s, batch_s = min(time_resume(prefix, 256, 16, args.step) for _ in range(3))
       print(f"{name:>4} store ({TokenStore.open(prefix).num_tokens:>12,} tokens): open loader {open_s * 1e3:7.1f} ms, "

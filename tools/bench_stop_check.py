@@ -5,7 +5,7 @@ of a small jitted step over all 8 devices (a sharded matmul whose result is read
 the trainer's guards read the step's flags) three ways: no stop check; the former check (a
 one-element `process_allgather` every step: a device collective and a host sync); and the current one
 (`StopRequest.requested`: a lock and two comparisons; agreement through the coordination service only
-once a stop is requested). Prints process 0's per-step times (median of 5 repetitions of N steps) and
+once a stop is requested). Prints process 0's per-step times (median of 5 interleaved repetitions of N steps) and
 the bare cost of one check call.
 """
 
@@ -14,13 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 import subprocess
 import sys
-import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def worker(process_id: int, port: int, steps: int) -> None:
@@ -28,14 +23,21 @@ def worker(process_id: int, port: int, steps: int) -> None:
   import jax.numpy as jnp
   import numpy as np
   from jax.experimental import multihost_utils
-  from jax.sharding import NamedSharding, PartitionSpec as P
 
+  from maxtrain import config as config_lib
+  from maxtrain.monitor import timing
   from maxtrain.runtime.kv import KeyValue
   from maxtrain.runtime.preemption import StopRequest
+  from maxtrain.sharding import mesh as mesh_lib
+  from maxtrain.sharding import rules as rules_lib
+  from maxtrain.sharding.layout import Layout
 
   jax.distributed.initialize(f"127.0.0.1:{port}", 2, process_id)
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-  sharding = NamedSharding(mesh, P("fsdp", None))
+  # The default config's mesh over all 8 devices (FSDP); the rows split as the trainer splits a batch's.
+  mesh_cfg = config_lib.load([]).mesh
+  mesh_layout = mesh_lib.from_config(mesh_cfg, jax.device_count())
+  mesh = mesh_lib.make_mesh(mesh_layout)
+  sharding = Layout(mesh_layout.sizes, rules_lib.get(mesh_cfg.rules)).batch_sharding(mesh)
   x = jax.make_array_from_callback((1024, 256), sharding, lambda idx: np.ones((1024, 256), np.float32)[idx])
   w = jnp.ones((256, 256), jnp.float32) * 1e-3
 
@@ -50,25 +52,29 @@ def worker(process_id: int, port: int, steps: int) -> None:
     return bool(np.any(multihost_utils.process_allgather(np.array(False, np.int32))))
 
   checks = {"none": lambda s: False, "allgather (before)": lambda s: old_check(), "kv agreement (after)": stop.requested}
-  results = {}
-  for name, check in checks.items():
-    times = []
-    for _ in range(5):
-      multihost_utils.sync_global_devices(f"bench-{name}")
-      t0 = time.perf_counter()
+
+  def steps_with(check):
+    def run() -> None:  # float() already waited for each step
+      nonlocal x
       for s in range(steps):
         x, total = step(x)
         float(total)
         check(s)
-      times.append((time.perf_counter() - t0) / steps)
-    results[name] = statistics.median(times)
-  bare = {}
-  for name, check in checks.items():
-    multihost_utils.sync_global_devices(f"bare-{name}")
-    t0 = time.perf_counter()
-    for s in range(200):
-      check(s)
-    bare[name] = (time.perf_counter() - t0) / 200
+    return run
+
+  def calls_of(check):
+    def run() -> None:
+      for s in range(200):
+        check(s)
+    return run
+
+  # Both processes run the same rounds in the same order; a barrier starts each timed run together.
+  timed = timing.interleaved({name: steps_with(check) for name, check in checks.items()}, 5, warmup=1,
+                             before=lambda name: multihost_utils.sync_global_devices(f"bench-{name}"))
+  results = {name: t.per(steps).wall for name, t in timed.items()}
+  timed = timing.interleaved({name: calls_of(check) for name, check in checks.items()}, 1, warmup=0,
+                             before=lambda name: multihost_utils.sync_global_devices(f"bare-{name}"))
+  bare = {name: t.per(200).wall for name, t in timed.items()}
   if process_id == 0:
     print(f"jax {jax.__version__}, 2 processes x 4 CPU devices, {steps} steps x 5 repetitions")
     print(f"{'stop check':<24}{'step (ms)':>12}{'added (ms)':>12}{'bare call (us)':>16}")

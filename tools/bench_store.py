@@ -14,28 +14,19 @@ import json
 import os
 import platform
 import shutil
-import statistics
-import sys
 import tempfile
-import time
-import timeit
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from maxtrain.data import corpus, pipeline  # noqa: E402
-from maxtrain.data import store as store_lib  # noqa: E402
-from maxtrain.data.store import StoreWriter, TokenStore  # noqa: E402
+from maxtrain.data import corpus, pipeline
+from maxtrain.data import store as store_lib
+from maxtrain.data.store import StoreWriter, TokenStore
+from maxtrain.monitor import timing
 
 
 def _median_s(fn, repeats: int) -> float:
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  """Median wall seconds of `repeats` calls, no warm-up: the first open is part of what is measured."""
+  return timing.repeated(fn, repeats, warmup=0).wall
 
 
 def _repeat_store(src: TokenStore, prefix: str, times: int) -> None:
@@ -79,15 +70,12 @@ def main() -> None:
   tmp = tempfile.mkdtemp(prefix="bench-store-")
   try:
     os.environ["MAXTRAIN_CACHE"] = tmp
-    t0 = time.perf_counter()
-    train, _ = corpus.prepare_corpus("python-stdlib")
-    print(f"1x store (python-stdlib train split) built in "
-          f"{time.perf_counter() - t0:.1f} s")
+    built_s, _, (train, _) = timing.once(lambda: corpus.prepare_corpus("python-stdlib"))
+    print(f"1x store (python-stdlib train split) built in {built_s:.1f} s")
     stores = {"1x": train}
-    t0 = time.perf_counter()
-    _repeat_store(TokenStore.open(train), os.path.join(tmp, "x10"), 10)
+    written_s, _, _ = timing.once(lambda: _repeat_store(TokenStore.open(train), os.path.join(tmp, "x10"), 10))
     stores["10x"] = os.path.join(tmp, "x10")
-    print(f"10x store written in {time.perf_counter() - t0:.1f} s")
+    print(f"10x store written in {written_s:.1f} s")
     if args.many_docs:
       stores[f"{args.many_docs:,} docs"] = os.path.join(tmp, "many")
       _many_docs_store(stores[f"{args.many_docs:,} docs"], args.many_docs)
@@ -111,9 +99,7 @@ def main() -> None:
       _without_max(stores[name], old)
       scan = _median_s(lambda o=old: TokenStore.open(o)._scan_max(),
                        max(3, args.repeats // 4))
-      t0 = time.perf_counter()
-      TokenStore.open(stores[name]).verify()
-      verify_s = time.perf_counter() - t0
+      verify_s, _, _ = timing.once(TokenStore.open(stores[name]).verify)
       print(f"  {name:4s} recorded {with_max * 1e6:8.2f} us   scan "
             f"{scan * 1e3:8.1f} ms ({s.num_tokens * s.tokens.itemsize / scan / 1e9:.1f} "
             f"GB/s)   full --verify {verify_s:.2f} s")
@@ -125,9 +111,12 @@ def main() -> None:
       ids = rng.integers(0, 258, size=(batch, seq + 1)).astype(np.int32)
       b = {"inputs": ids[:, :-1].copy(), "targets": ids[:, 1:].copy()}
       n = 2000 if batch * seq < 1e6 else 200
-      per = min(timeit.repeat(
-          lambda b=b: pipeline.check_batch_ids(b, store, seq, 384, None),
-          number=n, repeat=5)) / n
+
+      def checks(b=b, n=n, seq=seq) -> None:  # returns nothing: the harness has nothing to wait for
+        for _ in range(n):
+          pipeline.check_batch_ids(b, store, seq, 384, None)
+
+      per = timing.repeated(checks, 5, warmup=0).min_wall / n
       print(f"  {batch:4d} x {seq:5d}  {per * 1e6:9.1f} us  "
             f"({per / (batch * seq) * 1e9:.2f} ns/token)")
   finally:

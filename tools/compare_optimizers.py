@@ -16,16 +16,13 @@ import json
 import logging
 import platform
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import numpy as np
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-
-from maxtrain import config as config_lib  # noqa: E402
+from maxtrain import config as config_lib
 from maxtrain.loop import trainer
 
 

@@ -12,9 +12,7 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # Arithmetic only: never start an accelerator backend (tracing the abstract model may touch one).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -13,9 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from maxtrain.monitor import events, goodput  # noqa: E402
+from maxtrain.monitor import events, goodput
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
   python -m maxtrain.compile --config=PATH [--config.key=value ...] [--devices N] [--device-memory-gb G]
 
-Lowers and compiles the real train step (`program.build`, the program the trainer runs) for a
+Lowers and compiles the real train step (`program.build.program_for`, the program the trainer runs) for a
 mesh of N devices, from abstract inputs (`jax.ShapeDtypeStruct`s carrying the state and batch
 shardings): no parameter is allocated and no data is read. It always compiles on N fake CPU devices,
 whatever `runtime.platform` says, so a laptop can check a 64-device Trainium or GPU layout. The
@@ -29,7 +29,7 @@ import ml_collections
 
 from maxtrain.errors import UserError
 from maxtrain.sharding.mesh import AXES
-from maxtrain.program.plan import Plan, validate
+from maxtrain.program.plan import Plan
 
 GiB = 2**30
 
@@ -163,9 +163,9 @@ def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int) -> Comp
   use_cpu_devices(num_devices)
   from maxtrain.program import build as program_lib  # imported after the backend is set up
 
-  plan = validate(cfg, num_devices, require_data=False)
   t0 = time.perf_counter()
-  program = program_lib.build(cfg, plan)
+  program = program_lib.program_for(cfg, jax.devices(), require_data=False)
+  plan = program.plan
   lowered = program.lower()
   t1 = time.perf_counter()
   with jax.set_mesh(program.mesh):

@@ -1,7 +1,9 @@
 """Entry point: `python -m maxtrain.generate --checkpoint RUN_OR_PATH --prompt TEXT [--prompt TEXT ...]
-[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]`.
+[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--config.KEY=VALUE ...]`.
 
 RUN_OR_PATH: a run's output dir, a checkpoint step dir, a converted checkpoint or a Hugging Face dir.
+The model runs on the mesh of the run's saved config (the training defaults for other sources), with
+any `--config.mesh.*` overrides, e.g. `--config.mesh.tensor=2`.
 Prints each prompt's continuation and the decode speed. Exit 2 on bad input.
 """
 
@@ -30,13 +32,17 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   logging.basicConfig(level=logging.WARNING)
   logging.getLogger("absl").setLevel(logging.ERROR)
-  args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+  p = parser()
+  args, overrides = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+  unknown = [a for a in overrides if not (a.startswith("--config.") and "=" in a)]
+  if unknown:
+    p.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides are --config.KEY=VALUE)")
   try:
     if args.max_new_tokens <= 0 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
       raise UserError("--max-new-tokens must be > 0, --temperature >= 0, --top-k >= 0, --top-p in (0, 1]")
     from maxtrain.inference import sampling
 
-    generator, tokenizer, source = sampling.load(args.checkpoint, seed=args.seed)
+    generator, tokenizer, source = sampling.load(args.checkpoint, seed=args.seed, overrides=overrides)
     prompts = [[tokenizer.bos_id] + tokenizer.encode(p).tolist() for p in args.prompt]
     eos = {tokenizer.eos_id} | ({source.eos_id} if isinstance(source.eos_id, int) else set(source.eos_id or ()))
     rule = sampling.Sampling(args.temperature, args.top_k, args.top_p, args.seed)

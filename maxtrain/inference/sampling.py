@@ -106,38 +106,50 @@ class Generator:
                  "tokens_per_s": steps / max(t2 - t1, 1e-9)}
 
 
-def load(path: str, *, seed: int = 0) -> tuple[Generator, Any, Any]:
-  """(generator, tokenizer, source) for the model at `path` on a mesh over all devices (the training
-  defaults: FSDP over every device, the default rules)."""
+def load(path: str, *, seed: int = 0, overrides: Sequence[str] = ()) -> tuple[Generator, Any, Any]:
+  """(generator, tokenizer, source) for the model at `path`, on the mesh its run trained on: the mesh
+  section of the checkpoint's saved config where there is one (a training checkpoint), else the
+  training defaults (FSDP over every device), then `overrides` (`--config.KEY=VALUE`), validated as
+  training validates them. The parameters are placed by the program the trainer builds
+  (`program/build.py`), so they are sharded as in training."""
   from maxtrain import config as config_lib
-  from maxtrain.program import state as state_lib
+  from maxtrain.config.loader import DEFAULT_CONFIG, parse_args, set_override
   from maxtrain.data.tokenizer import load_tokenizer
-  from maxtrain.errors import require
+  from maxtrain.errors import UserError, require
   from maxtrain.interop import init_from
   from maxtrain.interop.sources import open_source
-  from maxtrain.models.llama import ModelConfig
-  from maxtrain.program.plan import validate
-  from maxtrain.sharding.layout import with_shardings
-  from maxtrain.sharding.mesh import make_mesh
+  from maxtrain.program.build import program_for
 
   source = open_source(path)
   cfg = config_lib.base_config()
   for key, value in source.model.items():
     if key in cfg.model:
       cfg.model[key] = value
+  saved = getattr(source, "config", None) or {}  # only a training checkpoint saves its run's config
+  for key, value in saved.get("mesh", {}).items():
+    if key in cfg.mesh:
+      cfg.mesh[key] = value
   cfg.data.seq_len = min(cfg.data.seq_len, cfg.model.max_seq_len)
-  experts = source.model.get("moe", {}).get("num_experts", 0)
+  # Generation pads its prompts to the batch shards itself; a training batch that divides any mesh of
+  # these devices keeps the batch checks from failing on a size nothing here uses.
+  cfg.data.batch_size, cfg.seed = jax.device_count(), seed
+  file, keys = parse_args(overrides)
+  if str(file) != str(DEFAULT_CONFIG):
+    raise UserError(f"--config={file}: generation takes the model from the checkpoint; give --config.KEY=VALUE "
+                    "overrides only (e.g. --config.mesh.tensor=2)")
+  for key, value in keys:
+    set_override(cfg, key, value)
+  experts = cfg.model.moe.num_experts
   require(not experts, f"{path}: a mixture-of-experts model (model.moe.num_experts={experts}); generation (the "
           "KV-cache decoder, models/decode.py) runs dense models only")
-  plan = validate(cfg, jax.device_count(), require_data=False)
-  mesh, rules = make_mesh(plan.mesh), plan.layout.rules
-  model_cfg = ModelConfig.from_config(cfg.model)
-  spec = state_lib.spec(model_cfg, optax.identity(), mesh, seed, rules)
-  params = init_from.load_params(path, model_cfg, with_shardings(spec.abstract.params, spec.shardings.params))
+  program = program_for(cfg, jax.devices(), require_data=False)
+  spec, rules = program.state, program.plan.layout.rules
+  params = init_from.load_params(path, program.model_cfg, program.abstract_state().params)
   model = nnx.merge(spec.graphdef, params)
   tokenizer = load_tokenizer(source.tokenizer or "byte")  # the one the run trained with (its saved config)
   trained = getattr(source, "tokenizer_identity", None)
   require(trained is None or trained == tokenizer.identity,
           f"{path} was trained on stores tokenized by {trained}, but its data.tokenizer={source.tokenizer!r} is "
           f"now {tokenizer.identity} (the file changed since): restore that tokenizer file")
-  return Generator(model, mesh, rules, batch_multiple=plan.layout.shards("act_batch")), tokenizer, source
+  generator = Generator(model, program.mesh, rules, batch_multiple=program.plan.layout.shards("act_batch"))
+  return generator, tokenizer, source

@@ -1,7 +1,7 @@
 """The training loop: fetch batch -> step -> guards -> metrics -> eval / checkpoint schedule.
 
 `Trainer.__init__` builds the run's components and does everything that can fail on bad input,
-before compiling: the plan (`program/plan.py`), the program (`program/build.py`), the data (`loop/data.py`),
+before compiling: the plan and the program (`program/build.py` program_for), the data (`loop/data.py`),
 checkpoints (`checkpoint/schedule.py`), rollbacks (`loop/rollback.py`), metrics (`monitor/metrics.py`)
 and the process's lifecycle (watchdog, signals, fault injection). `Trainer.train` runs the loop.
 Every attempt appends to `<output_dir>/events.jsonl` (monitor/events.py).
@@ -40,7 +40,6 @@ from maxtrain.runtime.faults import Faults
 from maxtrain.runtime.kv import KeyValue
 from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
-from maxtrain.program.plan import validate
 
 log = logging.getLogger("maxtrain")
 
@@ -51,8 +50,7 @@ class Trainer:
     self.t_start = time.monotonic() if t_process_start is None else t_process_start
     distributed.initialize_distributed(cfg.runtime)
     self.kv = KeyValue.current()  # None with one process
-    plan = validate(cfg, jax.device_count(), jax.process_count())
-    self.program = program_lib.build(cfg, plan)
+    self.program = program_lib.program_for(cfg, jax.devices())
     cache.configure_compile_cache(cfg.runtime.compile_cache_dir)
     self.out_dir = Path(cfg.output_dir)
     prepare_output_dir(self.out_dir)

@@ -1,12 +1,13 @@
 """The one builder of what runs: model spec, optimizer, state spec, batch spec and the jitted train and
-eval steps, from a validated config. The trainer, `python -m maxtrain.compile` and `tools/bench.py`
-all build here, so none can drift from the program the trainer runs.
+eval steps, from a config and the devices it runs on (`program_for`). The trainer, `python -m
+maxtrain.compile`, generation's loader and the tools all build here, so none can drift from the program
+the trainer runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import ml_collections
@@ -21,7 +22,7 @@ from maxtrain.models.llama import ModelConfig
 from maxtrain.runtime import faults
 from maxtrain.sharding.layout import with_shardings
 from maxtrain.sharding.mesh import make_mesh
-from maxtrain.program.plan import Plan, total_steps
+from maxtrain.program.plan import Plan, total_steps, validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,3 +83,15 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) 
                       in_shardings=(state_spec.shardings.params, eval_batch_shardings), out_shardings=replicated)
   return Program(cfg=cfg, plan=plan, mesh=mesh, model_cfg=model_cfg, optimizer=optimizer, state=state_spec,
                  batch_shardings=batch_shardings, train_step=train_step, eval_step=eval_step)
+
+
+def program_for(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], *,
+                require_data: bool = True) -> Program:
+  """The program `cfg` runs on `devices`: validated to a Plan (UserError on a bad config, before anything
+  is built), then built on a mesh over exactly those devices. The process count is that of the devices,
+  so a subset of one process's devices plans as a one-process run. `require_data=False`: no data source
+  needed (ahead-of-time compiles, generation, benchmarks on synthetic batches)."""
+  devices = list(devices)
+  num_processes = len({d.process_index for d in devices})
+  plan = validate(cfg, len(devices), num_processes, require_data=require_data)
+  return build(cfg, plan, make_mesh(plan.mesh, devices))
