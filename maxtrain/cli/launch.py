@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import queue
 import signal
@@ -65,6 +66,22 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
   return parser.parse_args(own), train_args
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+  """The first supervisor argument out of range, as a message; None when all are sane. Checked before
+  anything starts: a negative backoff would only fail at the first restart (time.sleep), mid-run."""
+  limits = (("--processes", args.processes, 1), ("--max-restarts", args.max_restarts, 0),
+            ("--window", args.window, None), ("--backoff", args.backoff, 0), ("--max-backoff", args.max_backoff, 0),
+            ("--peer-grace", args.peer_grace, 0))
+  for flag, value, low in limits:
+    if not math.isfinite(value):
+      return f"{flag}={value}: must be a finite number"
+    if low is None and value <= 0:
+      return f"{flag}={value}: must be > 0 seconds"
+    if low is not None and value < low:
+      return f"{flag}={value}: must be >= {low}"
+  return None
+
+
 def output_dir(train_args: list[str]) -> Path:
   """The run's output_dir, resolved exactly as the trainer will (config file + overrides)."""
   from maxtrain import config as config_lib
@@ -74,8 +91,9 @@ def output_dir(train_args: list[str]) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args, train_args = parse_args(sys.argv[1:] if argv is None else argv)
-  if args.processes < 1:
-    print(f"maxtrain.launch: error: --processes={args.processes}: must be >= 1", file=sys.stderr)
+  bad = check_args(args)
+  if bad:
+    print(f"maxtrain.launch: error: {bad}", file=sys.stderr)
     return EXIT_BAD_INPUT
   try:
     out = output_dir(train_args)

@@ -73,6 +73,9 @@ def load_file(path: str | Path) -> tuple[ml_collections.ConfigDict, dict[str, di
     cfg = module.get_config()
   except UserError:
     raise
+  except SystemExit as e:  # sys.exit() in a config file must not end the run with the file's own code
+    raise UserError(f"--config={path}: the file called sys.exit({e.code!r}) (SystemExit) while loading. "
+                    "A config file must define get_config(), not exit.") from None
   except Exception as e:  # noqa: BLE001 - any error in user code is a bad config, not a crash
     where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
     raise UserError(f"--config={path}: loading it failed{where}: {type(e).__name__}: {e}. Fix the file.") from None
@@ -127,5 +130,9 @@ def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
   for key, value in overrides:
     if key != "hardware":
       set_override(cfg, key, value)
+  # Checked at load, not in plan.validate: the supervisor writes its events there before any trainer runs.
+  if not str(cfg.output_dir).strip():
+    raise UserError(f"config.output_dir={cfg.output_dir!r}: empty, which would write the run into the current "
+                    "directory. Name a directory, e.g. --config.output_dir=runs/my-run")
   cfg.lock()
   return cfg
