@@ -20,6 +20,7 @@ import jax
 import ml_collections
 
 from maxtrain import config as config_lib
+from maxtrain.aot import estimate
 from maxtrain.optim import optimizer as optim
 from maxtrain.program import build as program_lib
 from maxtrain.program import state as state_lib
@@ -52,6 +53,7 @@ class Trainer:
     distributed.initialize_distributed(cfg.runtime)
     self.kv = KeyValue.current()  # None with one process
     plan = validate(cfg, jax.device_count(), jax.process_count())
+    estimate.check_fits(cfg, jax.device_count(), jax.local_devices())  # arithmetic, before any allocation
     self.program = program_lib.build(cfg, plan)
     cache.configure_compile_cache(cfg.runtime.compile_cache_dir)
     self.out_dir = Path(cfg.output_dir)
