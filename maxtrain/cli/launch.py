@@ -3,6 +3,7 @@
 Runs `python -m maxtrain.train` and restarts it by the exit-code contract (DESIGN.md):
   0 finished -> stop (exit 0);  2 bad config/input -> stop (exit 2), a restart would fail the same way;
   3 stopped by a training policy (spike abort, rollback budget used up) -> stop (exit 3), a person must look;
+  130 interrupted by Ctrl-C (SIGINT) before it could save -> stop (exit 130): a user's Ctrl-C is not a crash;
   75 preempted -> restart at once, not counted;  76 hang, or any other code -> restart after an
   exponential backoff, counted: more than --max-restarts counted restarts within --window seconds
   is a crash loop -> give up with a summary and exit 1.
@@ -33,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from maxtrain.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_HANG, EXIT_PREEMPTED, MEANINGS, NOT_RESTARTED
+from maxtrain.errors import (EXIT_BAD_INPUT, EXIT_CRASH, EXIT_HANG, EXIT_INTERRUPTED, EXIT_PREEMPTED, MEANINGS,
+                             NOT_RESTARTED)
 from maxtrain.monitor import events as ev
 
 
@@ -201,6 +203,8 @@ def wait_all(children: list[subprocess.Popen], grace_s: float) -> list[int]:
 def attempt_code(codes: list[int]) -> int:
   """One code for the processes of an attempt, from their codes in the order they exited (see the
   module doc)."""
+  # A trainer killed by SIGINT itself (Python's default handler) is a user's Ctrl-C too.
+  codes = [EXIT_INTERRUPTED if code == -signal.SIGINT else code for code in codes]
   for code in codes:
     if code in NOT_RESTARTED and code != 0:
       return code

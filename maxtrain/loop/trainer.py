@@ -69,7 +69,7 @@ class Trainer:
       self.step = 0
       try:
         self._build_components(stack)
-      except UserError as e:  # the attempt's record ends here: a bad-input exit, not a crash
+      except (UserError, KeyboardInterrupt) as e:  # the attempt's record ends here: bad input or Ctrl-C, not a crash
         self.exit_code = exit_code(e)
         raise
       self._resources = stack.pop_all()
