@@ -84,7 +84,8 @@ class Trainer:
     self.metrics = MetricsLogger(self.out_dir, self.events, total_steps=cfg.steps,
                                  tokens_per_step=program.plan.batch.tokens, flops_per_token=program.flops_per_token,
                                  peak_flops=peak_flops, prometheus_port=cfg.monitor.prometheus_port,
-                                 prometheus_host=cfg.monitor.prometheus_host)
+                                 prometheus_host=cfg.monitor.prometheus_host,
+                                 peak_contended=mfu_lib.contended(peak_source))
     stack.callback(self.metrics.close)
     self.faults = Faults(cfg.faults, self.out_dir, jax.process_index())
     self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.faults.after_save_started,
