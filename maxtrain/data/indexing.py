@@ -25,6 +25,7 @@ import fnmatch
 import glob
 import hashlib
 import os
+import re
 import sys
 import time
 from typing import Any, Iterator, Sequence
@@ -472,6 +473,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 def printable(text: str) -> str:
   """`text` with file names that are not UTF-8 (surrogate escapes) shown as \\xNN: printing them raw
   fails on a UTF-8 terminal."""
+  text = re.sub(r"\\udc([89a-f][0-9a-f])", r"\\x\1", text)  # the same byte where a repr() wrote its escape
   return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 

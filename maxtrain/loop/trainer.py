@@ -80,12 +80,12 @@ class Trainer:
     self.watchdog = Watchdog(self.out_dir, self.events, cfg.watchdog.timeout_s, cfg.watchdog.startup_timeout_s,
                              kv=self.kv).start()
     stack.callback(self.watchdog.stop)
-    peak_flops, peak_source = mfu_lib.peak_flops(jax.local_devices()[0], cfg.mfu.peak_flops)
+    peak_flops, peak_source, peak_contended = mfu_lib.peak_info(jax.local_devices()[0], cfg.mfu.peak_flops)
     self.metrics = MetricsLogger(self.out_dir, self.events, total_steps=cfg.steps,
                                  tokens_per_step=program.plan.batch.tokens, flops_per_token=program.flops_per_token,
                                  peak_flops=peak_flops, prometheus_port=cfg.monitor.prometheus_port,
                                  prometheus_host=cfg.monitor.prometheus_host,
-                                 peak_contended=mfu_lib.contended(peak_source))
+                                 peak_contended=peak_contended)
     stack.callback(self.metrics.close)
     self.faults = Faults(cfg.faults, self.out_dir, jax.process_index())
     self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.faults.after_save_started,

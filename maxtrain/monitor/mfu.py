@@ -22,7 +22,7 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 log = logging.getLogger("maxtrain")
 
@@ -111,14 +111,25 @@ def measure_cpu_peak(n: int = BENCH_N, reps: int = BENCH_REPS, cpu_share: float 
   return 2.0 * n**3 / best, share if cpu_share is None else cpu_share
 
 
+class CpuPeak(NamedTuple):
+  flops: float  # per process
+  description: str
+  contended: bool  # no measurement behind `flops` got the cores: MFU against it reads high
+
+
 def cached_cpu_peak(cache_file: Path | None = None, cpu_share: float | None = None) -> tuple[float, str]:
-  """(FLOP/s per process, description): from the per-machine cache once a quiet measurement is in
-  it, else measured (~1 s) and cached.
+  """(FLOP/s per process, description) of `cpu_peak`."""
+  return cpu_peak(cache_file, cpu_share)[:2]
+
+
+def cpu_peak(cache_file: Path | None = None, cpu_share: float | None = None) -> CpuPeak:
+  """The CPU peak from the per-machine cache once a quiet measurement is in it, else measured (~1 s)
+  and cached.
 
   A measurement that got less than CONTENDED of the cores was slowed by other processes: it is never
   final. Each start measures again until one gets the cores, keeping the best figure of all (other
-  processes only ever slow a matmul down); until then the description says "contended" (see
-  `contended`), and MFU lines say the figure reads high. `cpu_share` is passed to measure_cpu_peak.
+  processes only ever slow a matmul down); until then it is `contended`, and MFU lines say the figure
+  reads high. `cpu_share` is passed to measure_cpu_peak.
   Delete the cache file (`<maxtrain cache dir>/cpu_peak.json`) to start over."""
   if cache_file is None:
     from maxtrain.runtime.cache import cache_dir
@@ -128,7 +139,7 @@ def cached_cpu_peak(cache_file: Path | None = None, cpu_share: float | None = No
   key = "|".join(f"{k}={v}" for k, v in identity.items())
   entry = _read_cache(cache_file).get(key)
   if entry and _quiet(entry):
-    return float(entry["flops"]), _describe(entry, f"cached in {cache_file}")
+    return CpuPeak(float(entry["flops"]), _describe(entry, f"cached in {cache_file}"), False)
   flops, share = measure_cpu_peak(cpu_share=cpu_share)
   measurements = entry.get("measurements", 1) + 1 if entry else 1
   quiet = share >= CONTENDED
@@ -142,7 +153,7 @@ def cached_cpu_peak(cache_file: Path | None = None, cpu_share: float | None = No
                 "%.1f GFLOP/s may be low and MFU read high; it is measured again at the next start",
                 100 * share, identity["cores"], entry["flops"] / 1e9)
   _write_cache(cache_file, key, entry)
-  return float(entry["flops"]), _describe(entry, "measured now")
+  return CpuPeak(float(entry["flops"]), _describe(entry, "measured now"), not quiet)
 
 
 def _quiet(entry: dict) -> bool:
@@ -169,45 +180,43 @@ def _read_cache(cache_file: Path) -> dict:
     return {}
 
 
-CONTENDED_MARK = "contended"  # in a peak's description: no quiet measurement yet, MFU reads high
-
-
 def _describe(entry: dict, where: str) -> str:
-  contended = "" if _quiet(entry) else f", {CONTENDED_MARK}: got {entry['cpu_share']:.0%} of the cores"
+  contended = "" if _quiet(entry) else f", contended: got {entry['cpu_share']:.0%} of the cores"
   return f"fp32 {entry['n']}x{entry['n']} matmul, {where}, {entry['when']}{contended}"
-
-
-def contended(peak_source: str) -> bool:
-  """Whether a peak (by `peak_flops`'s description) rests on contended measurements only."""
-  return CONTENDED_MARK in peak_source
 
 
 _warned: set[str] = set()
 
 
 def peak_flops(device: Any = None, override: float = 0.0) -> tuple[float, str]:
-  """(peak FLOP/s per device, where the number comes from). 0.0 means unknown: MFU is unavailable.
+  """(peak FLOP/s per device, where the number comes from) of `peak_info`."""
+  return peak_info(device, override)[:2]
+
+
+def peak_info(device: Any = None, override: float = 0.0) -> tuple[float, str, bool]:
+  """(peak FLOP/s per device, where the number comes from, whether it rests on contended CPU
+  measurements only: MFU against it reads high). 0.0 means unknown: MFU is unavailable.
 
   `override` (config `mfu.peak_flops`) wins when > 0. CPU: the cached measured peak of this process,
   divided by its local device count. Unknown accelerator: 0.0 and a one-line warning (once per kind).
   """
   if override > 0:
-    return float(override), "config mfu.peak_flops"
+    return float(override), "config mfu.peak_flops", False
   import jax
 
   device = device if device is not None else jax.local_devices()[0]
   if device.platform == "cpu":
-    flops, how = cached_cpu_peak()
+    flops, how, contended = cpu_peak()
     n = jax.local_device_count(backend="cpu")
-    return flops / n, f"CPU peak {flops / 1e9:.1f} GFLOP/s per process / {n} local device(s) ({how})"
+    return flops / n, f"CPU peak {flops / 1e9:.1f} GFLOP/s per process / {n} local device(s) ({how})", contended
   peak = table_peak(device.device_kind)
   if peak is None:
     if device.device_kind not in _warned:
       _warned.add(device.device_kind)
       log.warning("MFU unavailable: no peak FLOP/s known for device kind %r (%s); set --config.mfu.peak_flops "
                   "to its dense peak per device", device.device_kind, device.platform)
-    return 0.0, f"unknown device kind {device.device_kind!r}"
-  return peak.flops, f"{device.device_kind}: {peak.flops / 1e12:.1f} TFLOP/s {peak.precision} ({peak.source})"
+    return 0.0, f"unknown device kind {device.device_kind!r}", False
+  return peak.flops, f"{device.device_kind}: {peak.flops / 1e12:.1f} TFLOP/s {peak.precision} ({peak.source})", False
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, peak_per_device: float) -> float | None:
