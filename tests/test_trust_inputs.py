@@ -214,6 +214,7 @@ def test_ctrl_c_during_start_up_exits_130_and_is_not_restarted(store, tmp_path):
     (["--config.optimizer.eps=0"], "config.optimizer.eps=0"),
     (["--config.optimizer.eps=-1e-8"], "config.optimizer.eps=-1e-08"),
     (["--config.optimizer.warmup_steps=50", "--config.optimizer.decay_steps=10"], "config.optimizer.warmup_steps=50"),
+    (["--config.optimizer.warmup_steps=50", "--config.steps=10"], "longer than the run's LR schedule of 10 steps"),
 ])
 def test_optimizer_settings_out_of_range_exit_2(store, tmp_path, capsys, overrides, key):
   code, output = run_train(base(store, tmp_path / "run") + overrides, capsys)

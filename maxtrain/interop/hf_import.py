@@ -78,6 +78,8 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, vocab_multiple: int = 128, d
   if dtype not in DTYPE_CHOICES:
     raise UserError(f"--dtype={dtype}: choose one of {', '.join(DTYPE_CHOICES)}")
   source = HFSource(hf_dir, vocab_multiple)
+  if out.exists() and not out.is_dir():
+    raise UserError(f"{out} is a file: choose a new output directory")
   taken = [out / n for n in ("params", "config.py", *TOKENIZER_FILES) if (out / n).exists()]
   if taken:
     raise UserError(f"{taken[0]} already exists: choose a new output directory (nothing is overwritten)")

@@ -41,7 +41,7 @@ from maxtrain.runtime.faults import Faults
 from maxtrain.runtime.kv import KeyValue
 from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
-from maxtrain.program.plan import validate
+from maxtrain.program.plan import total_steps, validate
 
 log = logging.getLogger("maxtrain")
 
@@ -54,6 +54,9 @@ class Trainer:
     self.kv = KeyValue.current()  # None with one process
     plan = validate(cfg, jax.device_count(), jax.process_count())
     estimate.check_fits(cfg, jax.device_count(), jax.local_devices())  # arithmetic, before any allocation
+    if cfg.optimizer.warmup_steps > total_steps(cfg):  # legal (short smoke runs), but never silent
+      log.warning("optimizer.warmup_steps=%d > the schedule's %d steps (optimizer.decay_steps or steps): the learning "
+                  "rate never reaches optimizer.lr", cfg.optimizer.warmup_steps, total_steps(cfg))
     self.program = program_lib.build(cfg, plan)
     cache.configure_compile_cache(cfg.runtime.compile_cache_dir)
     self.out_dir = Path(cfg.output_dir)
