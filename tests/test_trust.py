@@ -429,8 +429,8 @@ def test_crafted_middle_offset_exits_2_at_the_entry_point(store, tmp_path, capsy
 
 # ---- the watchdog watches the exit ----------------------------------------------------------
 
-HANG_AT_CLOSE = ("import sys, threading; from maxtrain import checkpoint, train; "
-                 "checkpoint.Checkpointer.close = lambda self: threading.Event().wait(); "
+HANG_AT_CLOSE = ("import sys, threading; from maxtrain.checkpoint import storage; from maxtrain.cli import train; "
+                 "storage.Checkpointer.close = lambda self: threading.Event().wait(); "
                  "sys.exit(train.main(sys.argv[1:]))")
 
 

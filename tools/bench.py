@@ -74,7 +74,8 @@ def main() -> None:
   print(f"peak: {peak * jax.device_count() / 1e9:,.1f} GFLOP/s over {jax.device_count()} device(s) ({peak_source})")
   note = (" (against a peak measured while other processes held the cores: reads high; it is re-measured at the "
           "next start)" if peak_contended else "")
-  print(f"MFU: {utilisation:.1%}{note}" if utilisation is not None else "MFU: unavailable (unknown peak; set --config.mfu.peak_flops)")
+  print(f"MFU: {utilisation:.1%}{note}" if utilisation is not None
+        else "MFU: unavailable (unknown peak; set --config.mfu.peak_flops)")
   memory = compiled.memory_analysis()
   if memory is not None:  # per device; activations and other temporaries of the step
     print(f"optimizer {cfg.optimizer.name}, grad_accum_steps {program.plan.batch.num_microbatches}: "

@@ -319,7 +319,7 @@ def check_fits(cfg: ml_collections.ConfigDict, num_devices: int, devices: Any) -
     raise UserError(
         f"the model does not fit: estimated peak {est.peak / GiB:,.1f} GiB per device (weights "
         f"{est.memory['weights'] / GiB:,.1f} + optimizer state {est.memory['optimizer_state'] / GiB:,.1f} + "
-        f"activations and the rest {(est.peak - est.memory['weights'] - est.memory['optimizer_state']) / GiB:,.1f} GiB; "
+        f"activations and the rest {(est.peak - est.arguments + est.memory['other_state']) / GiB:,.1f} GiB; "
         f"{est.params['total']:,} parameters at model.d_model={m.d_model}, num_layers={m.num_layers}) > "
         f"{limit / GiB:,.1f} GiB ({source}). Use a smaller model, more devices (mesh.fsdp), "
         "remat or microbatches (tools/estimate.py shows the breakdown); runtime.check_memory=false to try anyway.")

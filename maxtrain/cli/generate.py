@@ -32,7 +32,8 @@ def check_sampling(args: argparse.Namespace) -> None:
   """UserError naming the first sampling flag out of range; before any model is loaded. NaN compares
   false with everything, so each range is written to fail on it."""
   checks = (("--max-new-tokens", args.max_new_tokens, args.max_new_tokens > 0, "must be > 0"),
-            ("--temperature", args.temperature, 0 <= args.temperature < math.inf, "must be a finite number >= 0 (0 = greedy)"),
+            ("--temperature", args.temperature, 0 <= args.temperature < math.inf,
+             "must be a finite number >= 0 (0 = greedy)"),
             ("--top-k", args.top_k, args.top_k >= 0, "must be >= 0 (0 = off)"),
             ("--top-p", args.top_p, 0 < args.top_p <= 1, "must be in (0, 1] (1 = off)"))
   for flag, value, ok, rule in checks:
