@@ -204,6 +204,24 @@ def test_ctrl_c_during_start_up_exits_130_and_is_not_restarted(store, tmp_path):
   assert EXIT_INTERRUPTED in NOT_RESTARTED and launch.attempt_code([-signal.SIGINT]) == EXIT_INTERRUPTED
 
 
+def test_ctrl_c_under_the_supervisor_is_not_a_crash(store, tmp_path):
+  out = tmp_path / "run"
+  proc = subprocess.Popen([sys.executable, "-m", "maxtrain.launch", "--backoff=0.01", "--", *base(store, out)],
+                          cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+  seen = []
+  for line in proc.stdout:
+    seen.append(line)
+    if "platform cpu:" in line:  # the trainer is starting
+      os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
+      break
+  output = "".join(seen) + proc.stdout.read()
+  assert_exit(proc.wait(timeout=120), output, EXIT_INTERRUPTED, "attempt 0: exit 130 (interrupted (Ctrl-C))")
+  assert "attempt 1" not in output and "restarting" not in output
+  kinds = [json.loads(line)["kind"] for line in (out / "events.jsonl").read_text().splitlines()]
+  assert "crash" not in kinds and kinds.count("restart") == 1
+
+
 # ---- the optimizer ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides,key", [
@@ -220,6 +238,13 @@ def test_optimizer_settings_out_of_range_exit_2(store, tmp_path, capsys, overrid
   code, output = run_train(base(store, tmp_path / "run") + overrides, capsys)
   assert_exit(code, output, EXIT_BAD_INPUT, key)
   assert "compiled" not in output and not (tmp_path / "run").exists()
+
+
+def test_inherited_warmup_longer_than_a_short_run_is_said(store, tmp_path, capsys, caplog):
+  """The default warmup (20) over a 2-step smoke run is legal, as every short test run trains, but not silent."""
+  code, output = run_train(base(store, tmp_path / "run"), capsys)
+  assert code == 0, output
+  assert "optimizer.warmup_steps=20 > the schedule's 2 steps" in caplog.text
 
 
 # ---- MFU: a contended peak is never the machine's peak -----------------------------------------
