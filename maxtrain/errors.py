@@ -16,10 +16,13 @@ EXIT_BAD_INPUT = 2  # UserError: a restart would fail the same way
 EXIT_ABORTED = 3  # Aborted: a training policy stopped the run; not restarted, a person must look
 EXIT_PREEMPTED = 75  # Preempted: checkpoint saved, restartable at once
 EXIT_HANG = 76  # the watchdog saw no progress: restartable
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT) before the run could save (128 + SIGINT, as shells report it): not restarted
 
 MEANINGS = {EXIT_OK: "finished", EXIT_BAD_INPUT: "bad config or input", EXIT_ABORTED: "stopped by a training policy",
-            EXIT_PREEMPTED: "preempted", EXIT_HANG: "hang (watchdog)"}
-NOT_RESTARTED = (EXIT_OK, EXIT_BAD_INPUT, EXIT_ABORTED)  # a restart would fail the same way, or needs a person
+            EXIT_PREEMPTED: "preempted", EXIT_HANG: "hang (watchdog)",
+            EXIT_INTERRUPTED: "interrupted (Ctrl-C)"}
+# a restart would fail the same way, needs a person, or would undo a user's Ctrl-C
+NOT_RESTARTED = (EXIT_OK, EXIT_BAD_INPUT, EXIT_ABORTED, EXIT_INTERRUPTED)
 
 
 class UserError(Exception):
@@ -40,7 +43,8 @@ class Aborted(Exception):
 
 def exit_code(error: BaseException) -> int:
   """The process exit code for an exception that ends a run (1 = crash for anything unexpected)."""
-  for kind, code in ((UserError, EXIT_BAD_INPUT), (Preempted, EXIT_PREEMPTED), (Aborted, EXIT_ABORTED)):
+  for kind, code in ((UserError, EXIT_BAD_INPUT), (Preempted, EXIT_PREEMPTED), (Aborted, EXIT_ABORTED),
+                     (KeyboardInterrupt, EXIT_INTERRUPTED)):
     if isinstance(error, kind):
       return code
   return EXIT_CRASH

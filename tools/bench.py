@@ -55,7 +55,7 @@ def main() -> None:
   tokens = cfg.data.batch_size * cfg.data.seq_len
   flops_per_token = program.flops_per_token
   flops = flops_per_token * tokens
-  peak, peak_source = mfu.peak_flops(jax.devices()[0], cfg.mfu.peak_flops)
+  peak, peak_source, peak_contended = mfu.peak_info(jax.devices()[0], cfg.mfu.peak_flops)
   utilisation = mfu.mfu(tokens / step_s, flops_per_token, jax.device_count(), peak)
   print(f"machine: {platform.machine()} {jax.device_count()} x {jax.devices()[0].device_kind}, "
         f"python {platform.python_version()}, jax {jax.__version__}")
@@ -67,7 +67,10 @@ def main() -> None:
   # On a shared machine wall time depends on how the scheduler slices the cores; CPU time much less.
   print(f"CPU time {cpu_s:.3f}s per step (all of this process's threads)")
   print(f"peak: {peak * jax.device_count() / 1e9:,.1f} GFLOP/s over {jax.device_count()} device(s) ({peak_source})")
-  print(f"MFU: {utilisation:.1%}" if utilisation is not None else "MFU: unavailable (unknown peak; set --config.mfu.peak_flops)")
+  note = (" (against a peak measured while other processes held the cores: reads high; it is re-measured at the "
+          "next start)" if peak_contended else "")
+  print(f"MFU: {utilisation:.1%}{note}" if utilisation is not None
+        else "MFU: unavailable (unknown peak; set --config.mfu.peak_flops)")
   memory = compiled.memory_analysis()
   if memory is not None:  # per device; activations and other temporaries of the step
     print(f"optimizer {cfg.optimizer.name}, grad_accum_steps {program.plan.batch.num_microbatches}: "

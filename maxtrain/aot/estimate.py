@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from maxtrain.errors import UserError
 from maxtrain.optim import optimizer as optim
 from maxtrain.models.attention.layer import resolve_kernel
 from maxtrain.models.attention.blocked import default_block_q
@@ -281,3 +283,43 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
       "this estimate"]
   return Estimate(num_devices=num_devices, mesh_shape=dict(plan.mesh.sizes), params=params,
                   flops_per_token=model_cfg.train_flops_per_token(seq), microbatch=b, memory=memory, notes=notes)
+
+
+def available_memory(devices: Any) -> tuple[int, str] | None:
+  """(bytes one device may use, where that figure comes from): the allocator's limit of an accelerator
+  (`memory_stats`), else the host's available RAM shared by the process's CPU devices; None if unknown."""
+  stats = devices[0].memory_stats() if devices else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"{devices[0].device_kind} memory limit (memory_stats)"
+  try:
+    with open("/proc/meminfo") as f:
+      info = dict(line.split(":", 1) for line in f)
+    host = int(info["MemAvailable"].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    try:
+      host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+      return None
+  return host // max(len(devices), 1), f"available host RAM / {max(len(devices), 1)} local CPU device(s)"
+
+
+def check_fits(cfg: ml_collections.ConfigDict, num_devices: int, devices: Any) -> None:
+  """UserError (exit 2) with the estimate when the step's estimated peak per device exceeds what a
+  device has: by arithmetic, before anything is allocated or compiled (a model far too large would
+  otherwise hang in the host allocator or abort inside XLA). `runtime.check_memory=false` skips it."""
+  if not cfg.runtime.check_memory:
+    return
+  found = available_memory(devices)
+  if found is None:
+    return
+  limit, source = found
+  est = estimate(cfg, num_devices)
+  if est.peak > limit:
+    m = cfg.model
+    raise UserError(
+        f"the model does not fit: estimated peak {est.peak / GiB:,.1f} GiB per device (weights "
+        f"{est.memory['weights'] / GiB:,.1f} + optimizer state {est.memory['optimizer_state'] / GiB:,.1f} + "
+        f"activations and the rest {(est.peak - est.arguments + est.memory['other_state']) / GiB:,.1f} GiB; "
+        f"{est.params['total']:,} parameters at model.d_model={m.d_model}, num_layers={m.num_layers}) > "
+        f"{limit / GiB:,.1f} GiB ({source}). Use a smaller model, more devices (mesh.fsdp), "
+        "remat or microbatches (tools/estimate.py shows the breakdown); runtime.check_memory=false to try anyway.")

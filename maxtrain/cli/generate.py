@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from typing import Sequence
 
@@ -29,6 +30,28 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
+def check_sampling(args: argparse.Namespace) -> None:
+  """UserError naming the first sampling flag out of range; before any model is loaded. NaN compares
+  false with everything, so each range is written to fail on it."""
+  checks = (("--max-new-tokens", args.max_new_tokens, args.max_new_tokens > 0, "must be > 0"),
+            ("--temperature", args.temperature, 0 <= args.temperature < math.inf,
+             "must be a finite number >= 0 (0 = greedy)"),
+            ("--top-k", args.top_k, args.top_k >= 0, "must be >= 0 (0 = off)"),
+            ("--top-p", args.top_p, 0 < args.top_p <= 1, "must be in (0, 1] (1 = off)"))
+  for flag, value, ok, rule in checks:
+    if not ok:
+      raise UserError(f"{flag}={value}: {rule}")
+
+
+def check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int, checkpoint: str) -> None:
+  """The KV cache holds prompt + new tokens, and positions past model.max_seq_len were never trained."""
+  longest = max(len(p) for p in prompts)
+  if longest + max_new_tokens > max_seq_len:
+    raise UserError(f"the longest prompt ({longest} tokens, BOS included) + --max-new-tokens={max_new_tokens} = "
+                    f"{longest + max_new_tokens} exceeds the model's model.max_seq_len={max_seq_len} ({checkpoint}). "
+                    "Shorten the prompt or lower --max-new-tokens.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   logging.basicConfig(level=logging.WARNING)
   logging.getLogger("absl").setLevel(logging.ERROR)
@@ -38,12 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   if unknown:
     p.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides are --config.KEY=VALUE)")
   try:
-    if args.max_new_tokens <= 0 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-      raise UserError("--max-new-tokens must be > 0, --temperature >= 0, --top-k >= 0, --top-p in (0, 1]")
+    check_sampling(args)
     from maxtrain.inference import sampling
 
     generator, tokenizer, source = sampling.load(args.checkpoint, seed=args.seed, overrides=overrides)
     prompts = [[tokenizer.bos_id] + tokenizer.encode(p).tolist() for p in args.prompt]
+    check_lengths(prompts, args.max_new_tokens, generator.cfg.max_seq_len, args.checkpoint)
     eos = {tokenizer.eos_id} | ({source.eos_id} if isinstance(source.eos_id, int) else set(source.eos_id or ()))
     rule = sampling.Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     outputs, stats = generator.generate(prompts, args.max_new_tokens, rule, eos_ids=sorted(eos),

@@ -3,6 +3,7 @@
 Runs `python -m maxtrain.train` and restarts it by the exit-code contract (DESIGN.md):
   0 finished -> stop (exit 0);  2 bad config/input -> stop (exit 2), a restart would fail the same way;
   3 stopped by a training policy (spike abort, rollback budget used up) -> stop (exit 3), a person must look;
+  130 interrupted by Ctrl-C (SIGINT) before it could save -> stop (exit 130): a user's Ctrl-C is not a crash;
   75 preempted -> restart at once, not counted;  76 hang, or any other code -> restart after an
   exponential backoff, counted: more than --max-restarts counted restarts within --window seconds
   is a crash loop -> give up with a summary and exit 1.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import queue
 import signal
@@ -32,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from maxtrain.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_HANG, EXIT_PREEMPTED, MEANINGS, NOT_RESTARTED
+from maxtrain.errors import (EXIT_BAD_INPUT, EXIT_CRASH, EXIT_HANG, EXIT_INTERRUPTED, EXIT_PREEMPTED, MEANINGS,
+                             NOT_RESTARTED)
 from maxtrain.monitor import events as ev
 
 
@@ -65,6 +68,22 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
   return parser.parse_args(own), train_args
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+  """The first supervisor argument out of range, as a message; None when all are sane. Checked before
+  anything starts: a negative backoff would only fail at the first restart (time.sleep), mid-run."""
+  limits = (("--processes", args.processes, 1), ("--max-restarts", args.max_restarts, 0),
+            ("--window", args.window, None), ("--backoff", args.backoff, 0), ("--max-backoff", args.max_backoff, 0),
+            ("--peer-grace", args.peer_grace, 0))
+  for flag, value, low in limits:
+    if not math.isfinite(value):
+      return f"{flag}={value}: must be a finite number"
+    if low is None and value <= 0:
+      return f"{flag}={value}: must be > 0 seconds"
+    if low is not None and value < low:
+      return f"{flag}={value}: must be >= {low}"
+  return None
+
+
 def output_dir(train_args: list[str]) -> Path:
   """The run's output_dir, resolved exactly as the trainer will (config file + overrides)."""
   from maxtrain import config as config_lib
@@ -74,8 +93,9 @@ def output_dir(train_args: list[str]) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args, train_args = parse_args(sys.argv[1:] if argv is None else argv)
-  if args.processes < 1:
-    print(f"maxtrain.launch: error: --processes={args.processes}: must be >= 1", file=sys.stderr)
+  bad = check_args(args)
+  if bad:
+    print(f"maxtrain.launch: error: {bad}", file=sys.stderr)
     return EXIT_BAD_INPUT
   try:
     out = output_dir(train_args)
@@ -183,6 +203,8 @@ def wait_all(children: list[subprocess.Popen], grace_s: float) -> list[int]:
 def attempt_code(codes: list[int]) -> int:
   """One code for the processes of an attempt, from their codes in the order they exited (see the
   module doc)."""
+  # A trainer killed by SIGINT itself (Python's default handler) is a user's Ctrl-C too.
+  codes = [EXIT_INTERRUPTED if code == -signal.SIGINT else code for code in codes]
   for code in codes:
     if code in NOT_RESTARTED and code != 0:
       return code

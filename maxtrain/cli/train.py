@@ -2,7 +2,7 @@
 
 `--help` lists every config key with its value and meaning. Exit codes are the contract in
 DESIGN.md (maxtrain/errors.py): 0 finished, 2 bad config or input, 3 stopped by a training policy,
-75 preempted (checkpoint saved).
+75 preempted (checkpoint saved), 130 interrupted by Ctrl-C before it could save.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import time
 from typing import Sequence
 
 from maxtrain import config as config_lib
-from maxtrain.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_PREEMPTED, Aborted, Preempted, UserError
+from maxtrain.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PREEMPTED, Aborted, Preempted,
+                             UserError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   except Aborted as e:
     print(f"maxtrain: aborted: {e}", file=sys.stderr)
     return EXIT_ABORTED
+  except KeyboardInterrupt:  # SIGINT before the stop handler is installed (start-up), or a second Ctrl-C
+    print("maxtrain: interrupted (Ctrl-C) before a checkpoint could be saved: nothing new was saved; "
+          "run again to resume from the newest checkpoint", file=sys.stderr)
+    return EXIT_INTERRUPTED
   return 0
 
 

@@ -139,6 +139,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.runtime.neuron_lnc = 0  # Logical NeuronCore config, 1 or 2, for compiler and runtime alike; 0 = the target's default.
   c.runtime.xla_flags = ""  # Extra XLA flags ("--a=1 --b=2"); replace preset and $XLA_FLAGS flags of the same name.
   c.runtime.neuron_cc_flags = ""  # Extra Neuron compiler flags; replace preset and $NEURON_CC_FLAGS flags by name.
+  c.runtime.check_memory = True  # Refuse (exit 2) a run whose estimated peak per device exceeds its memory (CPU: available RAM).
   c.runtime.env = ""  # Extra environment variables "KEY=VALUE,KEY=VALUE"; win over presets and the environment.
 
   c.mfu = ml_collections.ConfigDict()

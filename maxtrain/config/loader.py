@@ -73,6 +73,9 @@ def load_file(path: str | Path) -> tuple[ml_collections.ConfigDict, dict[str, di
     cfg = module.get_config()
   except UserError:
     raise
+  except SystemExit as e:  # sys.exit() in a config file must not end the run with the file's own code
+    raise UserError(f"--config={path}: the file called sys.exit({e.code!r}) (SystemExit) while loading. "
+                    "A config file must define get_config(), not exit.") from None
   except Exception as e:  # noqa: BLE001 - any error in user code is a bad config, not a crash
     where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
     raise UserError(f"--config={path}: loading it failed{where}: {type(e).__name__}: {e}. Fix the file.") from None
@@ -117,6 +120,19 @@ def parse_args(argv: Sequence[str]) -> tuple[str | Path, list[tuple[str, str]]]:
   return path, overrides
 
 
+def _check_asked_warmup(cfg: ml_collections.ConfigDict, overridden: set[str]) -> None:
+  """A warmup asked for on the command line that the LR schedule never completes is a mistake (exit 2).
+  Checked here, where it is known to be asked for: an inherited warmup longer than a short run is how
+  every smoke run trains (the default 20 > steps=4), so the trainer only warns about that one."""
+  o = cfg.optimizer
+  schedule = o.decay_steps or cfg.steps
+  if "optimizer.warmup_steps" in overridden and 0 < schedule < o.warmup_steps:
+    raise UserError(f"config.optimizer.warmup_steps={o.warmup_steps} is longer than the run's LR schedule of "
+                    f"{schedule} steps (optimizer.decay_steps={o.decay_steps}, steps={cfg.steps}; the schedule is "
+                    "decay_steps, or steps when it is 0): the learning rate would never reach optimizer.lr. "
+                    "Shorten the warmup or lengthen the run.")
+
+
 def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
   """The config file, its hardware preset (`hardware`, from the file or the command line), then the
   `--config.a.b=value` overrides, in order; locked."""
@@ -127,5 +143,10 @@ def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
   for key, value in overrides:
     if key != "hardware":
       set_override(cfg, key, value)
+  _check_asked_warmup(cfg, {key for key, _ in overrides})
+  # Checked at load, not in plan.validate: the supervisor writes its events there before any trainer runs.
+  if not str(cfg.output_dir).strip():
+    raise UserError(f"config.output_dir={cfg.output_dir!r}: empty, which would write the run into the current "
+                    "directory. Name a directory, e.g. --config.output_dir=runs/my-run")
   cfg.lock()
   return cfg

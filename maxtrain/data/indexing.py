@@ -21,9 +21,11 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import fnmatch
 import glob
 import hashlib
 import os
+import re
 import sys
 import time
 from typing import Any, Iterator, Sequence
@@ -45,6 +47,42 @@ class SourceFile:
   path: str
   key: str
   size: int
+
+
+def expand_glob(spec: str) -> Iterator[str]:
+  """The paths matching `spec` as glob.glob(spec, recursive=True) finds them, except that `**` does
+  not descend into symlinked directories: glob.glob follows them, and a symlink loop (`a/loop -> ..`)
+  then multiplies the paths at every level, a hang with two loops. Hidden names match only a pattern
+  that starts with '.', as in glob."""
+  parts = spec.split(os.sep)
+  root = os.sep if spec.startswith(os.sep) else os.curdir
+  yield from (os.path.normpath(p) if spec.startswith(os.sep) else os.path.relpath(p)
+              for p in _match(root, [p for p in parts if p]))
+
+
+def _match(path: str, parts: list[str]) -> Iterator[str]:
+  if not parts:
+    yield path
+    return
+  head, rest = parts[0], parts[1:]
+  if not glob.has_magic(head):
+    if os.path.lexists(os.path.join(path, head)):
+      yield from _match(os.path.join(path, head), rest)
+    return
+  try:
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+  except OSError:
+    names = []  # unreadable: glob.glob skips it too
+  names = [n for n in names if head.startswith(".") or not n.startswith(".")]
+  if head == "**":
+    yield from _match(path, rest)  # zero directories
+    for name in names:
+      sub = os.path.join(path, name)
+      if os.path.isdir(sub) and not os.path.islink(sub):
+        yield from _match(sub, parts)
+    return
+  for name in fnmatch.filter(names, head):
+    yield from _match(os.path.join(path, name), rest)
 
 
 def collect_files(inputs: Sequence[str]) -> list[SourceFile]:
@@ -76,7 +114,7 @@ def collect_files(inputs: Sequence[str]) -> list[SourceFile]:
 
   for spec in inputs:
     if glob.has_magic(spec):
-      matches = sorted(glob.glob(spec, recursive=True))
+      matches = sorted(expand_glob(spec))
       if not matches:
         raise UserError(
             f"input glob {spec!r} matches nothing; check the pattern (quote "
@@ -104,7 +142,8 @@ def collect_files(inputs: Sequence[str]) -> list[SourceFile]:
 
 def val_score(seed: int, key: str) -> float:
   """A uniform [0, 1) number fixed by (seed, key); < val_fraction → val."""
-  digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
+  # surrogateescape: a file name that is not UTF-8 hashes as its raw bytes (UTF-8 names are unchanged)
+  digest = hashlib.blake2b(f"{seed}\0{key}".encode("utf-8", "surrogateescape"), digest_size=8).digest()
   return int.from_bytes(digest, "little") / 2.0**64
 
 
@@ -426,9 +465,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                           args.seed, progress=sys.stderr.isatty(),
                           errors=args.errors)
   except UserError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(printable(f"error: {e}"), file=sys.stderr)
     sys.exit(2)
-  print(format_summary(summary))
+  print(printable(format_summary(summary)))
+
+
+def printable(text: str) -> str:
+  """`text` with file names that are not UTF-8 (surrogate escapes) shown as \\xNN: printing them raw
+  fails on a UTF-8 terminal."""
+  text = re.sub(r"\\udc([89a-f][0-9a-f])", r"\\x\1", text)  # the same byte where a repr() wrote its escape
+  return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 if __name__ == "__main__":

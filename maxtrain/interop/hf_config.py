@@ -49,16 +49,45 @@ def _rope(hf: dict, where: str) -> dict[str, Any]:
   field = "rope_scaling.rope_type" if scaling else "rope_parameters.rope_type"
   if kind not in ROPE_TYPES:
     raise _refuse(where, field, kind, f"unsupported RoPE type (supported: {', '.join(ROPE_TYPES)})")
-  out = {"rope_theta": float(theta), "rope_scaling": ROPE_TYPES[kind]}
+  out = {"rope_theta": _number(theta, float, where, "rope_theta"), "rope_scaling": ROPE_TYPES[kind]}
   if kind == "llama3":
     for key, hf_key in LLAMA3_FIELDS.items():
       if hf_key not in rope:
         raise _refuse(where, f"rope_scaling.{hf_key}", None, "missing: llama3 RoPE scaling needs it")
-      out[key] = type(_DEFAULTS[key])(rope[hf_key])
+      out[key] = _number(rope[hf_key], type(_DEFAULTS[key]), where, f"rope_scaling.{hf_key}")
   return out
 
 
+def _number(value: Any, kind: type, where: str, field: str) -> Any:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise _refuse(where, field, value, "must be a number (a JSON number, not a string)")
+  return kind(value)
+
+
+# Fields read as numbers: a JSON string ("4096") or a bool there is refused by name, not a TypeError later.
+INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+              "vocab_size", "max_position_embeddings", "head_dim")
+FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def _check_types(hf: dict, where: str) -> None:
+  for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+    if field not in hf:
+      raise _refuse(where, field, None, "missing: a LlamaForCausalLM config.json needs it")
+  for field in INT_FIELDS:
+    value = hf.get(field)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+      raise _refuse(where, field, value, "must be a positive integer (a JSON number, not a string)")
+  for field in FLOAT_FIELDS:
+    value = hf.get(field)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+      raise _refuse(where, field, value, "must be a positive number (a JSON number, not a string)")
+
+
 def _check_supported(hf: dict, where: str) -> None:
+  if not isinstance(hf, dict):
+    raise UserError(f"{where}: expected a JSON object, found {type(hf).__name__}")
+  _check_types(hf, where)
   arch = hf.get("architectures") or [ARCHITECTURE]
   if arch != [ARCHITECTURE]:
     raise _refuse(where, "architectures", arch, f"only {ARCHITECTURE} is supported")

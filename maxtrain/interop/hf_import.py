@@ -6,6 +6,7 @@ the (stacked) parameter, whose chunks are those blocks."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -68,27 +69,48 @@ def _convert(source: HFSource, params_dir: Path, name: str, dtype: str, block_by
 
 def from_hf(hf_dir: str | Path, out: str | Path, *, vocab_multiple: int = 128, dtype: str = "keep",
             base_config: str | None = None, block_bytes: int = names_lib.BLOCK_BYTES) -> dict:
-  """Converts; returns a summary (parameters, bytes, seconds). UserError (exit 2) for what it does not support."""
+  """Converts; returns a summary (parameters, bytes, seconds). UserError (exit 2) for what it does not support.
+
+  Everything is written into a staging directory beside `out` and moved into `out` only once complete,
+  so a failure (a bad tensor, a full disk, Ctrl-C) leaves no partial conversion behind."""
   t0 = time.monotonic()
   hf_dir, out = Path(hf_dir), Path(out)
   if dtype not in DTYPE_CHOICES:
     raise UserError(f"--dtype={dtype}: choose one of {', '.join(DTYPE_CHOICES)}")
   source = HFSource(hf_dir, vocab_multiple)
-  if (out / "params").exists():
-    raise UserError(f"{out / 'params'} already exists: choose a new output directory (nothing is overwritten)")
-  params_dir = out / "params"
-  params_dir.mkdir(parents=True)
+  if out.exists() and not out.is_dir():
+    raise UserError(f"{out} is a file: choose a new output directory")
+  taken = [out / n for n in ("params", "config.py", *TOKENIZER_FILES) if (out / n).exists()]
+  if taken:
+    raise UserError(f"{taken[0]} already exists: choose a new output directory (nothing is overwritten)")
+  stage = out.parent / f".{out.name}.partial-{os.getpid()}"
+  try:
+    stage.mkdir(parents=True)
+    summary = _write(source, hf_dir, stage, out, dtype, base_config, block_bytes)
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in stage.iterdir():
+      entry.rename(out / entry.name)
+  finally:
+    shutil.rmtree(stage, ignore_errors=True)
+  return {**summary, "seconds": time.monotonic() - t0}
+
+
+def _write(source: HFSource, hf_dir: Path, stage: Path, out: Path, dtype: str, base_config: str | None,
+           block_bytes: int) -> dict:
+  """The conversion's files in `stage`; the config preset names their final home, `out`."""
+  params_dir = stage / "params"
+  params_dir.mkdir()
   params = {name: _convert(source, params_dir, name, dtype, block_bytes) for name in source.names()}
   stored = next(iter(params.values()))["dtype"]
   model = {**source.model, "param_dtype": stored if stored in ("float32", "bfloat16") else "float32"}
   copied = [f for f in TOKENIZER_FILES if (hf_dir / f).is_file()]
   for f in copied:
-    shutil.copyfile(hf_dir / f, out / f)
+    shutil.copyfile(hf_dir / f, stage / f)
   tokenizer = "tokenizer.json" in copied
   params_store.finish(params_dir, {"model": model, "params": params, "vocab_size": source.vocab_size,
                                    "bos_token_id": source.bos_id, "eos_token_id": source.eos_id,
                                    "tokenizer": "tokenizer.json" if tokenizer else "", "source": str(hf_dir)})
-  (out / "config.py").write_text(_preset(out.resolve(), hf_dir, model, tokenizer, base_config))
+  (stage / "config.py").write_text(_preset(out.resolve(), hf_dir, model, tokenizer, base_config))
   count = sum(int(np.prod(p["shape"])) for p in params.values())
-  return {"parameters": count, "seconds": time.monotonic() - t0, "tokenizer": tokenizer,
+  return {"parameters": count, "tokenizer": tokenizer,
           "bytes": sum(int(np.prod(p["shape"])) * np.dtype(p["dtype"]).itemsize for p in params.values())}

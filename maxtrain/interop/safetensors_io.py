@@ -26,6 +26,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 ST_DTYPES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER_BYTES = 100 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +95,21 @@ def _read_header(path: Path) -> list[tuple[TensorInfo, int]]:
   try:
     with open(path, "rb") as f:
       (length,) = struct.unpack("<Q", f.read(8))
+      size = path.stat().st_size
+      # Checked before reading: f.read(2**63) would try to allocate it (safetensors caps headers at 100 MB).
+      if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
+        raise UserError(f"{path}: not a safetensors file: its header length field says {length:,} bytes, but the "
+                        f"file has {size:,} bytes (and a header is at most {MAX_HEADER_BYTES:,}). Re-download it.")
       header = json.loads(f.read(length))
   except (OSError, struct.error, ValueError) as e:
     raise UserError(f"{path}: not a readable safetensors file ({e})") from None
-  out = []
-  for name, entry in header.items():
-    if name == "__metadata__":
-      continue
-    dtype = ST_DTYPES.get(entry["dtype"], entry["dtype"])  # an unsupported one fails when it is read
-    out.append((TensorInfo(name, tuple(entry["shape"]), dtype),
-                8 + length + entry["data_offsets"][0]))
-  return out
+  try:
+    return [(TensorInfo(name, tuple(int(n) for n in entry["shape"]), ST_DTYPES.get(entry["dtype"], entry["dtype"])),
+             8 + length + int(entry["data_offsets"][0]))  # an unsupported dtype fails when it is read
+            for name, entry in header.items() if name != "__metadata__"]
+  except (AttributeError, KeyError, IndexError, TypeError, ValueError) as e:
+    raise UserError(f"{path}: malformed safetensors header ({type(e).__name__}: {e}): each tensor needs dtype, "
+                    "shape and data_offsets") from None
 
 
 def plan(tensors: Iterable[TensorInfo], max_bytes: int) -> list[list[TensorInfo]]:

@@ -20,6 +20,7 @@ import jax
 import ml_collections
 
 from maxtrain import config as config_lib
+from maxtrain.aot import estimate
 from maxtrain.optim import optimizer as optim
 from maxtrain.program import build as program_lib
 from maxtrain.program import state as state_lib
@@ -40,6 +41,7 @@ from maxtrain.runtime.faults import Faults
 from maxtrain.runtime.kv import KeyValue
 from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
+from maxtrain.program.plan import total_steps
 
 log = logging.getLogger("maxtrain")
 
@@ -51,6 +53,10 @@ class Trainer:
     distributed.initialize_distributed(cfg.runtime)
     self.kv = KeyValue.current()  # None with one process
     self.program = program_lib.program_for(cfg, jax.devices())
+    estimate.check_fits(cfg, jax.device_count(), jax.local_devices())  # arithmetic, before any allocation
+    if cfg.optimizer.warmup_steps > total_steps(cfg):  # legal (short smoke runs), but never silent
+      log.warning("optimizer.warmup_steps=%d > the schedule's %d steps (optimizer.decay_steps or steps): the learning "
+                  "rate never reaches optimizer.lr", cfg.optimizer.warmup_steps, total_steps(cfg))
     cache.configure_compile_cache(cfg.runtime.compile_cache_dir)
     self.out_dir = Path(cfg.output_dir)
     prepare_output_dir(self.out_dir)
@@ -65,7 +71,7 @@ class Trainer:
       self.step = 0
       try:
         self._build_components(stack)
-      except UserError as e:  # the attempt's record ends here: a bad-input exit, not a crash
+      except (UserError, KeyboardInterrupt) as e:  # the attempt's record ends here: bad input or Ctrl-C, not a crash
         self.exit_code = exit_code(e)
         raise
       self._resources = stack.pop_all()
@@ -76,11 +82,12 @@ class Trainer:
     self.watchdog = Watchdog(self.out_dir, self.events, cfg.watchdog.timeout_s, cfg.watchdog.startup_timeout_s,
                              kv=self.kv).start()
     stack.callback(self.watchdog.stop)
-    peak_flops, peak_source = mfu_lib.peak_flops(jax.local_devices()[0], cfg.mfu.peak_flops)
+    peak_flops, peak_source, peak_contended = mfu_lib.peak_info(jax.local_devices()[0], cfg.mfu.peak_flops)
     self.metrics = MetricsLogger(self.out_dir, self.events, total_steps=cfg.steps,
                                  tokens_per_step=program.plan.batch.tokens, flops_per_token=program.flops_per_token,
                                  peak_flops=peak_flops, prometheus_port=cfg.monitor.prometheus_port,
-                                 prometheus_host=cfg.monitor.prometheus_host)
+                                 prometheus_host=cfg.monitor.prometheus_host,
+                                 peak_contended=peak_contended)
     stack.callback(self.metrics.close)
     self.faults = Faults(cfg.faults, self.out_dir, jax.process_index())
     self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.faults.after_save_started,

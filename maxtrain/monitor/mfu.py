@@ -22,15 +22,14 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 log = logging.getLogger("maxtrain")
 
 CACHE_NAME = "cpu_peak.json"
 BENCH_N = 2048  # fp32 matmul side: 17 GFLOP per run, large enough to reach the roofline on a few cores.
 BENCH_REPS = 5  # Best of: other processes on a shared machine only ever slow a run down.
-CONTENDED = 0.8  # A measurement that got less than this share of the usable cores is re-taken later...
-MAX_MEASUREMENTS = 3  # ...at most this many times in all (each costs ~1 s of start-up), keeping the best.
+CONTENDED = 0.8  # A measurement that got less than this share of the usable cores is re-taken at the next start.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +88,11 @@ def machine_identity() -> dict[str, Any]:
   return {"host": socket.gethostname(), "cpu": model, "cores": cores, "jax": jax.__version__}
 
 
-def measure_cpu_peak(n: int = BENCH_N, reps: int = BENCH_REPS) -> tuple[float, float]:
+def measure_cpu_peak(n: int = BENCH_N, reps: int = BENCH_REPS, cpu_share: float | None = None) -> tuple[float, float]:
   """(FLOP/s, cpu_share) of a jitted fp32 n x n matmul on the first CPU device, best of `reps`: this
   process's practical matmul roofline. `cpu_share` = CPU seconds the process got during the best run
-  / (wall seconds x usable cores); well below 1 means other processes held the cores."""
+  / (wall seconds x usable cores); well below 1 means other processes held the cores. A given
+  `cpu_share` replaces that reading (tests: a contended machine on demand; the matmul still runs)."""
   import jax
   import jax.numpy as jnp
 
@@ -108,15 +108,29 @@ def measure_cpu_peak(n: int = BENCH_N, reps: int = BENCH_REPS) -> tuple[float, f
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     if wall < best:
       best, share = wall, cpu / (wall * cores)
-  return 2.0 * n**3 / best, share
+  return 2.0 * n**3 / best, share if cpu_share is None else cpu_share
 
 
-def cached_cpu_peak(cache_file: Path | None = None) -> tuple[float, str]:
-  """(FLOP/s per process, description): from the per-machine cache, else measured (~1 s) and cached.
+class CpuPeak(NamedTuple):
+  flops: float  # per process
+  description: str
+  contended: bool  # no measurement behind `flops` got the cores: MFU against it reads high
 
-  A measurement that got less than CONTENDED of the cores was slowed by other processes: it is
-  cached with a warning and measured again at the next call, keeping the best, up to MAX_MEASUREMENTS
-  in all. Delete the cache file (`<maxtrain cache dir>/cpu_peak.json`) to start over."""
+
+def cached_cpu_peak(cache_file: Path | None = None, cpu_share: float | None = None) -> tuple[float, str]:
+  """(FLOP/s per process, description) of `cpu_peak`."""
+  return cpu_peak(cache_file, cpu_share)[:2]
+
+
+def cpu_peak(cache_file: Path | None = None, cpu_share: float | None = None) -> CpuPeak:
+  """The CPU peak from the per-machine cache once a quiet measurement is in it, else measured (~1 s)
+  and cached.
+
+  A measurement that got less than CONTENDED of the cores was slowed by other processes: it is never
+  final. Each start measures again until one gets the cores, keeping the best figure of all (other
+  processes only ever slow a matmul down); until then it is `contended`, and MFU lines say the figure
+  reads high. `cpu_share` is passed to measure_cpu_peak.
+  Delete the cache file (`<maxtrain cache dir>/cpu_peak.json`) to start over."""
   if cache_file is None:
     from maxtrain.runtime.cache import cache_dir
 
@@ -124,20 +138,30 @@ def cached_cpu_peak(cache_file: Path | None = None) -> tuple[float, str]:
   identity = machine_identity()
   key = "|".join(f"{k}={v}" for k, v in identity.items())
   entry = _read_cache(cache_file).get(key)
-  if entry and (entry["cpu_share"] >= CONTENDED or entry.get("measurements", 1) >= MAX_MEASUREMENTS):
-    return float(entry["flops"]), _describe(entry, f"cached in {cache_file}")
-  flops, share = measure_cpu_peak()
+  if entry and _quiet(entry):
+    return CpuPeak(float(entry["flops"]), _describe(entry, f"cached in {cache_file}"), False)
+  flops, share = measure_cpu_peak(cpu_share=cpu_share)
   measurements = entry.get("measurements", 1) + 1 if entry else 1
-  if entry and entry["flops"] >= flops:  # A contended re-measurement that did no better.
-    entry = {**entry, "measurements": measurements}
+  quiet = share >= CONTENDED
+  if entry and entry["flops"] >= flops:  # The earlier figure stays the best; this one may make it quiet.
+    entry = {**entry, "measurements": measurements, "quiet": quiet}
   else:
     entry = {"flops": flops, "cpu_share": share, "n": BENCH_N, "dtype": "float32", "when": time.strftime("%Y-%m-%d"),
-             "measurements": measurements, **identity}
-  if entry["cpu_share"] < CONTENDED:
-    again = "it is measured again at the next start" if measurements < MAX_MEASUREMENTS else "kept (last attempt)"
+             "measurements": measurements, "quiet": quiet, **identity}
+  if not quiet:
     log.warning("CPU peak measured while other processes held the cores (this process got %.0f%% of %d): "
-                "%.1f GFLOP/s may be low and MFU read high; %s", 100 * entry["cpu_share"], identity["cores"],
-                entry["flops"] / 1e9, again)
+                "%.1f GFLOP/s may be low and MFU read high; it is measured again at the next start",
+                100 * share, identity["cores"], entry["flops"] / 1e9)
+  _write_cache(cache_file, key, entry)
+  return CpuPeak(float(entry["flops"]), _describe(entry, "measured now"), not quiet)
+
+
+def _quiet(entry: dict) -> bool:
+  """Whether any measurement behind the entry got the cores (entries written before "quiet": its share)."""
+  return bool(entry.get("quiet", entry["cpu_share"] >= CONTENDED))
+
+
+def _write_cache(cache_file: Path, key: str, entry: dict) -> None:
   try:
     cache = _read_cache(cache_file)  # Again: keep entries other processes added meanwhile.
     cache[key] = entry
@@ -147,7 +171,6 @@ def cached_cpu_peak(cache_file: Path | None = None) -> tuple[float, str]:
     os.replace(tmp, cache_file)
   except OSError as e:  # A read-only cache costs a re-measurement next time, not the run.
     log.warning("could not cache the CPU peak in %s: %s", cache_file, e)
-  return float(entry["flops"]), _describe(entry, "measured now")
 
 
 def _read_cache(cache_file: Path) -> dict:
@@ -158,7 +181,7 @@ def _read_cache(cache_file: Path) -> dict:
 
 
 def _describe(entry: dict, where: str) -> str:
-  contended = f", contended: got {entry['cpu_share']:.0%} of the cores" if entry["cpu_share"] < CONTENDED else ""
+  contended = "" if _quiet(entry) else f", contended: got {entry['cpu_share']:.0%} of the cores"
   return f"fp32 {entry['n']}x{entry['n']} matmul, {where}, {entry['when']}{contended}"
 
 
@@ -166,28 +189,34 @@ _warned: set[str] = set()
 
 
 def peak_flops(device: Any = None, override: float = 0.0) -> tuple[float, str]:
-  """(peak FLOP/s per device, where the number comes from). 0.0 means unknown: MFU is unavailable.
+  """(peak FLOP/s per device, where the number comes from) of `peak_info`."""
+  return peak_info(device, override)[:2]
+
+
+def peak_info(device: Any = None, override: float = 0.0) -> tuple[float, str, bool]:
+  """(peak FLOP/s per device, where the number comes from, whether it rests on contended CPU
+  measurements only: MFU against it reads high). 0.0 means unknown: MFU is unavailable.
 
   `override` (config `mfu.peak_flops`) wins when > 0. CPU: the cached measured peak of this process,
   divided by its local device count. Unknown accelerator: 0.0 and a one-line warning (once per kind).
   """
   if override > 0:
-    return float(override), "config mfu.peak_flops"
+    return float(override), "config mfu.peak_flops", False
   import jax
 
   device = device if device is not None else jax.local_devices()[0]
   if device.platform == "cpu":
-    flops, how = cached_cpu_peak()
+    flops, how, contended = cpu_peak()
     n = jax.local_device_count(backend="cpu")
-    return flops / n, f"CPU peak {flops / 1e9:.1f} GFLOP/s per process / {n} local device(s) ({how})"
+    return flops / n, f"CPU peak {flops / 1e9:.1f} GFLOP/s per process / {n} local device(s) ({how})", contended
   peak = table_peak(device.device_kind)
   if peak is None:
     if device.device_kind not in _warned:
       _warned.add(device.device_kind)
       log.warning("MFU unavailable: no peak FLOP/s known for device kind %r (%s); set --config.mfu.peak_flops "
                   "to its dense peak per device", device.device_kind, device.platform)
-    return 0.0, f"unknown device kind {device.device_kind!r}"
-  return peak.flops, f"{device.device_kind}: {peak.flops / 1e12:.1f} TFLOP/s {peak.precision} ({peak.source})"
+    return 0.0, f"unknown device kind {device.device_kind!r}", False
+  return peak.flops, f"{device.device_kind}: {peak.flops / 1e12:.1f} TFLOP/s {peak.precision} ({peak.source})", False
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, peak_per_device: float) -> float | None:

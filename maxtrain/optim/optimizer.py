@@ -255,6 +255,10 @@ def validate(o: ml_collections.ConfigDict, steps: int) -> None:
   for key in ("lr", "adam_lr"):
     require(o[key] > 0, f"config.optimizer.{key}={o[key]}: a learning rate must be > 0 (the peak of the schedule)")
   require(o.warmup_steps >= 0, f"config.optimizer.warmup_steps={o.warmup_steps}: must be >= 0")
+  for key in ("b1", "b2"):
+    require(0 <= o[key] < 1, f"config.optimizer.{key}={o[key]}: an Adam moment decay must be in [0, 1) "
+            "(1 never forgets the first gradient; >= 1 diverges)")
+  require(o.eps > 0, f"config.optimizer.eps={o.eps}: must be > 0 (Adam divides by sqrt(nu) + eps)")
   require(0 <= o.min_lr_ratio <= 1, f"config.optimizer.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
   require(0 < o.decay_fraction <= 1, f"config.optimizer.decay_fraction={o.decay_fraction}: must be in (0, 1]")
   if o.schedule == "wsd":
