@@ -36,7 +36,8 @@ def process_rows(sharding: jax.sharding.Sharding) -> Callable[[int], np.ndarray]
   """The rows of a [B, ...] batch that this process's devices hold under `sharding`, in order."""
   def rows(batch_size: int) -> np.ndarray:
     held = set()
-    for index in sharding.addressable_devices_indices_map((batch_size, 1)).values():
+    length = getattr(sharding, "mesh", None).size if hasattr(sharding, "mesh") else 1  # divisible by any split
+    for index in sharding.addressable_devices_indices_map((batch_size, length)).values():
       held.update(range(*index[0].indices(batch_size)))
     return np.array(sorted(held), np.int64)
   return rows

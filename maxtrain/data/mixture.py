@@ -141,6 +141,25 @@ def parse_stages(text: str, names: Sequence[str], first: Stage) -> list[Stage]:
   return stages
 
 
+def from_config(d: Any) -> tuple[list[Source], list[Stage]]:
+  """The config's sources (PREFIX without .train/.val; the embedded corpus has prefix "") and stage table.
+
+  `data.sources` is a mixture; else `data.path` or `data.corpus` is the one source, named after it.
+  """
+  if d.sources:
+    sources = parse_sources(d.sources)
+    if not sources:
+      raise UserError(f"config.data.sources={d.sources!r} names no store (expected PREFIX[:WEIGHT],...)")
+    if not any(s.weight for s in sources):
+      raise UserError(f"config.data.sources={d.sources!r}: every weight is 0; give one source a weight > 0")
+  elif d.path:
+    sources = [Source(os.path.basename(d.path.rstrip("/")) or "train", d.path, 1.0)]
+  else:
+    sources = [Source(d.corpus, "", 1.0)]
+  first = Stage(0, 0, d.batch_size, d.seq_len, tuple(s.weight for s in sources))
+  return sources, parse_stages(d.stages, [s.name for s in sources], first)
+
+
 def block_counts(weights: Sequence[float]) -> tuple[int, ...]:
   """Sequences of each source per block: exact when the weights' common denominator is small."""
   total = math.fsum(weights)
