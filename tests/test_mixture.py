@@ -222,3 +222,93 @@ def test_store_refusals(store, docs_store, tmp_path):
     srcs = [sources[0], Source(Path(prefix).name, str(prefix), 1.0)]
     with pytest.raises(UserError, match=culprit):
       MixtureLoader(srcs, [Stage(0, 0, 8, 32, (1.0, 1.0))], 0, contiguous_rows(0, 1))
+
+
+# End to end, through `python -m maxtrain.train` (real subprocesses, 8 or 4 fake devices).
+
+from tiny import TINY_MODEL  # noqa: E402
+
+TINY = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=4", "--config.checkpoint.every_steps=4"]
+
+
+def _trainer(args, devices=8):
+  import os
+  import subprocess
+  import sys
+
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-m", "maxtrain.train", *args], capture_output=True, text=True, env=env,
+                        timeout=300, cwd=REPO)
+
+
+def _scalars(out: Path) -> dict[str, dict[int, float]]:
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  events = EventAccumulator(str(out / "tensorboard"))
+  events.Reload()
+  return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def _data_state(out: Path, step: int) -> dict:
+  import json
+
+  return json.loads((out / "checkpoints" / str(step) / "data" / "metadata").read_text())
+
+
+def test_two_source_run_reports_each_source(store, docs_store, tmp_path):
+  import json
+
+  out = tmp_path / "run"
+  # 3:1 mixes in blocks of 256 sequences: 32 steps of 8 are exactly one block.
+  done = _trainer(TINY + [f"--config.data.sources={store}:3,{docs_store}", "--config.steps=32",
+                          "--config.data.max_epochs=0.001", f"--config.output_dir={out}"])
+  assert done.returncode == 0, done.stderr[-3000:]
+  tb = _scalars(out)
+  tokens = {name: tb[f"data/{name}/tokens"][32] for name in ("code", "docs")}
+  assert tokens["code"] / sum(tokens.values()) == pytest.approx(0.75, abs=0.01)
+  assert sum(tokens.values()) == 32 * 8 * 32
+  for name in ("code", "docs"):
+    assert tb[f"data/{name}/epochs"][32] > 0 and tb[f"data/{name}/sequences"][32] > 0
+    assert np.isfinite(tb[f"eval/{name}/loss"][32]) and 0 < tb[f"eval/{name}/bits_per_byte"][32] < 16
+  repeats = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()
+             if '"data_repeat"' in line]
+  assert {r["source"] for r in repeats} == {"code", "docs"}  # each warned once
+  assert _data_state(out, 32)["sources"]["code"]["tokens"] == tokens["code"]
+  stopped = _trainer(TINY + [f"--config.data.sources={store}:3,{docs_store}", "--config.steps=4",
+                             "--config.data.max_epochs=0.001", "--config.data.stop_at_max_epochs=true",
+                             f"--config.output_dir={tmp_path / 'stop'}"])
+  assert stopped.returncode == 3, stopped.stderr[-3000:]
+  assert "data.max_epochs" in stopped.stderr
+
+
+def test_elastic_resume_on_fewer_devices_matches_the_straight_run(store, docs_store, tmp_path):
+  mix = TINY + [f"--config.data.sources={store}:3,{docs_store}:1", "--config.log_every=1",
+                "--config.data.stages=6:code=1,docs=1,seq_len=16"]
+  straight = _trainer(mix + ["--config.steps=8", f"--config.output_dir={tmp_path / 'straight'}"], devices=8)
+  assert straight.returncode == 0, straight.stderr[-3000:]
+  out = tmp_path / "elastic"
+  first = _trainer(mix + ["--config.steps=4", f"--config.output_dir={out}"], devices=8)
+  assert first.returncode == 0, first.stderr[-3000:]
+  resumed = _trainer(mix + ["--config.steps=8", f"--config.output_dir={out}"], devices=4)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  want, got = _data_state(tmp_path / "straight", 8), _data_state(out, 8)
+  assert got == want  # same step, sequence, stage table and per-source counts: the same windows
+  a, b = _scalars(tmp_path / "straight"), _scalars(out)
+  steps = sorted(a["train/loss"])
+  assert steps == list(range(1, 9)) and sorted(b["train/loss"]) == steps
+  np.testing.assert_allclose([b["train/loss"][s] for s in steps], [a["train/loss"][s] for s in steps], rtol=1e-5)
+
+
+def test_bad_mixture_configs_exit_2_naming_the_culprit(store, docs_store, capsys):
+  from maxtrain.cli import train
+
+  for args, culprit in (([f"--config.data.sources={store}:3,{docs_store}", "--config.data.stages=4:wiki=1"],
+                         "unknown source 'wiki'"),
+                        ([f"--config.data.sources={store}:0,{docs_store}:0"], "every weight is 0"),
+                        ([f"--config.data.sources={store},{docs_store}", "--config.data.stages=4:seq_len=4096"],
+                         "seq_len=4096"),
+                        ([f"--config.data.sources={store},{docs_store}", "--config.model.vocab_size=128"],
+                         "code.train.*vocab_size=128")):
+    assert train.main(TINY + args) == 2
+    captured = capsys.readouterr()
+    assert __import__("re").search(culprit, captured.out + captured.err), (culprit, captured.err[-2000:])
