@@ -312,3 +312,27 @@ def test_bad_mixture_configs_exit_2_naming_the_culprit(store, docs_store, capsys
     assert train.main(TINY + args) == 2
     captured = capsys.readouterr()
     assert __import__("re").search(culprit, captured.out + captured.err), (culprit, captured.err[-2000:])
+
+
+@pytest.mark.slow
+def test_resume_on_two_processes_matches_the_straight_run(store, docs_store, tmp_path):
+  from test_multiprocess import free_port, start
+
+  mix = TINY + [f"--config.data.sources={store}:3,{docs_store}:1", "--config.log_every=1",
+                "--config.data.stages=6:code=1,docs=1"]
+  straight = _trainer(mix + ["--config.steps=8", f"--config.output_dir={tmp_path / 'straight'}"], devices=8)
+  assert straight.returncode == 0, straight.stderr[-3000:]
+  out = tmp_path / "elastic"
+  first = _trainer(mix + ["--config.steps=4", f"--config.output_dir={out}"], devices=8)
+  assert first.returncode == 0, first.stderr[-3000:]
+  port = free_port()  # continue on 2 processes x 2 devices
+  procs = [start(mix + ["--config.steps=8", f"--config.output_dir={out}", "--config.runtime.num_processes=2",
+                        f"--config.runtime.process_id={i}", f"--config.runtime.coordinator=127.0.0.1:{port}"],
+                 devices=2) for i in range(2)]
+  for p in procs:
+    output = p.communicate(timeout=600)[0]
+    assert p.returncode == 0, output[-3000:]
+  assert _data_state(out, 8) == _data_state(tmp_path / "straight", 8)
+  a, b = _scalars(tmp_path / "straight"), _scalars(out)
+  steps = list(range(1, 9))
+  np.testing.assert_allclose([b["train/loss"][s] for s in steps], [a["train/loss"][s] for s in steps], rtol=1e-5)
