@@ -3,6 +3,7 @@ loader, and the fixed eval batches, delivered as global device arrays laid out f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -11,7 +12,8 @@ import jax
 import ml_collections
 
 from maxtrain.program import batch as batch_lib
-from maxtrain.data import corpus, pipeline
+from maxtrain.data import corpus, mixture, pipeline
+from maxtrain.data.loader import MixtureLoader, process_rows
 from maxtrain.data.store import TokenStore
 from maxtrain.errors import UserError
 from maxtrain.runtime import faults
@@ -75,22 +77,34 @@ def _dotted(tree: dict, key: str) -> Any:
 
 
 class Data:
+  """The train loader over the config's sources (one store, or a mixture in stages: `data/mixture.py`)
+  and each source's fixed eval batches."""
+
   def __init__(self, cfg: ml_collections.ConfigDict, batch_shardings: dict[str, Any]):
-    d = cfg.data
-    self.train_store, self.val_store = open_stores(d, cfg.model.vocab_size)
+    d, vocab = cfg.data, cfg.model.vocab_size
+    sources, stages = mixture.from_config(d)
+    if d.sources:  # each source is a PREFIX.train / PREFIX.val pair, checked as data.path would be
+      pairs = [open_stores(ml_collections.ConfigDict({**d.to_dict(), "path": s.prefix}), vocab) for s in sources]
+    else:
+      pairs = [open_stores(d, vocab)]
+    self.train_store, self.val_store = pairs[0]
+    self.names = [s.name for s in sources]
+    self.stores = {s.name: pair for s, pair in zip(sources, pairs)}
     self.shardings = batch_shardings
-    # Both loaders also check every batch's ids against the model's vocabulary: a file can change
+    # The loader also checks every batch's ids against the model's vocabulary: a file can change
     # after it was indexed, and an id out of range would give NaN losses, not an error.
-    vocab = cfg.model.vocab_size
-    self.loader = pipeline.TrainLoader(self.train_store.prefix, d.seq_len, d.batch_size, cfg.seed,
-                                       jax.process_index(), jax.process_count(), vocab_size=vocab)
-    self.eval_batches = [batch_lib.to_device(rows, batch_shardings) for rows in pipeline.eval_batches(
-        self.val_store.prefix, d.seq_len, d.batch_size, cfg.eval.batches, jax.process_index(), jax.process_count(),
-        vocab_size=vocab)]
+    train_sources = [dataclasses.replace(s, prefix=train.prefix) for s, (train, _) in zip(sources, pairs)]
+    self.loader = MixtureLoader(train_sources, stages, cfg.seed, process_rows(batch_shardings[pipeline.KEYS[0]]),
+                                vocab_size=vocab, allow_new_batch_size=d.resume_new_batch_size)
+    self.eval_sets = {name: [batch_lib.to_device(rows, batch_shardings) for rows in pipeline.eval_batches(
+        val.prefix, d.seq_len, d.batch_size, cfg.eval.batches, jax.process_index(), jax.process_count(),
+        vocab_size=vocab)] for name, (_, val) in self.stores.items()}
+    self.eval_batches = [b for batches in self.eval_sets.values() for b in batches]
+    self.max_epochs, self._past_max = d.max_epochs, set()
 
   def describe(self) -> str:
-    return (f"train {self.train_store.prefix} ({self.train_store.num_tokens} tokens), "
-            f"val {self.val_store.prefix} ({self.val_store.num_tokens} tokens)")
+    return "; ".join(f"{name}: train {train.prefix} ({train.num_tokens} tokens), val {val.prefix} "
+                     f"({val.num_tokens} tokens)" for name, (train, val) in self.stores.items())
 
   def next_batch(self, fault: tuple[float, float] = faults.NONE) -> tuple[dict[str, jax.Array], float]:
     """The next train batch on device (with the step's fault input) and the seconds spent waiting."""
@@ -99,8 +113,30 @@ class Data:
     wait_s = time.monotonic() - t0
     return faults.attach(batch, fault, self.shardings[faults.INPUT]), wait_s
 
+  def scalars(self) -> dict[str, float]:
+    """Per source, what the batches served so far consumed: data/<name>/{tokens,sequences,epochs}."""
+    return {f"data/{name}/{kind}": float(value) for name, counts in self.loader.consumed().items()
+            for kind, value in counts.items()}
+
+  def newly_past_max_epochs(self) -> dict[str, float]:
+    """Sources read past data.max_epochs since the last call (each named once), with their epochs."""
+    if not self.max_epochs:
+      return {}
+    past = {name: c["epochs"] for name, c in self.loader.consumed().items()
+            if c["epochs"] > self.max_epochs and name not in self._past_max}
+    self._past_max.update(past)
+    return past
+
+  def bytes_per_token(self, name: str) -> float | None:
+    """The source's average UTF-8 bytes per token (from its header's input size), for bits per byte."""
+    train, val = self.stores[name]
+    source = train.header.get("source") or {}
+    size = source.get("bytes", source.get("total_bytes"))
+    tokens = train.num_tokens + val.num_tokens
+    return size / tokens if isinstance(size, (int, float)) and size > 0 and tokens else None
+
   def get_state(self) -> dict:
     return self.loader.get_state()
 
   def set_state(self, state: dict) -> None:
-    self.loader.set_state(state)  # O(1): the loader indexes windows, nothing is replayed
+    self.loader.set_state(state)  # O(stages): the loader indexes windows, nothing is replayed

@@ -26,7 +26,7 @@ from maxtrain.program import build as program_lib
 from maxtrain.program import state as state_lib
 from maxtrain.checkpoint.schedule import Checkpoints
 from maxtrain.loop.data import Data, check_checkpoint_tokenizer
-from maxtrain.errors import EXIT_CRASH, EXIT_HANG, Preempted, UserError, exit_code, require_writable_dir
+from maxtrain.errors import EXIT_CRASH, EXIT_HANG, Aborted, Preempted, UserError, exit_code, require_writable_dir
 from maxtrain.loop.rollback import Rollback, Rollbacks
 from maxtrain.models.llama import param_count
 from maxtrain.monitor import events as ev
@@ -141,8 +141,11 @@ class Trainer:
     with jax.set_mesh(self.program.mesh):
       data_state = self.data.get_state()  # the loader position matching `state`
       batch = self._next_batch(step + 1)
-      compiled = self._compile(state, batch)
+      compiled, shape = self._compile(state, batch), batch["inputs"].shape
       while step < cfg.steps:
+        if batch["inputs"].shape != shape:  # a data stage changed seq_len: the step's shapes change with it
+          compiled, shape = self._compile(state, batch), batch["inputs"].shape
+          self.metrics.tokens_per_step = math.prod(shape)
         if self.metrics.summary is not None:  # not the attempt's first step: its dispatch waits for compilation
           self.stragglers.dispatching(step + 1)
         self.profiler.maybe_start(step + 1)
@@ -151,6 +154,7 @@ class Trainer:
         self.profiler.maybe_stop(step + 1, metrics)
         step = self.step = step + 1
         data_state = self.data.get_state()
+        self._check_epochs(step)
         if step < cfg.steps:  # host work for the next batch overlaps the device running this step
           batch = self._next_batch(step + 1)
         rollback = self.rollbacks.after_step(step, metrics, last=step == cfg.steps)
@@ -164,6 +168,7 @@ class Trainer:
           self.metrics.first_step(step, metrics, self.t_start)
         if step % cfg.log_every == 0 or step == cfg.steps:
           self.routing.check(step, self.metrics.train(step, metrics, fleet=self.stragglers.exchange(step)))
+          self.metrics.scalars(step, self.data.scalars())
         if step == cfg.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
           eval_loss = self._evaluate(state, step)
         # After the step and its events: a hang's idle window (goodput's `hang`) starts after them.
@@ -214,12 +219,31 @@ class Trainer:
 
   def _evaluate(self, state: state_lib.TrainState, step: int) -> float:
     with jax.set_mesh(self.program.mesh), self.metrics.eval(step) as result:
-      total, count = 0.0, 0.0
-      for batch in self.data.eval_batches:
-        loss_sum, n = self.program.eval_step(state.params, batch)
-        total, count = total + loss_sum, count + n
+      total, count, per_source = 0.0, 0.0, {}
+      for name, batches in self.data.eval_sets.items():
+        source_total, source_count = 0.0, 0.0
+        for batch in batches:
+          loss_sum, n = self.program.eval_step(state.params, batch)
+          source_total, source_count = source_total + loss_sum, source_count + n
+        total, count = total + source_total, count + source_count
+        loss = float(source_total) / max(float(source_count), 1.0)
+        per_source[f"eval/{name}/loss"] = loss
+        bytes_per_token = self.data.bytes_per_token(name)
+        if bytes_per_token:  # comparable across tokenizers: nats per token -> bits per input byte
+          per_source[f"eval/{name}/bits_per_byte"] = loss / math.log(2) / bytes_per_token
       result["loss"] = float(total) / max(float(count), 1.0)
+    self.metrics.scalars(step, per_source)
     return result["loss"]
+
+  def _check_epochs(self, step: int) -> None:
+    """A source read past data.max_epochs: a warning event, or exit 3 when the config says stop."""
+    for name, epochs in self.data.newly_past_max_epochs().items():
+      self.events.emit(ev.DATA_REPEAT, step, source=name, epochs=epochs, max_epochs=self.cfg.data.max_epochs)
+      log.warning("data: source %s is past data.max_epochs=%g (%.3f epochs) at step %d", name,
+                  self.cfg.data.max_epochs, epochs, step)
+      if self.cfg.data.stop_at_max_epochs:
+        raise Aborted(f"source {name} was read past data.max_epochs={self.cfg.data.max_epochs} ({epochs:.3f} "
+                      f"epochs) at step {step} and data.stop_at_max_epochs is set: add data or raise max_epochs")
 
   def _preempt(self, state: state_lib.TrainState, step: int, data_state: dict) -> None:
     self.events.emit(ev.PREEMPTION, step, signal=self.stop.reason)

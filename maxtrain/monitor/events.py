@@ -55,6 +55,7 @@ PREEMPTION = "preemption"  # Asked to stop (SIGTERM / maintenance notice); a che
 CRASH = "crash"  # An attempt died: code, reason (written by the supervisor or an excepthook).
 RESTART = "restart"  # Supervisor launches a new attempt (its `attempt`); backoff_s, reason.
 EXIT = "exit"  # A process is exiting: code (see DESIGN.md exit codes).
+DATA_REPEAT = "data_repeat"  # A source was read past data.max_epochs: source, epochs, max_epochs.
 
 KINDS = (JOB_START, COMPILE_START, COMPILE_END, FIRST_STEP, STEPS, EVAL, CHECKPOINT_SAVE_START, CHECKPOINT_BLOCKED,
          CHECKPOINT_SAVE_END, RESTORE, CHECKPOINT_CORRUPT,

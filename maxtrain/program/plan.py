@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Any
 
 import ml_collections
 
 from maxtrain.checkpoint import storage as checkpoint
+from maxtrain.data import mixture
 from maxtrain.program import guards
 from maxtrain.optim import optimizer as optim
 from maxtrain.program.batch import BatchLayout
@@ -57,9 +59,10 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
             f"config.model.attention={kernel} runs only on runtime.platform={platform}, not "
             f"runtime.platform={cfg.runtime.platform}: use model.attention=flash (or auto)")
   d = cfg.data
-  require(bool(d.corpus) or bool(d.path) or not require_data,
+  require(bool(d.corpus) or bool(d.path) or bool(d.sources) or not require_data,
           "config.data.corpus and config.data.path are both empty: set data.path to a token store "
           "prefix (tools/index_data.py) or data.corpus to 'python-stdlib'")
+  require(d.max_epochs >= 0, f"config.data.max_epochs={d.max_epochs}: must be >= 0 (0 = no limit)")
   require(0 < d.seq_len <= cfg.model.max_seq_len,
           f"config.data.seq_len={d.seq_len} must be in 1..model.max_seq_len={cfg.model.max_seq_len}")
   require(cfg.optimizer.decay_steps >= 0,
@@ -81,6 +84,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           f"{', '.join(f'mesh.{a}=1' for a in unused)}, or choose a rule set that uses it (maxtrain/sharding/rules.py).")
   _validate_expert_parallel(cfg.model.moe, layout, mesh_layout)
   batch = BatchLayout.plan(d, cfg.optimizer, layout, f"mesh {mesh_layout.describe()}", num_processes)
+  _validate_stages(cfg, layout, f"mesh {mesh_layout.describe()}", num_processes)
   # Each process loads whole rows of its own batch shards (data/pipeline.py): a sequence split over
   # devices must not be split over processes too.
   per_process, split = num_devices // num_processes, layout.shards("act_length") * layout.shards("act_heads")
@@ -95,6 +99,21 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           "context-parallel attention runs the flash kernel on each shard. Set model.attention=flash (or auto), "
           "or mesh.context=1.")
   return Plan(mesh=mesh_layout, layout=layout, batch=batch)
+
+
+def _validate_stages(cfg: ml_collections.ConfigDict, layout: Layout, mesh_text: str, num_processes: int) -> None:
+  """data.sources and data.stages parse (names, weights, increasing steps), and every stage's batch fits."""
+  _, stages = mixture.from_config(cfg.data)
+  for stage in stages[1:]:
+    where = f"config.data.stages at step {stage.step}"
+    require(stage.batch_size == cfg.data.batch_size,
+            f"{where}: batch_size={stage.batch_size}: a batch size that changes during a run (a batch ramp) is not "
+            "implemented yet. Resume from a checkpoint with the new data.batch_size and "
+            "data.resume_new_batch_size=true instead")
+    require(0 < stage.seq_len <= cfg.model.max_seq_len,
+            f"{where}: seq_len={stage.seq_len} must be in 1..model.max_seq_len={cfg.model.max_seq_len}")
+    shape = types.SimpleNamespace(batch_size=stage.batch_size, seq_len=stage.seq_len)
+    BatchLayout.plan(shape, cfg.optimizer, layout, mesh_text, num_processes)
 
 
 def _validate_expert_parallel(moe: Any, layout: Layout, mesh_layout: mesh_lib.MeshLayout) -> None:

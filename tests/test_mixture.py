@@ -1,0 +1,338 @@
+"""Mixtures of token stores (data/mixture.py, data/loader.py): exact block proportions, stages, the
+single-store order kept, process-count independence and resume by index arithmetic."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from maxtrain.data import pipeline
+from maxtrain.data.loader import MixtureLoader, contiguous_rows, process_rows
+from maxtrain.data.mixture import Mixture, Source, Stage, block_counts, block_layout, parse_sources, parse_stages
+from maxtrain.errors import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def docs_store(tmp_path_factory) -> str:
+  """A second small store (train + val), from the tests and docs: a different source than `store`."""
+  from maxtrain.data.indexing import index_files
+
+  prefix = tmp_path_factory.mktemp("docs_store") / "docs"
+  index_files([str(REPO / "tests"), str(REPO / "docs")], str(prefix), val_fraction=0.2, workers=1, progress=False)
+  return str(prefix)
+
+
+def test_parse_sources_and_stages():
+  sources = parse_sources("/data/web:3, /data/code ,/x/math:0.5")
+  assert [(s.name, s.prefix, s.weight) for s in sources] == [("web", "/data/web", 3.0), ("code", "/data/code", 1.0),
+                                                             ("math", "/x/math", 0.5)]
+  names = [s.name for s in sources]
+  first = Stage(0, 0, 16, 256, (3.0, 1.0, 0.5))
+  stages = parse_stages("100:web=1,code=1; 300:seq_len=512; 400:math=1,batch_size=8", names, first)
+  assert stages[1] == Stage(100, 1600, 16, 256, (1.0, 1.0, 0.0))
+  assert stages[2] == Stage(300, 4800, 16, 512, (1.0, 1.0, 0.0))  # no weights named: kept
+  assert stages[3] == Stage(400, 6400, 8, 512, (0.0, 0.0, 1.0))
+  for text, culprit in (("100:wiki=1", "unknown source 'wiki'"), ("100:web=1;50:code=1", "increasing steps"),
+                        ("100:web=0", "every weight is 0"), ("100:web=-1", "must be key=number >= 0"),
+                        ("100:seq_len=0.5", "positive integer"), ("x:web=1", "integer STEP")):
+    with pytest.raises(UserError, match=culprit):
+      parse_stages(text, names, first)
+  for text, culprit in (("a/web:x", "not a number"), ("a/web,b/web", "two stores 'web'"), ("a/web:-1", ">= 0")):
+    with pytest.raises(UserError, match=culprit):
+      parse_sources(text)
+
+
+@pytest.mark.parametrize("weights", [(3.0, 5.0, 11.0), (0.3, 0.7, 1 / 7), (1.0, 1e-3), (2.0, 0.0, 1.0)])
+def test_every_block_holds_exactly_its_share(weights):
+  counts = block_counts(weights)
+  size = sum(counts)
+  total = sum(weights)
+  for c, w in zip(counts, weights):  # exact shares, or within one sequence (largest remainder)
+    assert abs(c - w / total * size) < 1
+  for block in range(3000):
+    source, rank = block_layout(7, 0, block, counts)
+    assert np.bincount(source, minlength=len(counts)).tolist() == list(counts)
+    for j in range(len(counts)):
+      assert rank[source == j].tolist() == list(range(counts[j]))
+  if counts == (57, 95, 209):  # 3:5:11 is exact: the block is a multiple of 19
+    assert size % 19 == 0
+
+
+def test_blocks_differ_and_depend_on_the_seed():
+  counts = block_counts((1.0, 1.0))
+  a, b, c = (block_layout(s, 0, k, counts)[0] for s, k in ((0, 0), (0, 1), (1, 0)))
+  assert not np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def _walk(m: Mixture, first: int, last: int) -> dict[int, list[int]]:
+  """Per source, the per-source indices of global sequences first..last-1."""
+  seen: dict[int, list[int]] = {}
+  for i in range(first, last):
+    j, q, _ = m.locate(i)
+    seen.setdefault(j, []).append(q)
+  return seen
+
+
+def test_each_source_is_read_in_order_and_new_weights_hold_from_the_boundary():
+  names = ["a", "b", "c"]
+  stages = parse_stages("40:a=1,b=0,c=3", names, Stage(0, 0, 64, 16, (3.0, 5.0, 11.0)))
+  m = Mixture(names, [10_000, 20_000, 5_000], stages, seed=3)
+  boundary = stages[1].seq
+  assert boundary == 40 * 64
+  seen = _walk(m, 0, boundary + 4 * 256)
+  for j, qs in seen.items():  # every source: consecutive indices, no repeat, no skip
+    assert qs == list(range(len(qs))), names[j]
+  before = np.bincount([m.locate(i)[0] for i in range(boundary)], minlength=3)
+  assert before.tolist() == m._taken(0, boundary).tolist()
+  after = np.bincount([m.locate(i)[0] for i in range(boundary, boundary + 4 * 256)], minlength=3)
+  assert after.tolist() == [256, 0, 768]  # 1:0:3 in whole blocks of 256 from the boundary on
+
+
+def test_single_source_keeps_the_single_store_order(store):
+  prefix = store + ".train"
+  old = pipeline.TrainLoader(prefix, 32, 8, 5, 0, 1)
+  new = MixtureLoader([Source("code", prefix, 1.0)], [Stage(0, 0, 8, 32, (1.0,))], 5, contiguous_rows(0, 1))
+  steps = old.num_examples // 8 + 3  # across an epoch boundary
+  for _ in range(steps):
+    a, b = next(old), next(new)
+    for k in pipeline.KEYS:
+      np.testing.assert_array_equal(a[k], b[k])
+
+
+def _two_sources(store, docs_store, stages_text="", batch=8, seq_len=32, **kw):
+  sources = [s.split("train") for s in parse_sources(f"{store}:3,{docs_store}:1")]
+  names = [s.name for s in sources]
+  stages = parse_stages(stages_text, names, Stage(0, 0, batch, seq_len, tuple(s.weight for s in sources)))
+  return sources, stages
+
+
+@pytest.mark.parametrize("stages_text", ["", "3:code=1,docs=1,seq_len=16"])
+def test_global_batches_do_not_depend_on_the_process_layout(store, docs_store, stages_text):
+  import jax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  sources, stages = _two_sources(store, docs_store, stages_text)
+  layouts = {"1x8": [process_rows(NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data")))],
+             "1x4": [process_rows(NamedSharding(Mesh(np.array(jax.devices()[:4]), ("data",)), P("data")))],
+             "2x4": [contiguous_rows(p, 2) for p in range(2)], "4x2": [contiguous_rows(p, 4) for p in range(4)]}
+  batches = {}
+  for name, rows in layouts.items():
+    loaders = [MixtureLoader(sources, stages, 11, r) for r in rows]
+    batches[name] = [{k: np.concatenate([next_b[k] for next_b in per_step]) for k in pipeline.KEYS}
+                     for per_step in zip(*[[next(ld) for _ in range(6)] for ld in loaders])]
+  for name, got in batches.items():
+    for step, (a, b) in enumerate(zip(batches["1x8"], got)):
+      for k in pipeline.KEYS:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{name} step {step} {k}")
+  assert batches["1x8"][3]["inputs"].shape == (8, 16 if stages_text else 32)  # the stage's new seq_len
+
+
+def test_resume_on_another_layout_continues_the_same_batches(store, docs_store):
+  sources, stages = _two_sources(store, docs_store, "4:code=1,docs=2")
+  straight = MixtureLoader(sources, stages, 2, contiguous_rows(0, 1))
+  want = [next(straight) for _ in range(8)]
+  first = MixtureLoader(sources, stages, 2, contiguous_rows(0, 1))
+  for _ in range(3):
+    next(first)
+  state = first.get_state()
+  halves = [MixtureLoader(sources, stages, 2, contiguous_rows(p, 2)) for p in range(2)]
+  for ld in halves:
+    ld.set_state(state)
+  for step in range(3, 8):
+    got = np.concatenate([next(ld)["inputs"] for ld in halves])
+    np.testing.assert_array_equal(got, want[step]["inputs"], err_msg=f"step {step}")
+
+
+def test_resume_with_a_new_batch_size_or_seq_len_continues_every_source(store, docs_store):
+  sources, stages = _two_sources(store, docs_store)
+  first = MixtureLoader(sources, stages, 0, contiguous_rows(0, 1))
+  for _ in range(5):
+    next(first)
+  state = first.get_state()
+  _, bigger = _two_sources(store, docs_store, batch=16)
+  with pytest.raises(UserError, match="resume_new_batch_size"):
+    MixtureLoader(sources, bigger, 0, contiguous_rows(0, 1)).set_state(state)
+  resumed = MixtureLoader(sources, bigger, 0, contiguous_rows(0, 1), allow_new_batch_size=True)
+  resumed.set_state(state)
+  assert resumed.sequence() == 40 and resumed.mixture.stages[-1] == Stage(5, 40, 16, 32, (3.0, 1.0))
+  m = resumed.mixture
+  seen = _walk(m, 0, 40 + 16 * 40)
+  for qs in seen.values():
+    assert qs == list(range(len(qs)))
+  _, longer = _two_sources(store, docs_store, seq_len=64)
+  resumed = MixtureLoader(sources, longer, 0, contiguous_rows(0, 1))
+  resumed.set_state(state)
+  m = resumed.mixture
+  for j, qs in _walk(m, 40, 40 + 400).items():  # at seq_len 64, from the token position reached at 32
+    taken = int(m.done[1][j])
+    assert qs[0] == -(-taken * 32 // 64) and qs == list(range(qs[0], qs[0] + len(qs)))
+
+
+def test_resume_refusals(store, docs_store):
+  sources, stages = _two_sources(store, docs_store)
+  first = MixtureLoader(sources, stages, 0, contiguous_rows(0, 1))
+  next(first)
+  state = first.get_state()
+  with pytest.raises(UserError, match="seed 0"):
+    MixtureLoader(sources, stages, 1, contiguous_rows(0, 1)).set_state(state)
+  one = [sources[0]]
+  with pytest.raises(UserError, match="sources code, docs"):
+    MixtureLoader(one, [Stage(0, 0, 8, 32, (1.0,))], 0, contiguous_rows(0, 1)).set_state(state)
+  state["sources"]["docs"]["num_tokens"] += 1
+  with pytest.raises(UserError, match="windows changed"):
+    MixtureLoader(sources, stages, 0, contiguous_rows(0, 1)).set_state(state)
+
+
+def test_old_single_store_state_resumes(store):
+  prefix = store + ".train"
+  old = pipeline.TrainLoader(prefix, 32, 8, 5, 0, 1)
+  for _ in range(4):
+    next(old)
+  new = MixtureLoader([Source("code", prefix, 1.0)], [Stage(0, 0, 8, 32, (1.0,))], 5, contiguous_rows(0, 1))
+  new.set_state(old.get_state())
+  np.testing.assert_array_equal(next(new)["inputs"], next(old)["inputs"])
+
+
+def test_accounting_counts_tokens_sequences_and_epochs(store, docs_store):
+  sources, stages = _two_sources(store, docs_store)
+  ld = MixtureLoader(sources, stages, 0, contiguous_rows(0, 1))
+  for _ in range(64):  # 512 sequences: two whole blocks of 256 at 3:1
+    next(ld)
+  c = ld.consumed()
+  assert c["code"]["sequences"] == 384 and c["docs"]["sequences"] == 128
+  assert c["code"]["tokens"] == 384 * 32
+  n_docs = ld.mixture.num_windows(1, 32)
+  assert c["docs"]["epochs"] == pytest.approx(128 / n_docs)
+
+
+def test_store_refusals(store, docs_store, tmp_path):
+  from maxtrain.data.store import StoreWriter
+
+  sources, stages = _two_sources(store, docs_store)
+  with pytest.raises(UserError, match="model.vocab_size=200"):
+    MixtureLoader(sources, stages, 0, contiguous_rows(0, 1), vocab_size=200)
+  with StoreWriter(tmp_path / "other", 300, "other-tokenizer") as w:
+    w.add(np.arange(100))
+  with StoreWriter(tmp_path / "empty", 256, "byte-v1") as w:
+    pass
+  for prefix, culprit in ((tmp_path / "other", "source 'other'.*tokenizer other-tokenizer"),
+                          (tmp_path / "empty", "source 'empty'.*is empty")):
+    srcs = [sources[0], Source(Path(prefix).name, str(prefix), 1.0)]
+    with pytest.raises(UserError, match=culprit):
+      MixtureLoader(srcs, [Stage(0, 0, 8, 32, (1.0, 1.0))], 0, contiguous_rows(0, 1))
+
+
+# End to end, through `python -m maxtrain.train` (real subprocesses, 8 or 4 fake devices).
+
+from tiny import TINY_MODEL  # noqa: E402
+
+TINY = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=4", "--config.checkpoint.every_steps=4"]
+
+
+def _trainer(args, devices=8):
+  import os
+  import subprocess
+  import sys
+
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-m", "maxtrain.train", *args], capture_output=True, text=True, env=env,
+                        timeout=300, cwd=REPO)
+
+
+def _scalars(out: Path) -> dict[str, dict[int, float]]:
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  events = EventAccumulator(str(out / "tensorboard"))
+  events.Reload()
+  return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def _data_state(out: Path, step: int) -> dict:
+  import json
+
+  return json.loads((out / "checkpoints" / str(step) / "data" / "metadata").read_text())
+
+
+def test_two_source_run_reports_each_source(store, docs_store, tmp_path):
+  import json
+
+  out = tmp_path / "run"
+  # 3:1 mixes in blocks of 256 sequences: 32 steps of 8 are exactly one block.
+  done = _trainer(TINY + [f"--config.data.sources={store}:3,{docs_store}", "--config.steps=32",
+                          "--config.data.max_epochs=0.001", f"--config.output_dir={out}"])
+  assert done.returncode == 0, done.stderr[-3000:]
+  tb = _scalars(out)
+  tokens = {name: tb[f"data/{name}/tokens"][32] for name in ("code", "docs")}
+  assert tokens["code"] / sum(tokens.values()) == pytest.approx(0.75, abs=0.01)
+  assert sum(tokens.values()) == 32 * 8 * 32
+  for name in ("code", "docs"):
+    assert tb[f"data/{name}/epochs"][32] > 0 and tb[f"data/{name}/sequences"][32] > 0
+    assert np.isfinite(tb[f"eval/{name}/loss"][32]) and 0 < tb[f"eval/{name}/bits_per_byte"][32] < 16
+  repeats = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()
+             if '"data_repeat"' in line]
+  assert {r["source"] for r in repeats} == {"code", "docs"}  # each warned once
+  assert _data_state(out, 32)["sources"]["code"]["tokens"] == tokens["code"]
+  stopped = _trainer(TINY + [f"--config.data.sources={store}:3,{docs_store}", "--config.steps=4",
+                             "--config.data.max_epochs=0.001", "--config.data.stop_at_max_epochs=true",
+                             f"--config.output_dir={tmp_path / 'stop'}"])
+  assert stopped.returncode == 3, stopped.stderr[-3000:]
+  assert "data.max_epochs" in stopped.stderr
+
+
+def test_elastic_resume_on_fewer_devices_matches_the_straight_run(store, docs_store, tmp_path):
+  mix = TINY + [f"--config.data.sources={store}:3,{docs_store}:1", "--config.log_every=1",
+                "--config.data.stages=6:code=1,docs=1,seq_len=16"]
+  straight = _trainer(mix + ["--config.steps=8", f"--config.output_dir={tmp_path / 'straight'}"], devices=8)
+  assert straight.returncode == 0, straight.stderr[-3000:]
+  out = tmp_path / "elastic"
+  first = _trainer(mix + ["--config.steps=4", f"--config.output_dir={out}"], devices=8)
+  assert first.returncode == 0, first.stderr[-3000:]
+  resumed = _trainer(mix + ["--config.steps=8", f"--config.output_dir={out}"], devices=4)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  want, got = _data_state(tmp_path / "straight", 8), _data_state(out, 8)
+  assert got == want  # same step, sequence, stage table and per-source counts: the same windows
+  a, b = _scalars(tmp_path / "straight"), _scalars(out)
+  steps = sorted(a["train/loss"])
+  assert steps == list(range(1, 9)) and sorted(b["train/loss"]) == steps
+  np.testing.assert_allclose([b["train/loss"][s] for s in steps], [a["train/loss"][s] for s in steps], rtol=1e-5)
+
+
+def test_bad_mixture_configs_exit_2_naming_the_culprit(store, docs_store, capsys):
+  from maxtrain.cli import train
+
+  for args, culprit in (([f"--config.data.sources={store}:3,{docs_store}", "--config.data.stages=4:wiki=1"],
+                         "unknown source 'wiki'"),
+                        ([f"--config.data.sources={store}:0,{docs_store}:0"], "every weight is 0"),
+                        ([f"--config.data.sources={store},{docs_store}", "--config.data.stages=4:seq_len=4096"],
+                         "seq_len=4096"),
+                        ([f"--config.data.sources={store},{docs_store}", "--config.model.vocab_size=128"],
+                         "code.train.*vocab_size=128")):
+    assert train.main(TINY + args) == 2
+    captured = capsys.readouterr()
+    assert __import__("re").search(culprit, captured.out + captured.err), (culprit, captured.err[-2000:])
+
+
+@pytest.mark.slow
+def test_resume_on_two_processes_matches_the_straight_run(store, docs_store, tmp_path):
+  from test_multiprocess import free_port, start
+
+  mix = TINY + [f"--config.data.sources={store}:3,{docs_store}:1", "--config.log_every=1",
+                "--config.data.stages=6:code=1,docs=1"]
+  straight = _trainer(mix + ["--config.steps=8", f"--config.output_dir={tmp_path / 'straight'}"], devices=8)
+  assert straight.returncode == 0, straight.stderr[-3000:]
+  out = tmp_path / "elastic"
+  first = _trainer(mix + ["--config.steps=4", f"--config.output_dir={out}"], devices=8)
+  assert first.returncode == 0, first.stderr[-3000:]
+  port = free_port()  # continue on 2 processes x 2 devices
+  procs = [start(mix + ["--config.steps=8", f"--config.output_dir={out}", "--config.runtime.num_processes=2",
+                        f"--config.runtime.process_id={i}", f"--config.runtime.coordinator=127.0.0.1:{port}"],
+                 devices=2) for i in range(2)]
+  for p in procs:
+    output = p.communicate(timeout=600)[0]
+    assert p.returncode == 0, output[-3000:]
+  assert _data_state(out, 8) == _data_state(tmp_path / "straight", 8)
+  a, b = _scalars(tmp_path / "straight"), _scalars(out)
+  steps = list(range(1, 9))
+  np.testing.assert_allclose([b["train/loss"][s] for s in steps], [a["train/loss"][s] for s in steps], rtol=1e-5)
