@@ -49,11 +49,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxtrain.models.attention import mask as mask_lib
+from maxtrain.models.attention.mask import MASK_VALUE
+
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_KV = 128
 
-# Finite so that fully masked rows give exp(0) = 1 terms, never inf - inf = NaN.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _PAD_POSITION = np.iinfo(np.int32).max
 
 
@@ -139,7 +140,8 @@ def _block_pairs(num_q: int, num_kv: int, bq: int, bkv: int, s: int, causal_skip
 
 def _block_mask(qseg_Bq, kvseg_Bs, qpos_Bq, kvpos_Bs) -> jax.Array:
   """[B, 1, q, 1, s] visibility of one block, from its rows' and columns' ids only."""
-  mask_Bqs = (qseg_Bq[:, :, None] == kvseg_Bs[:, None, :]) & (kvpos_Bs[:, None, :] <= qpos_Bq[:, :, None])
+  mask_Bqs = mask_lib.visible(q_segment_ids_BT=qseg_Bq, kv_segment_ids_BS=kvseg_Bs, q_positions_BT=qpos_Bq,
+                              kv_positions_BS=kvpos_Bs)
   return mask_Bqs[:, None, :, None, :]
 
 
@@ -160,7 +162,7 @@ def _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j) -> jax.A
 def _scores(q_BKqGH, k_BKsH, mask_B1q1s) -> jax.Array:
   scale = q_BKqGH.shape[-1] ** -0.5
   s_BKqGs = jnp.einsum("bkqgh,bksh->bkqgs", q_BKqGH, k_BKsH, preferred_element_type=jnp.float32) * scale
-  return jnp.where(mask_B1q1s, s_BKqGs, MASK_VALUE)
+  return mask_lib.apply(s_BKqGs, mask_B1q1s)
 
 
 def _take(x, i):
