@@ -65,6 +65,23 @@ def test_no_import_cycles():
       visit(m, [m])
 
 
+# README's Layout order: a package imports only packages before it (the entry-point shims, maxtrain/X.py
+# other than errors.py, come last). Why sharding/ takes the models' kernels as arguments, for example.
+PACKAGE_ORDER = ("errors", "config", "runtime", "monitor", "data", "sharding", "models", "optim", "checkpoint",
+                 "program", "interop", "inference", "aot", "loop", "cli")
+
+
+def test_packages_import_only_earlier_packages():
+  def rank(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:  # `from maxtrain import x`: the (empty) root package itself
+      return -1
+    return PACKAGE_ORDER.index(parts[1]) if parts[1] in PACKAGE_ORDER else len(PACKAGE_ORDER)
+
+  back = sorted(f"{m} -> {d}" for m, p in MODULES.items() for d in imports_of(m, p) if rank(d) > rank(m))
+  assert not back, f"imports of a later package (README's Layout order): {back}"
+
+
 def axis_mentions(path: Path) -> set[str]:
   """String literals equal to a mesh axis name, and `mesh.<axis>` attribute chains."""
   toks = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
@@ -171,3 +188,21 @@ def test_readme_layout_matches_the_tree():
   assert set(re.findall(r"\b([a-z_0-9]+\.py)\b", configs_line)) == configs, "README's Layout: configs/ differs"
   existing = actual | configs | {p.name for p in (REPO / "tools").glob("*.py")}
   assert listed - existing == set(), f"README's Layout names files that do not exist: {sorted(listed - existing)}"
+
+
+def test_the_attention_mask_value_is_defined_once():
+  """One fill value for masked scores (models/attention/mask.py): no kernel or decode path spells its
+  own (a second `MASK_VALUE`/`_NEG`, or a finfo(...).min / .max fill)."""
+  definitions, fills = [], []
+  for path in MODULES.values():
+    rel = path.relative_to(REPO).as_posix()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        definitions += [f"{rel}:{t.id}" for t in targets if isinstance(t, ast.Name)
+                        and re.search(r"MASK_VALUE|NEG|NEG_INF|MASK_FILL", t.id)]
+      if isinstance(node, ast.Attribute) and node.attr in ("min", "max") and isinstance(node.value, ast.Call) \
+          and getattr(node.value.func, "attr", getattr(node.value.func, "id", None)) == "finfo":
+        fills.append(f"{rel}:{node.lineno}")
+  assert definitions == ["maxtrain/models/attention/mask.py:MASK_VALUE"], definitions
+  assert [f.split(":")[0] for f in fills] == ["maxtrain/models/attention/mask.py"], fills

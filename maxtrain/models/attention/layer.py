@@ -18,6 +18,12 @@ Kernels behind one signature (q, k, v, segment ids), chosen by `model.attention`
 When the active sharding rules split the sequence over devices (mesh.context > 1), attention runs
 as `sharding/context_attention.py` (flash on each shard against all-gathered keys) whatever the
 kernel: it needs per-token positions and a block-pair list, which only the flash core takes.
+Every kernel asks `mask.py` which keys a query sees and fills the rest with its one MASK_VALUE.
+
+With a KV cache (generation: `Llama.decode`) the same module writes this call's keys and values into
+the cache's slots; a prefill (nothing cached yet) runs the kernel above on the prompt alone, later
+calls (one token each) the dot path against the whole cache under `mask.visible` (slot order,
+valid slots only): one query row needs no blocking.
 """
 
 from __future__ import annotations
