@@ -23,16 +23,16 @@ Why this shape:
     program size and compile time do not grow with T (T=32768 with 512-blocks is 2080 pairs, one
     scan). No `lax.cond`, no dynamic `while_loop`, no callbacks, no variadic reductions: the same
     step compiles for AWS Neuron (DESIGN.md).
-  - Masks are built per block from block-local ids: segment ids and positions of the block's rows
-    and columns. The core takes query and key ids/positions separately, so it also serves a
+  - Masks are built per block from block-local ids (`mask.visible`): segment ids and positions of
+    the block's rows and columns. The core takes query and key ids/positions separately, so it also serves a
     context-parallel caller whose local queries and gathered keys are different rows
     (`flash_attention_qkv`); `flash_attention` is the self-attention wrapper with the reference's
     signature. Padding keys get position int32-max, which every real query's causal test rejects.
   - GQA: q is viewed as [B, T, K, G, H] and contracted against k's K dim; K/V are never repeated.
   - Scores, softmax statistics and gradient accumulators are fp32 whatever the input dtype; the
     matmuls take the input dtype (bf16) as operands with fp32 accumulation.
-  - Masked scores are a large finite negative, not -inf: a row with no visible key in a block (or
-    a padded query row with none at all) stays finite, so gradients never see NaN.
+  - Masked scores are `mask.MASK_VALUE`, a large finite negative, not -inf: a row with no visible key
+    in a block (or a padded query row with none at all) stays finite, so gradients never see NaN.
 
 Default block sizes: 128 x 128, measured with tools/bench_attention.py on the 2-core CPU (jax 0.10.2,
 fp32 forward+backward, B*T = 16384, N=8, K=4, H=64, seconds, median of 3 on a shared machine):
