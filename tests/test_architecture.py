@@ -53,13 +53,6 @@ def imports_of(module: str, path: Path) -> set[str]:
 PACKAGE_ORDER = ("errors", "config", "runtime", "monitor", "data", "sharding", "models", "optim", "checkpoint",
                  "program", "interop", "inference", "aot", "loop", "cli")
 SHIMS = {"train", "launch", "compile", "convert", "generate"}  # maxtrain/X.py: `python -m maxtrain.X`, cli/X.py
-# Known back-edges, being removed on another branch (the shard_map bodies move into sharding/, or the
-# kernels they call move below it). Delete this allowance when merging that work: the test below then
-# holds them to the order like every other import.
-KNOWN_BACK_EDGES = {("maxtrain.sharding.context_attention", "models"),  # -> models/attention/flash.py
-                    ("maxtrain.sharding.expert_dispatch", "models")}  # -> models/moe_dispatch.py
-
-
 def package_of(module: str) -> str | None:
   """The module's place in PACKAGE_ORDER; None for `maxtrain` itself (only the version: any module may
   import it)."""
@@ -88,10 +81,9 @@ def test_every_package_has_a_place_in_the_order():
 
 def test_packages_import_only_packages_below_them():
   violations = order_violations(MODULES)
-  bad = [f"{m} ({own}) imports {target}" for m, own, target in violations if (m, target) not in KNOWN_BACK_EDGES]
-  assert not bad, f"imports against the package order {' < '.join(PACKAGE_ORDER)}: {bad}"
-  stale = KNOWN_BACK_EDGES - {(m, target) for m, _, target in violations}
-  assert not stale, f"KNOWN_BACK_EDGES lists edges that are gone: delete {sorted(stale)}"
+  bad = [f"{m} ({own}) imports {target}" for m, own, target in violations]
+  assert not bad, f"imports against the package order {' < '.join(PACKAGE_ORDER)} (why sharding/ takes the " \
+                  f"models' kernels as arguments, for example): {bad}"
 
 
 def test_the_order_check_would_catch_a_back_edge(tmp_path):
@@ -250,3 +242,21 @@ def test_readme_layout_matches_the_tree():
   assert set(re.findall(r"\b([a-z_0-9]+\.py)\b", configs_line)) == configs, "docs/architecture.md's Layout: configs/ differs"
   existing = actual | configs | {p.name for p in (REPO / "tools").glob("*.py")}
   assert listed - existing == set(), f"docs/architecture.md's Layout names files that do not exist: {sorted(listed - existing)}"
+
+
+def test_the_attention_mask_value_is_defined_once():
+  """One fill value for masked scores (models/attention/mask.py): no kernel or decode path spells its
+  own (a second `MASK_VALUE`/`_NEG`, or a finfo(...).min / .max fill)."""
+  definitions, fills = [], []
+  for path in MODULES.values():
+    rel = path.relative_to(REPO).as_posix()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        definitions += [f"{rel}:{t.id}" for t in targets if isinstance(t, ast.Name)
+                        and re.search(r"MASK_VALUE|NEG|NEG_INF|MASK_FILL", t.id)]
+      if isinstance(node, ast.Attribute) and node.attr in ("min", "max") and isinstance(node.value, ast.Call) \
+          and getattr(node.value.func, "attr", getattr(node.value.func, "id", None)) == "finfo":
+        fills.append(f"{rel}:{node.lineno}")
+  assert definitions == ["maxtrain/models/attention/mask.py:MASK_VALUE"], definitions
+  assert [f.split(":")[0] for f in fills] == ["maxtrain/models/attention/mask.py"], fills

@@ -22,6 +22,7 @@ from maxtrain.cli import train
 from maxtrain.data import pipeline
 from maxtrain.data.indexing import index_files
 from maxtrain.errors import UserError
+from maxtrain.models.attention.flash import flash_attention_qkv
 from maxtrain.models.attention.layer import dot_product_attention
 from maxtrain.sharding import context_attention as ca
 from maxtrain.sharding.mesh import make_mesh
@@ -60,7 +61,7 @@ def test_context_attention_matches_reference(sizes, block):
   grads_ref = vjp(dout)
 
   order = ca.zigzag_order(64, sizes["context"])
-  attend = ca.sharded(mesh, DEFAULT_RULES, block_q=block, block_kv=block)
+  attend = ca.sharded(mesh, DEFAULT_RULES, flash_attention_qkv, block_q=block, block_kv=block)
   with jax.set_mesh(mesh):
     @jax.jit
     def run(q, k, v, seg, pos, dout):

@@ -1,5 +1,6 @@
-"""Generation: the KV-cache decode against the full forward pass (1 and 8 devices), greedy decode
-against transformers' greedy `generate`, determinism, and the entry point."""
+"""Generation: the KV-cache decode (the training model's own cache path) against the full forward pass
+(1 and 8 devices; every CPU attention kernel, scanned and unscanned layers, a MoE model), greedy
+decode against transformers' greedy `generate`, determinism, and the entry point (dense and MoE)."""
 
 import jax
 import jax.numpy as jnp
@@ -23,32 +24,23 @@ def converted(tmp_path_factory):
   return root, hf
 
 
-def teacher_forced_logits(generator, rows):
-  """Logits after each token of each row (left-padded), prefilling the first token then decoding the rest."""
+def teacher_forced_logits(generator, rows, prefill: int = 1):
+  """Logits after each token of each row (left-padded): one call over the cache for the first `prefill`
+  columns (the run's attention kernel, padding included), then one call per column (the dot path
+  against the cache; a row still in its padding passes an invalid token)."""
   longest = max(len(r) for r in rows)
   n = len(rows) + (-len(rows) % generator.batch_multiple)
   padded = [[0] * (longest - len(r)) + list(r) for r in rows] + [[0] * longest] * (n - len(rows))
   tokens = np.array(padded, np.int32)
-  first = np.array([[len(r) == longest] for r in rows] + [[True]] * (n - len(rows)))
+  valid = np.array([[t >= longest - len(r) for t in range(longest)] for r in rows] + [[True] * longest] * (n - len(rows)))
   with jax.set_mesh(generator.mesh):
-    logits, cache = generator._prefill(generator.params, tokens[:, :1], first, longest)
+    cache = generator.init_cache(generator.params, n, longest)
+    logits, cache = generator.forward(generator.params, tokens[:, :prefill], valid[:, :prefill], cache)
     out = [np.asarray(logits)]
-    for t in range(1, longest):
-      valid = np.array([t >= longest - len(r) for r in rows] + [True] * (n - len(rows)))
-      logits, cache = generator._step(generator.params, cache, jnp.asarray(tokens[:, t]), jnp.int32(t)) \
-          if valid.all() else _masked_step(generator, cache, tokens[:, t], valid, t)
+    for t in range(prefill, longest):
+      logits, cache = generator.forward(generator.params, tokens[:, t:t + 1], valid[:, t:t + 1], cache)
       out.append(np.asarray(logits))
-  return np.stack(out, axis=1)[:len(rows)]
-
-
-def _masked_step(generator, cache, token, valid, t):
-  from flax import nnx
-
-  from maxtrain.models import decode
-
-  model = nnx.merge(generator.graphdef, generator.params)
-  logits, cache = decode.forward(model, jnp.asarray(token)[:, None], jnp.asarray(valid)[:, None], cache, jnp.int32(t))
-  return logits[:, 0], cache
+  return np.concatenate(out, axis=1)[:len(rows)]
 
 
 def test_cached_decode_equals_full_forward_on_one_device(converted):
@@ -165,3 +157,94 @@ def test_load_honours_the_runs_mesh_and_overrides(store, tmp_path):
     sampling.load(str(run), overrides=["--config.mesh.tensor=3"])
   with pytest.raises(UserError, match="--config.KEY=VALUE"):
     sampling.load(str(run), overrides=["--config=configs/default.py"])
+
+
+# ---- one model for training and decoding: every kernel, both layer layouts, MoE -------------------------
+
+# Capacity factor E / K = 2: an expert's C = T slots hold every token that picks it, so no assignment
+# drops and a prefix routes as the whole sequence does (drops would make the full pass non-causal).
+MOE = ["--config.model.moe.num_experts=4", "--config.model.moe.experts_per_token=2",
+       "--config.model.moe.expert_d_ff=16", "--config.model.moe.capacity_factor=2.0",
+       "--config.model.moe.first_dense_layers=1", "--config.model.moe.num_shared_experts=1"]
+ROWS = [list(np.random.default_rng(4).integers(0, 299, 24)), list(np.random.default_rng(5).integers(0, 299, 17))]
+
+
+def one_device_generator(model):
+  return sampling.Generator(model, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)), None)
+
+
+def model_with(source, **overrides):
+  """The checkpoint's model, its config changed by `overrides` (kernel, layer layout), on one device.
+  Unscanned layers ('blocks/3/attn/wq') are rows of the stored stacked parameters."""
+  from flax import nnx
+
+  from maxtrain.models.llama import Llama, ModelConfig
+  from maxtrain.sharding.layout import param_name
+
+  cfg = ModelConfig.from_config({**source.model, **overrides})
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(params=0))))
+
+  def read(path, leaf):
+    parts = param_name(path).split("/")
+    if len(parts) > 2 and parts[1].isdigit():
+      return jnp.asarray(source.read("/".join([parts[0], *parts[2:]]))[int(parts[1])], leaf.dtype)
+    return jnp.asarray(source.read(param_name(path)), leaf.dtype)
+
+  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(read, abstract))
+
+
+def assert_decode_equals_full_forward(generator, model, rows=ROWS, prefill=12):
+  """A prefill of `prefill` columns (left padding included), then one token per call, against the
+  full forward pass of each row alone, at every position."""
+  from flax import nnx
+
+  cached = teacher_forced_logits(generator, rows, prefill=prefill)
+  graphdef, state = nnx.split(model)
+  # maxtrain_logits's call, jitted: op by op, unscanned layers take seconds.
+  full_logits = jax.jit(lambda state, t_BT: nnx.merge(graphdef, state)(
+      t_BT, jnp.ones(t_BT.shape, jnp.int32), jnp.broadcast_to(jnp.arange(t_BT.shape[1]), t_BT.shape)))
+  for i, row in enumerate(rows):
+    full = np.asarray(full_logits(state, np.array([row])))[0]
+    np.testing.assert_allclose(cached[i, -len(row):], full, rtol=1e-5, atol=1e-5, err_msg=f"row {i}")
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unscanned"])
+@pytest.mark.parametrize("kernel", ["dot", "flash", "blocked"])
+def test_cached_decode_equals_full_forward_for_every_kernel(converted, kernel, scan):
+  """The run's kernel serves the prefill (8-blocks: several, a ragged last one), the dot path the
+  one-token steps; `auto` resolves to one of these three on CPU."""
+  model = model_with(open_source(converted[0] / "mt"), attention=kernel, scan_layers=scan, attention_block_q=8,
+                     attention_block_kv=8)
+  assert_decode_equals_full_forward(one_device_generator(model), model)
+
+
+@pytest.fixture(scope="module")
+def moe_run(store, tmp_path_factory):
+  """A training run's checkpoint of a tiny MoE model (one dense layer, one MoE layer with a shared expert)."""
+  from maxtrain.cli import train
+  from tiny import TINY_MODEL
+
+  run = tmp_path_factory.mktemp("moe") / "run"
+  assert train.main(TINY_MODEL + MOE + [f"--config.data.path={store}", "--config.steps=2",
+                                        f"--config.output_dir={run}"]) == 0
+  return run
+
+
+def test_moe_cached_decode_equals_full_forward_on_eight_devices(moe_run):
+  """The production path: `load` puts the MoE checkpoint on the 8-device training mesh (scanned layers)."""
+  generator, _, source = sampling.load(str(moe_run))
+  assert generator.mesh.devices.size == 8 and generator.cfg.moe.num_experts == 4 and generator.cfg.scan_layers
+  assert_decode_equals_full_forward(generator, model_with(source))
+
+
+def test_moe_cached_decode_equals_full_forward_unscanned(moe_run):
+  model = model_with(open_source(moe_run), scan_layers=False)
+  assert_decode_equals_full_forward(one_device_generator(model), model)
+
+
+def test_entry_point_runs_a_moe_checkpoint(moe_run, capsys):
+  from maxtrain.cli import generate
+
+  assert generate.main(["--checkpoint", str(moe_run), "--prompt", "def f(x):", "--max-new-tokens", "6"]) == 0
+  captured = capsys.readouterr()
+  assert captured.out.startswith("def f(x):") and "tokens/s" in captured.err

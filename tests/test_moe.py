@@ -194,7 +194,7 @@ def test_expert_parallel_dispatch_matches_one_device(sizes):
 
   ref = value_and_grads(plain)(x, weights, gate, up, down)
   mesh = make_mesh(sizes)
-  parallel = expert_dispatch.sharded(mesh, DEFAULT_RULES, num_experts=E, capacity=C)
+  parallel = expert_dispatch.sharded(mesh, DEFAULT_RULES, local=moe_dispatch.LOCAL, num_experts=E, capacity=C)
   with jax.set_mesh(mesh):
     got = value_and_grads(lambda x, w, g, u, d: parallel(x, slot, w, g, u, d))(x, weights, gate, up, down)
   for a, b, name in zip(jax.tree.leaves(got), jax.tree.leaves(ref), ("loss", "dx", "dweights", "dgate", "dup", "ddown")):

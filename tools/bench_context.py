@@ -44,7 +44,7 @@ def _local_copy(x, shards):
 
 def _variant(mesh, name: str):
   if name == "gathered":
-    return ca.sharded(mesh, DEFAULT_RULES, block_q=BLOCK, block_kv=BLOCK)
+    return ca.sharded(mesh, DEFAULT_RULES, flash_attention_qkv, block_q=BLOCK, block_kv=BLOCK)
   axes = rules_lib.mesh_axes(DEFAULT_RULES["act_length"])
   shards = mesh.shape[axes[0]]
 

@@ -1,6 +1,6 @@
 """Text generation: a model loaded from any checkpoint onto the training mesh, a jitted prefill and a
-jitted decode step over the KV cache (`models/decode.py`), and the sampling rule (temperature 0 =
-greedy; else temperature, then top-k, then top-p). Randomness: key = fold_in(seed, token index), so a
+jitted on-device decode loop over the training model's own KV-cache path (`Llama.decode`), and the
+sampling rule (temperature 0 = greedy; else temperature, then top-k, then top-p). Randomness: key = fold_in(seed, token index), so a
 seed gives the same text on any mesh.
 
 Shape legend: B batch, T length, V vocab.
@@ -15,10 +15,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
-
-from maxtrain.models import decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +45,9 @@ def sample(logits_BV: jax.Array, key: jax.Array, sampling: Sampling, vocab_limit
 
 
 class Generator:
-  """Batched generation with one model on one mesh (params already placed by the rules)."""
+  """Batched generation with one model on one mesh (params already placed by the rules): the training
+  model's own cache path (`Llama.init_cache` / `Llama.decode`), jitted twice: the prefill (and the first
+  token), then every later token in one on-device loop. The host reads the tokens once, at the end."""
 
   def __init__(self, model: Any, mesh: Any, rules: Any, *, batch_multiple: int = 1):
     from maxtrain.sharding import rules as sharding_rules
@@ -56,26 +55,38 @@ class Generator:
     self.graphdef, self.params = nnx.split(model)
     self.cfg, self.mesh, self.batch_multiple = model.cfg, mesh, batch_multiple
 
-    def prefill(params, tokens_BT, valid_BT, length):
+    def init_cache(params, batch, length):
       with sharding_rules.activate(rules):
-        m = nnx.merge(self.graphdef, params)
-        cache = decode.init_cache(m, tokens_BT.shape[0], length)
-        logits_BTV, cache = decode.forward(m, tokens_BT, valid_BT, cache, jnp.int32(0))
-      return logits_BTV[:, -1], cache
+        return nnx.merge(self.graphdef, params).init_cache(batch, length)
 
-    def step(params, cache, token_B, start):
+    def forward(params, tokens_BT, valid_BT, cache):
       with sharding_rules.activate(rules):
-        logits_BTV, cache = decode.forward(nnx.merge(self.graphdef, params), token_B[:, None],
-                                           jnp.ones_like(token_B, jnp.bool_)[:, None], cache, start)
-      return logits_BTV[:, 0], cache
+        return nnx.merge(self.graphdef, params).decode(tokens_BT, valid_BT, cache)
 
-    self._prefill = jax.jit(prefill, static_argnums=3)
-    self._step = jax.jit(step, donate_argnums=1)
-    self._sample = jax.jit(sample, static_argnums=(2, 3))
+    def prefill(params, tokens_BT, valid_BT, key, length, sampling, vocab_limit):
+      logits_BTV, cache = forward(params, tokens_BT, valid_BT, init_cache(params, tokens_BT.shape[0], length))
+      return sample(logits_BTV[:, -1], jax.random.fold_in(key, 0), sampling, vocab_limit), cache
+
+    def decode_loop(params, token_B, cache, key, num_tokens, sampling, vocab_limit):
+      """Tokens 1..num_tokens-1 after token 0, each from the one before: [B, num_tokens] with token 0."""
+      def step(i, carry):
+        token_B, cache, out_BN = carry
+        logits_BTV, cache = forward(params, token_B[:, None], jnp.ones_like(token_B, jnp.bool_)[:, None], cache)
+        token_B = sample(logits_BTV[:, 0], jax.random.fold_in(key, i), sampling, vocab_limit).astype(out_BN.dtype)
+        return token_B, cache, out_BN.at[:, i].set(token_B)
+
+      out_BN = jnp.zeros((token_B.shape[0], num_tokens), jnp.int32).at[:, 0].set(token_B)
+      return jax.lax.fori_loop(1, num_tokens, step, (token_B.astype(jnp.int32), cache, out_BN))[2]
+
+    self.init_cache = jax.jit(init_cache, static_argnums=(1, 2))
+    self.forward = jax.jit(forward, donate_argnums=3)  # one call over the cache (tests teacher-force with it)
+    self._prefill = jax.jit(prefill, static_argnums=(4, 5, 6))
+    self._decode = jax.jit(decode_loop, static_argnums=(4, 5, 6), donate_argnums=2)
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling,
                eos_ids: Sequence[int] = (), vocab_limit: int | None = None) -> tuple[list[list[int]], dict]:
-    """New tokens per prompt (up to and without the first EOS) and timings."""
+    """New tokens per prompt (up to and without the first EOS) and timings. Every row decodes
+    max_new_tokens on the device; what follows a row's first EOS is cut on the host."""
     vocab_limit = vocab_limit or self.cfg.vocab_size
     rows = len(prompts) + (-len(prompts) % self.batch_multiple)  # the batch must divide its shards
     longest = max(len(p) for p in prompts)
@@ -83,24 +94,20 @@ class Generator:
     for i, p in enumerate(list(prompts) + [prompts[0]] * (rows - len(prompts))):
       tokens_BT[i, longest - len(p):], valid_BT[i, longest - len(p):] = p, True
     key = jax.random.key(sampling.seed)
-    out, done = [[] for _ in prompts], np.zeros(len(prompts), bool)
+    sampling = dataclasses.replace(sampling, seed=0)  # the seed is in `key`: another seed compiles nothing new
     with jax.set_mesh(self.mesh):
       t0 = time.monotonic()
-      logits_BV, cache = self._prefill(self.params, tokens_BT, valid_BT, longest + max_new_tokens)
-      token_B = self._sample(logits_BV, jax.random.fold_in(key, 0), sampling, vocab_limit)
+      token_B, cache = self._prefill(self.params, tokens_BT, valid_BT, key, longest + max_new_tokens, sampling,
+                                     vocab_limit)
       token_B.block_until_ready()
       t1 = time.monotonic()
-      for i in range(max_new_tokens):
-        host = np.asarray(token_B)[:len(prompts)]
-        for b in np.flatnonzero(~done):
-          done[b] = int(host[b]) in eos_ids
-          if not done[b]:
-            out[b].append(int(host[b]))
-        if done.all() or i == max_new_tokens - 1:
-          break
-        logits_BV, cache = self._step(self.params, cache, token_B, jnp.int32(longest + i))
-        token_B = self._sample(logits_BV, jax.random.fold_in(key, i + 1), sampling, vocab_limit)
+      tokens_BN = np.asarray(self._decode(self.params, token_B, cache, key, max_new_tokens, sampling, vocab_limit))
       t2 = time.monotonic()
+    eos = set(eos_ids)
+    out = []
+    for row in tokens_BN[:len(prompts)].tolist():
+      end = next((i for i, t in enumerate(row) if t in eos), len(row))
+      out.append(row[:end])
     steps = sum(len(o) for o in out)
     return out, {"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": steps,
                  "tokens_per_s": steps / max(t2 - t1, 1e-9)}
@@ -139,9 +146,6 @@ def load(path: str, *, seed: int = 0, overrides: Sequence[str] = ()) -> tuple[Ge
                     "overrides only (e.g. --config.mesh.tensor=2)")
   for key, value in keys:
     set_override(cfg, key, value)
-  experts = cfg.model.moe.num_experts
-  require(not experts, f"{path}: a mixture-of-experts model (model.moe.num_experts={experts}); generation (the "
-          "KV-cache decoder, models/decode.py) runs dense models only")
   program = program_for(cfg, jax.devices(), require_data=False)
   spec, rules = program.state, program.plan.layout.rules
   params = init_from.load_params(path, program.model_cfg, program.abstract_state().params)

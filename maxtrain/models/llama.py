@@ -4,12 +4,17 @@ The layers form up to two stacks: `blocks` (dense SwiGLU: all layers of a dense 
 `model.moe.first_dense_layers` of a MoE one) then `moe_blocks` (mixture of experts, `models/moe.py`).
 Each stack is scanned on its own (`model.scan_layers`), so compile time stays independent of depth.
 
-Shape legend: B batch, T length, D model, V vocab, L layers.
+One model, several modes: training and evaluation call the model on whole sequences; generation
+(`inference/sampling.py`) calls `decode` with a KV cache (`init_cache`): a prefill of the prompts, then
+one token per call, through the same Blocks and Attention (`models/attention/layer.py`).
+
+Shape legend: B batch, T length, S cache slots, D model, V vocab, L layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -19,7 +24,7 @@ from flax import nnx
 from maxtrain.errors import choice, require
 from maxtrain.models.attention import layer as attention
 from maxtrain.models import moe as moe_lib
-from maxtrain.models.attention.layer import Attention
+from maxtrain.models.attention.layer import Attention, CacheWrite, KVCache
 from maxtrain.models.layers import MLP, RMSNorm, Rope, param, project
 from maxtrain.models.moe import MoE, MoEConfig
 from maxtrain.sharding import rules as sharding_rules
@@ -158,15 +163,19 @@ class Block(nnx.Module):
     else:
       self.mlp = MLP(cfg.d_model, cfg.d_ff, **common)
 
-  def __call__(self, x_BTD, segment_ids_BT, positions_BT) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(the layer's output, its MoE statistics: models/moe.py STATS, empty for a dense layer)."""
-    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), segment_ids_BT, positions_BT)
+  def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array,
+               cache: KVCache | None = None, write: CacheWrite | None = None,
+               ) -> tuple[jax.Array, dict[str, jax.Array], KVCache | None]:
+    """(the layer's output, its MoE statistics: models/moe.py STATS, empty for a dense layer, its KV
+    cache updated: None without one)."""
+    y_BTD, cache = self.attn(self.attn_norm(x_BTD), segment_ids_BT, positions_BT, cache, write)
+    x_BTD = x_BTD + y_BTD
     if self.is_moe:
       y_BTD, stats = self.moe(self.mlp_norm(x_BTD))
     else:
       y_BTD, stats = self.mlp(self.mlp_norm(x_BTD)), {}
     x_BTD = x_BTD + y_BTD
-    return sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed")), stats
+    return sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed")), stats, cache
 
 
 class Llama(nnx.Module):
@@ -194,8 +203,45 @@ class Llama(nnx.Module):
     """Returns fp32 logits [B, T, V] (training computes the loss from `features` and `head_weights`
     instead, in chunks when the vocabulary is large: maxtrain/program/loss.py)."""
     x_BTD, _ = self.features(tokens_BT, segment_ids_BT, positions_BT)
+    return self._logits(x_BTD)
+
+  def _logits(self, x_BTD: jax.Array) -> jax.Array:
     logits_BTV = project(x_BTD, self.head_weights().astype(self.cfg.compute_dtype), preferred_element_type=jnp.float32)
     return sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
+
+  def init_cache(self, batch: int, length: int) -> "Cache":
+    """An empty cache of `length` slots per row, in the compute dtype, laid out like the stacks."""
+    cfg = self.cfg
+
+    def kv(layers: int | None) -> KVCache:
+      shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+      logical = ("act_batch", None, "act_kv_heads", None)
+      if layers is not None:
+        shape, logical = (layers,) + shape, (None,) + logical
+      zeros = sharding_rules.constrain(jnp.zeros(shape, cfg.compute_dtype), logical)
+      return KVCache(zeros, zeros)
+
+    stacks = {}
+    for name in ("blocks", "moe_blocks"):
+      if hasattr(self, name):
+        blocks = getattr(self, name)
+        stacks[name] = kv(_stack_length(blocks)) if cfg.scan_layers else [kv(None) for _ in blocks]
+    return Cache(stacks, jnp.zeros((batch, length), jnp.bool_), jnp.zeros((), jnp.int32), fresh=True)
+
+  def decode(self, tokens_BT: jax.Array, valid_BT: jax.Array, cache: "Cache") -> tuple[jax.Array, "Cache"]:
+    """fp32 logits [B, T, V] of `tokens_BT` written at the cache's next T slots, and the new cache.
+
+    Left-padded prompts: a slot holds a real token iff `valid`; a token's RoPE position counts only the
+    real tokens before it, so every row computes what it would alone (the full forward pass of its
+    tokens: tests/test_generate.py). Remat is off (nothing is differentiated)."""
+    t = tokens_BT.shape[1]
+    valid_BS = jax.lax.dynamic_update_slice_in_dim(cache.valid_BS, valid_BT.astype(jnp.bool_), cache.length, axis=1)
+    positions_BT = jax.lax.dynamic_slice_in_dim(jnp.cumsum(valid_BS, axis=1, dtype=jnp.int32) - 1, cache.length, t,
+                                                axis=1)
+    write = CacheWrite(valid_BS=valid_BS, start=cache.length, fresh=cache.fresh)
+    # A prefill's padding is its own segment (0): real tokens never see it.
+    x_BTD, _, kv = self._forward(tokens_BT, valid_BT.astype(jnp.int32), positions_BT, cache.kv, write)
+    return self._logits(x_BTD), Cache(kv, valid_BS, cache.length + t, fresh=False)
 
   def head_weights(self) -> jax.Array:
     """The output head [D, V] at the parameter dtype (the embedding transposed when tied)."""
@@ -205,15 +251,33 @@ class Llama(nnx.Module):
                positions_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(the final-norm hidden states [B, T, D] in the compute dtype: the output head's input, the MoE
     layers' statistics stacked over them: models/moe.py STATS, {} for a dense model)."""
+    x_BTD, moe_stats, _ = self._forward(tokens_BT, segment_ids_BT, positions_BT, None, None)
+    return x_BTD, moe_stats
+
+  def _forward(self, tokens_BT, segment_ids_BT, positions_BT, kv: dict | None, write: CacheWrite | None):
     cfg = self.cfg
     x_BTD = self.embed[...].astype(cfg.compute_dtype)[tokens_BT]
     x_BTD = sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
-
     moe_stats: dict[str, jax.Array] = {}
+    new_kv = None if kv is None else {}
     for name in ("blocks", "moe_blocks"):
       if hasattr(self, name):
-        x_BTD, moe_stats = _run_stack(cfg, getattr(self, name), x_BTD, segment_ids_BT, positions_BT)
-    return self.final_norm(x_BTD), moe_stats
+        x_BTD, moe_stats, stack_kv = _run_stack(cfg, getattr(self, name), x_BTD, segment_ids_BT, positions_BT,
+                                                None if kv is None else kv[name], write)
+        if kv is not None:
+          new_kv[name] = stack_kv
+    return self.final_norm(x_BTD), moe_stats, new_kv
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "valid_BS", "length"], meta_fields=["fresh"])
+@dataclasses.dataclass(frozen=True)
+class Cache:
+  """The model's KV cache: per stack (`blocks`, `moe_blocks`) a KVCache stacked over its layers [L, B, S, K, H]
+  (scan_layers) or a list of them; which slots hold real tokens; how many slots are written."""
+  kv: dict[str, Any]
+  valid_BS: jax.Array
+  length: jax.Array  # int32 []
+  fresh: bool  # nothing written yet: the next call is a prefill (static: it picks the attention path)
 
 
 def _stack(cfg: ModelConfig, rngs: nnx.Rngs, num: int, *, moe: bool) -> nnx.Module:
@@ -230,26 +294,36 @@ def _stack(cfg: ModelConfig, rngs: nnx.Rngs, num: int, *, moe: bool) -> nnx.Modu
   return make_blocks(rngs)
 
 
+def _stack_length(blocks: nnx.Module) -> int:
+  return jax.tree.leaves(nnx.state(blocks))[0].shape[0]
+
+
 def _run_stack(cfg: ModelConfig, blocks: nnx.Module, x_BTD: jax.Array, segment_ids_BT: jax.Array,
-               positions_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """The stack's output and its layers' statistics, stacked: each [layers, ...]."""
-  def apply_block(x_BTD, block_state, graphdef):
-    return nnx.merge(graphdef, block_state)(x_BTD, segment_ids_BT, positions_BT)
+               positions_BT: jax.Array, kv: Any = None, write: CacheWrite | None = None,
+               ) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+  """The stack's output, its layers' statistics, stacked: each [layers, ...], and its KV cache updated
+  (None without one)."""
+  def apply_block(x_BTD, block_state, graphdef, kv):
+    x_BTD, stats, kv = nnx.merge(graphdef, block_state)(x_BTD, segment_ids_BT, positions_BT, kv, write)
+    return x_BTD, (stats, kv)
 
   policy = REMAT_POLICIES[cfg.remat]
-  if policy is not None:
+  if policy is not None and kv is None:  # decoding differentiates nothing: no remat
     apply_block = jax.checkpoint(apply_block, policy=policy, static_argnums=(2,))
   if cfg.scan_layers:
     graphdef, stacked = nnx.split(blocks)
     length = jax.tree.leaves(stacked)[0].shape[0]
-    return jax.lax.scan(lambda x, s: apply_block(x, s, graphdef), x_BTD, stacked,
-                        unroll=min(cfg.scan_unroll, length))
-  stats = []
-  for block in blocks:
+    x_BTD, (stats, kv) = jax.lax.scan(lambda x, xs: apply_block(x, xs[0], graphdef, xs[1]), x_BTD, (stacked, kv),
+                                      unroll=min(cfg.scan_unroll, length))
+    return x_BTD, stats, kv
+  stats, new_kv = [], []
+  for i, block in enumerate(blocks):
     graphdef, state = nnx.split(block)
-    x_BTD, layer_stats = apply_block(x_BTD, state, graphdef)
+    x_BTD, (layer_stats, layer_kv) = apply_block(x_BTD, state, graphdef, None if kv is None else kv[i])
     stats.append(layer_stats)
-  return x_BTD, jax.tree.map(lambda *s: jnp.stack(s), *stats) if stats[0] else {}
+    new_kv.append(layer_kv)
+  stacked_stats = jax.tree.map(lambda *s: jnp.stack(s), *stats) if stats[0] else {}
+  return x_BTD, stacked_stats, None if kv is None else new_kv
 
 
 def param_count(state: nnx.State) -> int:

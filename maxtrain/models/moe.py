@@ -148,7 +148,7 @@ class MoE(nnx.Module):
       capacity = cfg.capacity(x_BTD.shape[1])
       slot_BTK, kept_BTK = moe_dispatch.capacity_slots(experts_BTK, cfg.num_experts, capacity)
       stats["dropped"] = jnp.sum(~kept_BTK).astype(jnp.float32)
-      parallel = expert_dispatch.for_active_rules(cfg.num_experts, capacity)
+      parallel = expert_dispatch.for_active_rules(moe_dispatch.LOCAL, cfg.num_experts, capacity)
       if parallel is not None:  # experts split over devices: tokens travel to them and back
         y_BTD = parallel(x_BTD, slot_BTK, weights_BTK, *weights)
       else:

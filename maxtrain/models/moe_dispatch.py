@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from maxtrain.sharding import expert_dispatch
+
 
 def capacity_slots(experts_BTK: jax.Array, num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
   """(slot_BTK, kept_BTK): each assignment's slot e x C + position in its expert's queue, or the
@@ -84,3 +86,7 @@ def dropless(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array, g
   y_ND = jax.lax.ragged_dot(jax.nn.silu(gate_NF) * up_NF, down_EFD, group_sizes_E)
   y_BTKD = y_ND[jnp.argsort(order_N)].reshape(B, T, K, D)  # back to assignment order
   return jnp.einsum("btk,btkd->btd", weights_BTK.astype(y_ND.dtype), y_BTKD)
+
+
+# What expert parallelism runs on each device (sharding/ takes them as arguments).
+LOCAL = expert_dispatch.LocalExperts(dispatch=dispatch, experts_ffn=experts_ffn, combine=combine)

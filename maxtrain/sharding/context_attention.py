@@ -40,7 +40,9 @@ the mesh does not do (context stays inside a granule); it would be a second func
 signature.
 
 The model never names a mesh axis: `for_active_rules` returns this attention when the active rules
-split `act_length` over mesh axes of total size > 1 in the current mesh, else None.
+split `act_length` over mesh axes of total size > 1 in the current mesh, else None. The local kernel
+is the caller's (models/ passes `flash_attention_qkv`): sharding/ sits below models/ and imports
+nothing from it, so the collective takes the kernel as an argument.
 """
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.models.attention.flash import flash_attention_qkv
 from maxtrain.sharding import rules as rules_lib
 
 Q_LOGICAL = ("act_batch", "act_length", "act_heads", None)
@@ -111,34 +112,36 @@ def block_pairs(shard: jax.Array, shards: int, chunk: int, bq: int, bkv: int) ->
 
 
 def context_attention(q_BLNH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, segment_ids_BL: jax.Array,
-                      positions_BL: jax.Array, *, axes: tuple[str, ...], shards: int, block_q: int,
+                      positions_BL: jax.Array, *, kernel: Callable, axes: tuple[str, ...], shards: int, block_q: int,
                       block_kv: int) -> jax.Array:
   """The shard_map body: this shard's queries (chunks i, 2C-1-i) against all keys, gathered over
-  the mesh `axes` (the `act_length` ones, of total size `shards`)."""
+  the mesh `axes` (the `act_length` ones, of total size `shards`). `kernel`: flash's core signature,
+  (q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, *, block_q, block_kv, block_pairs)."""
   gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=1, tiled=True)
   k_BTKH, v_BTKH, seg_BT, pos_BT = gather(k_BLKH), gather(v_BLKH), gather(segment_ids_BL), gather(positions_BL)
   chunk = q_BLNH.shape[1] // 2
   bq, bkv = _block_size(chunk, block_q), _block_size(chunk, block_kv)
   pairs = block_pairs(jax.lax.axis_index(axes), shards, chunk, bq, bkv)
-  return flash_attention_qkv(q_BLNH, k_BTKH, v_BTKH, segment_ids_BL, seg_BT, positions_BL, pos_BT,
+  return kernel(q_BLNH, k_BTKH, v_BTKH, segment_ids_BL, seg_BT, positions_BL, pos_BT,
                              block_q=bq, block_kv=bkv, block_pairs=pairs)
 
 
-def sharded(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh, rules: rules_lib.Rules, *, block_q: int,
-            block_kv: int) -> Callable:
-  """`context_attention` under shard_map on `mesh`, its specs from `rules`: a function of global
-  arrays (q, k, v, segment_ids, positions) in zigzag token order."""
+def sharded(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh, rules: rules_lib.Rules, kernel: Callable, *,
+            block_q: int, block_kv: int) -> Callable:
+  """`context_attention` with the local `kernel` under shard_map on `mesh`, its specs from `rules`: a
+  function of global arrays (q, k, v, segment_ids, positions) in zigzag token order."""
   axes = rules_lib.mesh_axes(rules["act_length"])
   shards = math.prod(mesh.shape[a] for a in axes)
   spec = lambda logical: rules_lib.logical_to_mesh(logical, rules)
-  body = functools.partial(context_attention, axes=axes, shards=shards, block_q=block_q, block_kv=block_kv)
+  body = functools.partial(context_attention, kernel=kernel, axes=axes, shards=shards, block_q=block_q,
+                           block_kv=block_kv)
   return jax.shard_map(body, mesh=mesh,
                        in_specs=(spec(Q_LOGICAL), spec(KV_LOGICAL), spec(KV_LOGICAL), spec(IDS_LOGICAL),
                                  spec(IDS_LOGICAL)),
                        out_specs=spec(Q_LOGICAL))
 
 
-def for_active_rules(*, block_q: int, block_kv: int) -> Callable | None:
+def for_active_rules(kernel: Callable, *, block_q: int, block_kv: int) -> Callable | None:
   """Context-parallel attention when the active rules split `act_length` over mesh axes of total
   size > 1 in the current mesh (the step traces under `jax.set_mesh`); None otherwise (the caller
   runs its own kernel on the whole sequence)."""
@@ -148,4 +151,4 @@ def for_active_rules(*, block_q: int, block_kv: int) -> Callable | None:
     return None
   if math.prod(mesh.shape[a] for a in rules_lib.mesh_axes(rules["act_length"])) == 1:
     return None
-  return sharded(mesh, rules, block_q=block_q, block_kv=block_kv)
+  return sharded(mesh, rules, kernel=kernel, block_q=block_q, block_kv=block_kv)

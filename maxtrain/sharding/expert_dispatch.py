@@ -5,7 +5,8 @@ Shape legend: B batch (Bl: this device's rows), T length, D model, E experts (El
 expert shards, C capacity per expert per sequence, K experts per token, F expert hidden width (Fl:
 this device's part under tensor parallelism).
 
-Per device, per layer (the same functions as the single-device path, `models/moe_dispatch.py`):
+Per device, per layer (the same functions as the single-device path, `models/moe_dispatch.py`, passed
+in as a `LocalExperts`: sharding/ sits below models/ and imports nothing from it):
   1. its own sequences' slots, x_BECD [Bl, E, C, D] (`dispatch`: slots were chosen per sequence
      outside, so they do not depend on the mesh);
   2. all-to-all over the expert axes: the E dim cut into X parts of El experts, part j sent to expert
@@ -25,11 +26,10 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 
-from maxtrain.models import moe_dispatch
 from maxtrain.sharding import rules as rules_lib
 
 TOKENS_LOGICAL = ("act_batch", "act_length", None)
@@ -38,8 +38,15 @@ GATE_LOGICAL = ("experts", "expert_embed", "expert_mlp")  # gate and up [E, D, F
 DOWN_LOGICAL = ("experts", "expert_mlp", "expert_embed")  # down [E, F, D]
 
 
+class LocalExperts(NamedTuple):
+  """The single-device MoE functions run on each device's blocks (models/moe_dispatch.LOCAL)."""
+  dispatch: Callable  # (x_BTD, slot_BTK, num_experts, capacity) -> x_BECD
+  experts_ffn: Callable  # (x_BECD, gate_EDF, up_EDF, down_EFD) -> y_BECD
+  combine: Callable  # (y_BECD, slot_BTK, weights_BTK) -> y_BTD
+
+
 def expert_parallel(x_BTD: jax.Array, slot_BTK: jax.Array, weights_BTK: jax.Array, gate_EDF: jax.Array,
-                    up_EDF: jax.Array, down_EFD: jax.Array, *, num_experts: int, capacity: int,
+                    up_EDF: jax.Array, down_EFD: jax.Array, *, local: LocalExperts, num_experts: int, capacity: int,
                     expert_axes: tuple[str, ...], embed_axes: tuple[str, ...], mlp_axes: tuple[str, ...]) -> jax.Array:
   """The shard_map body (local blocks in, local block out)."""
   # Over every axis of the rules, size 1 included: shard_map's replication check needs the weights to
@@ -47,23 +54,23 @@ def expert_parallel(x_BTD: jax.Array, slot_BTK: jax.Array, weights_BTK: jax.Arra
   if embed_axes:  # FSDP: gather the model dim of this device's experts (backward: reduce-scatter)
     gather = functools.partial(jax.lax.all_gather, axis_name=embed_axes, tiled=True)
     gate_EDF, up_EDF, down_EFD = gather(gate_EDF, axis=1), gather(up_EDF, axis=1), gather(down_EFD, axis=2)
-  x_BECD = moe_dispatch.dispatch(x_BTD, slot_BTK, num_experts, capacity)
+  x_BECD = local.dispatch(x_BTD, slot_BTK, num_experts, capacity)
   to_experts = functools.partial(jax.lax.all_to_all, axis_name=expert_axes, tiled=True)
   x_XBECD = to_experts(x_BECD, split_axis=1, concat_axis=0)  # [X*Bl, El, C, D]: all peers' slots, my experts
-  y_XBECD = moe_dispatch.experts_ffn(x_XBECD, gate_EDF, up_EDF, down_EFD)
+  y_XBECD = local.experts_ffn(x_XBECD, gate_EDF, up_EDF, down_EFD)
   if mlp_axes:  # each tensor shard summed its own part of the hidden dim
     y_XBECD = jax.lax.psum(y_XBECD, mlp_axes)
   y_BECD = to_experts(y_XBECD, split_axis=0, concat_axis=1)  # back to the tokens' devices, [Bl, E, C, D]
-  return moe_dispatch.combine(y_BECD, slot_BTK, weights_BTK)
+  return local.combine(y_BECD, slot_BTK, weights_BTK)
 
 
-def sharded(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh, rules: rules_lib.Rules, *, num_experts: int,
-            capacity: int) -> Callable:
-  """`expert_parallel` under shard_map on `mesh`, its specs from `rules`: a function of global arrays
-  (x_BTD, slot_BTK, weights_BTK, gate, up, down) -> y_BTD."""
+def sharded(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh, rules: rules_lib.Rules, *, local: LocalExperts,
+            num_experts: int, capacity: int) -> Callable:
+  """`expert_parallel` of the `local` functions under shard_map on `mesh`, its specs from `rules`: a
+  function of global arrays (x_BTD, slot_BTK, weights_BTK, gate, up, down) -> y_BTD."""
   axes = lambda logical: rules_lib.mesh_axes(rules[logical])
   spec = lambda logical: rules_lib.logical_to_mesh(logical, rules)
-  body = functools.partial(expert_parallel, num_experts=num_experts, capacity=capacity,
+  body = functools.partial(expert_parallel, local=local, num_experts=num_experts, capacity=capacity,
                            expert_axes=axes("experts"), embed_axes=axes("expert_embed"),
                            mlp_axes=axes("expert_mlp"))
   return jax.shard_map(body, mesh=mesh,
@@ -76,7 +83,7 @@ def expert_shards(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh, rules: ru
   return math.prod(mesh.shape[a] for a in rules_lib.mesh_axes(rules["experts"]))
 
 
-def for_active_rules(num_experts: int, capacity: int) -> Callable | None:
+def for_active_rules(local: LocalExperts, num_experts: int, capacity: int) -> Callable | None:
   """Expert-parallel dispatch when the active rules split `experts` over mesh axes of total size > 1
   in the current mesh (the step traces under `jax.set_mesh`); None otherwise (the caller dispatches
   on its own devices)."""
@@ -84,4 +91,4 @@ def for_active_rules(num_experts: int, capacity: int) -> Callable | None:
   mesh = jax.sharding.get_abstract_mesh()
   if rules is None or mesh.empty or expert_shards(mesh, rules) == 1:
     return None
-  return sharded(mesh, rules, num_experts=num_experts, capacity=capacity)
+  return sharded(mesh, rules, local=local, num_experts=num_experts, capacity=capacity)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.models.attention.flash import MASK_VALUE  # finite: exp(-huge) = 0, never inf - inf = NaN
+from maxtrain.models.attention import mask as mask_lib
 
 
 def default_block_q(t: int) -> int:
@@ -61,9 +61,9 @@ def _probabilities(q_BKTGH, k_BKSH, segment_ids_BT, r0: int, r1: int) -> jax.Arr
   scale = q_BKTGH.shape[-1] ** -0.5
   s_BKqGs = jnp.einsum("bkqgh,bksh->bkqgs", q_BKTGH[:, :, r0:r1], k_BKSH[:, :, :r1],
                        preferred_element_type=jnp.float32) * scale
-  causal_qs = np.arange(r1)[None, :] <= np.arange(r0, r1)[:, None]
-  visible_Bqs = (segment_ids_BT[:, r0:r1, None] == segment_ids_BT[:, None, :r1]) & causal_qs
-  s_BKqGs = jnp.where(visible_Bqs[:, None, :, None, :], s_BKqGs, MASK_VALUE)
+  visible_Bqs = mask_lib.visible(q_segment_ids_BT=segment_ids_BT[:, r0:r1], kv_segment_ids_BS=segment_ids_BT[:, :r1],
+                                 q_positions_BT=np.arange(r0, r1)[None], kv_positions_BS=np.arange(r1)[None])
+  s_BKqGs = mask_lib.apply(s_BKqGs, visible_Bqs[:, None, :, None, :])
   # Every row sees at least its own key, so the row max is a real score and the sum is >= 1.
   p_BKqGs = jnp.exp(s_BKqGs - s_BKqGs.max(axis=-1, keepdims=True))
   return p_BKqGs / p_BKqGs.sum(axis=-1, keepdims=True)

@@ -23,16 +23,16 @@ Why this shape:
     program size and compile time do not grow with T (T=32768 with 512-blocks is 2080 pairs, one
     scan). No `lax.cond`, no dynamic `while_loop`, no callbacks, no variadic reductions: the same
     step compiles for AWS Neuron (DESIGN.md).
-  - Masks are built per block from block-local ids: segment ids and positions of the block's rows
-    and columns. The core takes query and key ids/positions separately, so it also serves a
+  - Masks are built per block from block-local ids (`mask.visible`): segment ids and positions of
+    the block's rows and columns. The core takes query and key ids/positions separately, so it also serves a
     context-parallel caller whose local queries and gathered keys are different rows
     (`flash_attention_qkv`); `flash_attention` is the self-attention wrapper with the reference's
     signature. Padding keys get position int32-max, which every real query's causal test rejects.
   - GQA: q is viewed as [B, T, K, G, H] and contracted against k's K dim; K/V are never repeated.
   - Scores, softmax statistics and gradient accumulators are fp32 whatever the input dtype; the
     matmuls take the input dtype (bf16) as operands with fp32 accumulation.
-  - Masked scores are a large finite negative, not -inf: a row with no visible key in a block (or
-    a padded query row with none at all) stays finite, so gradients never see NaN.
+  - Masked scores are `mask.MASK_VALUE`, a large finite negative, not -inf: a row with no visible key
+    in a block (or a padded query row with none at all) stays finite, so gradients never see NaN.
 
 Default block sizes: 128 x 128, measured with tools/bench_attention.py on the 2-core CPU (jax 0.10.2,
 fp32 forward+backward, B*T = 16384, N=8, K=4, H=64, seconds, median of 3 on a shared machine):
@@ -49,11 +49,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxtrain.models.attention import mask as mask_lib
+from maxtrain.models.attention.mask import MASK_VALUE
+
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_KV = 128
 
-# Finite so that fully masked rows give exp(0) = 1 terms, never inf - inf = NaN.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _PAD_POSITION = np.iinfo(np.int32).max
 
 
@@ -139,7 +140,8 @@ def _block_pairs(num_q: int, num_kv: int, bq: int, bkv: int, s: int, causal_skip
 
 def _block_mask(qseg_Bq, kvseg_Bs, qpos_Bq, kvpos_Bs) -> jax.Array:
   """[B, 1, q, 1, s] visibility of one block, from its rows' and columns' ids only."""
-  mask_Bqs = (qseg_Bq[:, :, None] == kvseg_Bs[:, None, :]) & (kvpos_Bs[:, None, :] <= qpos_Bq[:, :, None])
+  mask_Bqs = mask_lib.visible(q_segment_ids_BT=qseg_Bq, kv_segment_ids_BS=kvseg_Bs, q_positions_BT=qpos_Bq,
+                              kv_positions_BS=kvpos_Bs)
   return mask_Bqs[:, None, :, None, :]
 
 
@@ -160,7 +162,7 @@ def _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j) -> jax.A
 def _scores(q_BKqGH, k_BKsH, mask_B1q1s) -> jax.Array:
   scale = q_BKqGH.shape[-1] ** -0.5
   s_BKqGs = jnp.einsum("bkqgh,bksh->bkqgs", q_BKqGH, k_BKsH, preferred_element_type=jnp.float32) * scale
-  return jnp.where(mask_B1q1s, s_BKqGs, MASK_VALUE)
+  return mask_lib.apply(s_BKqGs, mask_B1q1s)
 
 
 def _take(x, i):

@@ -18,17 +18,27 @@ Kernels behind one signature (q, k, v, segment ids), chosen by `model.attention`
 When the active sharding rules split the sequence over devices (mesh.context > 1), attention runs
 as `sharding/context_attention.py` (flash on each shard against all-gathered keys) whatever the
 kernel: it needs per-token positions and a block-pair list, which only the flash core takes.
+Every kernel asks `mask.py` which keys a query sees and fills the rest with its one MASK_VALUE.
+
+With a KV cache (generation: `Llama.decode`) the same module writes this call's keys and values into
+the cache's slots; a prefill (nothing cached yet) runs the kernel above on the prompt alone, later
+calls (one token each) the dot path against the whole cache under `mask.visible` (slot order,
+valid slots only): one query row needs no blocking.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtrain.models.attention import mask as mask_lib
 from maxtrain.models.attention import vendor as vendor_attention
 from maxtrain.models.attention.blocked import blocked_attention
-from maxtrain.models.attention.flash import flash_attention
+from maxtrain.models.attention.flash import flash_attention, flash_attention_qkv
 from maxtrain.models.layers import apply_rope, param, project
 from maxtrain.sharding import context_attention
 from maxtrain.sharding import rules as sharding_rules
@@ -53,23 +63,41 @@ def resolve_kernel(name: str, seq_len: int) -> str:
 
 def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
   """[B, T, S] boolean: key s is visible from query t iff s <= t and both are in one document."""
-  t = segment_ids_BT.shape[1]
-  causal_TS = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
-  same_doc_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-  return causal_TS[None] & same_doc_BTS
+  return mask_lib.causal_self(segment_ids_BT)
 
 
-def dot_product_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> jax.Array:
+def dot_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, visible_BTS: jax.Array) -> jax.Array:
+  """Plain einsum attention under any mask from `mask.visible` ([B or 1, T, S])."""
   b, t, n, h = q_BTNH.shape
   k = k_BSKH.shape[2]
   q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
   scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH).astype(jnp.float32) * h**-0.5
-  mask_B11TS = attention_mask(segment_ids_BT)[:, None, None]
-  # Every query sees at least itself, so no row is fully masked and softmax stays finite.
-  scores_BKGTS = jnp.where(mask_B11TS, scores_BKGTS, jnp.finfo(jnp.float32).min)
+  scores_BKGTS = mask_lib.apply(scores_BKGTS, visible_BTS[:, None, None])
   probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
   out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
   return out_BTKGH.reshape(b, t, n, h)
+
+
+def dot_product_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                          segment_ids_BT: jax.Array) -> jax.Array:
+  """The reference kernel: causal self-attention with document masking."""
+  return dot_attention(q_BTNH, k_BSKH, v_BSKH, mask_lib.causal_self(segment_ids_BT))
+
+
+class KVCache(NamedTuple):
+  """One layer's keys and values at S cache slots (a scanned stack holds them stacked: [L, B, S, K, H])."""
+  k_BSKH: jax.Array
+  v_BSKH: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheWrite:
+  """What every layer shares in one call over the cache: this call's T tokens go to slots start..start+T-1."""
+  valid_BS: jax.Array  # bool: the slot holds a real token (this call's included; left padding does not)
+  start: jax.Array  # int32 []
+  # The cache held nothing before this call (a prefill): the prompt attends only to itself, so it runs the
+  # run's own kernel (its padding as segment 0); later calls attend to the cache through the dot path.
+  fresh: bool
 
 
 class Attention(nnx.Module):
@@ -86,7 +114,10 @@ class Attention(nnx.Module):
     self.compute_dtype = compute_dtype
     self.kernel, self.block_q, self.block_kv = kernel, block_q, block_kv
 
-  def __call__(self, x_BTD, segment_ids_BT, positions_BT) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array,
+               cache: KVCache | None = None, write: CacheWrite | None = None) -> tuple[jax.Array, KVCache | None]:
+    """(output [B, T, D], this layer's cache with the call's keys and values written, or None without one).
+    Training passes no cache; generation (inference/sampling.py) a prefill, then one token per call."""
     dt = self.compute_dtype
     q_BTNH = project(x_BTD, self.wq[...].astype(dt))
     k_BTKH = project(x_BTD, self.wk[...].astype(dt))
@@ -96,12 +127,32 @@ class Attention(nnx.Module):
     k_BTKH = sharding_rules.constrain(apply_rope(k_BTKH, positions_BT, self.rope_theta),
                                       ("act_batch", "act_length", "act_kv_heads", None))
     v_BTKH = sharding_rules.constrain(v_BTKH, ("act_batch", "act_length", "act_kv_heads", None))
-    return project(self._attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT), self.wo[...].astype(dt),
-                   contract=2)
+    if cache is None:
+      out_BTNH = self._attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
+    else:
+      out_BTNH, cache = self._attend_cached(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache, write)
+    return project(out_BTNH, self.wo[...].astype(dt), contract=2), cache
+
+  def _attend_cached(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache: KVCache,
+                     write: CacheWrite) -> tuple[jax.Array, KVCache]:
+    kv_logical = ("act_batch", None, "act_kv_heads", None)
+    put = lambda c_BSKH, x_BTKH: sharding_rules.constrain(
+        jax.lax.dynamic_update_slice_in_dim(c_BSKH, x_BTKH.astype(c_BSKH.dtype), write.start, axis=1), kv_logical)
+    cache = KVCache(put(cache.k_BSKH, k_BTKH), put(cache.v_BSKH, v_BTKH))
+    if write.fresh:
+      return self._attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, None), cache
+    # Slot indices order the cache (left padding and unwritten slots are not valid).
+    t, s = q_BTNH.shape[1], cache.k_BSKH.shape[1]
+    visible_BTS = mask_lib.visible(q_positions_BT=(write.start + jnp.arange(t, dtype=jnp.int32))[None],
+                                   kv_positions_BS=jnp.arange(s, dtype=jnp.int32)[None], kv_valid_BS=write.valid_BS)
+    return dot_attention(q_BTNH, cache.k_BSKH.astype(q_BTNH.dtype), cache.v_BSKH.astype(q_BTNH.dtype),
+                         visible_BTS), cache
 
   def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT) -> jax.Array:
-    context_parallel = context_attention.for_active_rules(block_q=self.block_q, block_kv=self.block_kv)
-    if context_parallel is not None:  # the sequence is split over devices: flash on each shard
+    context_parallel = context_attention.for_active_rules(flash_attention_qkv, block_q=self.block_q,
+                                                          block_kv=self.block_kv)
+    # No positions: a prefill's prompt, in natural (not zigzag) order, attends whole on every device.
+    if context_parallel is not None and positions_BT is not None:  # the sequence is split over devices
       return context_parallel(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
     kernel = resolve_kernel(self.kernel, q_BTNH.shape[1])
     if kernel == "flash":

@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from maxtrain.errors import UserError
-
-_NEG = -0.7 * float(np.finfo(np.float32).max)  # finite: a row never becomes inf - inf
+from maxtrain.models.attention import mask as mask_lib
 
 
 def same_document(segment_ids_BT: jax.Array, kv_segment_ids_BS: jax.Array | None = None) -> jax.Array:
   """[B, 1, T, S] boolean: query t and key s are in the same document (causality is separate)."""
   kv = segment_ids_BT if kv_segment_ids_BS is None else kv_segment_ids_BS
-  return (segment_ids_BT[:, :, None] == kv[:, None, :])[:, None]
+  return mask_lib.visible(q_segment_ids_BT=segment_ids_BT, kv_segment_ids_BS=kv)[:, None]
 
 
 def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array, *,
@@ -69,8 +67,8 @@ def nki_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segme
   flash_fwd, flash_attn_bwd, flash_config = _nki_kernels()
   b, t, n, h = q_BTNH.shape
   g = n // k_BSKH.shape[2]
-  bias_BNTS = jnp.broadcast_to(jnp.where(same_document(segment_ids_BT), 0.0, _NEG).astype(q_BTNH.dtype),
-                               (b, n, t, t))
+  bias_B1TS = mask_lib.apply(jnp.zeros((), jnp.float32), same_document(segment_ids_BT))
+  bias_BNTS = jnp.broadcast_to(bias_B1TS.astype(q_BTNH.dtype), (b, n, t, t))
   seed = jnp.zeros((1,), jnp.int32)
 
   @jax.custom_vjp
