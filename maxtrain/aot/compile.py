@@ -1,20 +1,7 @@
-"""Ahead-of-time compile of the train step: will this config compile, and fit, on the target mesh?
-
-  python -m maxtrain.compile --config=PATH [--config.key=value ...] [--devices N] [--device-memory-gb G]
-
-Lowers and compiles the real train step (`program.build.program_for`, the program the trainer runs) for a
-mesh of N devices, from abstract inputs (`jax.ShapeDtypeStruct`s carrying the state and batch
-shardings): no parameter is allocated and no data is read. It always compiles on N fake CPU devices,
-whatever `runtime.platform` says, so a laptop can check a 64-device Trainium or GPU layout. The
-memory figures are XLA:CPU's for the same sharded program; the GPU and Neuron compilers fuse and
-schedule differently, so they are an estimate to keep a margin against, not a guarantee.
-
-With `runtime.platform=neuron` it also lints the lowered step for what the Neuron compiler rejects
-(`maxtrain/aot/hlo_lint.py`).
-
-Exit codes: 0 compiled (and fits under --device-memory-gb when given, and passes the Neuron lint on
-neuron), 2 bad config, does not fit, or fails the lint.
-"""
+"""Ahead-of-time compile of the train step (the entry point is `maxtrain/cli/compile.py`, whose docstring
+is the user's guide): lowers and compiles the real train step (`program.build.program_for`) for a mesh
+of N fake CPU devices from abstract inputs, reads XLA:CPU's memory figures, checks them against a
+device's memory, and lints the lowered step for Neuron (`hlo_lint.py`)."""
 
 from __future__ import annotations
 
