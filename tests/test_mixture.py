@@ -8,7 +8,8 @@ import pytest
 
 from maxtrain.data import pipeline
 from maxtrain.data.loader import MixtureLoader, contiguous_rows, process_rows
-from maxtrain.data.mixture import Mixture, Source, Stage, block_counts, block_layout, parse_sources, parse_stages
+from maxtrain.data.mixture import (Mixture, Source, Stage, block_counts, block_layout, parse_sources, parse_stages,
+                                   shuffle_seed)
 from maxtrain.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,15 +91,41 @@ def test_each_source_is_read_in_order_and_new_weights_hold_from_the_boundary():
   assert after.tolist() == [256, 0, 768]  # 1:0:3 in whole blocks of 256 from the boundary on
 
 
-def test_single_source_keeps_the_single_store_order(store):
+def _old_loader(prefix: str, seq_len: int, batch: int, seed: int):
+  """The single-store loader before mixtures (data/pipeline.py's TrainLoader, one process), frozen here as
+  the reference order: Grain's shuffle of the windows with the hashed seed, a fresh permutation per epoch."""
+  import grain
+
+  source = pipeline.PackedSource(prefix, seq_len)
+  ds = grain.MapDataset.source(source).shuffle(seed=shuffle_seed(seed)).repeat().batch(batch, drop_remainder=True)
+  return len(source), iter(ds.to_iter_dataset())
+
+
+@pytest.mark.parametrize("read_ahead", [4, 0])
+def test_single_source_keeps_the_single_store_order(store, read_ahead):
   prefix = store + ".train"
-  old = pipeline.TrainLoader(prefix, 32, 8, 5, 0, 1)
-  new = MixtureLoader([Source("code", prefix, 1.0)], [Stage(0, 0, 8, 32, (1.0,))], 5, contiguous_rows(0, 1))
-  steps = old.num_examples // 8 + 3  # across an epoch boundary
+  num_windows, old = _old_loader(prefix, 32, 8, 5)
+  new = MixtureLoader([Source("code", prefix, 1.0)], [Stage(0, 0, 8, 32, (1.0,))], 5, contiguous_rows(0, 1),
+                      read_ahead=read_ahead)
+  steps = num_windows // 8 + 3  # across an epoch boundary
   for _ in range(steps):
     a, b = next(old), next(new)
     for k in pipeline.KEYS:
       np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_read_ahead_serves_the_same_batches_across_stages_and_resumes(store, docs_store):
+  sources, stages = _two_sources(store, docs_store, "3:code=1,docs=1,seq_len=16;5:seq_len=32")
+  want = [MixtureLoader(sources, stages, 4, contiguous_rows(0, 1), read_ahead=0).batch_of_step(s) for s in range(8)]
+  ahead = MixtureLoader(sources, stages, 4, contiguous_rows(1, 2), read_ahead=3, read_threads=2)
+  got = [next(ahead) for _ in range(4)]
+  ahead.set_state({**ahead.get_state()})  # restarts Grain's iterator at the saved step
+  got += [next(ahead) for _ in range(4)]
+  ahead.close()
+  for step, (a, b) in enumerate(zip(want, got)):
+    for k in pipeline.KEYS:
+      np.testing.assert_array_equal(a[k][4:], b[k], err_msg=f"step {step} {k}")
+  assert [b["inputs"].shape[1] for b in got] == [32, 32, 32, 16, 16, 32, 32, 32]
 
 
 def _two_sources(store, docs_store, stages_text="", batch=8, seq_len=32, **kw):
@@ -187,11 +214,12 @@ def test_resume_refusals(store, docs_store):
 
 def test_old_single_store_state_resumes(store):
   prefix = store + ".train"
-  old = pipeline.TrainLoader(prefix, 32, 8, 5, 0, 1)
+  num_windows, old = _old_loader(prefix, 32, 8, 5)
   for _ in range(4):
     next(old)
   new = MixtureLoader([Source("code", prefix, 1.0)], [Stage(0, 0, 8, 32, (1.0,))], 5, contiguous_rows(0, 1))
-  new.set_state(old.get_state())
+  new.set_state({"next_index": 4, "seq_len": 32, "global_batch_size": 8, "seed": 5, "process_count": 1,
+                 "num_examples": num_windows})  # what the single-store loader saved
   np.testing.assert_array_equal(next(new)["inputs"], next(old)["inputs"])
 
 

@@ -87,6 +87,8 @@ def base_config() -> ml_collections.ConfigDict:
   d.max_epochs = 0.0  # Warn (event data_repeat) when a source is read past this many epochs; 0 = never.
   d.stop_at_max_epochs = False  # Stop (exit 3) instead of warning when a source passes data.max_epochs.
   d.resume_new_batch_size = False  # Let a checkpoint resume with another data.batch_size: the same windows, batched anew.
+  d.read_ahead = 4  # Train batches Grain prepares ahead of the step (host work overlaps the device); 0 = build each on demand.
+  d.read_threads = 2  # Grain threads preparing those batches.
 
   c.optimizer = o = ml_collections.ConfigDict()
   o.name = "adamw"  # adamw | muon (Muon for hidden weight matrices, AdamW for embeddings, head, norms, biases).

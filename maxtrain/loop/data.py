@@ -95,7 +95,8 @@ class Data:
     # after it was indexed, and an id out of range would give NaN losses, not an error.
     train_sources = [dataclasses.replace(s, prefix=train.prefix) for s, (train, _) in zip(sources, pairs)]
     self.loader = MixtureLoader(train_sources, stages, cfg.seed, process_rows(batch_shardings[pipeline.KEYS[0]]),
-                                vocab_size=vocab, allow_new_batch_size=d.resume_new_batch_size)
+                                vocab_size=vocab, allow_new_batch_size=d.resume_new_batch_size,
+                                read_ahead=d.read_ahead, read_threads=d.read_threads)
     self.eval_sets = {name: [batch_lib.to_device(rows, batch_shardings) for rows in pipeline.eval_batches(
         val.prefix, d.seq_len, d.batch_size, cfg.eval.batches, jax.process_index(), jax.process_count(),
         vocab_size=vocab)] for name, (_, val) in self.stores.items()}

@@ -97,6 +97,7 @@ class Trainer:
     if jax.process_index() == 0:
       config_lib.save(cfg, self.out_dir / "config.json")
     self.data = Data(cfg, program.batch_shardings)
+    stack.callback(self.data.loader.close)  # the read-ahead threads
     self.checkpoints.tokenizer_identity = self.data.train_store.tokenizer_identity
     if self.resume_path is not None:  # before compiling: the checkpoint's tokenizer is this run's
       check_checkpoint_tokenizer(self.data.train_store, cfg.data, self.checkpoints.store.read_meta(self.resume_path),

@@ -63,6 +63,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           "config.data.corpus and config.data.path are both empty: set data.path to a token store "
           "prefix (tools/index_data.py) or data.corpus to 'python-stdlib'")
   require(d.max_epochs >= 0, f"config.data.max_epochs={d.max_epochs}: must be >= 0 (0 = no limit)")
+  require(d.read_ahead >= 0 and d.read_threads >= 1, f"config.data.read_ahead={d.read_ahead}, data.read_threads="
+          f"{d.read_threads}: need read_ahead >= 0 (0 = no read-ahead) and read_threads >= 1")
   require(0 < d.seq_len <= cfg.model.max_seq_len,
           f"config.data.seq_len={d.seq_len} must be in 1..model.max_seq_len={cfg.model.max_seq_len}")
   require(cfg.optimizer.decay_steps >= 0,
