@@ -336,7 +336,9 @@ def test_bad_mixture_configs_exit_2_naming_the_culprit(store, docs_store, capsys
                         ([f"--config.data.sources={store},{docs_store}", "--config.data.stages=4:seq_len=4096"],
                          "seq_len=4096"),
                         ([f"--config.data.sources={store},{docs_store}", "--config.model.vocab_size=128"],
-                         "code.train.*vocab_size=128")):
+                         "code.train.*vocab_size=128"),
+                        ([f"--config.data.path={store}", "--config.data.stages=4:batch_size=12"],
+                         r"stages at step 4 \(batch_size=12.*not divisible by the batch shards")):
     assert train.main(TINY + args) == 2
     captured = capsys.readouterr()
     assert __import__("re").search(culprit, captured.out + captured.err), (culprit, captured.err[-2000:])
@@ -364,3 +366,47 @@ def test_resume_on_two_processes_matches_the_straight_run(store, docs_store, tmp
   a, b = _scalars(tmp_path / "straight"), _scalars(out)
   steps = list(range(1, 9))
   np.testing.assert_allclose([b["train/loss"][s] for s in steps], [a["train/loss"][s] for s in steps], rtol=1e-5)
+
+
+def _each_window_once(state: dict) -> None:
+  """The checkpoint's data state: every source's windows up to its sequence were read once each, in the
+  source's order (consecutive per-source indices within one epoch), and the saved counts are theirs."""
+  names = list(state["sources"])
+  stages = [Stage.from_json(s) for s in state["stages"]]
+  m = Mixture(names, [state["sources"][n]["num_tokens"] for n in names], stages, state["seed"])
+  seen = _walk(m, 0, state["sequence"])
+  for j, name in enumerate(names):
+    qs = seen.get(j, [])
+    assert qs == list(range(len(qs))), name
+    windows = [m.window(j, q, m.locate(0)[2]) for q in qs]
+    assert len(set(windows)) == len(windows) and state["sources"][name]["sequences"] == len(qs), name
+
+
+def test_batch_ramp_and_resume_with_a_new_batch_size_read_each_window_once(store, docs_store, tmp_path):
+  # The batch doubles at step 4 (8 -> 16): with microbatch_size=1 on 8 devices the step accumulates 1, then
+  # 2 microbatches, so the ramp rebuilds the step from the stage's config.
+  mix = TINY + [f"--config.data.sources={store}:3,{docs_store}:1", "--config.optimizer.microbatch_size=1",
+                "--config.log_every=1", "--config.steps=8"]
+  ramp = _trainer(mix + ["--config.data.stages=4:batch_size=16", f"--config.output_dir={tmp_path / 'ramp'}"])
+  assert ramp.returncode == 0, ramp.stderr[-3000:]
+  state = _data_state(tmp_path / "ramp", 8)
+  assert state["sequence"] == 4 * 8 + 4 * 16
+  _each_window_once(state)
+  tb = _scalars(tmp_path / "ramp")
+  seen = [4 * 8 * 32 * min(s, 4) / 4 + 16 * 32 * max(0, s - 4) for s in range(1, 9)]  # tokens seen by step s
+  assert [tb["data/tokens"][s] for s in range(1, 9)] == seen
+  assert "accumulates 2 microbatches" in ramp.stderr
+  # The same run stopped at 4 and resumed at batch 16 (data.resume_new_batch_size): the same windows.
+  out = tmp_path / "resumed"
+  first = _trainer(mix + ["--config.steps=4", f"--config.output_dir={out}"])
+  assert first.returncode == 0, first.stderr[-3000:]
+  refused = _trainer(mix + ["--config.data.batch_size=16", f"--config.output_dir={out}"])
+  assert refused.returncode == 2 and "data.resume_new_batch_size=true" in refused.stderr, refused.stderr[-3000:]
+  resumed = _trainer(mix + ["--config.data.batch_size=16", "--config.data.resume_new_batch_size=true",
+                            f"--config.output_dir={out}"])
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert _data_state(out, 8) == state
+  b = _scalars(out)
+  assert [b["data/tokens"][s] for s in range(5, 9)] == seen[4:]
+  np.testing.assert_allclose([b["train/loss"][s] for s in range(1, 9)], [tb["train/loss"][s] for s in range(1, 9)],
+                             rtol=1e-5)

@@ -129,9 +129,9 @@ class MixtureLoader:
     """Global sequences consumed so far."""
     return self.mixture.sequence_of_step(self.step)
 
-  def consumed(self) -> dict[str, dict[str, float]]:
-    """Per source: sequences, tokens and epochs consumed so far."""
-    return self.mixture.consumed(self.sequence())
+  def consumed(self, step: int | None = None) -> dict[str, dict[str, float]]:
+    """Per source: sequences, tokens and epochs consumed by the batches before `step` (default: so far)."""
+    return self.mixture.consumed(self.sequence() if step is None else self.mixture.sequence_of_step(step))
 
   def get_state(self) -> dict[str, Any]:
     """JSON-able, the same on every process: the step, the global sequence, the resolved stage table and
