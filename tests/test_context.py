@@ -19,7 +19,8 @@ import pytest
 from maxtrain.program import batch as batch_lib
 from maxtrain import config as config_lib
 from maxtrain.cli import train
-from maxtrain.data import pipeline
+from maxtrain.data.loader import MixtureLoader, contiguous_rows
+from maxtrain.data.mixture import Source, Stage
 from maxtrain.data.indexing import index_files
 from maxtrain.errors import UserError
 from maxtrain.models.attention.flash import flash_attention_qkv
@@ -151,7 +152,8 @@ def short_docs_store(tmp_path_factory) -> str:
 def test_context4_trains_like_context1_and_resumes_its_checkpoint(short_docs_store, tmp_path, monkeypatch):
   store = short_docs_store
   # The 20 steps' batches (the trainer's loader, seed 0): every row holds more than one document.
-  loader = pipeline.TrainLoader(f"{store}.train", 64, 8, 0, 0, 1, vocab_size=384)
+  loader = MixtureLoader([Source("s", f"{store}.train", 1.0)], [Stage(0, 0, 8, 64, (1.0,))], 0,
+                         contiguous_rows(0, 1), vocab_size=384)
   assert min(len(set(row.tolist())) for _ in range(20) for row in next(loader)["segment_ids"]) >= 2
   traced = []  # the shards of every context-parallel attention the trainer traced
   sharded = ca.sharded

@@ -1,6 +1,7 @@
 """tools/index_data.py and the cached built-in corpus."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,9 @@ EOS = ByteTokenizer.eos_id
 def _run_cli(*args):
   return subprocess.run(
       [sys.executable, str(REPO / "tools" / "index_data.py"), *map(str, args)],
-      capture_output=True, text=True, cwd=REPO, timeout=60)
+      capture_output=True, text=True, cwd=REPO, timeout=60,
+      # This tree's maxtrain, not an installed one (sys.path[0] is tools/).
+      env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 @pytest.fixture
@@ -87,6 +90,23 @@ def test_cli_indexes_a_directory(text_dir, tmp_path, monkeypatch):
   other = indexing.index_files([str(root)], str(tmp_path / "o"),
                                val_fraction=0.2, seed=1, progress=False)
   assert sorted(_docs(other["val_prefix"])) != sorted(val)
+
+
+def test_cli_builds_several_stores_in_one_call(tmp_path):
+  for name, text in (("web", "a web page\n"), ("code", "def f():\n  pass\n")):
+    (tmp_path / name).mkdir()
+    for i in range(6):
+      (tmp_path / name / f"{i}.txt").write_text(f"{text}{i}\n")
+  r = _run_cli("--input", tmp_path / "web", "--output", tmp_path / "stores" / "web",
+               "--input", tmp_path / "code", "--output", tmp_path / "stores" / "code",
+               "--val-fraction", "0.3", "--workers", "1")
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.count("indexed 6 documents from 6 files") == 2
+  for name, word in (("web", "web page"), ("code", "def f")):
+    docs = _docs(f"{tmp_path / 'stores' / name}.train") + _docs(f"{tmp_path / 'stores' / name}.val")
+    assert len(docs) == 6 and all(word in d for d in docs)
+  r = _run_cli("--input", tmp_path / "web", "--output", tmp_path / "a", "--output", tmp_path / "b")
+  assert r.returncode == 2 and "2 --output prefixes need as many --input groups" in r.stderr
 
 
 def _hf_tokenizer(path):

@@ -8,7 +8,8 @@ import pytest
 
 from maxtrain.data import pipeline
 from maxtrain.data.loader import MixtureLoader, contiguous_rows, process_rows
-from maxtrain.data.mixture import Mixture, Source, Stage, block_counts, block_layout, parse_sources, parse_stages
+from maxtrain.data.mixture import (Mixture, Source, Stage, block_counts, block_layout, parse_sources, parse_stages,
+                                   shuffle_seed)
 from maxtrain.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,15 +91,41 @@ def test_each_source_is_read_in_order_and_new_weights_hold_from_the_boundary():
   assert after.tolist() == [256, 0, 768]  # 1:0:3 in whole blocks of 256 from the boundary on
 
 
-def test_single_source_keeps_the_single_store_order(store):
+def _old_loader(prefix: str, seq_len: int, batch: int, seed: int):
+  """The single-store loader before mixtures (data/pipeline.py's TrainLoader, one process), frozen here as
+  the reference order: Grain's shuffle of the windows with the hashed seed, a fresh permutation per epoch."""
+  import grain
+
+  source = pipeline.PackedSource(prefix, seq_len)
+  ds = grain.MapDataset.source(source).shuffle(seed=shuffle_seed(seed)).repeat().batch(batch, drop_remainder=True)
+  return len(source), iter(ds.to_iter_dataset())
+
+
+@pytest.mark.parametrize("read_ahead", [4, 0])
+def test_single_source_keeps_the_single_store_order(store, read_ahead):
   prefix = store + ".train"
-  old = pipeline.TrainLoader(prefix, 32, 8, 5, 0, 1)
-  new = MixtureLoader([Source("code", prefix, 1.0)], [Stage(0, 0, 8, 32, (1.0,))], 5, contiguous_rows(0, 1))
-  steps = old.num_examples // 8 + 3  # across an epoch boundary
+  num_windows, old = _old_loader(prefix, 32, 8, 5)
+  new = MixtureLoader([Source("code", prefix, 1.0)], [Stage(0, 0, 8, 32, (1.0,))], 5, contiguous_rows(0, 1),
+                      read_ahead=read_ahead)
+  steps = num_windows // 8 + 3  # across an epoch boundary
   for _ in range(steps):
     a, b = next(old), next(new)
     for k in pipeline.KEYS:
       np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_read_ahead_serves_the_same_batches_across_stages_and_resumes(store, docs_store):
+  sources, stages = _two_sources(store, docs_store, "3:code=1,docs=1,seq_len=16;5:seq_len=32")
+  want = [MixtureLoader(sources, stages, 4, contiguous_rows(0, 1), read_ahead=0).batch_of_step(s) for s in range(8)]
+  ahead = MixtureLoader(sources, stages, 4, contiguous_rows(1, 2), read_ahead=3, read_threads=2)
+  got = [next(ahead) for _ in range(4)]
+  ahead.set_state({**ahead.get_state()})  # restarts Grain's iterator at the saved step
+  got += [next(ahead) for _ in range(4)]
+  ahead.close()
+  for step, (a, b) in enumerate(zip(want, got)):
+    for k in pipeline.KEYS:
+      np.testing.assert_array_equal(a[k][4:], b[k], err_msg=f"step {step} {k}")
+  assert [b["inputs"].shape[1] for b in got] == [32, 32, 32, 16, 16, 32, 32, 32]
 
 
 def _two_sources(store, docs_store, stages_text="", batch=8, seq_len=32, **kw):
@@ -187,11 +214,12 @@ def test_resume_refusals(store, docs_store):
 
 def test_old_single_store_state_resumes(store):
   prefix = store + ".train"
-  old = pipeline.TrainLoader(prefix, 32, 8, 5, 0, 1)
+  num_windows, old = _old_loader(prefix, 32, 8, 5)
   for _ in range(4):
     next(old)
   new = MixtureLoader([Source("code", prefix, 1.0)], [Stage(0, 0, 8, 32, (1.0,))], 5, contiguous_rows(0, 1))
-  new.set_state(old.get_state())
+  new.set_state({"next_index": 4, "seq_len": 32, "global_batch_size": 8, "seed": 5, "process_count": 1,
+                 "num_examples": num_windows})  # what the single-store loader saved
   np.testing.assert_array_equal(next(new)["inputs"], next(old)["inputs"])
 
 
@@ -308,7 +336,9 @@ def test_bad_mixture_configs_exit_2_naming_the_culprit(store, docs_store, capsys
                         ([f"--config.data.sources={store},{docs_store}", "--config.data.stages=4:seq_len=4096"],
                          "seq_len=4096"),
                         ([f"--config.data.sources={store},{docs_store}", "--config.model.vocab_size=128"],
-                         "code.train.*vocab_size=128")):
+                         "code.train.*vocab_size=128"),
+                        ([f"--config.data.path={store}", "--config.data.stages=4:batch_size=12"],
+                         r"stages at step 4 \(batch_size=12.*not divisible by the batch shards")):
     assert train.main(TINY + args) == 2
     captured = capsys.readouterr()
     assert __import__("re").search(culprit, captured.out + captured.err), (culprit, captured.err[-2000:])
@@ -336,3 +366,47 @@ def test_resume_on_two_processes_matches_the_straight_run(store, docs_store, tmp
   a, b = _scalars(tmp_path / "straight"), _scalars(out)
   steps = list(range(1, 9))
   np.testing.assert_allclose([b["train/loss"][s] for s in steps], [a["train/loss"][s] for s in steps], rtol=1e-5)
+
+
+def _each_window_once(state: dict) -> None:
+  """The checkpoint's data state: every source's windows up to its sequence were read once each, in the
+  source's order (consecutive per-source indices within one epoch), and the saved counts are theirs."""
+  names = list(state["sources"])
+  stages = [Stage.from_json(s) for s in state["stages"]]
+  m = Mixture(names, [state["sources"][n]["num_tokens"] for n in names], stages, state["seed"])
+  seen = _walk(m, 0, state["sequence"])
+  for j, name in enumerate(names):
+    qs = seen.get(j, [])
+    assert qs == list(range(len(qs))), name
+    windows = [m.window(j, q, m.locate(0)[2]) for q in qs]
+    assert len(set(windows)) == len(windows) and state["sources"][name]["sequences"] == len(qs), name
+
+
+def test_batch_ramp_and_resume_with_a_new_batch_size_read_each_window_once(store, docs_store, tmp_path):
+  # The batch doubles at step 4 (8 -> 16): with microbatch_size=1 on 8 devices the step accumulates 1, then
+  # 2 microbatches, so the ramp rebuilds the step from the stage's config.
+  mix = TINY + [f"--config.data.sources={store}:3,{docs_store}:1", "--config.optimizer.microbatch_size=1",
+                "--config.log_every=1", "--config.steps=8"]
+  ramp = _trainer(mix + ["--config.data.stages=4:batch_size=16", f"--config.output_dir={tmp_path / 'ramp'}"])
+  assert ramp.returncode == 0, ramp.stderr[-3000:]
+  state = _data_state(tmp_path / "ramp", 8)
+  assert state["sequence"] == 4 * 8 + 4 * 16
+  _each_window_once(state)
+  tb = _scalars(tmp_path / "ramp")
+  seen = [4 * 8 * 32 * min(s, 4) / 4 + 16 * 32 * max(0, s - 4) for s in range(1, 9)]  # tokens seen by step s
+  assert [tb["data/tokens"][s] for s in range(1, 9)] == seen
+  assert "accumulates 2 microbatches" in ramp.stderr
+  # The same run stopped at 4 and resumed at batch 16 (data.resume_new_batch_size): the same windows.
+  out = tmp_path / "resumed"
+  first = _trainer(mix + ["--config.steps=4", f"--config.output_dir={out}"])
+  assert first.returncode == 0, first.stderr[-3000:]
+  refused = _trainer(mix + ["--config.data.batch_size=16", f"--config.output_dir={out}"])
+  assert refused.returncode == 2 and "data.resume_new_batch_size=true" in refused.stderr, refused.stderr[-3000:]
+  resumed = _trainer(mix + ["--config.data.batch_size=16", "--config.data.resume_new_batch_size=true",
+                            f"--config.output_dir={out}"])
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert _data_state(out, 8) == state
+  b = _scalars(out)
+  assert [b["data/tokens"][s] for s in range(5, 9)] == seen[4:]
+  np.testing.assert_allclose([b["train/loss"][s] for s in range(1, 9)], [tb["train/loss"][s] for s in range(1, 9)],
+                             rtol=1e-5)

@@ -1,4 +1,4 @@
-"""Packed windows, the Grain train loader, eval batches and global arrays."""
+"""Packed windows, the one-store train loader (data/loader.py, served by Grain), eval batches and global arrays."""
 
 import pickle
 
@@ -8,6 +8,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtrain.data import pipeline
+from maxtrain.data.loader import MixtureLoader, contiguous_rows
+from maxtrain.data.mixture import Source, Stage
 from maxtrain.data.store import StoreWriter
 from maxtrain.errors import UserError
 
@@ -71,14 +73,17 @@ def _take(loader, n):
   return [next(loader) for _ in range(n)]
 
 
+def _loader(prefix, seq_len, batch, seed, process_index=0, process_count=1, **kw):
+  """The trainer's loader over one store (as with data.path)."""
+  return MixtureLoader([Source("s", prefix, 1.0)], [Stage(0, 0, batch, seq_len, (1.0,))], seed,
+                       contiguous_rows(process_index, process_count), **kw)
+
+
 def test_loader_is_deterministic_in_the_seed(tmp_path):
   prefix = _store(tmp_path / "s", [30, 90, 200, 1])  # 321 tokens → 40 windows.
-  a = _take(pipeline.TrainLoader(prefix, 8, 4, seed=3, process_index=0,
-                                 process_count=1), 12)
-  b = _take(pipeline.TrainLoader(prefix, 8, 4, seed=3, process_index=0,
-                                 process_count=1), 12)
-  c = _take(pipeline.TrainLoader(prefix, 8, 4, seed=4, process_index=0,
-                                 process_count=1), 12)
+  a = _take(_loader(prefix, 8, 4, seed=3), 12)
+  b = _take(_loader(prefix, 8, 4, seed=3, read_ahead=0), 12)
+  c = _take(_loader(prefix, 8, 4, seed=4), 12)
   for x, y in zip(a, b):
     assert x.keys() == set(pipeline.KEYS)
     for k in x:
@@ -94,8 +99,7 @@ def test_process_shards_are_disjoint_over_an_epoch(tmp_path):
   prefix = _store(tmp_path / "s", [321])
   seen = []
   for p in range(2):
-    loader = pipeline.TrainLoader(prefix, 8, 4, seed=0, process_index=p,
-                                  process_count=2)
+    loader = _loader(prefix, 8, 4, 0, p, 2)
     batches = _take(loader, 10)  # 10 batches × 2 rows × 2 processes = 40.
     assert batches[0]["inputs"].shape == (2, 8)
     seen.append(sum((_window_ids(b, 8) for b in batches), []))
@@ -105,33 +109,39 @@ def test_process_shards_are_disjoint_over_an_epoch(tmp_path):
 
 def test_get_state_set_state_resumes_the_next_batch(tmp_path):
   prefix = _store(tmp_path / "s", [321])
-  make = lambda **kw: pipeline.TrainLoader(
-      prefix, 8, 4, seed=kw.get("seed", 1), process_index=0,
-      process_count=kw.get("count", 1))
+  make = lambda **kw: _loader(prefix, 8, 4, kw.get("seed", 1), 0,
+                               kw.get("count", 1))
   loader = make()
   _take(loader, 13)  # Past the first epoch boundary.
   state = loader.get_state()
-  assert state["next_index"] == 13
+  assert state["step"] == 13 and state["sequence"] == 52
   expected = _take(loader, 3)
   resumed = make()
   resumed.set_state(state)
   for x, y in zip(expected, _take(resumed, 3)):
     for k in x:
       np.testing.assert_array_equal(x[k], y[k])
-  with pytest.raises(UserError, match="seed 1 -> 2"):
+  with pytest.raises(UserError, match="seed 1, this run's config.seed=2"):
     make(seed=2).set_state(state)
+  halves = [make(count=2) for _ in range(2)]  # another process count
+  halves[1]._rows = contiguous_rows(1, 2)
+  for h in halves:
+    h.set_state(state)
+  for x in expected:
+    merged = np.concatenate([next(h)["inputs"] for h in halves])
+    np.testing.assert_array_equal(merged, x["inputs"])
 
 
 def test_loader_errors(tmp_path):
   prefix = _store(tmp_path / "s", [33])  # 4 windows of 8.
   with pytest.raises(UserError, match="not a positive multiple"):
-    pipeline.make_train_dataset(prefix, 8, 3, 0, 0, 2)
-  with pytest.raises(UserError, match="fewer than one global batch"):
-    pipeline.make_train_dataset(prefix, 8, 8, 0, 0, 1)
+    next(_loader(prefix, 8, 3, 0, 0, 2))
   with pytest.raises(UserError, match="missing"):
-    pipeline.make_train_dataset(str(tmp_path / "nope"), 8, 4, 0, 0, 1)
-  it = iter(pipeline.make_train_dataset(prefix, 8, 4, 0, 0, 1))
-  assert next(it)["inputs"].shape == (4, 8) and "next_index" in it.get_state()
+    _loader(str(tmp_path / "nope"), 8, 4, 0)
+  with pytest.raises(UserError, match="not one window of seq_len 64"):
+    _loader(prefix, 64, 4, 0)
+  # A batch larger than the store's 4 windows reads the next epoch, as any batch does.
+  assert next(_loader(prefix, 8, 8, 0))["inputs"].shape == (8, 8)
 
 
 def test_eval_batches(tmp_path):
@@ -161,7 +171,7 @@ def test_to_global_builds_sharded_arrays(tmp_path):
   mesh = Mesh(np.array(devices), ("data",))
   sharding = NamedSharding(mesh, P("data"))
   prefix = _store(tmp_path / "s", [321])
-  batch = next(pipeline.TrainLoader(prefix, 8, 8, seed=0))
+  batch = next(_loader(prefix, 8, 8, 0))
   arrays = pipeline.to_global(batch, sharding)
   assert set(arrays) == set(pipeline.KEYS)
   for k, v in arrays.items():

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from maxtrain.data import pipeline
+from maxtrain.data.loader import MixtureLoader, contiguous_rows
+from maxtrain.data.mixture import Mixture, Source, Stage
 from maxtrain.data import store as store_lib
 from maxtrain.data.store import StoreWriter, TokenStore
 from maxtrain.errors import UserError
@@ -159,18 +161,25 @@ def test_first_bad_token_sees_every_window_token():
   assert pipeline.first_bad_token(batch, 5) == (1, 2, 2**32 - 3)
 
 
+def _loader(prefix, seq_len, batch, seed, p=0, count=1, **kw):
+  return MixtureLoader([Source("s", prefix, 1.0)],
+                       [Stage(0, 0, batch, seq_len, (1.0,))], seed,
+                       contiguous_rows(p, count), **kw)
+
+
 def test_window_order_replays_the_loader(tmp_path):
+  # The mixture's window of each global sequence names the rows the loader
+  # (read ahead by Grain) served: what a bad-id error reports.
   prefix = _write(tmp_path / "s", [np.arange(321) % 259])
   for p in range(2):
-    loader = pipeline.TrainLoader(prefix, 8, 4, seed=5, process_index=p,
-                                  process_count=2)
-    order = pipeline._window_order(loader.num_examples, 5, p, 2)
-    for b in range(25):  # Past two epoch boundaries (20 windows per epoch).
+    loader = _loader(prefix, 8, 4, 5, p, 2)
+    m = loader.mixture
+    for b in range(25):  # Past two epoch boundaries (40 windows per epoch).
       batch = next(loader)
       for r in range(2):
-        assert loader._window_of_row(r) == order[b * 2 + r]
+        window = m.window(0, b * 4 + p * 2 + r, 8)
         np.testing.assert_array_equal(
-            batch["inputs"][r], loader.store.tokens[order[b * 2 + r] * 8:][:8])
+            batch["inputs"][r], loader.stores[0].tokens[window * 8:][:8])
 
 
 def test_id_poked_after_indexing_is_caught_per_batch(tmp_path):
@@ -180,13 +189,17 @@ def test_id_poked_after_indexing_is_caught_per_batch(tmp_path):
   # per-batch check can see it. (Poked before the loader starts: Grain reads
   # ahead, so a poke while it runs may land behind what it already read.)
   _poke_token(prefix, 17 * 25 + 6, 40000)
-  loader = pipeline.TrainLoader(prefix, 8, 4, seed=0, process_index=0,
-                                process_count=1, vocab_size=512)
+  # The train loader refuses a store whose tokenizer outgrows the model, so
+  # it reads the same documents from a store of 512 ids; the error comes
+  # from Grain's read-ahead thread, raised when its batch is asked for.
+  small = _write(tmp_path / "small", docs, vocab_size=512)
+  _poke_token(small, 17 * 25 + 6, 40000)
+  loader = _loader(small, 8, 4, 0, vocab_size=512)
   with pytest.raises(UserError) as e:
     for _ in range(31):  # One epoch: 124 windows, 31 batches.
       next(loader)
   msg = str(e.value)
-  assert f"token store {prefix!r}" in msg
+  assert f"token store {small!r}" in msg
   assert "document 17 (token 6 of the document) holds token id 40000" in msg
   assert ">= model.vocab_size=512" in msg and "--verify" in msg
   # Eval batches: the same check, the same document.
@@ -208,9 +221,8 @@ def test_uint32_id_beyond_int32_is_caught(tmp_path):
 
 def test_loader_refuses_a_store_beyond_the_model_vocab(tmp_path):
   prefix = _write(tmp_path / "s", _docs(num_docs=4, length=20))
-  with pytest.raises(UserError, match=r"holds token id 199.*model.vocab_size=128"):
-    pipeline.TrainLoader(prefix, 8, 4, seed=0, process_index=0,
-                         process_count=1, vocab_size=128)
+  with pytest.raises(UserError, match=r"tokenizer of 259 ids.*model.vocab_size=128"):
+    _loader(prefix, 8, 4, 0, vocab_size=128)
   with pytest.raises(UserError, match=r"holds token id 199.*model.vocab_size=128"):
     pipeline.eval_batches(prefix, 8, 4, 1, 0, 1, vocab_size=128)
 
@@ -362,8 +374,9 @@ def test_trainer_exits_2_on_an_id_poked_after_indexing(store, tmp_path, capsys,
   seq_len = 32  # TINY_MODEL's.
   # A window the run reads first: eval reads windows 0, 1, ...; training
   # starts with the first window of the seed's order.
-  window = 5 if split == "val" else pipeline._window_order(
-      (target.num_tokens - 1) // seq_len, 0, 0, 1)[0]
+  window = 5 if split == "val" else Mixture(
+      ["poked"], [target.num_tokens], [Stage(0, 0, 16, seq_len, (1.0,))],
+      0).window(0, 0, seq_len)
   position = window * seq_len + 7
   doc = target.doc_at(position)
   _poke_token(target.prefix, position, 1000)

@@ -83,10 +83,12 @@ def base_config() -> ml_collections.ConfigDict:
   d.seq_len = 256  # Tokens per training sequence (documents are packed).
   d.batch_size = 16  # Global batch, in sequences, across all processes.
   d.sources = ""  # Mixture: comma-separated PREFIX[:WEIGHT] stores (weight 1 if left out; name = PREFIX's base name); replaces data.path.
-  d.stages = ""  # From given steps on: ';'-separated STEP:key=value,... (source weights, seq_len); see docs/data.md.
+  d.stages = ""  # From given steps on: ';'-separated STEP:key=value,... (source weights, seq_len, batch_size: a batch ramp); see docs/data.md.
   d.max_epochs = 0.0  # Warn (event data_repeat) when a source is read past this many epochs; 0 = never.
   d.stop_at_max_epochs = False  # Stop (exit 3) instead of warning when a source passes data.max_epochs.
   d.resume_new_batch_size = False  # Let a checkpoint resume with another data.batch_size: the same windows, batched anew.
+  d.read_ahead = 4  # Train batches Grain prepares ahead of the step (host work overlaps the device); 0 = build each on demand.
+  d.read_threads = 2  # Grain threads preparing those batches.
 
   c.optimizer = o = ml_collections.ConfigDict()
   o.name = "adamw"  # adamw | muon (Muon for hidden weight matrices, AdamW for embeddings, head, norms, biases).

@@ -13,6 +13,7 @@ document's name (its path relative to the input directory, plus the line
 number for .jsonl), so it is stable across runs, worker counts and machines.
 
 Usage: python tools/index_data.py --input DIR --output data/mycorpus
+       (several stores: --input web/ --output stores/web --input code/ --output stores/code)
 """
 
 from __future__ import annotations
@@ -432,9 +433,11 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser = _Parser(
       description="Tokenize text files into maxtrain train/val token stores, "
       "or verify a store.")
-  parser.add_argument("--input", nargs="+", metavar="PATH",
-                      help="files, directories (recursive) or globs")
-  parser.add_argument("--output", metavar="PREFIX",
+  parser.add_argument("--input", nargs="+", metavar="PATH", action="append",
+                      help="files, directories (recursive) or globs; repeat "
+                      "--input and --output to build several stores, the k-th "
+                      "--input into the k-th --output")
+  parser.add_argument("--output", metavar="PREFIX", action="append",
                       help="writes PREFIX.train.* and PREFIX.val.*")
   parser.add_argument("--verify", metavar="PREFIX",
                       help="check a finished store fully (PREFIX.{bin,idx,json}"
@@ -456,18 +459,35 @@ def main(argv: Sequence[str] | None = None) -> None:
   args = parser.parse_args(argv)
   if args.verify is None and (args.input is None or args.output is None):
     parser.error("pass --input and --output to index, or --verify PREFIX")
+  if args.verify is None:
+    jobs = _jobs(args.input, args.output)
+    if jobs is None:
+      parser.error(f"{len(args.output)} --output prefixes need as many "
+                   f"--input groups, one per store; got {len(args.input)}")
   try:
     if args.verify is not None:
       print(verify_store(args.verify))
       return
-    summary = index_files(args.input, args.output, args.tokenizer,
-                          args.val_fraction, args.workers, args.text_key,
-                          args.seed, progress=sys.stderr.isatty(),
-                          errors=args.errors)
+    for inputs, output in jobs:  # one store per (inputs, output): a mixture's sources
+      summary = index_files(inputs, output, args.tokenizer,
+                            args.val_fraction, args.workers, args.text_key,
+                            args.seed, progress=sys.stderr.isatty(),
+                            errors=args.errors)
+      print(printable(format_summary(summary)), flush=True)
   except UserError as e:
     print(printable(f"error: {e}"), file=sys.stderr)
     sys.exit(2)
-  print(printable(format_summary(summary)))
+
+
+def _jobs(inputs: list[list[str]], outputs: list[str]
+          ) -> list[tuple[list[str], str]] | None:
+  """(inputs, output) per store: one --output takes every --input; several
+  pair up with the --input groups in order (None when the counts differ)."""
+  if len(outputs) == 1:
+    return [([path for group in inputs for path in group], outputs[0])]
+  if len(inputs) != len(outputs):
+    return None
+  return list(zip(inputs, outputs))
 
 
 def printable(text: str) -> str:

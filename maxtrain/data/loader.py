@@ -4,14 +4,20 @@ process count, device count or mesh.
 
 Global row r of step s's batch is global sequence `sequence_of_step(s) + r`, whatever the layout;
 a process reads only the rows its devices hold (`process_rows`).
+
+Batches are served by Grain: a `MapDataset` over the current stage's steps, whose item k is this
+process's rows of step `first + k` (a pure function of the step), read ahead by Grain's prefetch
+threads while the device runs the step. The state is the loader's step, never Grain's iterator
+position; the Grain iterator is rebuilt at each stage boundary (the shapes may change) and on set_state.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+import grain
 import jax
 import numpy as np
 
@@ -22,6 +28,7 @@ from maxtrain.errors import UserError
 
 log = logging.getLogger("maxtrain")
 STATE_VERSION = 2
+_ENDLESS = 2**62  # the last stage's length in steps: Grain's MapDataset needs one
 
 
 def contiguous_rows(process_index: int, process_count: int) -> Callable[[int], np.ndarray]:
@@ -47,12 +54,13 @@ class MixtureLoader:
   """Iterator over this process's rows of each step's global batch, with resumable state.
 
   `sources` name the train stores; `stages` is the config's table (`mixture.parse_stages`).
-  `vocab_size` (the model's) is checked against every store and every batch, as `TrainLoader` does.
+  `vocab_size` (the model's) is checked against every store and every batch. `read_ahead` batches are
+  prepared by `read_threads` Grain threads ahead of the one asked for (0: each batch is built on call).
   """
 
   def __init__(self, sources: Sequence[Source], stages: Sequence[Stage], seed: int,
                rows: Callable[[int], np.ndarray], *, vocab_size: int | None = None,
-               allow_new_batch_size: bool = False):
+               allow_new_batch_size: bool = False, read_ahead: int = 4, read_threads: int = 2):
     self.sources, self.config_stages, self.seed = list(sources), list(stages), seed
     self.names = [s.name for s in self.sources]
     self.stores = [TokenStore.open(s.prefix) for s in self.sources]
@@ -60,41 +68,70 @@ class MixtureLoader:
     self.model_vocab_size, self.allow_new_batch_size, self._rows = vocab_size, allow_new_batch_size, rows
     self.mixture = Mixture(self.names, [s.num_tokens for s in self.stores], self.config_stages, seed)
     self.step = 0  # the step whose batch comes next
+    self.read_ahead, self.read_threads = read_ahead, read_threads
+    self._ahead: Iterator[dict[str, np.ndarray]] | None = None  # Grain's iterator over the stage's steps
+    self._ahead_step = self._ahead_stop = -1  # the step whose batch `_ahead` yields next; its stage's end
 
   def __iter__(self) -> MixtureLoader:
     return self
 
   def batch_of_step(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of global batch `step` (a pure function of the step and the table)."""
-    first = self.mixture.sequence_of_step(step)
     stage = self.mixture.stages[self.mixture.stage_of_step(step)]
-    where = [self.mixture.locate(first + int(r)) for r in self._rows(stage.batch_size)]
+    return self._read(self.mixture, step, self._rows(stage.batch_size))
+
+  def _read(self, mixture: Mixture, step: int, held: np.ndarray) -> dict[str, np.ndarray]:
+    """The rows `held` of global batch `step` under `mixture` (thread-safe: Grain's threads call it)."""
+    first = mixture.sequence_of_step(step)
+    where = [mixture.locate(first + int(r)) for r in held]
     rows = []
     for j, q, seq_len in where:
       store = self.stores[j]
-      rows.append(pipeline.pack_window(store.tokens, store.offsets, self.mixture.window(j, q, seq_len) * seq_len,
-                                       seq_len))
+      rows.append(pipeline.pack_window(store.tokens, store.offsets, mixture.window(j, q, seq_len) * seq_len, seq_len))
     batch = {k: np.stack([row[k] for row in rows]) for k in pipeline.KEYS}
     bad = pipeline.first_bad_token(batch, min(pipeline.id_limit(s, self.model_vocab_size) for s in self.stores))
     if bad is not None:  # name the store and document of the first bad row
       j, q, seq_len = where[bad[0]]
       row = {k: v[bad[0]:bad[0] + 1] for k, v in batch.items()}
       pipeline.check_batch_ids(row, self.stores[j], seq_len, self.model_vocab_size,
-                               lambda _: self.mixture.window(j, q, seq_len))
+                               lambda _: mixture.window(j, q, seq_len))
     return batch
 
   def __next__(self) -> dict[str, np.ndarray]:
-    batch = self.batch_of_step(self.step)
+    if self.read_ahead <= 0:
+      batch = self.batch_of_step(self.step)
+    else:
+      if self._ahead is None or self._ahead_step != self.step or self.step == self._ahead_stop:
+        self._start_reading()  # first use, a moved position, or the next stage
+      batch = next(self._ahead)
+      self._ahead_step += 1
     self.step += 1
     return batch
+
+  def _start_reading(self) -> None:
+    """A Grain iterator over this stage's steps from `self.step`, reading ahead in threads. The rows and the
+    mixture are fixed here, on the calling thread (process_rows asks jax), so workers only read stores."""
+    self.close()
+    mixture, t = self.mixture, self.mixture.stage_of_step(self.step)
+    stop = mixture.stages[t + 1].step if t + 1 < len(mixture.stages) else self.step + _ENDLESS
+    source = _StepBatches(self, mixture, self.step, stop - self.step, self._rows(mixture.stages[t].batch_size))
+    options = grain.ReadOptions(num_threads=self.read_threads, prefetch_buffer_size=self.read_ahead)
+    self._ahead = iter(grain.MapDataset.source(source).to_iter_dataset(options))
+    self._ahead_step, self._ahead_stop = self.step, stop
+
+  def close(self) -> None:
+    """Stops the read-ahead threads (the next batch restarts them)."""
+    if self._ahead is not None and hasattr(self._ahead, "close"):
+      self._ahead.close()
+    self._ahead, self._ahead_step, self._ahead_stop = None, -1, -1
 
   def sequence(self) -> int:
     """Global sequences consumed so far."""
     return self.mixture.sequence_of_step(self.step)
 
-  def consumed(self) -> dict[str, dict[str, float]]:
-    """Per source: sequences, tokens and epochs consumed so far."""
-    return self.mixture.consumed(self.sequence())
+  def consumed(self, step: int | None = None) -> dict[str, dict[str, float]]:
+    """Per source: sequences, tokens and epochs consumed by the batches before `step` (default: so far)."""
+    return self.mixture.consumed(self.sequence() if step is None else self.mixture.sequence_of_step(step))
 
   def get_state(self) -> dict[str, Any]:
     """JSON-able, the same on every process: the step, the global sequence, the resolved stage table and
@@ -127,6 +164,7 @@ class MixtureLoader:
                         f"store held {saved[name]['num_tokens']}: its windows changed, so the run cannot continue "
                         "exactly. Restore the original store or start a fresh run")
     stages = self._merged(int(state["step"]), [Stage.from_json(s) for s in state["stages"]])
+    self.close()  # batches read ahead belong to the old position and table
     self.mixture = Mixture(self.names, [s.num_tokens for s in self.stores], stages, self.seed)
     self.step = int(state["step"])
     if self.sequence() != int(state["sequence"]):
@@ -152,6 +190,19 @@ class MixtureLoader:
         last = past[-1]
         past.append(dataclasses.replace(s, seq=last.seq + (s.step - last.step) * last.batch_size))
     return [s for i, s in enumerate(past) if i + 1 == len(past) or past[i + 1].step > s.step]
+
+
+class _StepBatches:
+  """Grain's random-access source over one stage's steps: item k is this process's rows of step first + k."""
+
+  def __init__(self, loader: MixtureLoader, mixture: Mixture, first: int, length: int, held: np.ndarray):
+    self.loader, self.mixture, self.first, self.length, self.held = loader, mixture, first, length, held
+
+  def __len__(self) -> int:
+    return self.length
+
+  def __getitem__(self, k: int) -> dict[str, np.ndarray]:
+    return self.loader._read(self.mixture, self.first + int(k), self.held)
 
 
 def _upgrade(state: dict[str, Any], names: list[str]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Grain input pipeline: packed, document-aware windows over a token store.
+"""Packed, document-aware windows over a token store; fixed eval batches; global arrays. The train
+batches are MixtureLoader's (`data/loader.py`), served by Grain.
 
 The store is one concatenated token stream (documents end with EOS). Example
 `i` is the window `tokens[i*L : i*L + L + 1]`, so any example is found in
@@ -18,11 +19,9 @@ the device.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Any, Callable
 
-import grain
 import jax
 import numpy as np
 
@@ -180,134 +179,6 @@ def _check_processes(global_batch_size: int, process_index: int,
   return global_batch_size // process_count
 
 
-def _shuffle_seed(seed: int) -> int:
-  # Grain shuffles epoch e with seed + e; hashing the user seed keeps runs
-  # with seeds s and s + 1 from sharing epoch orders.
-  if not 0 <= seed < 2**63:
-    raise UserError(f"data seed {seed} must be a non-negative integer")
-  digest = hashlib.blake2b(str(seed).encode(), digest_size=4).digest()
-  return int.from_bytes(digest, "little")
-
-
-def make_train_dataset(prefix: str, seq_len: int, global_batch_size: int,
-                       seed: int, process_index: int, process_count: int, *,
-                       num_threads: int = 2,
-                       prefetch: int = 4) -> grain.IterDataset:
-  """Endless, shuffled, per-process-sharded batches of packed windows.
-
-  Every epoch is a fresh deterministic permutation of all windows; process p
-  takes positions p, p + P, ... of the global order, so processes are
-  disjoint. `iter()` of the result supports `get_state()` / `set_state()`.
-  """
-  return _train_dataset(PackedSource(prefix, seq_len), global_batch_size,
-                        seed, process_index, process_count,
-                        num_threads=num_threads, prefetch=prefetch)
-
-
-def _window_order(num_windows: int, seed: int, process_index: int,
-                  process_count: int) -> grain.MapDataset:
-  """Item i is the window index of this process's i-th example."""
-  ds = grain.MapDataset.range(num_windows).shuffle(seed=_shuffle_seed(seed))
-  return ds.repeat()[process_index::process_count]
-
-
-def _train_dataset(source: PackedSource, global_batch_size: int, seed: int,
-                   process_index: int, process_count: int, *,
-                   num_threads: int = 2, prefetch: int = 4) -> grain.IterDataset:
-  prefix, seq_len = source.prefix, source.seq_len
-  local_batch = _check_processes(global_batch_size, process_index,
-                                 process_count)
-  if len(source) < global_batch_size:
-    raise UserError(
-        f"token store {prefix!r} has {source.store.num_tokens} tokens, i.e. "
-        f"{len(source)} windows of seq_len {seq_len}, fewer than one global "
-        f"batch of {global_batch_size}; use more data or a smaller batch or "
-        "seq_len")
-  # Keep in step with `_window_order`, which replays this order by index.
-  ds = grain.MapDataset.source(source).shuffle(seed=_shuffle_seed(seed))
-  ds = ds.repeat()  # Index e * n + i is item i of epoch e, reshuffled.
-  ds = ds[process_index::process_count]
-  ds = ds.batch(local_batch, drop_remainder=True)
-  options = grain.ReadOptions(num_threads=num_threads,
-                              prefetch_buffer_size=prefetch)
-  return ds.to_iter_dataset(options)
-
-
-class TrainLoader:
-  """Iterator over this process's training batches, with resumable state.
-
-  `vocab_size` is the model's: the store is refused (UserError) if its
-  maximum id is not below it, and so is any batch holding an id >= it (or >=
-  the store's own vocab_size, which is all that is checked when None).
-  """
-
-  def __init__(self, prefix: str, seq_len: int, global_batch_size: int,
-               seed: int, process_index: int | None = None,
-               process_count: int | None = None, *,
-               vocab_size: int | None = None):
-    self.process_index = (jax.process_index() if process_index is None
-                          else process_index)
-    self.process_count = (jax.process_count() if process_count is None
-                          else process_count)
-    self.prefix, self.seq_len, self.seed = prefix, seq_len, seed
-    self.global_batch_size = global_batch_size
-    self.local_batch = _check_processes(global_batch_size, self.process_index,
-                                        self.process_count)
-    source = PackedSource(prefix, seq_len)
-    self.store = source.store
-    if vocab_size is not None:
-      self.store.check_vocab(vocab_size)
-    self.model_vocab_size = vocab_size
-    self.dataset = _train_dataset(source, global_batch_size, seed,
-                                  self.process_index, self.process_count)
-    self.num_examples = len(source)
-    self.vocab_size = self.store.vocab_size
-    self.tokenizer_identity = self.store.tokenizer_identity
-    self._iter = iter(self.dataset)
-    self._order: grain.MapDataset | None = None  # Built if a check fails.
-
-  def __iter__(self) -> TrainLoader:
-    return self
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    batch = next(self._iter)
-    check_batch_ids(batch, self.store, self.seq_len, self.model_vocab_size,
-                    self._window_of_row)
-    return batch
-
-  def _window_of_row(self, row: int) -> int:
-    """The window index of `row` of the batch just returned by the iterator."""
-    if self._order is None:
-      self._order = _window_order(self.num_examples, self.seed,
-                                  self.process_index, self.process_count)
-    batch_index = int(self._iter.get_state()["next_index"]) - 1
-    return self._order[batch_index * self.local_batch + row]
-
-  def _identity(self) -> dict[str, int]:
-    return {"seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
-            "seed": self.seed, "process_count": self.process_count,
-            "num_examples": self.num_examples}
-
-  def get_state(self) -> dict[str, int]:
-    """JSON-able state; the same on every process after the same steps."""
-    return {"next_index": int(self._iter.get_state()["next_index"]),
-            **self._identity()}
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    """Resumes so that the next batch is the one after the saved state's."""
-    expected = self._identity()
-    changed = {k: (state.get(k), v) for k, v in expected.items()
-               if k in state and int(state[k]) != v}
-    if changed:
-      details = ", ".join(f"{k} {old} -> {new}"
-                          for k, (old, new) in changed.items())
-      raise UserError(
-          f"data loader state from the checkpoint does not match this run "
-          f"({details}); the batch order cannot be resumed exactly. Restore "
-          "the original data settings or start a fresh run")
-    self._iter.set_state({"next_index": int(state["next_index"])})
-
-
 def eval_batches(prefix: str, seq_len: int, global_batch_size: int,
                  num_batches: int, process_index: int | None = None,
                  process_count: int | None = None, *,
@@ -315,7 +186,7 @@ def eval_batches(prefix: str, seq_len: int, global_batch_size: int,
   """Fixed evaluation batches: windows 0, 1, 2, ... (cycled if too few).
 
   Process p gets rows [p * B/P, (p + 1) * B/P) of every global batch.
-  `vocab_size` is checked as in `TrainLoader`.
+  `vocab_size` is checked as in the train loader (`data/loader.py`).
   """
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count

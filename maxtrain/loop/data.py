@@ -95,7 +95,8 @@ class Data:
     # after it was indexed, and an id out of range would give NaN losses, not an error.
     train_sources = [dataclasses.replace(s, prefix=train.prefix) for s, (train, _) in zip(sources, pairs)]
     self.loader = MixtureLoader(train_sources, stages, cfg.seed, process_rows(batch_shardings[pipeline.KEYS[0]]),
-                                vocab_size=vocab, allow_new_batch_size=d.resume_new_batch_size)
+                                vocab_size=vocab, allow_new_batch_size=d.resume_new_batch_size,
+                                read_ahead=d.read_ahead, read_threads=d.read_threads)
     self.eval_sets = {name: [batch_lib.to_device(rows, batch_shardings) for rows in pipeline.eval_batches(
         val.prefix, d.seq_len, d.batch_size, cfg.eval.batches, jax.process_index(), jax.process_count(),
         vocab_size=vocab)] for name, (_, val) in self.stores.items()}
@@ -113,10 +114,14 @@ class Data:
     wait_s = time.monotonic() - t0
     return faults.attach(batch, fault, self.shardings[faults.INPUT]), wait_s
 
-  def scalars(self) -> dict[str, float]:
-    """Per source, what the batches served so far consumed: data/<name>/{tokens,sequences,epochs}."""
-    return {f"data/{name}/{kind}": float(value) for name, counts in self.loader.consumed().items()
-            for kind, value in counts.items()}
+  def scalars(self, state: dict | None = None) -> dict[str, float]:
+    """What the batches up to `state` (a `get_state()`; default: all served, including one read for the
+    next step) consumed: per source data/<name>/{tokens,sequences,epochs}, and data/tokens in all (tokens
+    seen: right through batch ramps and seq_len stages, which change the tokens per step)."""
+    consumed = self.loader.consumed(None if state is None else int(state["step"]))
+    out = {f"data/{name}/{kind}": float(value) for name, counts in consumed.items() for kind, value in counts.items()}
+    out["data/tokens"] = float(sum(counts["tokens"] for counts in consumed.values()))
+    return out
 
   def newly_past_max_epochs(self) -> dict[str, float]:
     """Sources read past data.max_epochs since the last call (each named once), with their epochs."""

@@ -41,7 +41,7 @@ from maxtrain.runtime.faults import Faults
 from maxtrain.runtime.kv import KeyValue
 from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
-from maxtrain.program.plan import total_steps
+from maxtrain.program.plan import stage_config, stage_shapes, total_steps
 
 log = logging.getLogger("maxtrain")
 
@@ -53,7 +53,13 @@ class Trainer:
     distributed.initialize_distributed(cfg.runtime)
     self.kv = KeyValue.current()  # None with one process
     self.program = program_lib.program_for(cfg, jax.devices())
-    estimate.check_fits(cfg, jax.device_count(), jax.local_devices())  # arithmetic, before any allocation
+    # A batch ramp's stages each get their step's program, built (outside any mesh context) and checked now.
+    self.stage_programs = {cfg.data.batch_size: self.program}
+    for batch_size, seq_len in stage_shapes(cfg):  # arithmetic, before any allocation; every stage's batch
+      estimate.check_fits(stage_config(cfg, batch_size, seq_len), jax.device_count(), jax.local_devices())
+      if batch_size not in self.stage_programs:
+        self.stage_programs[batch_size] = program_lib.program_for(stage_config(cfg, batch_size, seq_len), jax.devices())
+    self._steps: dict[tuple[int, ...], object] = {}  # the compiled step of each batch shape seen
     if cfg.optimizer.warmup_steps > total_steps(cfg):  # legal (short smoke runs), but never silent
       log.warning("optimizer.warmup_steps=%d > the schedule's %d steps (optimizer.decay_steps or steps): the learning "
                   "rate never reaches optimizer.lr", cfg.optimizer.warmup_steps, total_steps(cfg))
@@ -97,6 +103,7 @@ class Trainer:
     if jax.process_index() == 0:
       config_lib.save(cfg, self.out_dir / "config.json")
     self.data = Data(cfg, program.batch_shardings)
+    stack.callback(self.data.loader.close)  # the read-ahead threads
     self.checkpoints.tokenizer_identity = self.data.train_store.tokenizer_identity
     if self.resume_path is not None:  # before compiling: the checkpoint's tokenizer is this run's
       check_checkpoint_tokenizer(self.data.train_store, cfg.data, self.checkpoints.store.read_meta(self.resume_path),
@@ -141,11 +148,8 @@ class Trainer:
     with jax.set_mesh(self.program.mesh):
       data_state = self.data.get_state()  # the loader position matching `state`
       batch = self._next_batch(step + 1)
-      compiled, shape = self._compile(state, batch), batch["inputs"].shape
       while step < cfg.steps:
-        if batch["inputs"].shape != shape:  # a data stage changed seq_len: the step's shapes change with it
-          compiled, shape = self._compile(state, batch), batch["inputs"].shape
-          self.metrics.tokens_per_step = math.prod(shape)
+        compiled = self._step_for(state, batch)  # a data stage may change the batch size or seq_len
         if self.metrics.summary is not None:  # not the attempt's first step: its dispatch waits for compilation
           self.stragglers.dispatching(step + 1)
         self.profiler.maybe_start(step + 1)
@@ -168,7 +172,7 @@ class Trainer:
           self.metrics.first_step(step, metrics, self.t_start)
         if step % cfg.log_every == 0 or step == cfg.steps:
           self.routing.check(step, self.metrics.train(step, metrics, fleet=self.stragglers.exchange(step)))
-          self.metrics.scalars(step, self.data.scalars())
+          self.metrics.scalars(step, self.data.scalars(data_state))
         if step == cfg.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
           eval_loss = self._evaluate(state, step)
         # After the step and its events: a hang's idle window (goodput's `hang`) starts after them.
@@ -202,10 +206,24 @@ class Trainer:
     self.metrics.data_wait(wait_s)
     return batch
 
-  def _compile(self, state: state_lib.TrainState, batch: dict):
+  def _step_for(self, state: state_lib.TrainState, batch: dict):
+    """The compiled step for `batch`'s shape, compiled once per shape. A stage's batch size (a batch ramp)
+    can change the microbatch count, so its step is built from the stage's config (`stage_config`); the
+    state, its shardings and the LR schedule (in steps) are the same."""
+    shape = batch["inputs"].shape
+    if shape not in self._steps:
+      program = self.stage_programs[shape[0]]
+      if program is not self.program:
+        log.info("data stage: global batch %d x %d; the step accumulates %d microbatches", *shape,
+                 program.plan.batch.num_microbatches)
+      self._steps[shape] = self._compile(program, state, batch)
+    self.metrics.tokens_per_step = math.prod(shape)
+    return self._steps[shape]
+
+  def _compile(self, program: program_lib.Program, state: state_lib.TrainState, batch: dict):
     self.events.emit(ev.COMPILE_START, int(state.step))
     t0 = time.monotonic()
-    compiled = self.program.train_step.lower(state, batch).compile()
+    compiled = program.train_step.lower(state, batch).compile()
     self.events.emit(ev.COMPILE_END, int(state.step), seconds=time.monotonic() - t0)
     log.info("compiled train step in %.1fs", time.monotonic() - t0)
     return compiled

@@ -7,6 +7,7 @@ Errors are UserErrors (exit 2) that name the key, the values, the arithmetic and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import types
@@ -19,7 +20,7 @@ from maxtrain.data import mixture
 from maxtrain.program import guards
 from maxtrain.optim import optimizer as optim
 from maxtrain.program.batch import BatchLayout
-from maxtrain.errors import choice, require
+from maxtrain.errors import UserError, choice, require
 from maxtrain.models import llama
 from maxtrain.monitor import prometheus
 from maxtrain.sharding import mesh as mesh_lib
@@ -63,6 +64,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           "config.data.corpus and config.data.path are both empty: set data.path to a token store "
           "prefix (tools/index_data.py) or data.corpus to 'python-stdlib'")
   require(d.max_epochs >= 0, f"config.data.max_epochs={d.max_epochs}: must be >= 0 (0 = no limit)")
+  require(d.read_ahead >= 0 and d.read_threads >= 1, f"config.data.read_ahead={d.read_ahead}, data.read_threads="
+          f"{d.read_threads}: need read_ahead >= 0 (0 = no read-ahead) and read_threads >= 1")
   require(0 < d.seq_len <= cfg.model.max_seq_len,
           f"config.data.seq_len={d.seq_len} must be in 1..model.max_seq_len={cfg.model.max_seq_len}")
   require(cfg.optimizer.decay_steps >= 0,
@@ -102,18 +105,32 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
 
 
 def _validate_stages(cfg: ml_collections.ConfigDict, layout: Layout, mesh_text: str, num_processes: int) -> None:
-  """data.sources and data.stages parse (names, weights, increasing steps), and every stage's batch fits."""
+  """data.sources and data.stages parse (names, weights, increasing steps), and every stage's batch (a batch
+  ramp changes it) divides over the processes, batch shards and microbatches, before anything compiles."""
   _, stages = mixture.from_config(cfg.data)
   for stage in stages[1:]:
     where = f"config.data.stages at step {stage.step}"
-    require(stage.batch_size == cfg.data.batch_size,
-            f"{where}: batch_size={stage.batch_size}: a batch size that changes during a run (a batch ramp) is not "
-            "implemented yet. Resume from a checkpoint with the new data.batch_size and "
-            "data.resume_new_batch_size=true instead")
     require(0 < stage.seq_len <= cfg.model.max_seq_len,
             f"{where}: seq_len={stage.seq_len} must be in 1..model.max_seq_len={cfg.model.max_seq_len}")
     shape = types.SimpleNamespace(batch_size=stage.batch_size, seq_len=stage.seq_len)
-    BatchLayout.plan(shape, cfg.optimizer, layout, mesh_text, num_processes)
+    try:
+      BatchLayout.plan(shape, cfg.optimizer, layout, mesh_text, num_processes)
+    except UserError as e:  # name the stage: the message's data.batch_size is the stage's
+      raise UserError(f"{where} (batch_size={stage.batch_size}, seq_len={stage.seq_len}): {e}") from None
+
+
+def stage_shapes(cfg: ml_collections.ConfigDict) -> list[tuple[int, int]]:
+  """The distinct (batch_size, seq_len) of the config's data stages, the first stage's first."""
+  shapes = [(s.batch_size, s.seq_len) for s in mixture.from_config(cfg.data)[1]]
+  return list(dict.fromkeys(shapes))
+
+
+def stage_config(cfg: ml_collections.ConfigDict, batch_size: int, seq_len: int) -> ml_collections.ConfigDict:
+  """`cfg` with the data shape of a stage (a batch ramp or a seq_len stage): what its step is built from.
+  The LR schedule is in steps, so nothing else changes."""
+  stage = copy.deepcopy(cfg)
+  stage.data.batch_size, stage.data.seq_len = batch_size, seq_len
+  return stage
 
 
 def _validate_expert_parallel(moe: Any, layout: Layout, mesh_layout: mesh_lib.MeshLayout) -> None:
