@@ -143,6 +143,8 @@ def main() -> None:
   parser.add_argument("--file-gb", type=float, default=1.0)
   parser.add_argument("--ckpt-mb", type=int, default=300)
   parser.add_argument("--dir", default=None, help="where to write the test files (default: a temp dir)")
+  parser.add_argument("--step", default=None, help="a real checkpoint step directory: time verify with each "
+                      "manifest version on a copy of it (e.g. the default run's runs/default/checkpoints/200)")
   args = parser.parse_args()
   import importlib.metadata as md
 
@@ -150,6 +152,14 @@ def main() -> None:
               if _installed(p)}
   print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}, {versions}; available: {manifest.available_algorithms()}")
+  if args.step:
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+      step = Path(shutil.copytree(args.step, Path(d) / "step"))
+      files = [f for f in step.rglob("*") if f.is_file()]
+      size = sum(f.stat().st_size for f in files)
+      print(f"checkpoint {args.step}: {size / 1e6:.1f} MB in {len(files)} files")
+      bench_algorithms(step, size)
+    return
   with tempfile.TemporaryDirectory(dir=args.dir) as d:
     bench_checksums(Path(d), args.file_gb)
     bench_checkpoint(Path(d), args.ckpt_mb)
