@@ -207,9 +207,9 @@ def _largest_layer_gathered(table: list[Param], m: ModelConfig, layout: Layout) 
   return largest
 
 
-def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> Estimate:
-  """Per-device memory and FLOPs of `cfg`'s train step on `num_devices` devices."""
-  plan = validate(cfg, num_devices, require_data=False)
+def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1) -> Estimate:
+  """Per-device memory and FLOPs of `cfg`'s train step on `num_devices` devices (over `num_processes`)."""
+  plan = validate(cfg, num_devices, num_processes, require_data=False)
   layout = plan.layout
   model_cfg = ModelConfig.from_config(cfg.model)
   o, m = cfg.optimizer, model_cfg
@@ -303,7 +303,7 @@ def available_memory(devices: Any) -> tuple[int, str] | None:
   return host // max(len(devices), 1), f"available host RAM / {max(len(devices), 1)} local CPU device(s)"
 
 
-def check_fits(cfg: ml_collections.ConfigDict, num_devices: int, devices: Any) -> None:
+def check_fits(cfg: ml_collections.ConfigDict, num_devices: int, devices: Any, num_processes: int = 1) -> None:
   """UserError (exit 2) with the estimate when the step's estimated peak per device exceeds what a
   device has: by arithmetic, before anything is allocated or compiled (a model far too large would
   otherwise hang in the host allocator or abort inside XLA). `runtime.check_memory=false` skips it."""
@@ -313,7 +313,7 @@ def check_fits(cfg: ml_collections.ConfigDict, num_devices: int, devices: Any) -
   if found is None:
     return
   limit, source = found
-  est = estimate(cfg, num_devices)
+  est = estimate(cfg, num_devices, num_processes)
   if est.peak > limit:
     m = cfg.model
     raise UserError(

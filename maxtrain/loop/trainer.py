@@ -56,7 +56,8 @@ class Trainer:
     # A batch ramp's stages each get their step's program, built (outside any mesh context) and checked now.
     self.stage_programs = {cfg.data.batch_size: self.program}
     for batch_size, seq_len in stage_shapes(cfg):  # arithmetic, before any allocation; every stage's batch
-      estimate.check_fits(stage_config(cfg, batch_size, seq_len), jax.device_count(), jax.local_devices())
+      estimate.check_fits(stage_config(cfg, batch_size, seq_len), jax.device_count(), jax.local_devices(),
+                          jax.process_count())
       if batch_size not in self.stage_programs:
         self.stage_programs[batch_size] = program_lib.program_for(stage_config(cfg, batch_size, seq_len), jax.devices())
     self._steps: dict[tuple[int, ...], object] = {}  # the compiled step of each batch shape seen
