@@ -4,6 +4,10 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Every process a test starts (`python tools/x.py`, `python -m maxtrain.X`) imports this checkout's maxtrain,
+# not whichever checkout the editable install points at (a script's sys.path[0] is its own folder).
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
