@@ -28,6 +28,7 @@ from maxtrain.optim import optimizer as optim
 from maxtrain.models.attention.layer import resolve_kernel
 from maxtrain.models.attention.blocked import default_block_q
 from maxtrain.models.llama import Llama, ModelConfig
+from maxtrain.monitor import memory
 from maxtrain.program.build import loss_chunk_tokens
 from maxtrain.sharding.layout import Layout, named_leaves
 from maxtrain.program.plan import validate
@@ -288,9 +289,9 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
 def available_memory(devices: Any) -> tuple[int, str] | None:
   """(bytes one device may use, where that figure comes from): the allocator's limit of an accelerator
   (`memory_stats`), else the host's available RAM shared by the process's CPU devices; None if unknown."""
-  stats = devices[0].memory_stats() if devices else None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"]), f"{devices[0].device_kind} memory limit (memory_stats)"
+  device = memory.device_memory(devices)  # the accelerator's allocator, as the metrics read it
+  if device["source"] == "device" and device["bytes_limit"]:
+    return int(device["bytes_limit"]), f"{devices[0].device_kind} memory limit (memory_stats)"
   try:
     with open("/proc/meminfo") as f:
       info = dict(line.split(":", 1) for line in f)
