@@ -188,13 +188,68 @@ def test_resume_with_a_new_batch_size_or_seq_len_continues_every_source(store, d
   seen = _walk(m, 0, 40 + 16 * 40)
   for qs in seen.values():
     assert qs == list(range(len(qs)))
-  _, longer = _two_sources(store, docs_store, seq_len=64)
-  resumed = MixtureLoader(sources, longer, 0, contiguous_rows(0, 1))
+
+
+def _targets(m: Mixture, j: int, qs, t: int) -> np.ndarray:
+  """The store positions of the targets that source j's sequences qs (read in stage t) train on."""
+  return np.concatenate([np.arange(a + 1, a + n + 1) for q in qs for a, n in m.pieces(j, q, t)])
+
+
+def _epoch_targets(n_windows: int, seq_len: int) -> np.ndarray:
+  return np.arange(1, n_windows * seq_len + 1)  # window w holds targets w * seq_len + 1 .. (w + 1) * seq_len
+
+
+def test_a_seq_len_stage_resumed_from_a_256_checkpoint_reads_every_token_of_the_epoch_once(store, docs_store):
+  sources, stages = _two_sources(store, docs_store, batch=8, seq_len=256)
+  first = MixtureLoader(sources, stages, 0, contiguous_rows(0, 1), read_ahead=0)
+  for _ in range(6):
+    next(first)
+  state = first.get_state()  # step 6 at seq_len 256, each source in the middle of its first epoch
+  _, longer = _two_sources(store, docs_store, "6:seq_len=512", batch=8, seq_len=256)
+  resumed = MixtureLoader(sources, longer, 0, contiguous_rows(0, 1), read_ahead=0)
   resumed.set_state(state)
   m = resumed.mixture
-  for j, qs in _walk(m, 40, 40 + 400).items():  # at seq_len 64, from the token position reached at 32
-    taken = int(m.done[1][j])
-    assert qs[0] == -(-taken * 32 // 64) and qs == list(range(qs[0], qs[0] + len(qs)))
+  assert [(s.step, s.seq_len) for s in m.stages] == [(0, 256), (6, 512)]
+  for j, name in enumerate(m.names):
+    before = int(m.done[1][j])
+    recut, _ = m._remainder(j, m.cursors[1][j], 512)
+    assert before > 0 and recut > 0, name  # the change lands inside the epoch
+    read = np.concatenate([_targets(m, j, range(before), 0), _targets(m, j, range(before, before + recut), 1)])
+    n = m.num_windows(j, 256)
+    np.testing.assert_array_equal(np.sort(read), _epoch_targets(n, 256), err_msg=name)  # each once: no repeat, no skip
+    after = _targets(m, j, range(before + recut, before + recut + m.num_windows(j, 512)), 1)
+    np.testing.assert_array_equal(np.sort(after), _epoch_targets(m.num_windows(j, 512), 512), err_msg=name)
+  for j, qs in _walk(m, 0, 48 + 8 * 600).items():  # the mixture's order: each source's sequences in turn
+    assert qs == list(range(len(qs)))
+  for step in range(6, 9):  # the batches hold exactly those tokens, each piece a document of its own
+    batch, first_seq = resumed.batch_of_step(step), m.sequence_of_step(step)
+    for r in range(8):
+      j, q, t = m.locate(first_seq + r)
+      pieces, store_ = m.pieces(j, q, t), resumed.stores[j]
+      want = np.concatenate([np.asarray(store_.tokens[a:a + n]) for a, n in pieces])
+      np.testing.assert_array_equal(batch["inputs"][r][:len(want)], want)
+      assert batch["loss_mask"][r][len(want):].sum() == 0
+      starts = np.cumsum([0] + [n for _, n in pieces[:-1]])
+      if len(pieces) > 1:  # no piece attends to another: the segment id changes at each piece's start
+        assert all(batch["segment_ids"][r][a] != batch["segment_ids"][r][a - 1] for a in starts[1:])
+
+
+def test_a_recut_epoch_pads_its_last_sequence():
+  names = ["a"]
+  stages = parse_stages("3:seq_len=24", names, Stage(0, 0, 4, 16, (1.0,)))
+  m = Mixture(names, [16 * 10 + 1], stages, seed=0)  # 10 windows of 16; 12 read before the change
+  c = m.cursors[1][0]
+  assert (c.epoch, c.window_len, c.offset) == (1, 16, 2 * 16)
+  assert m._remainder(0, c, 24) == (6, 128)  # 8 windows of 16 left: five sequences of 24 and one of 8
+  last = m.pieces(0, 12 + 5, 1)
+  assert sum(n for _, n in last) == 8
+  read = _targets(m, 0, range(12, 18), 1)
+  np.testing.assert_array_equal(np.sort(np.concatenate([read, _targets(m, 0, range(10, 12), 0)])),
+                                _epoch_targets(10, 16))
+  c = m.consumed(m.sequence_of_step(3) + 6)["a"]  # the re-cut epoch read to its end
+  assert c["epochs"] == 2.0 and c["tokens"] == 12 * 16 + 128 and c["sequences"] == 18
+  row = pipeline.pack_pieces(np.arange(161, dtype=np.uint16), np.array([0, 161]), last, 24)
+  assert row["loss_mask"].tolist() == [1.0] * 8 + [0.0] * 16 and len(set(row["segment_ids"][8:])) == 1
 
 
 def test_resume_refusals(store, docs_store):
@@ -327,6 +382,19 @@ def test_elastic_resume_on_fewer_devices_matches_the_straight_run(store, docs_st
   np.testing.assert_allclose([b["train/loss"][s] for s in steps], [a["train/loss"][s] for s in steps], rtol=1e-5)
 
 
+def test_a_seq_len_stage_resumes_a_256_run_through_the_entry_point(store, docs_store, tmp_path):
+  mix = TINY + [f"--config.data.sources={store}:3,{docs_store}:1", "--config.data.seq_len=256",
+                f"--config.output_dir={tmp_path / 'run'}"]
+  first = _trainer(mix + ["--config.steps=4"])
+  assert first.returncode == 0, first.stderr[-3000:]
+  longer = _trainer(mix + ["--config.steps=6", "--config.data.stages=4:seq_len=512"])
+  assert longer.returncode == 0, longer.stderr[-3000:]
+  assert "a new stage starts at sequence 32" in longer.stderr
+  state = _data_state(tmp_path / "run", 6)
+  assert [(s["step"], s["seq_len"]) for s in state["stages"]] == [(0, 256), (4, 512)]
+  _each_window_once(state)  # both sources continue where the 256 run stood: no target token read twice
+
+
 def test_bad_mixture_configs_exit_2_naming_the_culprit(store, docs_store, capsys):
   from maxtrain.cli import train
 
@@ -369,8 +437,8 @@ def test_resume_on_two_processes_matches_the_straight_run(store, docs_store, tmp
 
 
 def _each_window_once(state: dict) -> None:
-  """The checkpoint's data state: every source's windows up to its sequence were read once each, in the
-  source's order (consecutive per-source indices within one epoch), and the saved counts are theirs."""
+  """The checkpoint's data state: every source's sequences up to the saved one were its next ones in turn, no
+  target token read twice within the source's first epoch, and the saved counts are theirs."""
   names = list(state["sources"])
   stages = [Stage.from_json(s) for s in state["stages"]]
   m = Mixture(names, [state["sources"][n]["num_tokens"] for n in names], stages, state["seed"])
@@ -378,8 +446,10 @@ def _each_window_once(state: dict) -> None:
   for j, name in enumerate(names):
     qs = seen.get(j, [])
     assert qs == list(range(len(qs))), name
-    windows = [m.window(j, q, m.locate(0)[2]) for q in qs]
-    assert len(set(windows)) == len(windows) and state["sources"][name]["sequences"] == len(qs), name
+    read = np.concatenate([_targets(m, j, [q], m.locate(i)[2]) for i in range(state["sequence"])
+                           for q in [m.locate(i)[1]] if m.locate(i)[0] == j])
+    assert len(np.unique(read)) == len(read) and state["sources"][name]["sequences"] == len(qs), name
+    assert state["sources"][name]["tokens"] == len(read), name
 
 
 def test_batch_ramp_and_resume_with_a_new_batch_size_read_each_window_once(store, docs_store, tmp_path):

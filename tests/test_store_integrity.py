@@ -182,6 +182,23 @@ def test_window_order_replays_the_loader(tmp_path):
             batch["inputs"][r], loader.stores[0].tokens[window * 8:][:8])
 
 
+def test_a_bad_id_at_a_recut_piece_boundary_is_caught_and_located(tmp_path):
+  # After a seq_len change mid-epoch a row joins pieces of several windows; the
+  # last target of a piece that is not the row's last is checked too.
+  prefix = _write(tmp_path / "s", [np.arange(161) % 200])
+  loader = MixtureLoader([Source("s", prefix, 1.0)], [Stage(0, 0, 4, 16, (1.0,)), Stage(3, 12, 4, 32, (1.0,))],
+                         0, contiguous_rows(0, 1), read_ahead=0)
+  m = loader.mixture
+  j, q, t = m.locate(12)
+  pieces = m.pieces(j, q, t)
+  assert len(pieces) == 2
+  position = pieces[0][0] + pieces[0][1]  # the first piece's last target: in no row's inputs
+  _poke_token(prefix, position, 300)
+  doc = TokenStore.open(prefix).doc_at(position)
+  with pytest.raises(UserError, match=f"document {doc} \\(token {position} of"):
+    loader.batch_of_step(3)
+
+
 def test_id_poked_after_indexing_is_caught_per_batch(tmp_path):
   docs = _docs(num_docs=40, length=25, vocab_size=65536)  # 1000 tokens.
   prefix = _write(tmp_path / "s", docs, vocab_size=65536)

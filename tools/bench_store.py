@@ -114,7 +114,7 @@ def main() -> None:
 
       def checks(b=b, n=n, seq=seq) -> None:  # returns nothing: the harness has nothing to wait for
         for _ in range(n):
-          pipeline.check_batch_ids(b, store, seq, 384, None)
+          pipeline.check_batch_ids(b, store, 384, None)
 
       per = timing.repeated(checks, 5, warmup=0).min_wall / n
       print(f"  {batch:4d} x {seq:5d}  {per * 1e6:9.1f} us  "

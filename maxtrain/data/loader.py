@@ -83,18 +83,20 @@ class MixtureLoader:
   def _read(self, mixture: Mixture, step: int, held: np.ndarray) -> dict[str, np.ndarray]:
     """The rows `held` of global batch `step` under `mixture` (thread-safe: Grain's threads call it)."""
     first = mixture.sequence_of_step(step)
-    where = [mixture.locate(first + int(r)) for r in held]
+    seq_len = mixture.stages[mixture.stage_of_step(step)].seq_len
+    where = [(j, mixture.pieces(j, q, t)) for j, q, t in (mixture.locate(first + int(r)) for r in held)]
     rows = []
-    for j, q, seq_len in where:
-      store = self.stores[j]
-      rows.append(pipeline.pack_window(store.tokens, store.offsets, mixture.window(j, q, seq_len) * seq_len, seq_len))
+    for j, pieces in where:
+      if len(pieces) > 1:  # a re-cut epoch's pieces: each piece's last target is checked here
+        pipeline.check_piece_ids(self.stores[j], pieces, self.model_vocab_size)
+      rows.append(pipeline.pack_pieces(self.stores[j].tokens, self.stores[j].offsets, pieces, seq_len))
     batch = {k: np.stack([row[k] for row in rows]) for k in pipeline.KEYS}
     bad = pipeline.first_bad_token(batch, min(pipeline.id_limit(s, self.model_vocab_size) for s in self.stores))
     if bad is not None:  # name the store and document of the first bad row
-      j, q, seq_len = where[bad[0]]
+      j, pieces = where[bad[0]]
       row = {k: v[bad[0]:bad[0] + 1] for k, v in batch.items()}
-      pipeline.check_batch_ids(row, self.stores[j], seq_len, self.model_vocab_size,
-                               lambda _: mixture.window(j, q, seq_len))
+      pipeline.check_batch_ids(row, self.stores[j], self.model_vocab_size,
+                               lambda _, col: pipeline.piece_position(pieces, col))
     return batch
 
   def __next__(self) -> dict[str, np.ndarray]:

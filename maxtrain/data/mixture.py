@@ -9,11 +9,14 @@ sequence index, not a per-process iterator position, and any process count can c
   source j (the weights times the block size, largest-remainder rounded; the block is a multiple of
   the weights' common denominator when that is small, so the shares are then exact), in a seeded
   order that differs per block. Blocks restart at each stage, so new weights hold at once.
-- Source j's k-th sequence in a stage is its per-source index `q = q0 + k` into an endless
-  sequence of epochs, each a seeded permutation of its windows at the stage's seq_len (Grain's
-  index shuffle, the order `data/pipeline.py` used before mixtures: one source gives that order).
-- At a stage boundary each source carries on from its place: the same epoch, at the same fraction
-  of the epoch's tokens (re-cut at the new seq_len when it changes).
+- Each source reads an endless sequence of epochs, each a seeded permutation of its windows at one
+  seq_len (Grain's index shuffle, the order `data/pipeline.py` used before mixtures: one source gives
+  that order). Where a source stands is a `Cursor`: its epoch, that epoch's window length, and how many
+  of the epoch's tokens it has read.
+- At a stage boundary each source carries on from its cursor. When the seq_len changes in the middle
+  of an epoch, the epoch's unread windows (in their order) are re-cut into sequences of the new length,
+  each piece its own document (segment ids; the last sequence padded, loss-masked); the next epoch is
+  a permutation of windows at the new length. So no token is read twice in an epoch, and none skipped.
 """
 
 from __future__ import annotations
@@ -216,6 +219,15 @@ def shuffle_seed(seed: int, name: str | None = None) -> int:
   return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little")
 
 
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+  """Where a source stands: `offset` tokens (targets) into epoch `epoch`, whose permutation is of windows of
+  `window_len` tokens (the seq_len in force when the epoch began)."""
+  epoch: int
+  window_len: int
+  offset: int
+
+
 class Mixture:
   """The pure map from global sequence index to (source, window), over a resolved stage table.
 
@@ -232,26 +244,46 @@ class Mixture:
         if stage.weights[j] > 0 and self.num_windows(j, stage.seq_len) == 0:
           raise UserError(f"source {name!r} has {self.num_tokens[j]} tokens, not one window of seq_len "
                           f"{stage.seq_len} (needs {stage.seq_len + 1}); use more data or a smaller seq_len")
-    self.q0 = [np.zeros(len(self.names), np.int64)]  # per stage: each source's per-source index at its start
+    start = Cursor(0, self.stages[0].seq_len, 0)
+    self.cursors = [[start] * len(self.names)]  # per stage: each source's cursor at its start
     self.done = [np.zeros(len(self.names), np.int64)]  # per stage: sequences of each source before it
     for t in range(1, len(self.stages)):
       taken = self._taken(t - 1, self.stages[t].seq)
       self.done.append(self.done[t - 1] + taken)
-      self.q0.append(np.array([self._carry(j, int(self.q0[t - 1][j] + taken[j]), self.stages[t - 1].seq_len,
-                                           self.stages[t].seq_len) for j in range(len(self.names))]))
+      self.cursors.append([self._fresh(j, self._advance(j, t - 1, int(taken[j]))[0], self.stages[t].seq_len)
+                           for j in range(len(self.names))])
 
   def num_windows(self, j: int, seq_len: int) -> int:
     return max(0, (self.num_tokens[j] - 1) // seq_len)
 
-  def _carry(self, j: int, q: int, old_len: int, new_len: int) -> int:
-    """Source j's index at `new_len` that continues index `q` at `old_len`: same epoch, same tokens."""
-    if old_len == new_len:
-      return q
-    n_old, n_new = self.num_windows(j, old_len), self.num_windows(j, new_len)
-    if n_old == 0 or n_new == 0:
-      return 0
-    epoch, pos = divmod(q, n_old)
-    return epoch * n_new + min(n_new, -(-pos * old_len // new_len))
+  def _fresh(self, j: int, c: Cursor, seq_len: int) -> Cursor:
+    """An epoch not yet begun is cut at the new stage's seq_len."""
+    return Cursor(c.epoch, seq_len, 0) if c.offset == 0 and self.num_windows(j, seq_len) else c
+
+  def _aligned(self, c: Cursor, seq_len: int) -> bool:
+    return c.window_len == seq_len and c.offset % seq_len == 0
+
+  def _remainder(self, j: int, c: Cursor, seq_len: int) -> tuple[int, int]:
+    """(sequences, tokens) of `seq_len` that re-cut the rest of the cursor's epoch; (0, 0) when aligned."""
+    if self._aligned(c, seq_len):
+      return 0, 0
+    rest = self.num_windows(j, c.window_len) * c.window_len - c.offset
+    return -(-rest // seq_len), rest
+
+  def _advance(self, j: int, t: int, taken: int) -> tuple[Cursor, int]:
+    """Source j's cursor after `taken` of its sequences in stage t, and the tokens they hold."""
+    c, seq_len = self.cursors[t][j], self.stages[t].seq_len
+    if taken == 0:
+      return c, 0
+    n = self.num_windows(j, seq_len)
+    if self._aligned(c, seq_len):
+      q = c.epoch * n + c.offset // seq_len + taken
+      return Cursor(q // n, seq_len, q % n * seq_len), taken * seq_len
+    sequences, rest = self._remainder(j, c, seq_len)
+    if taken < sequences:
+      return Cursor(c.epoch, c.window_len, c.offset + taken * seq_len), taken * seq_len
+    q = (c.epoch + 1) * n + taken - sequences
+    return Cursor(q // n, seq_len, q % n * seq_len), rest + (taken - sequences) * seq_len
 
   def stage_of_sequence(self, i: int) -> int:
     return bisect.bisect_right(self._seq_starts, i) - 1
@@ -276,18 +308,38 @@ class Mixture:
     return taken
 
   def locate(self, i: int) -> tuple[int, int, int]:
-    """(source, per-source index q, seq_len) of global sequence i."""
+    """(source j, q, stage t) of global sequence i: it is source j's q-th sequence of the run (counted over
+    all stages), read in stage t."""
     t = self.stage_of_sequence(i)
     counts, stage = self.counts[t], self.stages[t]
     if len(counts) == 1:  # one source: every sequence is its own
-      return 0, int(self.q0[t][0]) + i - stage.seq, stage.seq_len
+      return 0, int(self.done[t][0]) + i - stage.seq, t
     block, offset = divmod(i - stage.seq, sum(counts))
     source, rank = block_layout(self.seed, stage.step, block, counts)
     j = int(source[offset])
-    return j, int(self.q0[t][j] + block * counts[j] + rank[offset]), stage.seq_len
+    return j, int(self.done[t][j] + block * counts[j] + rank[offset]), t
+
+  def pieces(self, j: int, q: int, t: int) -> list[tuple[int, int]]:
+    """The (first token, length) ranges of source j's store that its q-th sequence (in stage t) reads, in
+    order: one whole window, or, where a seq_len change re-cuts an epoch, pieces of its unread windows."""
+    c, seq_len = self.cursors[t][j], self.stages[t].seq_len
+    k = q - int(self.done[t][j])  # the source's k-th sequence of the stage
+    sequences, rest = self._remainder(j, c, seq_len)
+    if k >= sequences:
+      n = self.num_windows(j, seq_len)
+      first = c.epoch * n + c.offset // seq_len if not sequences else (c.epoch + 1) * n
+      return [(self.window(j, first + k - sequences, seq_len) * seq_len, seq_len)]
+    out, at, end = [], c.offset + k * seq_len, min(c.offset + (k + 1) * seq_len, c.offset + rest)
+    n_old = self.num_windows(j, c.window_len)
+    while at < end:
+      w, inside = divmod(at, c.window_len)
+      length = min(c.window_len - inside, end - at)
+      out.append((self.window(j, c.epoch * n_old + w, c.window_len) * c.window_len + inside, length))
+      at += length
+    return out
 
   def window(self, j: int, q: int, seq_len: int) -> int:
-    """The window (at `seq_len`) that is source j's per-source sequence q."""
+    """The window (at `seq_len`) at index q of source j's endless permutation of its windows."""
     return int(self._order(j, seq_len)[q])
 
   @functools.lru_cache(maxsize=None)
@@ -297,14 +349,14 @@ class Mixture:
         seed=shuffle_seed(self.seed, name)).repeat()
 
   def consumed(self, i: int) -> dict[str, dict[str, float]]:
-    """Per source, before global sequence i: sequences, tokens (seq_len each) and epochs (fractional)."""
+    """Per source, before global sequence i: sequences, tokens (targets read) and epochs (fractional)."""
     t = self.stage_of_sequence(i)
     out = {}
     taken = self._taken(t, i)
     for j, name in enumerate(self.names):
-      tokens = sum(int(self._taken(u, self.stages[u + 1].seq)[j]) * self.stages[u].seq_len for u in range(t))
-      tokens += int(taken[j]) * self.stages[t].seq_len
-      n = self.num_windows(j, self.stages[t].seq_len)
-      q = int(self.q0[t][j] + taken[j])
-      out[name] = {"sequences": int(self.done[t][j] + taken[j]), "tokens": tokens, "epochs": q / n if n else 0.0}
+      tokens = sum(self._advance(j, u, int(self.done[u + 1][j] - self.done[u][j]))[1] for u in range(t))
+      cursor, now = self._advance(j, t, int(taken[j]))
+      n = self.num_windows(j, cursor.window_len)
+      epochs = cursor.epoch + cursor.offset / (n * cursor.window_len) if n else 0.0
+      out[name] = {"sequences": int(self.done[t][j] + taken[j]), "tokens": tokens + now, "epochs": epochs}
     return out

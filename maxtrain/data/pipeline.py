@@ -54,6 +54,51 @@ def pack_window(tokens: np.ndarray, offsets: np.ndarray, start: int,
   }
 
 
+def pack_pieces(tokens: np.ndarray, offsets: np.ndarray,
+                pieces: list[tuple[int, int]], seq_len: int) -> dict[str, np.ndarray]:
+  """One example of `seq_len` from store ranges (first token, length): each
+  piece is packed like a window of its length and kept a document apart from
+  the others (its own segment ids); a short total is padded, loss-masked."""
+  if len(pieces) == 1 and pieces[0][1] == seq_len:
+    return pack_window(tokens, offsets, pieces[0][0], seq_len)
+  parts, next_segment = [], 1
+  for start, length in pieces:
+    part = pack_window(tokens, offsets, start, length)
+    part["segment_ids"] = part["segment_ids"] - part["segment_ids"][0] + next_segment
+    next_segment = int(part["segment_ids"][-1]) + 1
+    parts.append(part)
+  pad = seq_len - sum(length for _, length in pieces)
+  if pad:
+    parts.append({"inputs": np.zeros(pad, np.int32), "targets": np.zeros(pad, np.int32),
+                  "segment_ids": np.full(pad, next_segment, np.int32),
+                  "positions": np.arange(pad, dtype=np.int32),
+                  "loss_mask": np.zeros(pad, np.float32)})
+  return {k: np.concatenate([p[k] for p in parts]) for k in KEYS}
+
+
+def check_piece_ids(store: TokenStore, pieces: list[tuple[int, int]],
+                    vocab_size: int | None) -> None:
+  """Raises UserError naming the document if a piece's tokens (its inputs and
+  every target, which `first_bad_token`'s fast path does not see where one
+  piece ends and the next begins) hold an id out of range."""
+  limit = id_limit(store, vocab_size)
+  for start, length in pieces:
+    window = np.asarray(store.tokens[start:start + length + 1]).astype(np.int64)
+    if window.max() >= limit or window.min() < 0:
+      at = int(np.argmax((window >= limit) | (window < 0)))
+      raise _bad_id_error(store, vocab_size, int(window[at]), start + at)
+
+
+def piece_position(pieces: list[tuple[int, int]], column: int) -> int | None:
+  """The store position of `column` of a row packed by `pack_pieces` (column
+  seq_len: the last target); None in the padding."""
+  for start, length in pieces:
+    if column < length or (column == length and (start, length) == pieces[-1]):
+      return start + column
+    column -= length
+  return None
+
+
 def id_limit(store: TokenStore, vocab_size: int | None) -> int:
   """The exclusive bound on ids: the store's tokenizer and the model's.
 
@@ -103,19 +148,20 @@ def _bad_id_error(store: TokenStore, vocab_size: int | None, value: int,
 
 
 def check_batch_ids(batch: dict[str, np.ndarray], store: TokenStore,
-                    seq_len: int, vocab_size: int | None,
-                    windows: Callable[[int], int]) -> None:
+                    vocab_size: int | None,
+                    position: Callable[[int, int], int | None]) -> None:
   """Raises UserError if any id in `batch` is out of range.
 
-  `windows(row)` gives the window index of a row; it is called only when the
-  check fails, to name the document.
+  `position(row, column)` gives the store position of a token of a row's
+  window (columns count `inputs` then the last target); it is called only
+  when the check fails, to name the document.
   """
   bad = first_bad_token(batch, id_limit(store, vocab_size))
   if bad is None:
     return
   row, col, value = bad
-  position = int(windows(row)) * seq_len + col
-  if not (position < store.num_tokens and
+  position = position(row, col)
+  if position is None or not (position < store.num_tokens and
           int(store.tokens[position]) == value):
     position = None  # The row did not come from where we thought.
   raise _bad_id_error(store, vocab_size, value, position)
@@ -207,8 +253,8 @@ def eval_batches(prefix: str, seq_len: int, global_batch_size: int,
     first = b * global_batch_size + process_index * local_batch
     rows = [source[(first + r) % n] for r in range(local_batch)]
     batch = {k: np.stack([row[k] for row in rows]) for k in KEYS}
-    check_batch_ids(batch, source.store, seq_len, vocab_size,
-                    lambda r, first=first: (first + r) % n)
+    check_batch_ids(batch, source.store, vocab_size,
+                    lambda r, c, first=first: (first + r) % n * seq_len + c)
     batches.append(batch)
   return batches
 

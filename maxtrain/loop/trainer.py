@@ -219,6 +219,7 @@ class Trainer:
                  program.plan.batch.num_microbatches)
       self._steps[shape] = self._compile(program, state, batch)
     self.metrics.tokens_per_step = math.prod(shape)
+    self.metrics.flops_per_token = self.program.model_cfg.train_flops_per_token(shape[1])  # attention grows with seq_len
     return self._steps[shape]
 
   def _compile(self, program: program_lib.Program, state: state_lib.TrainState, batch: dict):
