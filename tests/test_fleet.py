@@ -197,6 +197,33 @@ def test_attempt_code_of_several_processes():
   assert launch.attempt_code([76, 2]) == 2  # a bad input is never restarted
 
 
+def test_a_collective_failing_after_a_peers_watchdog_fired_ends_as_a_hang(tmp_path):
+  # The peer's watchdog fired and left before its notice reached this process: the failed collective is
+  # part of that hang (dump, hang event, exit 76), not a crash. Nobody fired: the error's own code.
+  script = f"""
+import sys
+sys.path.insert(0, {str(REPO / 'tests')!r})
+from pathlib import Path
+from test_fleet import FakeKV, FakeStore
+from maxtrain.monitor import events as ev
+from maxtrain.monitor.watchdog import FIRED_KEY, Watchdog
+out = Path({str(tmp_path)!r})
+kv = FakeKV(FakeStore(), 1, 2)
+with ev.EventLog(out / ev.FILENAME, 1) as events:
+  dog = Watchdog(out, events, timeout_s=0, startup_timeout_s=0, kv=kv)
+  print("crash code", dog.exit_code_for(RuntimeError("a bug")), flush=True)
+  kv.set(FIRED_KEY, "0:5")
+  dog.exit_code_for(RuntimeError("collective failed: peer gone"))
+  print("returned", flush=True)
+"""
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert result.returncode == 76, result.stderr[-3000:]
+  assert result.stdout.splitlines() == ["crash code 1"]
+  hang = [r for r in ev.read_events(tmp_path / ev.FILENAME) if r["kind"] == ev.HANG]
+  assert len(hang) == 1 and hang[0]["peer"] == "process 0 saw no progress after step 5"
+  assert "Python stacks of all threads" in Path(hang[0]["dump"]).read_text()
+
+
 def test_unanswering_coordinator_is_a_clear_restartable_error(tmp_path):
   # A socket that accepts connections and never answers: jax would wait, then abort with a bare
   # DEADLINE_EXCEEDED; the trainer names the address and the key within the configured timeout.

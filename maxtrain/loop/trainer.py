@@ -26,7 +26,7 @@ from maxtrain.program import build as program_lib
 from maxtrain.program import state as state_lib
 from maxtrain.checkpoint.schedule import Checkpoints
 from maxtrain.loop.data import Data, check_checkpoint_tokenizer
-from maxtrain.errors import EXIT_CRASH, EXIT_HANG, Aborted, Preempted, UserError, exit_code, require_writable_dir
+from maxtrain.errors import EXIT_CRASH, Aborted, Preempted, UserError, exit_code, require_writable_dir
 from maxtrain.loop.rollback import Rollback, Rollbacks
 from maxtrain.models.llama import param_count
 from maxtrain.monitor import events as ev
@@ -130,8 +130,8 @@ class Trainer:
         eval_loss = self._loop(self._initial_state())
         self.exit_code = 0
       except BaseException as e:
-        # A collective that fails because the watchdog is ending a peer is part of that hang, not a crash.
-        self.exit_code = EXIT_HANG if self.watchdog.fired else exit_code(e)
+        # A collective that fails because a watchdog is ending the job is part of that hang, not a crash.
+        self.exit_code = self.watchdog.exit_code_for(e)
         if self.exit_code == EXIT_CRASH:
           self.events.emit(ev.CRASH, self.step, code=EXIT_CRASH, reason=config_lib.redact_text(f"{type(e).__name__}: {e}")[:1000])
         raise

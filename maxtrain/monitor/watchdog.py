@@ -10,6 +10,9 @@ With several processes one hung process stalls all the others, and their idle cl
 slightly different steps. The first watchdog to fire posts a `hang` notice to every other process
 (runtime/kv.py), whose watchdogs then fire at once: every process writes its dump (the hung one's
 shows where it hangs, the others' where they wait) and exits 76, and a supervisor restarts them all.
+A peer that leaves first can fail this process's collective before the notice arrives: the trainer
+asks `exit_code_for`, which reads the first watchdog's record (`FIRED_KEY`) and ends this process as
+part of the hang, not as a crash.
 Process 0 hosts the coordination service, whose end kills every process still attached to it
 (jax aborts them), so it exits last: after the others have recorded that they are leaving, or after
 `PEER_EXIT_WAIT_S`.
@@ -25,12 +28,13 @@ import threading
 import time
 from pathlib import Path
 
-from maxtrain.errors import EXIT_HANG
+from maxtrain.errors import EXIT_HANG, exit_code
 from maxtrain.monitor import events as ev
 from maxtrain.runtime.kv import KeyValue
 
 log = logging.getLogger("maxtrain")
 NOTICE = "hang"
+FIRED_KEY = "hang/fired"  # `PROCESS:STEP` of the first watchdog to fire, set before it tells the others
 PEER_EXIT_WAIT_S = 20.0  # process 0 waits at most this long for the others to leave before it exits
 
 
@@ -77,6 +81,19 @@ class Watchdog:
     """True once this watchdog is ending the process (the main thread may see a collective fail)."""
     return self._firing.locked()
 
+  def exit_code_for(self, error: BaseException) -> int:
+    """The exit code of a process that `error` ends: a hang (76) when this watchdog, or a peer's, is ending
+    the job (a collective fails when the peer leaves, maybe before its notice arrives: this process then
+    fires here and does not return); otherwise `errors.exit_code(error)`."""
+    if not self.fired and self.kv is not None:
+      try:
+        payload = self.kv.get(FIRED_KEY, timeout_s=0.001)
+      except Exception:  # noqa: BLE001 - the coordinator is gone too: nothing to learn from it
+        payload = None
+      if payload is not None:
+        self.on_notice(payload)  # returns only if the notice thread is already firing
+    return EXIT_HANG if self.fired else exit_code(error)
+
   def on_notice(self, payload: str) -> None:
     """Another process's watchdog fired (`PROCESS:STEP`): this one fires now (notice thread)."""
     process, _, step = payload.partition(":")
@@ -87,6 +104,7 @@ class Watchdog:
       return  # another thread is already ending the process
     if peer is None and self.kv is not None:
       try:
+        self.kv.set(FIRED_KEY, f"{self.kv.process_index}:{self._step}")
         self.kv.post_all(f"{NOTICE}:{self.kv.process_index}:{self._step}", include_self=False)
       except Exception as e:  # noqa: BLE001 - the coordinator may be the thing that hangs: dump and exit anyway
         log.error("watchdog: could not tell the other processes: %s", e)
