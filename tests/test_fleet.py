@@ -8,6 +8,7 @@ processes (2 x 4 CPU devices joined by jax.distributed on localhost) under `maxt
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -277,7 +278,12 @@ def test_two_processes_straggler_hang_and_preemption(store, tmp_path):
                               "--config.faults.hang_at_step=5", "--config.faults.sigterm_process=0",
                               "--config.faults.sigterm_at_step=2"])
   assert result.returncode == 0, result.stderr[-3000:]
-  assert attempt_codes(result.stderr) == ["75, 75", "76, 76", "0, 0"], result.stderr[-3000:]
+  # The hang's attempt is a hang (76) whichever way its processes end: process 0, which hosts the coordinator,
+  # leaves once process 1 has recorded leaving, and jax may abort process 1 (-6) in the moment between that
+  # record and its own exit 76 (launch.attempt_code reads both as 76; seen on a loaded machine).
+  assert re.findall(r"attempt \d+: exit (\d+)", result.stderr) == ["75", "76", "0"], result.stderr[-3000:]
+  codes = attempt_codes(result.stderr)
+  assert codes[0] == "75, 75" and codes[1] in ("76, 76", "76, -6") and codes[2] == "0, 0", result.stderr[-3000:]
   records = ev.read_events(faulty / ev.FILENAME)
 
   # Stragglers: process 1, flagged at the first log step (step 2: its interval times step 2, after the
