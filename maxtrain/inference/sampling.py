@@ -53,7 +53,7 @@ class Generator:
     from maxtrain.sharding import rules as sharding_rules
 
     self.graphdef, self.params = nnx.split(model)
-    self.cfg, self.mesh, self.batch_multiple = model.cfg, mesh, batch_multiple
+    self.cfg, self.mesh, self.rules, self.batch_multiple = model.cfg, mesh, rules, batch_multiple
 
     def init_cache(params, batch, length):
       with sharding_rules.activate(rules):
