@@ -55,6 +55,7 @@ class MaxtrainLM(TemplateLM):
     self.batch_size = batch_size + (-batch_size % multiple)  # the batch must divide its shards
     self.max_length = generator.cfg.max_seq_len
     self._score = make_scorer(generator, vocab_limit)
+    self.after_batch: Any = None  # called after each scored batch (the watch sidecar's fault seam)
 
   @property
   def eot_token_id(self) -> int:
@@ -70,6 +71,14 @@ class MaxtrainLM(TemplateLM):
     if add_special_tokens is False:
       return self.tok.encode(string).tolist()
     return prompt_ids(self.tok, string)
+
+  def load_params(self, path: str) -> None:
+    """Another checkpoint of the same model into this one's placed parameters: nothing recompiles."""
+    from maxtrain.interop import init_from
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            self.generator.params)
+    self.generator.params = init_from.load_params(path, self.generator.cfg, abstract)
 
   def tok_decode(self, ids: Sequence[int]) -> str:
     return self.tok.decode(ids)
@@ -94,6 +103,8 @@ class MaxtrainLM(TemplateLM):
         for b, i in enumerate(chunk):
           end, n = len(rows[i]) - 1, len(pairs[i][1])
           out[i] = (float(logp_BT[b, end - n:end].sum(dtype=np.float64)), bool(greedy_BT[b, end - n:end].all()))
+        if self.after_batch is not None:
+          self.after_batch()
     return out
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
@@ -140,7 +151,7 @@ class MaxtrainLM(TemplateLM):
         prompts = [(self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[-(self.max_length - max_new):]
                    for i in chunk]
         tokens, _ = self.generator.generate(prompts, max_new, rule, eos_ids=[self.tok.eos_id],
-                                            vocab_limit=self.vocab_limit)
+                                            vocab_limit=self.vocab_limit, length_multiple=LENGTH_BUCKET // 2)
         for i, ids in zip(chunk, tokens):
           text = self.tok.decode(ids)
           for stop in until:
