@@ -29,6 +29,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--include-path", default=None, help="a folder of extra lm-eval task YAML files")
   p.add_argument("--output", default=None, help="results JSON path (--checkpoint only)")
   p.add_argument("--batch-size", type=int, default=8)
+  p.add_argument("--poll-seconds", type=float, default=10.0, help="--watch: how often to look for checkpoints")
   return p
 
 
@@ -60,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.watch:
       from maxtrain.evaluation import watch
 
-      return watch.watch(Path(args.watch), names, manager, overrides, args.batch_size)
+      return watch.watch(Path(args.watch), names, manager, overrides, args.batch_size, args.poll_seconds)
     lm, _ = run.load_lm(args.checkpoint, overrides, args.batch_size)
     results = run.evaluate(lm, names, manager)
   except UserError as e:

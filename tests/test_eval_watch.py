@@ -1,0 +1,71 @@
+"""The evaluation sidecar: killed with SIGKILL in the middle of an evaluation (the fault seam, after its
+first scored batch) and restarted while the trainer also restarts, it ends with each checkpoint
+evaluated exactly once (results files and events counted), and exits 0 when the run has finished."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("lm_eval", reason="evaluation tests need the test extra: pip install -e '.[test]'")
+
+from maxtrain.evaluation import watch  # noqa: E402
+from maxtrain.monitor import events as ev  # noqa: E402
+from tiny import TINY_MODEL  # noqa: E402
+
+TASK = """task: tiny_code
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{prefix}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+ROWS = [{"prefix": "import", "choices": [" os", " 12"], "label": 0},
+        {"prefix": "def f(x):\n  return", "choices": [" x", " )("], "label": 0},
+        {"prefix": "for i in", "choices": [" range(3):", " :"], "label": 0}]
+
+
+def sidecar(run, tasks, **env):
+  return [sys.executable, "-m", "maxtrain.eval", "--watch", str(run), "--tasks", "tiny_code", "--include-path",
+          str(tasks), "--batch-size", "2", "--poll-seconds", "0.2"], {**os.environ, "HF_DATASETS_OFFLINE": "1", **env}
+
+
+def test_sidecar_survives_sigkill_and_trainer_restart(store, tmp_path):
+  tasks, run = tmp_path / "tasks", tmp_path / "run"
+  tasks.mkdir()
+  (tasks / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))  # a user's JSONL task
+  (tasks / "tiny_code.yaml").write_text(TASK.format(data=tasks / "rows.jsonl"))
+  train = [sys.executable, "-m", "maxtrain.train", *TINY_MODEL, f"--config.data.path={store}", "--config.steps=6",
+           f"--config.output_dir={run}", "--config.checkpoint.every_steps=2", "--config.checkpoint.max_to_keep=0"]
+  first = subprocess.run(train + ["--config.faults.sigterm_at_step=3"], capture_output=True, text=True)
+  assert first.returncode == 75, first.stderr[-2000:]  # preempted: checkpoints 2 and 3
+  cmd, env = sidecar(run, tasks, **{watch.KILL_AT_STEP_ENV: "2"})
+  killed = subprocess.run(cmd, env=env, capture_output=True, text=True)
+  assert killed.returncode == -9, killed.stderr[-2000:]
+  assert not watch.results_path(run, 2).exists()  # killed mid-evaluation: nothing recorded for step 2
+  cmd, env = sidecar(run, tasks, **{watch.KILL_AT_STEP_ENV: "2"})  # the drill fired once: not again
+  second = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  resumed = subprocess.run(train, capture_output=True, text=True)  # the trainer restarts meanwhile
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  out, err = second.communicate(timeout=600)
+  assert second.returncode == 0, err[-2000:]
+  steps = watch.checkpoint_steps(run)
+  assert steps == [2, 3, 4, 6]
+  records = ev.read_events(run / "eval" / ev.FILENAME)
+  done = [r["step"] for r in records if r["kind"] == watch.EVAL_DONE]
+  started = [r["step"] for r in records if r["kind"] == watch.EVAL_START]
+  assert sorted(done) == steps  # each checkpoint's evaluation completed exactly once
+  assert sorted(started) == [2, 2, 3, 4, 6]  # step 2 began twice: the killed try left no results
+  for step in steps:
+    results = json.loads(watch.results_path(run, step).read_text())
+    assert 0 <= results["results"]["tiny_code"]["acc,none"] <= 1
+  assert sorted(p.name for p in (run / "eval").iterdir() if p.name.isdigit()) == [str(s) for s in steps]
