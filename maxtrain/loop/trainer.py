@@ -30,7 +30,7 @@ from maxtrain.errors import EXIT_CRASH, EXIT_HANG, Aborted, Preempted, UserError
 from maxtrain.loop.rollback import Rollback, Rollbacks
 from maxtrain.models.llama import param_count
 from maxtrain.monitor import events as ev
-from maxtrain.monitor import mfu as mfu_lib
+from maxtrain.monitor import mfu as mfu_lib, tracking
 from maxtrain.monitor.metrics import MetricsLogger
 from maxtrain.monitor.profiler import Profiler
 from maxtrain.monitor.routing import RoutingMonitor
@@ -96,6 +96,7 @@ class Trainer:
                                  prometheus_host=cfg.monitor.prometheus_host,
                                  peak_contended=peak_contended)
     stack.callback(self.metrics.close)
+    tracking.attach(cfg, self.out_dir, self.metrics, stack, lambda: self.exit_code)  # MLflow, OTel: off by default
     self.faults = Faults(cfg.faults, self.out_dir, jax.process_index())
     self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.faults.after_save_started,
                                    on_progress=self.watchdog.progress, on_saved=self.faults.after_save_complete)
