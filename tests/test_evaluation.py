@@ -91,3 +91,22 @@ def test_matches_lm_eval_hf_backend(converted):
                        ("pycode_complete", "exact_match,none")):
     assert got["results"][task][metric] == ref["results"][task][metric]
   print("pycode_mc acc", got["results"]["pycode_mc"]["acc,none"])
+
+
+def test_entry_point_results_json_and_bad_input(converted, tmp_path, capsys):
+  """`python -m maxtrain.eval` writes lm-eval's results JSON (results.<task>.<metric>); an unknown task or
+  a missing checkpoint is exit 2 with the name in the message (the task checked before any model loads)."""
+  from maxtrain.cli import eval as eval_cli
+
+  root, _ = converted
+  out = tmp_path / "r.json"
+  assert eval_cli.main(["--checkpoint", str(root / "mt"), "--tasks", "pycode_mc", "--output", str(out)]) == 0
+  results = json.loads(out.read_text())
+  assert 0 <= results["results"]["pycode_mc"]["acc,none"] <= 1
+  assert "eval/pycode_mc/acc = " in capsys.readouterr().out
+  assert eval_cli.main(["--checkpoint", str(root / "missing"), "--tasks", "no_such_task"]) == 2
+  assert "no_such_task" in capsys.readouterr().err
+  assert eval_cli.main(["--checkpoint", str(root / "missing"), "--tasks", "pycode_mc"]) == 2
+  assert "missing: no such directory" in capsys.readouterr().err
+  assert eval_cli.main(["--checkpoint", str(root / "mt"), "--tasks", "pycode_mc", "--include-path",
+                        str(root / "nope")]) == 2
