@@ -69,3 +69,25 @@ def test_sidecar_survives_sigkill_and_trainer_restart(store, tmp_path):
     results = json.loads(watch.results_path(run, step).read_text())
     assert 0 <= results["results"]["tiny_code"]["acc,none"] <= 1
   assert sorted(p.name for p in (run / "eval").iterdir() if p.name.isdigit()) == [str(s) for s in steps]
+
+
+def test_in_loop_tasks_and_a_failing_task(store, tmp_path, caplog):
+  """`eval.tasks` runs at each eval inside the trainer: a good task's scalars reach TensorBoard and the
+  event log; a task that fails (its data file is gone) is an event and a warning, and the run ends 0."""
+  from maxtrain.cli import train
+
+  tasks, run = tmp_path / "tasks", tmp_path / "run"
+  tasks.mkdir()
+  (tasks / "tiny_code.yaml").write_text(TASK.format(data=tasks / "rows.jsonl"))  # rows.jsonl never written
+  args = [*TINY_MODEL, f"--config.data.path={store}", "--config.steps=2", f"--config.output_dir={run}",
+          "--config.eval.every_steps=0", "--config.eval.tasks=pycode_mc,tiny_code",
+          f"--config.eval.tasks_include_path={tasks}"]
+  with caplog.at_level("WARNING", logger="maxtrain"):
+    assert train.main(args) == 0
+  records = ev.read_events(run / ev.FILENAME)
+  failed = [r for r in records if r["kind"] == "eval_task_failed"]
+  done = [r for r in records if r["kind"] == "eval_tasks"]
+  assert [(r["step"], r["task"]) for r in failed] == [(2, "tiny_code")]
+  assert len(done) == 1 and 0 <= done[0]["scalars"]["eval/pycode_mc/acc"] <= 1
+  assert "eval task tiny_code failed" in caplog.text
+  assert train.main([*args[:-2], "--config.eval.tasks=no_such_task"]) == 2  # checked before compiling

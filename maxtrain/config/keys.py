@@ -199,6 +199,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 50  # Eval loss on the validation store every N steps (and at the end); 0: end only.
   c.eval.batches = 4  # Validation batches (of data.batch_size) per eval.
+  c.eval.tasks = ""  # lm-eval tasks run with each eval, comma-separated (e.g. pycode_mc,pycode_ppl); "" = none.
+  c.eval.tasks_include_path = ""  # A folder of extra lm-eval YAML tasks for eval.tasks; "" = the shipped ones only.
   return c
 
 

@@ -15,27 +15,27 @@ from maxtrain.errors import UserError
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 
-def task_manager(include_path: str | None = None) -> Any:
+def task_manager(include_path: str | None = None, key: str = "--include-path") -> Any:
   from lm_eval.tasks import TaskManager
 
   paths = [str(TASKS_DIR)]
   if include_path:
     if not Path(include_path).is_dir():
-      raise UserError(f"--include-path={include_path}: no such directory (a folder of lm-eval task YAML files)")
+      raise UserError(f"{key}={include_path}: no such directory (a folder of lm-eval task YAML files)")
     paths.append(str(include_path))
   return TaskManager(include_path=paths, include_defaults=False)
 
 
-def check_tasks(names: Sequence[str], manager: Any) -> list[str]:
+def check_tasks(names: Sequence[str], manager: Any, key: str = "--tasks") -> list[str]:
   """The task names, each one lm-eval knows from the include paths; UserError naming the first unknown."""
   names = [n.strip() for n in names if n.strip()]
   if not names:
-    raise UserError("--tasks is empty: give comma-separated lm-eval task names, e.g. --tasks=pycode_mc")
+    raise UserError(f"{key} is empty: give comma-separated lm-eval task names, e.g. --tasks=pycode_mc")
   known = set(manager.all_tasks)
   for name in names:
     if name not in known:
-      raise UserError(f"--tasks: unknown task {name!r}; the shipped tasks are {sorted(known)[:12]} (add your own "
-                      "YAML tasks with --include-path DIR)")
+      raise UserError(f"{key}: unknown task {name!r}; the known tasks are {sorted(known)[:12]} (add your own "
+                      "YAML tasks with an include path)")
   return names
 
 
