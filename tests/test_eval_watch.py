@@ -40,22 +40,22 @@ def sidecar(run, tasks, **env):
 
 
 def test_sidecar_survives_sigkill_and_trainer_restart(store, tmp_path):
+  from maxtrain.cli import train as train_cli
+
   tasks, run = tmp_path / "tasks", tmp_path / "run"
   tasks.mkdir()
   (tasks / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))  # a user's JSONL task
   (tasks / "tiny_code.yaml").write_text(TASK.format(data=tasks / "rows.jsonl"))
-  train = [sys.executable, "-m", "maxtrain.train", *TINY_MODEL, f"--config.data.path={store}", "--config.steps=6",
-           f"--config.output_dir={run}", "--config.checkpoint.every_steps=2", "--config.checkpoint.max_to_keep=0"]
-  first = subprocess.run(train + ["--config.faults.sigterm_at_step=3"], capture_output=True, text=True)
-  assert first.returncode == 75, first.stderr[-2000:]  # preempted: checkpoints 2 and 3
+  train = [*TINY_MODEL, f"--config.data.path={store}", "--config.steps=6", f"--config.output_dir={run}",
+           "--config.checkpoint.every_steps=2", "--config.checkpoint.max_to_keep=0"]  # trainers run in this process
+  assert train_cli.main(train + ["--config.faults.sigterm_at_step=3"]) == 75  # preempted: checkpoints 2 and 3
   cmd, env = sidecar(run, tasks, **{watch.KILL_AT_STEP_ENV: "2"})
   killed = subprocess.run(cmd, env=env, capture_output=True, text=True)
   assert killed.returncode == -9, killed.stderr[-2000:]
   assert not watch.results_path(run, 2).exists()  # killed mid-evaluation: nothing recorded for step 2
   cmd, env = sidecar(run, tasks, **{watch.KILL_AT_STEP_ENV: "2"})  # the drill fired once: not again
   second = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  resumed = subprocess.run(train, capture_output=True, text=True)  # the trainer restarts meanwhile
-  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert train_cli.main(train) == 0  # the trainer restarts meanwhile
   out, err = second.communicate(timeout=600)
   assert second.returncode == 0, err[-2000:]
   steps = watch.checkpoint_steps(run)
