@@ -45,7 +45,7 @@ class MlflowTracker:
   def __init__(self, uri: str, experiment: str, out_dir: Path, redacted_config: Mapping[str, Any]):
     from mlflow.tracking import MlflowClient
 
-    self.client, self.out_dir = MlflowClient(tracking_uri=uri), out_dir
+    self.client, self.out_dir, self.failures = MlflowClient(tracking_uri=uri), out_dir, 0
     record = out_dir / RUN_FILE
     if record.exists():
       self.run_id = json.loads(record.read_text())["run_id"]
@@ -81,8 +81,14 @@ class MlflowTracker:
       if step > self.logged.get(name, -1) and math.isfinite(value):
         points.append(Metric(name, value, 0, int(step)))
         self.logged[name] = int(step)
-    for start in range(0, len(points), 1000):  # MLflow's batch limit
-      self.client.log_batch(self.run_id, metrics=points[start:start + 1000])
+    try:
+      for start in range(0, len(points), 1000):  # MLflow's batch limit
+        self.client.log_batch(self.run_id, metrics=points[start:start + 1000])
+    except Exception as e:  # a tracking server that is down must not stop training; TensorBoard has it all
+      self.failures += 1
+      if self.failures in (1, 10, 100, 1000):
+        log.warning("MLflow: logging step %d failed (%s: %s; %d failures so far); training goes on", step,
+                    type(e).__name__, e, self.failures)
 
   def text(self, tag: str, value: str, step: int = 0) -> None:
     self.client.set_tag(self.run_id, tag[:250], value[:5000])
