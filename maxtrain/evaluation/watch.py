@@ -27,6 +27,7 @@ from maxtrain.errors import UserError
 log = logging.getLogger("maxtrain")
 EVAL_START = "checkpoint_eval_start"  # The sidecar began evaluating the checkpoint of `step`: tasks.
 EVAL_DONE = "checkpoint_eval"  # Its results are durable: seconds, results (path)[, recovered: event re-emitted].
+EVAL_SKIPPED = "checkpoint_eval_skipped"  # The checkpoint of `step` failed verification: reason; not evaluated.
 KILL_AT_STEP_ENV = "MAXTRAIN_FAULT_KILL_DURING_EVAL_AT_STEP"  # a drill: SIGKILL mid-evaluation of this step, once
 
 
@@ -76,7 +77,7 @@ class Sidecar:
                       "one per run") from None
     self.events = ev.EventLog(run_dir / "eval" / ev.FILENAME)
     self.lm: Any = None
-    self.unverified: set[int] = set()  # steps whose verification failed: warned once
+    self.skipped: set[int] = set()  # steps whose checkpoint failed verification (an event each)
     self.reconcile()
 
   def _event_steps(self) -> set[int]:
@@ -93,22 +94,13 @@ class Sidecar:
         self.events.emit(EVAL_DONE, step, results=str(results_path(self.run_dir, step)), recovered=True)
 
   def pending(self) -> list[int]:
-    """Checkpoint steps not evaluated yet whose manifest verifies (one being written does not yet)."""
+    """Checkpoint steps not evaluated yet whose manifest is written (the trainer writes it last, after
+    Orbax's commit): loading verifies them, once; a step that fails is skipped from then on."""
     from maxtrain.checkpoint import manifest
 
-    out = []
-    for step in checkpoint_steps(self.run_dir):
-      if results_path(self.run_dir, step).exists():
-        continue
-      try:
-        manifest.check(self.run_dir / "checkpoints" / str(step))
-      except UserError as e:
-        if step not in self.unverified:
-          log.warning("checkpoint %d is not verified yet (%s); will look again", step, e)
-          self.unverified.add(step)
-        continue
-      out.append(step)
-    return out
+    return [step for step in checkpoint_steps(self.run_dir)
+            if step not in self.skipped and not results_path(self.run_dir, step).exists()
+            and (self.run_dir / "checkpoints" / str(step) / manifest.MANIFEST_NAME).is_file()]
 
   def evaluate(self, step: int) -> None:
     from maxtrain.evaluation import run
@@ -117,10 +109,18 @@ class Sidecar:
     path = str(self.run_dir / "checkpoints" / str(step))
     self.events.emit(EVAL_START, step, tasks=self.names)
     t0 = time.monotonic()
-    if self.lm is None:
-      self.lm, _ = run.load_lm(path, self.overrides, self.batch_size)
-    else:
-      self.lm.load_params(path)
+    from maxtrain.checkpoint.manifest import CorruptCheckpoint
+
+    try:  # verified here, before any parameter is read
+      if self.lm is None:
+        self.lm, _ = run.load_lm(path, self.overrides, self.batch_size)
+      else:
+        self.lm.load_params(path)
+    except CorruptCheckpoint as e:  # the trainer's resume moves it aside; the sidecar only skips it
+      self.skipped.add(step)
+      self.events.emit(EVAL_SKIPPED, step, reason=str(e)[:1000])
+      log.warning("checkpoint %d does not verify (%s): not evaluated", step, e)
+      return
     self.lm.after_batch = self._fault_seam(step)
     results = run.evaluate(self.lm, self.names, self.manager)
     run.write_json(results_path(self.run_dir, step), results)  # the step is done from here on
