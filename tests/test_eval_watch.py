@@ -91,3 +91,26 @@ def test_in_loop_tasks_and_a_failing_task(store, tmp_path, caplog):
   assert len(done) == 1 and 0 <= done[0]["scalars"]["eval/pycode_mc/acc"] <= 1
   assert "eval task tiny_code failed" in caplog.text
   assert train.main([*args[:-2], "--config.eval.tasks=no_such_task"]) == 2  # checked before compiling
+
+
+def test_sidecar_skips_a_corrupt_checkpoint_and_exits_when_the_run_finished(tmp_path):
+  """A checkpoint whose manifest does not verify is a `checkpoint_eval_skipped` record, not a dead
+  sidecar; one without a manifest (being written) is not looked at; the finished run ends the loop."""
+  from maxtrain.evaluation import run as run_lib
+
+  run = tmp_path / "run"
+  for step in (2, 4):
+    (run / "checkpoints" / str(step) / "state").mkdir(parents=True)
+  (run / "checkpoints" / "2" / "maxtrain_manifest.json").write_text("{not json")
+  with ev.EventLog(run / ev.FILENAME) as log:
+    log.emit(ev.JOB_START, hosts=1)
+    assert not watch.run_finished(run)
+    log.emit(ev.EXIT, 4, code=0)
+  assert watch.run_finished(run)
+  sidecar = watch.Sidecar(run, ["pycode_mc"], run_lib.task_manager(), [], 2)
+  assert sidecar.pending() == [2]  # 4 has no manifest yet
+  assert sidecar.loop(0.01) == 0
+  records = ev.read_events(run / "eval" / ev.FILENAME)
+  assert [(r["kind"], r["step"]) for r in records] == [(watch.EVAL_START, 2), (watch.EVAL_SKIPPED, 2)]
+  with pytest.raises(Exception, match="another evaluation sidecar"):
+    watch.Sidecar(run, ["pycode_mc"], run_lib.task_manager(), [], 2)  # the first still holds the lock

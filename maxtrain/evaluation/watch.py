@@ -27,7 +27,7 @@ from maxtrain.errors import UserError
 log = logging.getLogger("maxtrain")
 EVAL_START = "checkpoint_eval_start"  # The sidecar began evaluating the checkpoint of `step`: tasks.
 EVAL_DONE = "checkpoint_eval"  # Its results are durable: seconds, results (path)[, recovered: event re-emitted].
-EVAL_SKIPPED = "checkpoint_eval_skipped"  # The checkpoint of `step` failed verification: reason; not evaluated.
+EVAL_SKIPPED = "checkpoint_eval_skipped"  # The checkpoint of `step` failed verification or was deleted: reason.
 KILL_AT_STEP_ENV = "MAXTRAIN_FAULT_KILL_DURING_EVAL_AT_STEP"  # a drill: SIGKILL mid-evaluation of this step, once
 
 
@@ -116,10 +116,14 @@ class Sidecar:
         self.lm, _ = run.load_lm(path, self.overrides, self.batch_size)
       else:
         self.lm.load_params(path)
-    except CorruptCheckpoint as e:  # the trainer's resume moves it aside; the sidecar only skips it
+    except Exception as e:
+      # Corrupt (the trainer's resume moves it aside), or deleted by checkpoint.max_to_keep while being
+      # read: skipped, with a record. Anything else is the sidecar's own failure.
+      if not isinstance(e, CorruptCheckpoint) and Path(path).is_dir():
+        raise
       self.skipped.add(step)
-      self.events.emit(EVAL_SKIPPED, step, reason=str(e)[:1000])
-      log.warning("checkpoint %d does not verify (%s): not evaluated", step, e)
+      self.events.emit(EVAL_SKIPPED, step, reason=f"{type(e).__name__}: {e}"[:1000])
+      log.warning("checkpoint %d cannot be read (%s): not evaluated", step, e)
       return
     self.lm.after_batch = self._fault_seam(step)
     results = run.evaluate(self.lm, self.names, self.manager)
