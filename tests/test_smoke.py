@@ -16,7 +16,7 @@ from tiny import TINY_MODEL
 CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.py"))
 ENTRY_POINTS = {"train": "usage: python -m maxtrain.train", "launch": "usage: python -m maxtrain.launch",
                 "compile": "python -m maxtrain.compile", "convert": "usage: python -m maxtrain.convert",
-                "generate": "usage: python -m maxtrain.generate"}
+                "generate": "usage: python -m maxtrain.generate", "eval": "usage: python -m maxtrain.eval"}
 
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)

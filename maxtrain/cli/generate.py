@@ -47,7 +47,7 @@ def check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: in
   """The KV cache holds prompt + new tokens, and positions past model.max_seq_len were never trained."""
   longest = max(len(p) for p in prompts)
   if longest + max_new_tokens > max_seq_len:
-    raise UserError(f"the longest prompt ({longest} tokens, BOS included) + --max-new-tokens={max_new_tokens} = "
+    raise UserError(f"the longest prompt ({longest} tokens, special tokens included) + --max-new-tokens={max_new_tokens} = "
                     f"{longest + max_new_tokens} exceeds the model's model.max_seq_len={max_seq_len} ({checkpoint}). "
                     "Shorten the prompt or lower --max-new-tokens.")
 
@@ -65,7 +65,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from maxtrain.inference import sampling
 
     generator, tokenizer, source = sampling.load(args.checkpoint, seed=args.seed, overrides=overrides)
-    prompts = [[tokenizer.bos_id] + tokenizer.encode(p).tolist() for p in args.prompt]
+    from maxtrain.data.tokenizer import prompt_ids
+
+    # As the model's own tokenizer encodes a prompt (its post-processor; nothing for the byte tokenizer),
+    # and never empty: an empty prompt starts after the end of a document.
+    prompts = [prompt_ids(tokenizer, p) or [tokenizer.eos_id] for p in args.prompt]
     check_lengths(prompts, args.max_new_tokens, generator.cfg.max_seq_len, args.checkpoint)
     eos = {tokenizer.eos_id} | ({source.eos_id} if isinstance(source.eos_id, int) else set(source.eos_id or ()))
     rule = sampling.Sampling(args.temperature, args.top_k, args.top_p, args.seed)

@@ -160,6 +160,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.monitor.prometheus_port = 0  # Serve Prometheus /metrics on this port (each process, its own host); 0 = off.
   c.monitor.prometheus_host = "127.0.0.1"  # Address the Prometheus endpoint binds: 127.0.0.1 (this host only); 0.0.0.0 = every interface.
 
+  c.tracking = ml_collections.ConfigDict()  # Experiment tracking and OpenTelemetry (docs/evaluation.md).
+  c.tracking.mlflow_uri = ""  # MLflow tracking URI (sqlite:///PATH/mlflow.db, file:///PATH/mlruns, http://HOST:5000); "" = off.
+  c.tracking.mlflow_experiment = "maxtrain"  # MLflow experiment the run is logged under.
+  c.tracking.otel_endpoint = ""  # OTLP/HTTP metrics endpoint (http://HOST:4318/v1/metrics) for the Prometheus gauges; "" = off.
+  c.tracking.otel_interval_s = 30.0  # Seconds between OTLP exports.
+
   c.faults = f = ml_collections.ConfigDict()  # Fault injection for tests and drills; -1 = off.
   f.sigterm_at_step = -1  # Send SIGTERM to itself after this step (exercises preemption).
   f.kill_during_save_at_step = -1  # SIGKILL itself while this step's checkpoint is being written.
@@ -193,6 +199,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 50  # Eval loss on the validation store every N steps (and at the end); 0: end only.
   c.eval.batches = 4  # Validation batches (of data.batch_size) per eval.
+  c.eval.tasks = ""  # lm-eval tasks run with each eval, comma-separated (e.g. pycode_mc,pycode_ppl); "" = none.
+  c.eval.tasks_include_path = ""  # A folder of extra lm-eval YAML tasks for eval.tasks; "" = the shipped ones only.
   return c
 
 

@@ -24,6 +24,7 @@ class Tokenizer(Protocol):
   eos_id: int
   pad_id: int
   identity: str
+  prompt_prefix: tuple[int, ...]  # ids a prompt starts with (generation, evaluation); see prompt_ids
 
   def encode(self, text: str) -> np.ndarray:
     """Returns int32 ids for `text`, without adding special tokens."""
@@ -42,6 +43,9 @@ class ByteTokenizer:
   eos_id = 257
   pad_id = 258
   identity = "byte-v1"
+  # Training's convention: stored documents carry no BOS (tokens + EOS) and each starts at position 0 of
+  # its own segment, so a prompt starts the same way, with nothing before it.
+  prompt_prefix: tuple[int, ...] = ()
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
@@ -103,6 +107,17 @@ class HFTokenizer:
     pad = _first_present(vocab, _PAD_NAMES)
     self.bos_id = eos if bos is None else bos
     self.pad_id = eos if pad is None else pad
+    self.prompt_prefix = self._post_processor_prefix()
+
+  def _post_processor_prefix(self) -> tuple[int, ...]:
+    """The ids the tokenizer's own post-processor puts before a single text (a Llama-style template's BOS;
+    none for a byte-level BPE's): what `transformers` encodes a prompt with."""
+    plain = self._tok.encode("a", add_special_tokens=False).ids
+    full = self._tok.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+      if full[start:start + len(plain)] == plain:
+        return tuple(full[:start])
+    return ()
 
   def encode(self, text: str) -> np.ndarray:
     ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -114,6 +129,11 @@ class HFTokenizer:
 
   def __repr__(self) -> str:
     return f"HFTokenizer({self.path!r})"
+
+
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+  """`text` encoded as a prompt: the tokenizer's prompt prefix, then its tokens."""
+  return list(tokenizer.prompt_prefix) + tokenizer.encode(text).tolist()
 
 
 def _first_present(vocab: dict[str, int], names: Sequence[str]) -> int | None:

@@ -53,7 +53,7 @@ class Generator:
     from maxtrain.sharding import rules as sharding_rules
 
     self.graphdef, self.params = nnx.split(model)
-    self.cfg, self.mesh, self.batch_multiple = model.cfg, mesh, batch_multiple
+    self.cfg, self.mesh, self.rules, self.batch_multiple = model.cfg, mesh, rules, batch_multiple
 
     def init_cache(params, batch, length):
       with sharding_rules.activate(rules):
@@ -84,12 +84,15 @@ class Generator:
     self._decode = jax.jit(decode_loop, static_argnums=(4, 5, 6), donate_argnums=2)
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling,
-               eos_ids: Sequence[int] = (), vocab_limit: int | None = None) -> tuple[list[list[int]], dict]:
+               eos_ids: Sequence[int] = (), vocab_limit: int | None = None,
+               length_multiple: int = 1) -> tuple[list[list[int]], dict]:
     """New tokens per prompt (up to and without the first EOS) and timings. Every row decodes
-    max_new_tokens on the device; what follows a row's first EOS is cut on the host."""
+    max_new_tokens on the device; what follows a row's first EOS is cut on the host. The prompts are
+    left-padded to a multiple of `length_multiple` (fewer shapes to compile across calls)."""
     vocab_limit = vocab_limit or self.cfg.vocab_size
     rows = len(prompts) + (-len(prompts) % self.batch_multiple)  # the batch must divide its shards
     longest = max(len(p) for p in prompts)
+    longest += -longest % length_multiple
     tokens_BT, valid_BT = np.zeros((rows, longest), np.int32), np.zeros((rows, longest), bool)
     for i, p in enumerate(list(prompts) + [prompts[0]] * (rows - len(prompts))):
       tokens_BT[i, longest - len(p):], valid_BT[i, longest - len(p):] = p, True

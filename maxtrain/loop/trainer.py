@@ -29,8 +29,9 @@ from maxtrain.loop.data import Data, check_checkpoint_tokenizer
 from maxtrain.errors import EXIT_CRASH, Aborted, Preempted, UserError, exit_code, require_writable_dir
 from maxtrain.loop.rollback import Rollback, Rollbacks
 from maxtrain.models.llama import param_count
+from maxtrain.evaluation.in_loop import TaskEval  # noqa: I001 (lm-eval itself is imported only when eval.tasks is set)
 from maxtrain.monitor import events as ev
-from maxtrain.monitor import mfu as mfu_lib
+from maxtrain.monitor import mfu as mfu_lib, tracking
 from maxtrain.monitor.metrics import MetricsLogger
 from maxtrain.monitor.profiler import Profiler
 from maxtrain.monitor.routing import RoutingMonitor
@@ -96,6 +97,7 @@ class Trainer:
                                  prometheus_host=cfg.monitor.prometheus_host,
                                  peak_contended=peak_contended)
     stack.callback(self.metrics.close)
+    tracking.attach(cfg, self.out_dir, self.metrics, stack, lambda: self.exit_code)  # MLflow, OTel: off by default
     self.faults = Faults(cfg.faults, self.out_dir, jax.process_index())
     self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.faults.after_save_started,
                                    on_progress=self.watchdog.progress, on_saved=self.faults.after_save_complete)
@@ -112,6 +114,7 @@ class Trainer:
     log.info("devices: %d x %s; mesh %s; %s", jax.device_count(), jax.devices()[0].device_kind,
              program.plan.mesh.describe(), self.data.describe())
     log.info("MFU peak: %s; model FLOPs/token %.3g", peak_source, program.flops_per_token)
+    self.task_eval = TaskEval(cfg, program, self.events, self.metrics)  # eval.tasks: lm-eval in the loop
     self.rollbacks = Rollbacks(cfg.guards, self.events, self.checkpoints, self.resume_path)
     self.routing = RoutingMonitor(self.events, cfg.model.moe.collapse_entropy, cfg.model.moe.collapse_steps)
     self.profiler = Profiler(self.out_dir / "tensorboard", cfg.profile.start_step, cfg.profile.num_steps)
@@ -253,6 +256,8 @@ class Trainer:
           per_source[f"eval/{name}/bits_per_byte"] = loss / math.log(2) / bytes_per_token
       result["loss"] = float(total) / max(float(count), 1.0)
     self.metrics.scalars(step, per_source)
+    with self.metrics.outside(step):  # not step time (goodput)
+      self.task_eval.run(state.params, step)
     return result["loss"]
 
   def _check_epochs(self, step: int) -> None:

@@ -45,6 +45,7 @@ class MetricsLogger:
     self.peak_contended = peak_contended  # the CPU peak rests on contended measurements only: MFU reads high
     self.prometheus = prometheus.start(prometheus_port, out_dir.name, jax.process_index(), prometheus_host)
     self.writer = MetricWriter(out_dir / "tensorboard")
+    self.gauge_sinks: list = []  # what gets the Prometheus gauges too (monitor/otel.py)
     self.summary: ev.StepsSummary | None = None  # from the attempt's first step on
 
   def first_step(self, step: int, metrics: Any, t_process_start: float) -> None:
@@ -96,6 +97,8 @@ class MetricsLogger:
     self.writer.scalars(step, scalars)
     if self.prometheus is not None:
       self.prometheus.update(scalars)
+    for sink in self.gauge_sinks:
+      sink.update(scalars)
     moe = ""
     if "moe/aux_loss" in metrics:
       moe = (f"  moe aux {metrics['moe/aux_loss']:.3f} dropped {metrics['moe/dropped_fraction']:.1%} "

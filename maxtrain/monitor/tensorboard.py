@@ -11,6 +11,7 @@ import jax
 class MetricWriter:
   def __init__(self, logdir: str | Path):
     self._writer = None
+    self.sinks: list = []  # trackers that get every scalar and text too (monitor/tracking.py)
     if jax.process_index() == 0:
       from tensorboardX import SummaryWriter
 
@@ -20,10 +21,14 @@ class MetricWriter:
     if self._writer is not None:
       for name, value in values.items():
         self._writer.add_scalar(name, float(value), step)
+      for sink in self.sinks:
+        sink.scalars(step, values)
 
   def text(self, tag: str, value: str, step: int = 0) -> None:
     if self._writer is not None:
       self._writer.add_text(tag, value, step)
+      for sink in self.sinks:
+        sink.text(tag, value, step)
 
   def flush(self) -> None:
     if self._writer is not None:

@@ -1,0 +1,85 @@
+"""Entry point: `python -m maxtrain.eval --checkpoint DIR --tasks NAMES [--include-path DIR] [--output FILE]
+[--watch RUN_DIR] [--config.KEY=VALUE ...]`.
+
+DIR: a run's output dir, a checkpoint step dir, a converted checkpoint or a Hugging Face dir. NAMES:
+comma-separated lm-eval task names (the shipped ones: maxtrain/evaluation/tasks; more with
+--include-path). Writes lm-eval's results JSON (`results.<task>.<metric>`) to --output (default: the
+checkpoint's `eval/<step>/results.json` in its run, else DIR/eval_results.json) and TensorBoard scalars
+next to it. `--watch RUN_DIR` instead evaluates every new verified checkpoint of the run exactly once
+and exits when the run has finished (docs/evaluation.md). Exit 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from maxtrain.errors import EXIT_BAD_INPUT, UserError
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m maxtrain.eval", description=__doc__.split("\n\n")[0])
+  where = p.add_mutually_exclusive_group(required=True)
+  where.add_argument("--checkpoint", help="a checkpoint (any kind generate reads)")
+  where.add_argument("--watch", metavar="RUN_DIR", help="evaluate each new checkpoint of a run, once")
+  p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+  p.add_argument("--include-path", default=None, help="a folder of extra lm-eval task YAML files")
+  p.add_argument("--output", default=None, help="results JSON path (--checkpoint only)")
+  p.add_argument("--batch-size", type=int, default=8)
+  p.add_argument("--poll-seconds", type=float, default=10.0, help="--watch: how often to look for checkpoints")
+  return p
+
+
+def default_output(checkpoint: str) -> Path:
+  """A training step dir RUN/checkpoints/STEP -> RUN/eval/STEP/results.json (the step dir stays exactly
+  what its manifest lists); any other checkpoint: DIR/eval_results.json."""
+  path = Path(checkpoint).absolute()
+  if path.name.isdigit() and path.parent.name == "checkpoints":
+    return path.parent.parent / "eval" / path.name / "results.json"
+  return path / "eval_results.json"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  logging.basicConfig(level=logging.WARNING)
+  for name in ("absl", "lm_eval", "lm-eval"):
+    logging.getLogger(name).setLevel(logging.ERROR)
+  p = parser()
+  args, overrides = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+  unknown = [a for a in overrides if not (a.startswith("--config.") and "=" in a)]
+  if unknown:
+    p.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides are --config.KEY=VALUE)")
+  try:
+    if args.batch_size < 1:
+      raise UserError(f"--batch-size={args.batch_size}: must be >= 1")
+    from maxtrain.evaluation import run
+
+    manager = run.task_manager(args.include_path)
+    names = run.check_tasks(args.tasks.split(","), manager)
+    if args.watch:
+      from maxtrain.evaluation import watch
+
+      return watch.watch(Path(args.watch), names, manager, overrides, args.batch_size, args.poll_seconds)
+    lm, _ = run.load_lm(args.checkpoint, overrides, args.batch_size)
+    results = run.evaluate(lm, names, manager)
+  except UserError as e:
+    print(f"maxtrain.eval: error: {e}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+  output = Path(args.output) if args.output else default_output(args.checkpoint)
+  run.write_json(output, results)
+  from maxtrain.monitor.tensorboard import MetricWriter
+
+  writer = MetricWriter(output.parent / "tensorboard")
+  step = Path(args.checkpoint).name
+  writer.scalars(int(step) if step.isdigit() else 0, run.scalars(results))
+  writer.close()
+  for tag, value in sorted(run.scalars(results).items()):
+    print(f"{tag} = {value:.6g}")
+  print(f"results: {output}", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
