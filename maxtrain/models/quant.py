@@ -99,6 +99,21 @@ def validate(m: Any, chunk_tokens: int) -> None:
                     "model.loss_chunk_tokens=0 or drop 'head'")
 
 
+def resume_note(saved_model: dict, model: Any) -> str | None:
+  """What a resume from a checkpoint saved under `saved_model` (its config.model) changes in the
+  quantization of this run's `model` section; None when nothing."""
+  def setting(m: Any) -> str:
+    recipe = m.get("quantization", "none")
+    return recipe if recipe == "none" else f"{recipe} on {m.get('quant_kinds', '')}"
+
+  before, after = setting(saved_model), setting(model)
+  if before == after:
+    return None
+  return (f"quantization changes at this resume: the checkpoint trained with {before}, this run uses {after} "
+          "(current scaling keeps no scaling state: nothing to initialise or drop, parameters and optimizer "
+          "state carry over as saved)")
+
+
 def check_devices(m: Any, devices: Sequence[Any]) -> None:
   """UserError before compiling when the devices have no matmul for `model.quantization`; CPU runs it
   as an emulation (XLA:CPU upcasts the 8-bit operands), which the log says."""
