@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from maxtrain import config as config_lib
+from maxtrain.aot import hlo_lint
 from maxtrain.errors import UserError
 from maxtrain.models import quant
 from maxtrain.program import plan as plan_lib
@@ -162,10 +163,12 @@ H100_8B = ["--config=configs/llama3_8b.py", "--config.hardware=h100x8", "--confi
 DOT = re.compile(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)")
 
 
-def lowered_dots(*args):
-  cfg = config_lib.load([*H100_8B, *args])
-  text = program_for(cfg, jax.devices(), require_data=False).lower().as_text()
-  return [m.groups() for m in DOT.finditer(text)]
+def lowered(*args):
+  return program_for(config_lib.load([*H100_8B, *args]), jax.devices(), require_data=False).lower()
+
+
+def dots(lowered_step):
+  return [m.groups() for m in DOT.finditer(lowered_step.as_text())]
 
 
 def has(dot, dim):
@@ -173,11 +176,12 @@ def has(dot, dim):
 
 
 @pytest.fixture(scope="module")
-def dots_attention_only():
-  return lowered_dots("--config.model.quantization=fp8", "--config.model.quant_kinds=attention")
+def attention_only():
+  return lowered("--config.model.quantization=fp8", "--config.model.quant_kinds=attention")
 
 
-def test_lowered_h100_step_has_f8_dots_in_the_chosen_kinds_only(dots_attention_only):
+def test_lowered_h100_step_has_f8_dots_in_the_chosen_kinds_only(attention_only):
+  dots_attention_only = dots(attention_only)
   f8 = [d for d in dots_attention_only if "f8E4M3FN" in d[0] + d[1] or "f8E5M2" in d[0] + d[1]]
   # Attention: q, k, v, o forward (4), their recomputation in the backward (the preset's remat=full: 4),
   # and per projection a dx and a dw dot (8), in the scanned layer body.
@@ -186,3 +190,9 @@ def test_lowered_h100_step_has_f8_dots_in_the_chosen_kinds_only(dots_attention_o
   assert not any(has(d, 14336) or has(d, 128256) for d in f8)  # MLP and head stay in bf16
   assert any(has(d, 14336) and "bf16" in d[0] for d in dots_attention_only)
   assert any(has(d, 128256) for d in dots_attention_only)
+
+
+def test_neuron_lint_names_the_fp8_operands_and_the_fix(attention_only):
+  problems = hlo_lint.neuron_problems(attention_only.as_text(dialect="hlo"), check_prng=False)
+  fp8 = [p for p in problems if p.kind == "f8e4m3fn"]
+  assert fp8 and all("model.quantization=fp8" in p.why for p in fp8)
