@@ -14,6 +14,7 @@ import ml_collections
 
 from maxtrain.checkpoint import manifest
 from maxtrain.checkpoint.storage import Checkpointer, Restored, SaveTiming
+from maxtrain.models import quant
 from maxtrain.monitor import events as ev
 
 log = logging.getLogger("maxtrain")
@@ -58,6 +59,9 @@ class Checkpoints:
     self.events.emit(ev.RESTORE, restored.step, seconds=time.monotonic() - t0, path=str(path))
     log.info("restored step %d from %s in %.2fs (saved on mesh %s)", restored.step, path, time.monotonic() - t0,
              restored.meta.get("mesh"))
+    note = quant.resume_note(restored.meta.get("config", {}).get("model", {}), self.cfg.model)
+    if note:
+      log.warning("%s", note)
     return restored
 
   def restore_before(self, step: int, state_spec: Any) -> Any | None:

@@ -49,6 +49,11 @@ def base_config() -> ml_collections.ConfigDict:
   m.param_dtype = "float32"  # Storage dtype of parameters.
   m.compute_dtype = "float32"  # Matmul dtype (bf16 on accelerators; fp32 is faster on CPU).
   m.loss_chunk_tokens = -1  # Chunked cross-entropy, tokens per device per chunk (no full [B,T,V] logits); 0 = off; -1 = auto (2048 when vocab_size >= 4096).
+  m.quantization = "none"  # Low-precision matmuls: none | fp8 (E4M3 forward, E5M2 gradients; H100/H200, CPU emulated) | int8 (forward only); docs/low_precision.md.
+  m.quant_kinds = "attention,mlp,experts"  # Matmul kinds model.quantization applies to, of attention, mlp, experts, head.
+  m.quant_min_dim = 128  # Matmuls whose contraction or output width is below this stay in compute_dtype (too small to gain).
+  m.quant_margin = 0  # Powers of two of headroom between a tensor's amax and the format's max (current scaling).
+  m.quant_saturate = True  # Clip scaled values to the format's range; False: overflow becomes NaN/Inf (the guards skip the step).
   m.moe = e = ml_collections.ConfigDict()  # Mixture of experts (maxtrain/models/moe.py); num_experts=0: dense.
   e.num_experts = 0  # Routed experts per MoE layer; 0 = every layer a dense SwiGLU MLP (the default).
   e.experts_per_token = 2  # Routed experts each token goes to (top-k).

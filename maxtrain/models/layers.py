@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtrain.models import quant as quant_lib
 from maxtrain.sharding import rules as sharding_rules
 
 
@@ -21,16 +22,22 @@ def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...], 
   return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, dtype))
 
 
-def project(x: jax.Array, w: jax.Array, contract: int = 1, preferred_element_type=None) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, contract: int = 1, preferred_element_type=None,
+            quant: "quant_lib.Quant | None" = None) -> jax.Array:
   """`x [..., I...] @ w [I..., O...] -> [..., O...]`, contracting x's last `contract` dims with w's
   first, as one 2-D matmul over the flattened leading dims. Why not an einsum over [B, T, ...]: XLA:CPU
   emits its weight gradient (a contraction over both B and T) with a transposing copy of the output
   gradient, which doubled the SwiGLU MLP's forward+backward time (tools/bench.py; BENCHMARKS.md). The
-  reshapes merge whole dims (B with T, heads with head_dim), which GSPMD shards without communication."""
+  reshapes merge whole dims (B with T, heads with head_dim), which GSPMD shards without communication.
+  `quant`: the matmul in FP8/int8 (models/quant.py) when its K and N reach `quant.min_dim`."""
   lead, inner = x.shape[:x.ndim - contract], w.shape[:contract]
   assert x.shape[x.ndim - contract:] == inner, (x.shape, w.shape, contract)
   k = math.prod(inner)
-  y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
+  x_MK, w_KN = x.reshape(-1, k), w.reshape(k, -1)
+  if quant is not None and quant.applies(k, w_KN.shape[1]):
+    y = quant_lib.matmul(x_MK, w_KN, quant, out_dtype=preferred_element_type)
+  else:
+    y = jnp.dot(x_MK, w_KN, preferred_element_type=preferred_element_type)
   return y.reshape(*lead, *w.shape[contract:])
 
 
@@ -101,16 +108,16 @@ class MLP(nnx.Module):
   """SwiGLU: down(silu(x @ gate) * (x @ up))."""
 
   def __init__(self, d_model: int, d_ff: int, *, init_std: float, out_std: float, param_dtype,
-               compute_dtype, rngs: nnx.Rngs):
+               compute_dtype, rngs: nnx.Rngs, quant: "quant_lib.Quant | None" = None):
     init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
     self.gate = param(rngs, init, (d_model, d_ff), ("embed", "mlp"), param_dtype)
     self.up = param(rngs, init, (d_model, d_ff), ("embed", "mlp"), param_dtype)
     self.down = param(rngs, out_init, (d_ff, d_model), ("mlp", "embed"), param_dtype)
-    self.compute_dtype = compute_dtype
+    self.compute_dtype, self.quant = compute_dtype, quant
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    dt = self.compute_dtype
-    gate_BTF = project(x_BTD, self.gate[...].astype(dt))
-    up_BTF = project(x_BTD, self.up[...].astype(dt))
+    dt, q = self.compute_dtype, self.quant
+    gate_BTF = project(x_BTD, self.gate[...].astype(dt), quant=q)
+    up_BTF = project(x_BTD, self.up[...].astype(dt), quant=q)
     h_BTF = sharding_rules.constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
-    return project(h_BTF, self.down[...].astype(dt))
+    return project(h_BTF, self.down[...].astype(dt), quant=q)

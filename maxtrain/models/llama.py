@@ -24,6 +24,7 @@ from flax import nnx
 from maxtrain.errors import choice, require
 from maxtrain.models.attention import layer as attention
 from maxtrain.models import moe as moe_lib
+from maxtrain.models import quant as quant_lib
 from maxtrain.models.attention.layer import Attention, CacheWrite, KVCache
 from maxtrain.models.layers import MLP, RMSNorm, Rope, param, project
 from maxtrain.models.moe import MoE, MoEConfig
@@ -71,6 +72,7 @@ class ModelConfig:
   param_dtype: Any = jnp.float32
   compute_dtype: Any = jnp.float32
   moe: MoEConfig = MoEConfig()
+  quant: quant_lib.QuantConfig = quant_lib.QuantConfig()  # model.quantization and model.quant_*
 
   @property
   def head_dim(self) -> int:
@@ -111,6 +113,8 @@ class ModelConfig:
         kwargs[key] = jnp.dtype(kwargs[key])
     if "moe" in kwargs:
       kwargs["moe"] = MoEConfig.from_config(kwargs["moe"])
+    if "quantization" in model_cfg:
+      kwargs["quant"] = quant_lib.QuantConfig.from_config(model_cfg)
     return cls(**kwargs)
 
 
@@ -142,6 +146,8 @@ def validate(m: Any) -> None:
   for key in ("param_dtype", "compute_dtype"):
     choice(f"model.{key}", m[key], DTYPES)
   moe_lib.validate(m)
+  # The chunked loss runs by default from CHUNK_MIN_VOCAB (program/loss.py) up: the head check needs the resolved size.
+  quant_lib.validate(m, m.loss_chunk_tokens if m.loss_chunk_tokens >= 0 else int(m.vocab_size >= 4096))
 
 
 class Block(nnx.Module):
@@ -155,13 +161,14 @@ class Block(nnx.Module):
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
     self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope,
                           kernel=cfg.attention, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
-                          **common)
+                          quant=cfg.quant.for_kind("attention"), **common)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
     self.is_moe = moe
     if moe:
-      self.moe = MoE(cfg.d_model, cfg.moe, **common)
+      self.moe = MoE(cfg.d_model, cfg.moe, quant=cfg.quant.for_kind("experts"),
+                     shared_quant=cfg.quant.for_kind("mlp"), **common)
     else:
-      self.mlp = MLP(cfg.d_model, cfg.d_ff, **common)
+      self.mlp = MLP(cfg.d_model, cfg.d_ff, quant=cfg.quant.for_kind("mlp"), **common)
 
   def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array,
                cache: KVCache | None = None, write: CacheWrite | None = None,
@@ -206,7 +213,8 @@ class Llama(nnx.Module):
     return self._logits(x_BTD)
 
   def _logits(self, x_BTD: jax.Array) -> jax.Array:
-    logits_BTV = project(x_BTD, self.head_weights().astype(self.cfg.compute_dtype), preferred_element_type=jnp.float32)
+    logits_BTV = project(x_BTD, self.head_weights().astype(self.cfg.compute_dtype), preferred_element_type=jnp.float32,
+                         quant=self.cfg.quant.for_kind("head"))
     return sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
 
   def init_cache(self, batch: int, length: int) -> "Cache":

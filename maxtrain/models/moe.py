@@ -121,10 +121,11 @@ def route(x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: MoECon
 
 class MoE(nnx.Module):
   def __init__(self, d_model: int, cfg: MoEConfig, *, init_std: float, out_std: float, param_dtype, compute_dtype,
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, quant=None, shared_quant=None):
     E, F = cfg.num_experts, cfg.expert_d_ff
     init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
     self.cfg, self.compute_dtype = cfg, compute_dtype
+    self.quant = quant  # models/quant.py Quant of the routed experts' matmuls (capacity dispatch), or None
     self.router = param(rngs, init, (d_model, E), ("embed", "router_experts"), param_dtype)
     # fp32 whatever param_dtype: sign steps of 1e-3 would vanish in bf16 next to an O(1) bias.
     self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32), out_sharding=("router_experts",))
@@ -133,7 +134,7 @@ class MoE(nnx.Module):
     self.down = param(rngs, out_init, (E, F, d_model), ("experts", "expert_mlp", "expert_embed"), param_dtype)
     if cfg.num_shared_experts:
       self.shared = MLP(d_model, cfg.num_shared_experts * F, init_std=init_std, out_std=out_std,
-                        param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
+                        param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, quant=shared_quant)
 
   def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(output [B, T, D] in the compute dtype, this layer's STATS)."""
@@ -148,12 +149,13 @@ class MoE(nnx.Module):
       capacity = cfg.capacity(x_BTD.shape[1])
       slot_BTK, kept_BTK = moe_dispatch.capacity_slots(experts_BTK, cfg.num_experts, capacity)
       stats["dropped"] = jnp.sum(~kept_BTK).astype(jnp.float32)
-      parallel = expert_dispatch.for_active_rules(moe_dispatch.LOCAL, cfg.num_experts, capacity)
+      local = moe_dispatch.local_experts(self.quant)
+      parallel = expert_dispatch.for_active_rules(local, cfg.num_experts, capacity)
       if parallel is not None:  # experts split over devices: tokens travel to them and back
         y_BTD = parallel(x_BTD, slot_BTK, weights_BTK, *weights)
       else:
-        x_BECD = moe_dispatch.dispatch(x_BTD, slot_BTK, cfg.num_experts, capacity)
-        y_BTD = moe_dispatch.combine(moe_dispatch.experts_ffn(x_BECD, *weights), slot_BTK, weights_BTK)
+        x_BECD = local.dispatch(x_BTD, slot_BTK, cfg.num_experts, capacity)
+        y_BTD = local.combine(local.experts_ffn(x_BECD, *weights), slot_BTK, weights_BTK)
     if cfg.num_shared_experts:
       y_BTD = y_BTD + self.shared(x_BTD)
     return y_BTD.astype(dt), stats

@@ -16,9 +16,12 @@ mesh: expert parallelism changes where slots are computed, never which tokens fi
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from maxtrain.models import quant as quant_lib
 from maxtrain.sharding import expert_dispatch
 
 
@@ -58,14 +61,18 @@ def combine(y_BECD: jax.Array, slot_BTK: jax.Array, weights_BTK: jax.Array) -> j
   return jnp.einsum("btk,btkd->btd", weights_BTK.astype(y_BECD.dtype), y_BNKD)
 
 
-def experts_ffn(x_BECD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array) -> jax.Array:
+def experts_ffn(x_BECD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array,
+                quant: "quant_lib.Quant | None" = None) -> jax.Array:
   """Each expert's SwiGLU on its slots: down(silu(x @ gate) * (x @ up)), batched over experts.
 
   Expert-major inside ([E, B x C, ...], transposed once in and once out): with the batch dim outside
   the experts dim, XLA:CPU transposed every [B, E, C, F] activation for the weight gradients, which
-  took a fifth of the train step (tools/bench.py --top-ops; BENCHMARKS.md)."""
+  took a fifth of the train step (tools/bench.py --top-ops; BENCHMARKS.md). `quant`: each expert's
+  matmuls in FP8/int8, scaled per expert (models/quant.py), when D and F reach its min_dim."""
   B, E, C, D = x_BECD.shape
   matmul = lambda a, w: jax.lax.dot_general(a, w, (((2,), (1,)), ((0,), (0,))))  # [E, N, I] x [E, I, O]
+  if quant is not None and quant.applies(D, gate_EDF.shape[-1]):
+    matmul = functools.partial(quant_lib.batched_matmul, quant=quant)
   x_END = jnp.swapaxes(x_BECD, 0, 1).reshape(E, B * C, D)
   h_ENF = jax.nn.silu(matmul(x_END, gate_EDF)) * matmul(x_END, up_EDF)
   return jnp.swapaxes(matmul(h_ENF, down_EFD).reshape(E, B, C, D), 0, 1)
@@ -90,3 +97,11 @@ def dropless(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array, g
 
 # What expert parallelism runs on each device (sharding/ takes them as arguments).
 LOCAL = expert_dispatch.LocalExperts(dispatch=dispatch, experts_ffn=experts_ffn, combine=combine)
+
+
+@functools.lru_cache(maxsize=None)
+def local_experts(quant: "quant_lib.Quant | None") -> expert_dispatch.LocalExperts:
+  """LOCAL with the experts' matmuls quantized by `quant` (None: LOCAL itself); one object per Quant."""
+  if quant is None:
+    return LOCAL
+  return LOCAL._replace(experts_ffn=functools.partial(experts_ffn, quant=quant))

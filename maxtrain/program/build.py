@@ -18,6 +18,7 @@ from maxtrain.program import loss
 from maxtrain.optim import optimizer as optim
 from maxtrain.program import state as state_lib
 from maxtrain.program import step as step_lib
+from maxtrain.models import quant
 from maxtrain.models.llama import ModelConfig
 from maxtrain.runtime import faults
 from maxtrain.sharding.layout import with_shardings
@@ -94,4 +95,5 @@ def program_for(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], *
   devices = list(devices)
   num_processes = len({d.process_index for d in devices})
   plan = validate(cfg, len(devices), num_processes, require_data=require_data)
+  quant.check_devices(cfg.model, devices)
   return build(cfg, plan, make_mesh(plan.mesh, devices))

@@ -70,15 +70,17 @@ def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Arra
   return log_z_BT - target_logit_BT, log_z_BT
 
 
-def head_logits(x_BTD: jax.Array, head_DV: jax.Array, compute_dtype) -> jax.Array:
-  """fp32 logits from compute-dtype operands (fp32 accumulation, no rounding of the result)."""
-  return project(x_BTD.astype(compute_dtype), head_DV.astype(compute_dtype), preferred_element_type=jnp.float32)
+def head_logits(x_BTD: jax.Array, head_DV: jax.Array, compute_dtype, quant=None) -> jax.Array:
+  """fp32 logits from compute-dtype operands (fp32 accumulation, no rounding of the result); `quant`:
+  the head in FP8/int8 (models/quant.py)."""
+  return project(x_BTD.astype(compute_dtype), head_DV.astype(compute_dtype), preferred_element_type=jnp.float32,
+                 quant=quant)
 
 
 def reference_head_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *,
-                          compute_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+                          compute_dtype=jnp.float32, quant=None) -> tuple[jax.Array, jax.Array]:
   """The oracle: full `[B, T, V]` logits, then `token_losses`."""
-  return token_losses(head_logits(x_BTD, head_DV, compute_dtype), targets_BT)
+  return token_losses(head_logits(x_BTD, head_DV, compute_dtype, quant), targets_BT)
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
@@ -87,7 +89,8 @@ def default_chunk_tokens(vocab_size: int) -> int:
 
 
 def head_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, chunk_tokens: int,
-                compute_dtype=jnp.float32, batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, jax.Array]:
+                compute_dtype=jnp.float32, batch_shards: int = 1, length_shards: int = 1,
+                quant=None) -> tuple[jax.Array, jax.Array]:
   """`(ce_BT, log_z_BT)` of the head: chunked when `chunk_tokens > 0`, else the reference.
 
   `length_shards` > 1 (context parallelism: the length dim split into that many shards): the chunked
@@ -103,7 +106,7 @@ def head_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, 
                                      chunk_tokens=chunk_tokens, compute_dtype=compute_dtype,
                                      batch_shards=batch_shards * length_shards)
     return ce.reshape(B, T), log_z.reshape(B, T)
-  return reference_head_losses(x_BTD, head_DV, targets_BT, compute_dtype=compute_dtype)
+  return reference_head_losses(x_BTD, head_DV, targets_BT, compute_dtype=compute_dtype, quant=quant)
 
 
 def chunked_token_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *,

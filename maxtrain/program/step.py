@@ -37,7 +37,7 @@ def head_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, chun
   x_BTD, moe_stats = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
   ce_BT, log_z_BT = loss.head_losses(x_BTD, model.head_weights(), batch["targets"], chunk_tokens=chunk_tokens,
                                      compute_dtype=model.cfg.compute_dtype, batch_shards=batch_shards,
-                                     length_shards=length_shards)
+                                     length_shards=length_shards, quant=model.cfg.quant.for_kind("head"))
   return ce_BT, log_z_BT, moe_stats, model.cfg.moe
 
 

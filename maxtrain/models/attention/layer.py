@@ -103,7 +103,7 @@ class CacheWrite:
 class Attention(nnx.Module):
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, *, rope_theta: float,
                init_std: float, out_std: float, param_dtype, compute_dtype, kernel: str = "dot",
-               block_q: int = 128, block_kv: int = 128, rngs: nnx.Rngs):
+               block_q: int = 128, block_kv: int = 128, rngs: nnx.Rngs, quant=None):
     head_dim = d_model // num_heads
     init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
     self.wq = param(rngs, init, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
@@ -112,6 +112,7 @@ class Attention(nnx.Module):
     self.wo = param(rngs, out_init, (num_heads, head_dim, d_model), ("heads", "head_dim", "embed"), param_dtype)
     self.rope_theta = rope_theta
     self.compute_dtype = compute_dtype
+    self.quant = quant  # models/quant.py Quant of the projections, or None
     self.kernel, self.block_q, self.block_kv = kernel, block_q, block_kv
 
   def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array,
@@ -119,9 +120,9 @@ class Attention(nnx.Module):
     """(output [B, T, D], this layer's cache with the call's keys and values written, or None without one).
     Training passes no cache; generation (inference/sampling.py) a prefill, then one token per call."""
     dt = self.compute_dtype
-    q_BTNH = project(x_BTD, self.wq[...].astype(dt))
-    k_BTKH = project(x_BTD, self.wk[...].astype(dt))
-    v_BTKH = project(x_BTD, self.wv[...].astype(dt))
+    q_BTNH = project(x_BTD, self.wq[...].astype(dt), quant=self.quant)
+    k_BTKH = project(x_BTD, self.wk[...].astype(dt), quant=self.quant)
+    v_BTKH = project(x_BTD, self.wv[...].astype(dt), quant=self.quant)
     q_BTNH = sharding_rules.constrain(apply_rope(q_BTNH, positions_BT, self.rope_theta),
                                       ("act_batch", "act_length", "act_heads", None))
     k_BTKH = sharding_rules.constrain(apply_rope(k_BTKH, positions_BT, self.rope_theta),
@@ -131,7 +132,7 @@ class Attention(nnx.Module):
       out_BTNH = self._attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
     else:
       out_BTNH, cache = self._attend_cached(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache, write)
-    return project(out_BTNH, self.wo[...].astype(dt), contract=2), cache
+    return project(out_BTNH, self.wo[...].astype(dt), contract=2, quant=self.quant), cache
 
   def _attend_cached(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache: KVCache,
                      write: CacheWrite) -> tuple[jax.Array, KVCache]:
