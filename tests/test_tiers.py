@@ -1,0 +1,127 @@
+"""Two checkpoint tiers (checkpoint.local_dir + checkpoint.dir): which step a run resumes from, agreed by
+every process, bitwise like the run that never stopped; the cadence's decisions; config errors.
+
+End to end through `maxtrain.launch` with kill -9 (faults.kill_at_step); the tier choice and the
+Young/Daly arithmetic also as plain functions."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from maxtrain import config as config_lib
+from maxtrain.checkpoint import cadence, tiers
+from maxtrain.checkpoint.storage import validate
+from maxtrain.errors import UserError
+from maxtrain.monitor.events import read_events
+from test_checkpoint import assert_bitwise_equal, losses, restore_raw
+from tiny import TINY_MODEL
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=1"]
+TIERS = ["--config.steps=20", "--config.checkpoint.every_steps=10", "--config.checkpoint.local_every_steps=2"]
+
+
+def launch(launcher_args, train_args, devices=8) -> subprocess.CompletedProcess:
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-m", "maxtrain.launch", "--backoff=0.1", *launcher_args, "--", *train_args],
+                        capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+
+
+def attempt_codes(result) -> list[str]:
+  return [line.split("exit ")[1].split()[0] for line in result.stderr.splitlines()
+          if line.startswith("maxtrain.launch: attempt")]
+
+
+def restores(out: Path) -> list[tuple[int, str, int]]:
+  return [(r["process"], r["tier"], r["step"]) for r in read_events(out / "events.jsonl") if r["kind"] == "restore"]
+
+
+def test_choice_across_tiers():
+  both = tiers.choose([[14, 16], [14, 16]], 10)
+  assert (both.tier, both.step) == ("local", 16) and "on all 2 processes" in both.reason
+  half = tiers.choose([[14, 16], [14]], 10)  # process 1's step 16 is half written: 14, the newest they share
+  assert (half.tier, half.step) == ("local", 14)
+  lost = tiers.choose([[14, 16], []], 10)  # process 1's local tier is gone: the durable step
+  assert (lost.tier, lost.step) == ("durable", 10) and "process 1 has none" in lost.reason
+  assert tiers.choose([[10]], 10).tier == "durable"  # a tie: the durable copy survives the node
+  assert (tiers.choose([[14, 16]], 10, before=15).step, tiers.choose([[14, 16]], 10, before=11).tier) == (14, "durable")
+  assert tiers.choose([[]], None).tier is None
+
+
+def test_config_errors(tmp_path):
+  def check(**changes):
+    cfg = config_lib.base_config()
+    for key, value in changes.items():
+      cfg.checkpoint[key] = value
+    with pytest.raises(UserError) as e:
+      validate(cfg.checkpoint)
+    return str(e.value)
+
+  assert "same place" in check(dir=str(tmp_path / "c"), local_dir=str(tmp_path / "c"), local_every_steps=2)
+  assert "same place" in check(dir=str(tmp_path / "c"), local_dir=str(tmp_path / "c/local"), local_every_steps=2)
+  assert "local_every_steps=-2" in check(local_every_steps=-2)
+  assert "every_minutes=-1" in check(every_minutes=-1.0)
+  assert "cadence='sometimes'" in check(cadence="sometimes")
+  assert "never be written" in check(local_dir=str(tmp_path / "l"))
+
+
+def test_same_dir_exits_2_before_training(tmp_path):
+  # checkpoint.dir="" resolves to <output_dir>/checkpoints: a local_dir there is the same place.
+  result = launch([], TINY + [f"--config.output_dir={tmp_path}", "--config.checkpoint.local_every_steps=2",
+                              f"--config.checkpoint.local_dir={tmp_path / 'checkpoints'}"], devices=1)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "checkpoint.local_dir" in result.stderr and "same place" in result.stderr
+  assert attempt_codes(result) == ["2"]
+
+
+def test_young_daly_and_observed_mtbf():
+  assert cadence.young_daly_s(0.5, 400.0) == pytest.approx(20.0)
+  records = [{"wall": 100.0, "attempt": 0, "kind": "job_start"}, {"wall": 130.0, "attempt": 0, "kind": "crash"},
+             {"wall": 131.0, "attempt": 0, "kind": "crash", "process": -1},  # the supervisor's record of the same
+             {"wall": 140.0, "attempt": 1, "kind": "hang"}]
+  mtbf, failures, span = cadence.observed_mtbf(records, prior_s=60.0, now_wall=160.0)
+  assert (failures, span) == (2, 60.0) and mtbf == pytest.approx((60.0 + 60.0) / 3)
+  assert cadence.observed_mtbf([], 60.0, 0.0) == (60.0, 0, 0.0)
+
+
+@pytest.fixture(scope="module")
+def reference(store, tmp_path_factory):
+  """The uninterrupted run: its losses and final state."""
+  out = tmp_path_factory.mktemp("uninterrupted")
+  result = launch([], TINY + TIERS + [f"--config.data.path={store}", f"--config.output_dir={out}",
+                                      f"--config.checkpoint.local_dir={out / 'local'}"])
+  assert result.returncode == 0, result.stderr[-3000:]
+  return losses(out), restore_raw(out / "checkpoints", 20)
+
+
+@pytest.mark.slow
+def test_kill_resumes_from_the_newest_tier_bitwise(store, tmp_path, reference):
+  ref_losses, ref_state = reference
+  # Killed after step 17: local saves at 2, 4, ..., 16; durable at 10. The supervisor restarts it.
+  local = tmp_path / "local"
+  args = TINY + TIERS + [f"--config.data.path={store}", f"--config.checkpoint.local_dir={local}",
+                         "--config.faults.kill_at_step=17"]
+  a = tmp_path / "a"
+  result = launch(["--max-restarts=1"], args + [f"--config.output_dir={a}"])
+  assert result.returncode == 0 and attempt_codes(result) == ["-9", "0"], result.stderr[-3000:]
+  assert restores(a) == [(0, "local", 16)]
+  assert "resume: local step 16 is complete and verified on all 1 processes" in result.stderr
+  # The same kill with the node's local disk lost before the restart: the durable step 10.
+  b = tmp_path / "b"
+  result = launch(["--max-restarts=0"], args + [f"--config.output_dir={b}", f"--config.checkpoint.local_dir={b / 'l'}"])
+  assert attempt_codes(result) == ["-9"], result.stderr[-3000:]
+  shutil.rmtree(b / "l")
+  result = launch([], args + [f"--config.output_dir={b}", f"--config.checkpoint.local_dir={b / 'l'}"])
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert restores(b) == [(0, "durable", 10)] and "resume: durable step 10: no local step" in result.stderr
+  for out in (a, b):
+    assert_bitwise_equal(restore_raw(out / "checkpoints", 20), ref_state)
+    got = losses(out)
+    assert sorted(got) == list(range(1, 21))
+    assert [got[s] for s in range(1, 21)] == [ref_losses[s] for s in range(1, 21)]  # bitwise: equal floats
