@@ -119,9 +119,34 @@ def test_kill_resumes_from_the_newest_tier_bitwise(store, tmp_path, reference):
   shutil.rmtree(b / "l")
   result = launch([], args + [f"--config.output_dir={b}", f"--config.checkpoint.local_dir={b / 'l'}"])
   assert result.returncode == 0, result.stderr[-3000:]
-  assert restores(b) == [(0, "durable", 10)] and "resume: durable step 10: no local step" in result.stderr
+  assert restores(b) == [(0, "durable", 10)] and "resume: durable step 10: the local tier holds no usable step" in result.stderr
   for out in (a, b):
     assert_bitwise_equal(restore_raw(out / "checkpoints", 20), ref_state)
     got = losses(out)
     assert sorted(got) == list(range(1, 21))
     assert [got[s] for s in range(1, 21)] == [ref_losses[s] for s in range(1, 21)]  # bitwise: equal floats
+
+
+@pytest.mark.slow
+def test_two_processes_agree_when_one_local_step_is_half_written(store, tmp_path):
+  """2 processes x 4 devices (fsdp inside each, across both), killed after step 17; process 1's local step
+  16 is then cut in half (its node lost the tail of the file): both resume from local step 14, the newest
+  step both hold whole."""
+  local = tmp_path / "local"
+  args = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=2", "--config.mesh.fsdp=4",
+                       "--config.mesh.dcn_fsdp=2", "--config.steps=18", "--config.checkpoint.every_steps=10",
+                       "--config.checkpoint.local_every_steps=2", f"--config.checkpoint.local_dir={local}",
+                       f"--config.data.path={store}", f"--config.output_dir={tmp_path}",
+                       "--config.runtime.shutdown_timeout_s=60", "--config.faults.kill_at_step=17"]
+  result = launch(["--processes=2", "--max-restarts=0", "--peer-grace=60"], args, devices=4)
+  assert "(processes, in exit order: -9, -9)" in result.stderr, result.stderr[-3000:]
+  assert sorted(os.listdir(local)) == ["process_0", "process_1"]
+  state = local / "process_1" / "16" / "state.bin"
+  with open(state, "r+b") as f:
+    f.truncate(state.stat().st_size // 2)
+  result = launch(["--processes=2", "--max-restarts=0", "--peer-grace=60"], args, devices=4)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert sorted(restores(tmp_path)) == [(0, "local", 14), (1, "local", 14)]
+  assert "process_1/16 not usable: corrupt (state.bin: size" in result.stderr
+  # Process 0 restored its own (whole) step 14 although it also held 16: the same state on both.
+  np.testing.assert_array_equal(sorted(losses(tmp_path)), list(range(2, 19, 2)))

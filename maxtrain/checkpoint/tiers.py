@@ -53,8 +53,12 @@ def choose(per_process: Sequence[Sequence[int]], durable_step: int | None, befor
                   f"{len(per_process)} processes and newer than the durable tier's "
                   f"{'step ' + str(durable) if durable is not None else 'none'}")
   if newest_local is None:
-    why = (f"no local step is complete on every process (process {', '.join(map(str, missing))} has none usable)"
-           if missing else "the processes hold no local step in common")
+    if len(missing) == len(per_process):
+      why = "the local tier holds no usable step"
+    elif missing:
+      why = f"no local step is complete on every process (process {', '.join(map(str, missing))} has none usable)"
+    else:
+      why = "the processes hold no local step in common"
   else:
     why = f"the newest local step every process holds is {newest_local}, not newer"
   if durable is None:
