@@ -7,8 +7,10 @@ Young/Daly arithmetic also as plain functions."""
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ from maxtrain.checkpoint import cadence, tiers
 from maxtrain.checkpoint.storage import validate
 from maxtrain.errors import UserError
 from maxtrain.monitor.events import read_events
-from test_checkpoint import assert_bitwise_equal, losses, restore_raw
+from test_checkpoint import assert_bitwise_equal, losses, restore_raw, s3_server  # noqa: F401 - a fixture
 from tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
@@ -150,3 +152,72 @@ def test_two_processes_agree_when_one_local_step_is_half_written(store, tmp_path
   assert "process_1/16 not usable: corrupt (state.bin: size" in result.stderr
   # Process 0 restored its own (whole) step 14 although it also held 16: the same state on both.
   np.testing.assert_array_equal(sorted(losses(tmp_path)), list(range(2, 19, 2)))
+
+
+class StallingProxy:
+  """A TCP proxy in front of the S3 server that holds every checkpoint upload (a PUT below `prefix`, the
+  lease aside) without an answer until released: a stalled bucket. Everything else passes."""
+
+  def __init__(self, upstream: tuple[str, int], prefix: bytes):
+    self.upstream, self.prefix = upstream, prefix
+    self.listener = socket.create_server(("127.0.0.1", 0))
+    self.port = self.listener.getsockname()[1]
+    self.released = threading.Event()
+    self.stalled = 0
+    threading.Thread(target=self._accept, daemon=True).start()
+
+  def _accept(self):
+    while True:
+      try:
+        client, _ = self.listener.accept()
+      except OSError:
+        return
+      threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+  def _serve(self, client):
+    upstream = socket.create_connection(self.upstream)
+    threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+    with client, upstream:
+      while data := client.recv(1 << 16):
+        if data.startswith(b"PUT " + self.prefix) and b".maxtrain.lease" not in data.split(b"\r\n", 1)[0]:
+          self.stalled += 1
+          self.released.wait()  # the stall itself: no answer until the test ends
+          return
+        upstream.sendall(data)
+
+  @staticmethod
+  def _pump(source, sink):
+    try:
+      while data := source.recv(1 << 16):
+        sink.sendall(data)
+    except OSError:
+      pass
+
+  def close(self):
+    self.released.set()
+    self.listener.close()
+
+
+def test_stalled_bucket_falls_behind_while_training_goes_on(store, tmp_path, s3_server, monkeypatch):
+  from maxtrain.cli import train
+
+  host, port = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://").split(":")
+  proxy = StallingProxy((host, int(port)), b"/ckpts/stall/")
+  monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+  try:
+    code = train.main(TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", f"--config.output_dir={tmp_path}",
+                              "--config.steps=10", "--config.checkpoint.dir=s3://ckpts/stall",
+                              "--config.checkpoint.every_steps=2", "--config.checkpoint.local_every_steps=1",
+                              f"--config.checkpoint.local_dir={tmp_path / 'local'}",
+                              "--config.checkpoint.max_durable_lag=1", "--config.checkpoint.s3_read_timeout_s=2",
+                              "--config.checkpoint.s3_max_attempts=1"])
+  finally:
+    proxy.close()
+  assert code == 0 and proxy.stalled >= 1
+  records = read_events(tmp_path / "events.jsonl")
+  behind = [r for r in records if r["kind"] == "checkpoint_behind"]
+  assert behind and behind[0]["pending"] == 2 and behind[0]["max_durable_lag"] == 1
+  # Training went on, saving to the local tier after the durable one fell behind.
+  local = [r["step"] for r in records if r["kind"] == "checkpoint_save_end" and r["tier"] == "local"]
+  assert [s for s in local if s > behind[0]["step"]] and max(r["step"] for r in records if r["kind"] == "steps") == 10
+  assert not [r for r in records if r["kind"] == "checkpoint_upload"]  # nothing reached the bucket

@@ -70,6 +70,9 @@ class S3Mirror:
                       "bucket name, credentials and AWS_ENDPOINT_URL") from None
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3-upload")
     self._uploads: list[concurrent.futures.Future] = []
+    self._uploaded: list[tuple[int, int, float]] = []  # (step, bytes, seconds) of finished uploads, not yet reported
+    self._uploaded_lock = threading.Lock()
+    self._queued: list[int] = []  # steps submitted and not yet started
 
   def _key(self, *parts: str) -> str:
     return "/".join(p for p in (self.prefix, *parts) if p)
@@ -90,22 +93,43 @@ class S3Mirror:
 
   def upload(self, local_step_dir: Path, step: int, keep: list[int]) -> concurrent.futures.Future:
     """Uploads a complete local checkpoint in the background, then drops remote steps not in `keep`."""
+    self._queued.append(step)
     future = self._pool.submit(self._upload, local_step_dir, step, keep)
     self._uploads.append(future)
     return future
 
   def _upload(self, local_step_dir: Path, step: int, keep: list[int]) -> float:
-    t0 = time.monotonic()
+    newer = [s for s in self._queued if s > step]
+    self._queued.remove(step)
+    if newer:  # a slow bucket: the newest step is what a restart needs; the older one is not sent
+      log.warning("checkpoint step %d not uploaded to %s: step %d is already waiting (the bucket is behind)", step,
+                  self.url, max(newer))
+      return 0.0
+    t0, num_bytes = time.monotonic(), 0
     for path in sorted(p for p in local_step_dir.rglob("*") if p.is_file()):
       self._client.upload_file(str(path), self.bucket, self._key(str(step), str(path.relative_to(local_step_dir))))
+      num_bytes += path.stat().st_size
       self.on_progress()  # a file is up: the upload is moving (the watchdog watches the wait at exit)
     self._client.put_object(Bucket=self.bucket, Key=self._key(str(step), MARKER), Body=b"")
+    seconds = time.monotonic() - t0
+    with self._uploaded_lock:
+      self._uploaded.append((step, num_bytes, seconds))
     for old in self.complete_steps():
       if old not in keep and old != step:
         self._delete(old)
-    seconds = time.monotonic() - t0
-    log.info("checkpoint step %d uploaded to %s in %.2fs", step, self.url, seconds)
+    log.info("checkpoint step %d uploaded to %s in %.2fs (%.1f MB/s)", step, self.url, seconds,
+             num_bytes / 1e6 / max(seconds, 1e-9))
     return seconds
+
+  def uploaded(self) -> list[tuple[int, int, float]]:
+    """(step, bytes, seconds) of the uploads finished since the last call."""
+    with self._uploaded_lock:
+      done, self._uploaded = self._uploaded, []
+    return done
+
+  def pending(self) -> int:
+    """Saves complete locally but not yet in object storage (queued or uploading)."""
+    return sum(not f.done() for f in self._uploads)
 
   def _delete(self, step: int) -> None:
     # The marker goes first: a half-deleted step is then an incomplete one, never restored.

@@ -44,6 +44,7 @@ class Checkpoints:
     self.agreement = tiers.Agreement(kv, jax.process_index(), jax.process_count())
     self.cadence = Cadence(ck, events, kv, jax.process_index(), output_dir / ev.FILENAME)
     self.resume_tier: str | None = None
+    self._behind_reported = 0  # the lag last reported (a checkpoint_behind event each time it grows)
     self.events, self.metrics = events, metrics
     self.on_save_started = on_save_started or (lambda step: None)
     self.on_progress = on_progress or (lambda: None)
@@ -141,6 +142,26 @@ class Checkpoints:
       self._log(self.store.poll())
     if self.local is not None:
       self._log_local(self.local.poll())
+    self._log_remote(step)
+
+  def _log_remote(self, step: int) -> None:
+    """Uploads finished (bytes/s), and whether the durable tier falls behind (a slow or stalled bucket)."""
+    remote = self.store.remote
+    if remote is None:
+      return
+    for saved_step, num_bytes, seconds in remote.uploaded():
+      rate = num_bytes / max(seconds, 1e-9)
+      self.events.emit(ev.CHECKPOINT_UPLOAD, saved_step, tier=tiers.DURABLE, bytes=num_bytes, seconds=seconds,
+                       bytes_per_s=rate)
+      self.metrics.scalars(saved_step, {"checkpoint/durable/upload_s": seconds,
+                                        "checkpoint/durable/upload_bytes_per_s": rate})
+    pending, limit = remote.pending(), self.cfg.checkpoint.max_durable_lag
+    if pending > limit and pending > self._behind_reported:
+      self.events.emit(ev.CHECKPOINT_BEHIND, step, tier=tiers.DURABLE, pending=pending, max_durable_lag=limit)
+      log.warning("the durable tier %s is falling behind: %d saves wait for upload (checkpoint.max_durable_lag=%d); "
+                  "training goes on%s", self.location, pending, limit,
+                  " on the local tier" if self.local is not None else "")
+    self._behind_reported = pending if pending > limit else 0
 
   def save_local(self, step: int, state: Any, data_state: dict, mesh_shape: dict, *, sync: bool) -> None:
     """A save to this process's local tier: the loop blocks for the device-to-host copy only (`sync`: all of it)."""
