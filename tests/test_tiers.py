@@ -20,6 +20,7 @@ from maxtrain import config as config_lib
 from maxtrain.checkpoint import cadence, tiers
 from maxtrain.checkpoint.storage import validate
 from maxtrain.errors import UserError
+from maxtrain.monitor import goodput
 from maxtrain.monitor.events import read_events
 from test_checkpoint import assert_bitwise_equal, losses, restore_raw, s3_server  # noqa: F401 - a fixture
 from tiny import TINY_MODEL
@@ -221,3 +222,58 @@ def test_stalled_bucket_falls_behind_while_training_goes_on(store, tmp_path, s3_
   local = [r["step"] for r in records if r["kind"] == "checkpoint_save_end" and r["tier"] == "local"]
   assert [s for s in local if s > behind[0]["step"]] and max(r["step"] for r in records if r["kind"] == "steps") == 10
   assert not [r for r in records if r["kind"] == "checkpoint_upload"]  # nothing reached the bucket
+
+
+def test_every_minutes_becomes_steps_at_the_warmup_and_each_save(tmp_path):
+  from maxtrain.monitor.events import EventLog
+
+  ck = config_lib.base_config().checkpoint
+  ck.every_steps, ck.every_minutes = 0, 0.05  # 3 s
+  with EventLog(tmp_path / "events.jsonl", 0) as events:
+    c = cadence.Cadence(ck, events)
+    c._step_times = [0.25, 0.2, 0.3]  # median 0.25 s a step: 3 s is 12 steps
+    assert not c.due("durable", 2) and not c.due("durable", cadence.WARMUP_STEP)
+    assert [s for s in range(4, 40) if c.due("durable", s)] == [15]
+    c.saved("durable", 15, cost_s=0.1)
+    assert c.next["durable"] == 27 and c.next["local"] is None
+  decisions = [r for r in read_events(tmp_path / "events.jsonl") if r["kind"] == "checkpoint_cadence"]
+  assert [(r["step"], r["interval_steps"], r["next_step"]) for r in decisions] == [(3, 12, 15), (15, 12, 27)]
+  assert decisions[0]["interval_s"] == 3.0 and decisions[0]["step_time_s"] == 0.25
+
+
+@pytest.mark.slow
+def test_auto_cadence_under_crashes_at_a_known_rate(store, tmp_path):
+  """cadence=auto in a supervised run killed (kill -9) after every 12 steps of an attempt, twice: each local
+  interval is sqrt(2 C M) from the logged save cost C and the M the event history gives, and the goodput
+  report's lost work per failure is the steps recomputed."""
+  prior_min, every = 0.2, 12
+  result = launch(["--max-restarts=3"], TINY + [
+      f"--config.data.path={store}", f"--config.output_dir={tmp_path}", "--config.steps=30", "--config.mesh.fsdp=1",
+      "--config.checkpoint.cadence=auto", "--config.checkpoint.every_steps=0", "--config.checkpoint.local_every_steps=2",
+      f"--config.checkpoint.local_dir={tmp_path / 'local'}", f"--config.checkpoint.mtbf_prior_minutes={prior_min}",
+      f"--config.faults.kill_every_steps={every}", "--config.faults.kill_times=2"], devices=1)
+  assert result.returncode == 0 and attempt_codes(result) == ["-9", "-9", "0"], result.stderr[-3000:]
+  records = read_events(tmp_path / "events.jsonl")
+  decisions = [r for r in records if r["kind"] == "checkpoint_cadence" and r["tier"] == "local"]
+  assert {r["attempt"] for r in decisions} == {0, 1, 2}
+  first_wall = min(r["wall"] for r in records)
+  for r in decisions:
+    assert r["failures"] == r["attempt"]  # every earlier attempt was killed
+    assert r["mtbf_s"] == pytest.approx((r["span_s"] + prior_min * 60) / (r["failures"] + 1))
+    start = min(x["wall"] for x in records if x["attempt"] == r["attempt"] and x["process"] == 0)
+    assert start - first_wall - 1.0 <= r["span_s"] <= start - first_wall + 5.0  # measured at the attempt's start
+    saves = [x["blocking_s"] for x in records if x["kind"] == "checkpoint_blocked" and x.get("tier") == "local"
+             and x["attempt"] == r["attempt"] and x["step"] <= r["step"]]
+    assert r["cost_s"] == pytest.approx(sum(saves) / len(saves))
+    assert r["interval_s"] == pytest.approx(cadence.young_daly_s(r["cost_s"], r["mtbf_s"]))
+    assert r["interval_steps"] * r["step_time_s"] == pytest.approx(r["interval_s"], rel=0.2) or r["interval_steps"] == 1
+  report = goodput.compute(records)
+  failures = report["checkpoints"]["failures"]
+  restored = [r["step"] for r in records if r["kind"] == "restore"]
+  assert [f["last_step"] for f in failures] == [every, restored[0] + every]
+  assert [f["restored_step"] for f in failures] == restored
+  for f in failures:  # the newest local save the killed attempt finished
+    saved = [r["step"] for r in records if r["kind"] == "checkpoint_save_end" and r["attempt"] == f["attempt"]]
+    assert f["restored_step"] == max(saved) and f["recomputed_steps"] == f["last_step"] - f["restored_step"]
+    assert f["expected_steps"] > 0 and f["actual_s"] >= 0
+  assert sum(f["recomputed_steps"] for f in failures) == report["steps"]["lost"]

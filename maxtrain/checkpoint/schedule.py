@@ -218,8 +218,8 @@ class Checkpoints:
 
   def _log(self, timings: list[SaveTiming]) -> None:
     for timing in timings:
-      phases = {"device_to_host_s": timing.blocking_s, "manifest_s": timing.manifest_s,
-                "write_s": timing.save_s - timing.blocking_s - (timing.manifest_s or 0.0)}  # Orbax's serialise + write
+      phases = {"device_to_host_s": timing.device_to_host_s, "manifest_s": timing.manifest_s,
+                "write_s": timing.save_s - timing.device_to_host_s - (timing.manifest_s or 0.0)}  # Orbax's serialise + write
       self.events.emit(ev.CHECKPOINT_SAVE_END, timing.step, blocking_s=timing.blocking_s, save_s=timing.save_s,
                        tier=tiers.DURABLE, bytes=timing.num_bytes, **phases)
       self.metrics.scalars(timing.step, {"checkpoint/blocking_s": timing.blocking_s,

@@ -50,6 +50,7 @@ class Restored:
 class SaveTiming:
   step: int
   blocking_s: float  # time the training loop was stopped
+  device_to_host_s: float | None = None  # the part of it Orbax's save call took (a synchronous save also waits for the rest)
   save_s: float | None = None  # start of the save to the checkpoint being complete on disk
   manifest_s: float | None = None  # writing the manifest (checksumming every file), part of save_s
   num_bytes: int | None = None  # the step's size on disk
@@ -374,7 +375,7 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - a failed save must not kill training; the last good one stays
       self._failed(step, e)
       return None
-    timing = SaveTiming(step=step, blocking_s=time.monotonic() - t0)
+    timing = SaveTiming(step=step, blocking_s=time.monotonic() - t0, device_to_host_s=time.monotonic() - t0)
     self._pending, self._pending_t0 = timing, t0
     return timing
 
