@@ -7,10 +7,8 @@ Young/Daly arithmetic also as plain functions."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,7 @@ from maxtrain.errors import UserError
 from maxtrain.monitor import goodput
 from maxtrain.monitor.events import read_events
 from test_checkpoint import assert_bitwise_equal, losses, restore_raw, s3_server  # noqa: F401 - a fixture
+from s3_proxy import S3Proxy
 from tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
@@ -155,55 +154,11 @@ def test_two_processes_agree_when_one_local_step_is_half_written(store, tmp_path
   np.testing.assert_array_equal(sorted(losses(tmp_path)), list(range(2, 19, 2)))
 
 
-class StallingProxy:
-  """A TCP proxy in front of the S3 server that holds every checkpoint upload (a PUT below `prefix`, the
-  lease aside) without an answer until released: a stalled bucket. Everything else passes."""
-
-  def __init__(self, upstream: tuple[str, int], prefix: bytes):
-    self.upstream, self.prefix = upstream, prefix
-    self.listener = socket.create_server(("127.0.0.1", 0))
-    self.port = self.listener.getsockname()[1]
-    self.released = threading.Event()
-    self.stalled = 0
-    threading.Thread(target=self._accept, daemon=True).start()
-
-  def _accept(self):
-    while True:
-      try:
-        client, _ = self.listener.accept()
-      except OSError:
-        return
-      threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-  def _serve(self, client):
-    upstream = socket.create_connection(self.upstream)
-    threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
-    with client, upstream:
-      while data := client.recv(1 << 16):
-        if data.startswith(b"PUT " + self.prefix) and b".maxtrain.lease" not in data.split(b"\r\n", 1)[0]:
-          self.stalled += 1
-          self.released.wait()  # the stall itself: no answer until the test ends
-          return
-        upstream.sendall(data)
-
-  @staticmethod
-  def _pump(source, sink):
-    try:
-      while data := source.recv(1 << 16):
-        sink.sendall(data)
-    except OSError:
-      pass
-
-  def close(self):
-    self.released.set()
-    self.listener.close()
-
-
 def test_stalled_bucket_falls_behind_while_training_goes_on(store, tmp_path, s3_server, monkeypatch):
   from maxtrain.cli import train
 
   host, port = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://").split(":")
-  proxy = StallingProxy((host, int(port)), b"/ckpts/stall/")
+  proxy = S3Proxy((host, int(port)), b"/ckpts/stall/", "stall")
   monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
   try:
     code = train.main(TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", f"--config.output_dir={tmp_path}",

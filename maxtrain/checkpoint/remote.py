@@ -28,6 +28,18 @@ from maxtrain.errors import UserError
 
 log = logging.getLogger("maxtrain")
 MARKER = "_MAXTRAIN_COMPLETE"
+CREDENTIAL_ATTEMPTS = 3  # an upload whose credentials expired: tried on fresh credentials this many times in all
+_EXPIRED = ("ExpiredToken", "ExpiredTokenException", "RequestExpired", "TokenRefreshRequired", "InvalidToken")
+
+
+def expired_credentials(error: BaseException) -> str | None:
+  """The error code when `error` says the request's credentials expired, else None (boto3's upload_file wraps
+  the ClientError in S3UploadFailedError, whose message names the code)."""
+  code = getattr(error, "response", {}).get("Error", {}).get("Code") if hasattr(error, "response") else None
+  if code in _EXPIRED:
+    return code
+  text = str(error)
+  return next((c for c in _EXPIRED if f"({c})" in text), None)
 
 
 def staged_path(root: Path, key: str, rel: str) -> Path:
@@ -60,8 +72,9 @@ class S3Mirror:
 
     # Explicit, bounded waits: botocore's defaults (60 s connect and read, retried) block for minutes on a
     # stalled endpoint before anything is said.
-    self._client = boto3.client("s3", config=Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
-                                                    retries={"total_max_attempts": max_attempts, "mode": "standard"}))
+    self._config = Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
+                          retries={"total_max_attempts": max_attempts, "mode": "standard"})
+    self._client = self._new_client()
     self.on_progress = on_progress or (lambda: None)
     try:
       self._client.head_bucket(Bucket=self.bucket)
@@ -73,6 +86,33 @@ class S3Mirror:
     self._uploaded: list[tuple[int, int, float]] = []  # (step, bytes, seconds) of finished uploads, not yet reported
     self._uploaded_lock = threading.Lock()
     self._queued: list[int] = []  # steps submitted and not yet started
+
+  def _new_client(self):
+    """A client on a new session: the standard credential chain read afresh. Its web-identity, container,
+    process and SSO credentials refresh themselves before they expire (botocore's refreshing providers);
+    keys from the environment or the credentials file are read once per session, so an expired one is
+    retried on a new session (`_with_fresh_credentials`), which picks up keys rotated in place."""
+    import boto3
+
+    return boto3.session.Session().client("s3", config=self._config)
+
+  def _with_fresh_credentials(self, what: str, fn: Callable, *args):
+    """`fn(*args)`, retried on a new client when the endpoint says the credentials expired."""
+    for attempt in range(1, CREDENTIAL_ATTEMPTS + 1):
+      try:
+        return fn(*args)
+      except Exception as e:  # noqa: BLE001 - only an expired credential is retried; the rest propagate
+        code = expired_credentials(e)
+        if code is None:
+          raise
+        if attempt == CREDENTIAL_ATTEMPTS:
+          raise RuntimeError(f"{what}: the S3 credentials expired ({code}) and {CREDENTIAL_ATTEMPTS - 1} fresh "
+                             "reads of the credential chain (environment, ~/.aws files, web identity, container, "
+                             "process) did not renew them: renew the credentials or the role; the local checkpoint "
+                             "is intact") from e
+        log.warning("%s: the S3 credentials expired (%s); reading the credential chain afresh and retrying (%d/%d)",
+                    what, code, attempt, CREDENTIAL_ATTEMPTS - 1)
+        self._client = self._new_client()
 
   def _key(self, *parts: str) -> str:
     return "/".join(p for p in (self.prefix, *parts) if p)
@@ -99,8 +139,13 @@ class S3Mirror:
     return future
 
   def _upload(self, local_step_dir: Path, step: int, keep: list[int]) -> float:
+    return self._with_fresh_credentials(f"upload of checkpoint step {step} to {self.url}", self._upload_once,
+                                        local_step_dir, step, keep)
+
+  def _upload_once(self, local_step_dir: Path, step: int, keep: list[int]) -> float:
     newer = [s for s in self._queued if s > step]
-    self._queued.remove(step)
+    if step in self._queued:  # (a retry finds it removed)
+      self._queued.remove(step)
     if newer:  # a slow bucket: the newest step is what a restart needs; the older one is not sent
       log.warning("checkpoint step %d not uploaded to %s: step %d is already waiting (the bucket is behind)", step,
                   self.url, max(newer))

@@ -209,6 +209,13 @@ class Checkpoints:
         self.cadence.saved(tiers.DURABLE, step, timing.blocking_s)
         self._log(done)
 
+  def save_preemption(self, step: int, state: Any, data_state: dict, mesh_shape: dict) -> None:
+    """Asked to stop: the fastest tier first (the local one, milliseconds: complete even if the grace period
+    ends during the next save), then the durable one (a replacement node has no local tier)."""
+    if self.local is not None:
+      self.save_local(step, state, data_state, mesh_shape, sync=True)
+    self.save(step, state, data_state, mesh_shape, sync=True)
+
   def check_final(self, step: int) -> None:
     """Exiting 0 would lose this run's work silently when its last save failed; a crash exit lets a
     supervisor restart from the newest complete checkpoint."""
