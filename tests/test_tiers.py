@@ -186,8 +186,9 @@ def test_every_minutes_becomes_steps_at_the_warmup_and_each_save(tmp_path):
   ck.every_steps, ck.every_minutes = 0, 0.05  # 3 s
   with EventLog(tmp_path / "events.jsonl", 0) as events:
     c = cadence.Cadence(ck, events)
+    c.observe(1)  # a fresh attempt's first step: the decision comes at its third, step 3
     c._step_times = [0.25, 0.2, 0.3]  # median 0.25 s a step: 3 s is 12 steps
-    assert not c.due("durable", 2) and not c.due("durable", cadence.WARMUP_STEP)
+    assert not c.due("durable", 2) and not c.due("durable", 3)
     assert [s for s in range(4, 40) if c.due("durable", s)] == [15]
     c.saved("durable", 15, cost_s=0.1)
     assert c.next["durable"] == 27 and c.next["local"] is None

@@ -8,8 +8,8 @@ configured prior counted as one more failure-free interval, so the first attempt
 Expected lost work per failure is then about tau / 2 of recomputation (plus the restart).
 
 Time-based intervals are converted to steps with the measured step time, and the conversion happens
-only at decision points every process reaches at the same step (the warm-up step, then each save of the
-tier): process 0 decides and the others read its decision from the key-value store, so every process
+only at decision points every process reaches at the same step (the attempt's third step, then each save
+of the tier): process 0 decides and the others read its decision from the key-value store, so every process
 saves at the same step (the durable save is collective) without a per-step exchange. Each decision is
 an event (`checkpoint_cadence`) with its inputs.
 """
@@ -25,7 +25,7 @@ from typing import Any
 from maxtrain.monitor import events as ev
 
 log = logging.getLogger("maxtrain")
-WARMUP_STEP = 3  # the first decision: compilation is over and two steps have been timed
+WARMUP_STEPS = 3  # the first decision, this many steps into an attempt: compiled, and two steps timed
 _DECISION_TIMEOUT_S = 600.0
 
 
@@ -54,6 +54,8 @@ class Cadence:
     self.next: dict[str, int | None] = {"durable": None, "local": None}
     self.costs: dict[str, list[float]] = {"durable": [], "local": []}
     self._last_t: float | None = None
+    self._first_step: int | None = None  # the attempt's first step (a resumed run starts past 0)
+    self._decisions = 0  # numbers the key-value keys: a step run again after a rollback decides anew
     self._step_times: list[float] = []
     self.mtbf = (ck.mtbf_prior_minutes * 60.0, 0, 0.0)
     if self.mode == "auto" and events_path is not None and events_path.exists():
@@ -66,6 +68,8 @@ class Cadence:
   def observe(self, step: int, seconds_outside: float = 0.0) -> None:
     """Called after each step: the host's time between steps (less a save's blocking) is the step time."""
     now = time.monotonic()
+    if self._first_step is None:
+      self._first_step = step
     if self._last_t is not None:
       self._step_times = (self._step_times + [max(now - self._last_t - seconds_outside, 1e-6)])[-20:]
     self._last_t = now
@@ -77,7 +81,8 @@ class Cadence:
     return ordered[len(ordered) // 2]  # the median: a save or an eval in the window does not skew it
 
   def due(self, tier: str, step: int) -> bool:
-    if self.timed and step == WARMUP_STEP and self.next[tier] is None:
+    warmup = self._first_step is not None and step == self._first_step + WARMUP_STEPS - 1
+    if self.timed and warmup and self.next[tier] is None:
       self.decide(tier, step, saved=False)
     if self.mode == "auto" and self.costs[tier]:
       return self.next[tier] == step  # the measured interval replaces the configured one
@@ -91,7 +96,8 @@ class Cadence:
       self.decide(tier, step, saved=True)
 
   def decide(self, tier: str, step: int, *, saved: bool) -> int | None:
-    key = f"ckpt-cadence/{tier}/{step}"
+    self._decisions += 1
+    key = f"ckpt-cadence/{tier}/{self._decisions}"
     if self.kv is not None and self.process_index != 0:
       value = self.kv.get(key, _DECISION_TIMEOUT_S)
       self.next[tier] = None if value in (None, "none") else int(value)

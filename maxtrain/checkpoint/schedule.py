@@ -134,9 +134,11 @@ class Checkpoints:
     """Saves when the cadence says so (the final step synchronously, to the durable tier); else collects
     finished saves. A step due in both tiers goes to the durable one only."""
     self.cadence.observe(step)
-    if final or self.cadence.due("durable", step):
+    durable = self.cadence.due("durable", step)  # both asked every step: a due() may be a decision point
+    local = self.local is not None and self.cadence.due("local", step)
+    if final or durable:
       self.save(step, state, data_state, mesh_shape, sync=final)
-    elif self.local is not None and self.cadence.due("local", step):
+    elif local:
       self.save_local(step, state, data_state, mesh_shape, sync=False)
     else:
       self._log(self.store.poll())
