@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from maxtrain import config as config_lib
 from maxtrain.checkpoint import cadence, tiers
@@ -114,6 +115,13 @@ def test_kill_resumes_from_the_newest_tier_bitwise(store, tmp_path, reference):
   assert result.returncode == 0 and attempt_codes(result) == ["-9", "0"], result.stderr[-3000:]
   assert restores(a) == [(0, "local", 16)]
   assert "resume: local step 16 is complete and verified on all 1 processes" in result.stderr
+  scalars = EventAccumulator(str(a / "tensorboard"))
+  scalars.Reload()
+  for phase in ("device_to_host_s", "serialise_s", "write_s", "manifest_s", "save_s"):
+    assert {e.step for e in scalars.Scalars(f"checkpoint/local/{phase}")} == {2, 4, 6, 8, 12, 14, 16, 18}
+  section = goodput.compute(read_events(a / "events.jsonl"))["checkpoints"]
+  assert section["tiers"]["local"]["saves"] == 8 and section["tiers"]["local"]["restores"] == 1
+  assert [(f["last_step"], f["restored_step"], f["restored_tier"]) for f in section["failures"]] == [(17, 16, "local")]
   # The same kill with the node's local disk lost before the restart: the durable step 10.
   b = tmp_path / "b"
   result = launch(["--max-restarts=0"], args + [f"--config.output_dir={b}", f"--config.checkpoint.local_dir={b / 'l'}"])
@@ -154,7 +162,7 @@ def test_two_processes_agree_when_one_local_step_is_half_written(store, tmp_path
   np.testing.assert_array_equal(sorted(losses(tmp_path)), list(range(2, 19, 2)))
 
 
-def test_stalled_bucket_falls_behind_while_training_goes_on(store, tmp_path, s3_server, monkeypatch):
+def test_stalled_bucket_falls_behind_while_training_goes_on(store, tmp_path, s3_server, monkeypatch, caplog):
   from maxtrain.cli import train
 
   host, port = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://").split(":")
@@ -166,7 +174,8 @@ def test_stalled_bucket_falls_behind_while_training_goes_on(store, tmp_path, s3_
                               "--config.checkpoint.every_steps=2", "--config.checkpoint.local_every_steps=1",
                               f"--config.checkpoint.local_dir={tmp_path / 'local'}",
                               "--config.checkpoint.max_durable_lag=1", "--config.checkpoint.s3_read_timeout_s=2",
-                              "--config.checkpoint.s3_max_attempts=1"])
+                              "--config.checkpoint.s3_max_attempts=1", "--config.faults.nan_at_step=8",
+                              "--config.guards.max_consecutive_bad=1"])
   finally:
     proxy.close()
   assert code == 0 and proxy.stalled >= 1
@@ -177,6 +186,9 @@ def test_stalled_bucket_falls_behind_while_training_goes_on(store, tmp_path, s3_
   local = [r["step"] for r in records if r["kind"] == "checkpoint_save_end" and r["tier"] == "local"]
   assert [s for s in local if s > behind[0]["step"]] and max(r["step"] for r in records if r["kind"] == "steps") == 10
   assert not [r for r in records if r["kind"] == "checkpoint_upload"]  # nothing reached the bucket
+  # The NaN at step 8 rolled back to local step 7, newer than the durable tier's 6.
+  rollback = next(r for r in records if r["kind"] == "rollback")
+  assert (rollback["from_step"], rollback["to_step"]) == (8, 7) and "rollback: local step 7" in caplog.text
 
 
 def test_every_minutes_becomes_steps_at_the_warmup_and_each_save(tmp_path):
