@@ -16,6 +16,7 @@ manifest and the rotation run on one background thread, each phase timed (`Local
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -77,7 +78,10 @@ class LocalTier:
     self.root = Path(local_dir).absolute() / f"process_{process_index}"
     self.root.mkdir(parents=True, exist_ok=True)
     self.keep = max(1, keep)
-    self._thread: threading.Thread | None = None
+    # One long-lived writer: a thread started per save costs the loop its start-up handshake (tens of ms
+    # measured on a loaded 2-core machine, where the new thread waits for the GIL and a core).
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-local")
+    self._future: concurrent.futures.Future | None = None
     self._pending: LocalSave | None = None
     self._done: list[LocalSave] = []
     self._lock = threading.Lock()
@@ -87,16 +91,14 @@ class LocalTier:
   def save(self, step: int, state: Any, data_state: dict, meta: dict) -> LocalSave:
     """Copies this process's shards to host memory (the loop blocks for this), then writes them on a
     background thread. One save in flight: a new one first waits for the previous one."""
-    if self._thread is not None:  # its record stays for the next poll
-      self._thread.join()
-      self._thread = None
+    if self._future is not None:  # its record stays for the next poll
+      self._future.result()
+      self._future = None
     t0 = time.monotonic()
     shards = _host_shards(state)
     save = LocalSave(step=step, blocking_s=time.monotonic() - t0, num_bytes=sum(a.nbytes for _, _, a in shards))
     self._pending = save
-    self._thread = threading.Thread(target=self._write, args=(save, shards, data_state, meta, t0),
-                                    name="ckpt-local", daemon=True)
-    self._thread.start()
+    self._future = self._pool.submit(self._write, save, shards, data_state, meta, t0)
     return save
 
   def _write(self, save: LocalSave, shards: list, data_state: dict, meta: dict, t0: float) -> None:
@@ -142,10 +144,14 @@ class LocalTier:
       shutil.rmtree(self.root / str(step), ignore_errors=True)
 
   def wait(self) -> list[LocalSave]:
-    if self._thread is not None:
-      self._thread.join()
-      self._thread = None
+    if self._future is not None:
+      self._future.result()
+      self._future = None
     return self.poll()
+
+  def close(self) -> None:
+    self.wait()
+    self._pool.shutdown()
 
   def poll(self) -> list[LocalSave]:
     with self._lock:
@@ -153,9 +159,6 @@ class LocalTier:
     if self._pending is not None and self._pending in done:
       self._pending = None
     return done
-
-  def pending(self) -> bool:
-    return self._thread is not None and self._thread.is_alive()
 
   # ---- resume -----------------------------------------------------------------------------
 

@@ -35,7 +35,8 @@ _EXPIRED = ("ExpiredToken", "ExpiredTokenException", "RequestExpired", "TokenRef
 def expired_credentials(error: BaseException) -> str | None:
   """The error code when `error` says the request's credentials expired, else None (boto3's upload_file wraps
   the ClientError in S3UploadFailedError, whose message names the code)."""
-  code = getattr(error, "response", {}).get("Error", {}).get("Code") if hasattr(error, "response") else None
+  response = getattr(error, "response", None)
+  code = (response.get("Error") or {}).get("Code") if isinstance(response, dict) else None
   if code in _EXPIRED:
     return code
   text = str(error)

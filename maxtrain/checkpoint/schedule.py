@@ -248,4 +248,5 @@ class Checkpoints:
     self.on_progress()  # the wait for the last save and upload starts now, under the watchdog
     if self.local is not None:
       self._log_local(self.local.wait())
+      self.local.close()
     self.store.close()
