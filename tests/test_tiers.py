@@ -247,3 +247,21 @@ def test_auto_cadence_under_crashes_at_a_known_rate(store, tmp_path):
     assert f["restored_step"] == max(saved) and f["recomputed_steps"] == f["last_step"] - f["restored_step"]
     assert f["expected_steps"] > 0 and f["actual_s"] >= 0
   assert sum(f["recomputed_steps"] for f in failures) == report["steps"]["lost"]
+
+
+def test_preemption_saves_the_fastest_tier_first(store, tmp_path):
+  from maxtrain.cli import train
+
+  code = train.main(TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", f"--config.output_dir={tmp_path}",
+                            "--config.steps=6", "--config.checkpoint.every_steps=0",
+                            "--config.checkpoint.local_every_steps=2", f"--config.checkpoint.local_dir={tmp_path / 'l'}",
+                            "--config.faults.sigterm_at_step=3"])
+  assert code == 75
+  saved = [(r["kind"], r.get("tier", "durable")) for r in read_events(tmp_path / "events.jsonl")
+           if r["step"] == 3 and r["kind"] in ("checkpoint_blocked", "checkpoint_save_end")]
+  # The local save is complete before the durable one starts: a grace period that ends during the durable
+  # save still leaves step 3 on the node.
+  assert saved[:2] == [("checkpoint_blocked", "local"), ("checkpoint_save_end", "local")]
+  assert ("checkpoint_save_end", "durable") in saved[2:]
+  assert (tmp_path / "l" / "process_0" / "3" / "maxtrain_manifest.json").exists()
+  assert (tmp_path / "checkpoints" / "3" / "maxtrain_manifest.json").exists()
