@@ -160,6 +160,8 @@ def test_two_processes_agree_when_one_local_step_is_half_written(store, tmp_path
   assert result.returncode == 0, result.stderr[-3000:]
   assert sorted(restores(tmp_path)) == [(0, "local", 14), (1, "local", 14)]
   assert "process_1/16 not usable: corrupt (state.bin: size" in result.stderr
+  # Process 0's whole step 16 belonged to the abandoned run: deleted, then saved anew at 16.
+  assert "local checkpoint steps [16] are newer than the restored step 14" in result.stderr
   # Process 0 restored its own (whole) step 14 although it also held 16: the same state on both.
   np.testing.assert_array_equal(sorted(losses(tmp_path)), list(range(2, 19, 2)))
 
@@ -231,7 +233,7 @@ def test_auto_cadence_under_crashes_at_a_known_rate(store, tmp_path):
     assert r["failures"] == r["attempt"]  # every earlier attempt was killed
     assert r["mtbf_s"] == pytest.approx((r["span_s"] + prior_min * 60) / (r["failures"] + 1))
     start = min(x["wall"] for x in records if x["attempt"] == r["attempt"] and x["process"] == 0)
-    assert start - first_wall - 1.0 <= r["span_s"] <= start - first_wall + 5.0  # measured at the attempt's start
+    assert start - first_wall <= r["span_s"] <= r["wall"] - first_wall  # measured as the attempt started
     saves = [x["blocking_s"] for x in records if x["kind"] == "checkpoint_blocked" and x.get("tier") == "local"
              and x["attempt"] == r["attempt"] and x["step"] <= r["step"]]
     assert r["cost_s"] == pytest.approx(sum(saves) / len(saves))

@@ -162,6 +162,15 @@ class LocalTier:
 
   # ---- resume -----------------------------------------------------------------------------
 
+  def drop_after(self, step: int) -> list[int]:
+    """Deletes this process's local steps newer than `step`, which a resume or a rollback to `step` abandoned:
+    a later resume must not take a step of the abandoned run. Returns them."""
+    self.wait()
+    stale = [s for s in self.steps() if s > step]
+    for s in stale:
+      shutil.rmtree(self.path(s), ignore_errors=True)
+    return stale
+
   def steps(self) -> list[int]:
     """Steps renamed into place (complete on this process; not yet verified)."""
     if not self.root.is_dir():

@@ -104,7 +104,14 @@ class Checkpoints:
                      read_s=seconds)
     log.info("restored step %d from the %s tier, %s, in %.2fs (saved on mesh %s)", restored.step, tier, path,
              seconds, restored.meta.get("mesh"))
+    self._drop_local_after(restored.step)
     return restored
+
+  def _drop_local_after(self, step: int) -> None:
+    dropped = self.local.drop_after(step) if self.local is not None else []
+    if dropped:
+      log.warning("local checkpoint steps %s are newer than the restored step %d (a run that was abandoned): deleted",
+                  dropped, step)
 
   def restore_before(self, step: int, state_spec: Any) -> Any | None:
     """The newest checkpoint's state from before `step` that verifies (waiting for a save in flight), or
@@ -125,7 +132,10 @@ class Checkpoints:
       choice = self._choose(durable, before=step)
       log.info("rollback: %s", choice.reason)
       if choice.tier == tiers.LOCAL:
-        return self.local.restore(self.local.path(choice.step), state_spec.abstract, state_spec.shardings)[0]
+        state = self.local.restore(self.local.path(choice.step), state_spec.abstract, state_spec.shardings)[0]
+        self._drop_local_after(choice.step)
+        return state
+    self._drop_local_after(int(good.name) if good is not None and good.name.isdigit() else 0)
     if good is None:
       return None
     return self.store.restore(good, state_spec.abstract, state_spec.shardings).state
