@@ -2,7 +2,6 @@
 `credential_process` whose keys last a minute, re-run as they near expiry) and an expired credential is a
 warning and a retry on the credential chain read afresh, not a lost upload. Against a real S3 server (moto)."""
 
-import json
 import os
 import sys
 from pathlib import Path

@@ -4,7 +4,6 @@ every process, bitwise like the run that never stopped; the cadence's decisions;
 End to end through `maxtrain.launch` with kill -9 (faults.kill_at_step); the tier choice and the
 Young/Daly arithmetic also as plain functions."""
 
-import json
 import os
 import shutil
 import subprocess

@@ -64,7 +64,7 @@ class S3Mirror:
     if parsed.scheme != "s3" or not parsed.netloc:
       raise UserError(f"checkpoint.dir={url!r}: expected s3://BUCKET/PREFIX")
     try:
-      import boto3
+      import boto3  # noqa: F401 - here for the clear error below; clients come from _new_client
       import botocore.exceptions
     except ImportError:
       raise UserError("checkpoint.dir is an s3:// URL but boto3 is not installed: pip install 'maxtrain[s3]'") from None
