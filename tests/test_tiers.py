@@ -266,3 +266,32 @@ def test_preemption_saves_the_fastest_tier_first(store, tmp_path):
   assert ("checkpoint_save_end", "durable") in saved[2:]
   assert (tmp_path / "l" / "process_0" / "3" / "maxtrain_manifest.json").exists()
   assert (tmp_path / "checkpoints" / "3" / "maxtrain_manifest.json").exists()
+
+
+def test_local_tier_round_trip_rotation_and_abandoned_steps(tmp_path):
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from maxtrain.checkpoint.local import LocalTier, LocalUnusable
+
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  shardings = {"w": NamedSharding(mesh, PartitionSpec("a", None)), "s": NamedSharding(mesh, PartitionSpec())}
+  tier = LocalTier(str(tmp_path), 0, keep=3)
+  for step in (2, 4, 6, 8):
+    state = {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4) * step, shardings["w"]),
+             "s": jax.device_put(jnp.int32(step), shardings["s"])}
+    tier.save(step, state, {"next": step}, {"mesh": {"a": 4, "b": 2}, "process_count": 1})
+  tier.wait()
+  assert tier.steps() == [4, 6, 8]  # keep=3
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  restored, data = tier.restore(tier.path(6), abstract, shardings)
+  assert data == {"next": 6} and int(restored["s"]) == 6 and restored["w"].sharding == shardings["w"]
+  np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(32.0).reshape(8, 4) * 6)
+  other = {"w": NamedSharding(mesh, PartitionSpec(None, "b")), "s": shardings["s"]}
+  with pytest.raises(LocalUnusable):  # another layout: these shards were not saved
+    tier.restore(tier.path(6), abstract, other)
+  assert tier.drop_after(4) == [6, 8] and tier.steps() == [4]  # a resume to 4 abandoned them
+  assert tier.usable_steps({"a": 4, "b": 2}, 1, verify=True) == ([4], {})
+  assert tier.usable_steps({"a": 8, "b": 1}, 1, verify=True)[0] == []
+  tier.close()
