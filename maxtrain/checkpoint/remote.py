@@ -28,6 +28,19 @@ from maxtrain.errors import UserError
 
 log = logging.getLogger("maxtrain")
 MARKER = "_MAXTRAIN_COMPLETE"
+CREDENTIAL_ATTEMPTS = 3  # an upload whose credentials expired: tried on fresh credentials this many times in all
+_EXPIRED = ("ExpiredToken", "ExpiredTokenException", "RequestExpired", "TokenRefreshRequired", "InvalidToken")
+
+
+def expired_credentials(error: BaseException) -> str | None:
+  """The error code when `error` says the request's credentials expired, else None (boto3's upload_file wraps
+  the ClientError in S3UploadFailedError, whose message names the code)."""
+  response = getattr(error, "response", None)
+  code = (response.get("Error") or {}).get("Code") if isinstance(response, dict) else None
+  if code in _EXPIRED:
+    return code
+  text = str(error)
+  return next((c for c in _EXPIRED if f"({c})" in text), None)
 
 
 def staged_path(root: Path, key: str, rel: str) -> Path:
@@ -51,7 +64,7 @@ class S3Mirror:
     if parsed.scheme != "s3" or not parsed.netloc:
       raise UserError(f"checkpoint.dir={url!r}: expected s3://BUCKET/PREFIX")
     try:
-      import boto3
+      import boto3  # noqa: F401 - here for the clear error below; clients come from _new_client
       import botocore.exceptions
     except ImportError:
       raise UserError("checkpoint.dir is an s3:// URL but boto3 is not installed: pip install 'maxtrain[s3]'") from None
@@ -60,8 +73,9 @@ class S3Mirror:
 
     # Explicit, bounded waits: botocore's defaults (60 s connect and read, retried) block for minutes on a
     # stalled endpoint before anything is said.
-    self._client = boto3.client("s3", config=Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
-                                                    retries={"total_max_attempts": max_attempts, "mode": "standard"}))
+    self._config = Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
+                          retries={"total_max_attempts": max_attempts, "mode": "standard"})
+    self._client = self._new_client()
     self.on_progress = on_progress or (lambda: None)
     try:
       self._client.head_bucket(Bucket=self.bucket)
@@ -70,6 +84,36 @@ class S3Mirror:
                       "bucket name, credentials and AWS_ENDPOINT_URL") from None
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3-upload")
     self._uploads: list[concurrent.futures.Future] = []
+    self._uploaded: list[tuple[int, int, float]] = []  # (step, bytes, seconds) of finished uploads, not yet reported
+    self._uploaded_lock = threading.Lock()
+    self._queued: list[int] = []  # steps submitted and not yet started
+
+  def _new_client(self):
+    """A client on a new session: the standard credential chain read afresh. Its web-identity, container,
+    process and SSO credentials refresh themselves before they expire (botocore's refreshing providers);
+    keys from the environment or the credentials file are read once per session, so an expired one is
+    retried on a new session (`_with_fresh_credentials`), which picks up keys rotated in place."""
+    import boto3
+
+    return boto3.session.Session().client("s3", config=self._config)
+
+  def _with_fresh_credentials(self, what: str, fn: Callable, *args):
+    """`fn(*args)`, retried on a new client when the endpoint says the credentials expired."""
+    for attempt in range(1, CREDENTIAL_ATTEMPTS + 1):
+      try:
+        return fn(*args)
+      except Exception as e:  # noqa: BLE001 - only an expired credential is retried; the rest propagate
+        code = expired_credentials(e)
+        if code is None:
+          raise
+        if attempt == CREDENTIAL_ATTEMPTS:
+          raise RuntimeError(f"{what}: the S3 credentials expired ({code}) and {CREDENTIAL_ATTEMPTS - 1} fresh "
+                             "reads of the credential chain (environment, ~/.aws files, web identity, container, "
+                             "process) did not renew them: renew the credentials or the role; the local checkpoint "
+                             "is intact") from e
+        log.warning("%s: the S3 credentials expired (%s); reading the credential chain afresh and retrying (%d/%d)",
+                    what, code, attempt, CREDENTIAL_ATTEMPTS - 1)
+        self._client = self._new_client()
 
   def _key(self, *parts: str) -> str:
     return "/".join(p for p in (self.prefix, *parts) if p)
@@ -90,22 +134,48 @@ class S3Mirror:
 
   def upload(self, local_step_dir: Path, step: int, keep: list[int]) -> concurrent.futures.Future:
     """Uploads a complete local checkpoint in the background, then drops remote steps not in `keep`."""
+    self._queued.append(step)
     future = self._pool.submit(self._upload, local_step_dir, step, keep)
     self._uploads.append(future)
     return future
 
   def _upload(self, local_step_dir: Path, step: int, keep: list[int]) -> float:
-    t0 = time.monotonic()
+    return self._with_fresh_credentials(f"upload of checkpoint step {step} to {self.url}", self._upload_once,
+                                        local_step_dir, step, keep)
+
+  def _upload_once(self, local_step_dir: Path, step: int, keep: list[int]) -> float:
+    newer = [s for s in self._queued if s > step]
+    if step in self._queued:  # (a retry finds it removed)
+      self._queued.remove(step)
+    if newer:  # a slow bucket: the newest step is what a restart needs; the older one is not sent
+      log.warning("checkpoint step %d not uploaded to %s: step %d is already waiting (the bucket is behind)", step,
+                  self.url, max(newer))
+      return 0.0
+    t0, num_bytes = time.monotonic(), 0
     for path in sorted(p for p in local_step_dir.rglob("*") if p.is_file()):
       self._client.upload_file(str(path), self.bucket, self._key(str(step), str(path.relative_to(local_step_dir))))
+      num_bytes += path.stat().st_size
       self.on_progress()  # a file is up: the upload is moving (the watchdog watches the wait at exit)
     self._client.put_object(Bucket=self.bucket, Key=self._key(str(step), MARKER), Body=b"")
+    seconds = time.monotonic() - t0
+    with self._uploaded_lock:
+      self._uploaded.append((step, num_bytes, seconds))
     for old in self.complete_steps():
       if old not in keep and old != step:
         self._delete(old)
-    seconds = time.monotonic() - t0
-    log.info("checkpoint step %d uploaded to %s in %.2fs", step, self.url, seconds)
+    log.info("checkpoint step %d uploaded to %s in %.2fs (%.1f MB/s)", step, self.url, seconds,
+             num_bytes / 1e6 / max(seconds, 1e-9))
     return seconds
+
+  def uploaded(self) -> list[tuple[int, int, float]]:
+    """(step, bytes, seconds) of the uploads finished since the last call."""
+    with self._uploaded_lock:
+      done, self._uploaded = self._uploaded, []
+    return done
+
+  def pending(self) -> int:
+    """Saves complete locally but not yet in object storage (queued or uploading)."""
+    return sum(not f.done() for f in self._uploads)
 
   def _delete(self, step: int) -> None:
     # The marker goes first: a half-deleted step is then an incomplete one, never restored.

@@ -1,6 +1,9 @@
-"""The run's checkpoint component: where (`checkpoint.dir`, default `<output_dir>/checkpoints`), when
-(every `checkpoint.every_steps`, at the end, on preemption), restoring onto the run's state spec, and
-the record of every save (events, TensorBoard, the log). The storage itself (Orbax, S3, verification) is `storage.py`."""
+"""The run's checkpoint component: where (the durable tier `checkpoint.dir`, default
+`<output_dir>/checkpoints`, and the optional node-local tier `checkpoint.local_dir`), when (checkpoint/cadence.py:
+every N steps or minutes, or from the measured cost and failure rate; always at the end and on preemption),
+which tier a run resumes from (checkpoint/tiers.py), restoring onto the run's state spec, and the record of
+every save and restore, phase by phase (events, TensorBoard, the log). The storage itself is `storage.py`
+(Orbax, S3, verification) and `local.py` (the local tier)."""
 
 from __future__ import annotations
 
@@ -12,10 +15,14 @@ from typing import Any, Callable
 import jax
 import ml_collections
 
-from maxtrain.checkpoint import manifest
-from maxtrain.checkpoint.storage import Checkpointer, Restored, SaveTiming
+from maxtrain import config as config_lib
+from maxtrain.checkpoint import manifest, tiers
+from maxtrain.checkpoint.cadence import Cadence
+from maxtrain.checkpoint.local import LocalSave, LocalTier
+from maxtrain.checkpoint.storage import Checkpointer, Restored, SaveTiming, _param_shapes, validate_tiers
 from maxtrain.models import quant
 from maxtrain.monitor import events as ev
+from maxtrain.runtime.kv import KeyValue
 
 log = logging.getLogger("maxtrain")
 
@@ -27,11 +34,18 @@ class Checkpoints:
 
   def __init__(self, cfg: ml_collections.ConfigDict, output_dir: Path, events: Any, metrics: Any,
                on_save_started: Any = None, on_progress: Callable[[], None] | None = None,
-               on_saved: Callable[[int, Path], None] | None = None):
+               on_saved: Callable[[int, Path], None] | None = None, mesh_shape: dict | None = None):
     local = output_dir / "checkpoints"
-    self.cfg = cfg
+    self.cfg, self.mesh_shape = cfg, mesh_shape or {}
+    validate_tiers(cfg.checkpoint, str(local))  # checkpoint.dir="" resolves only now
     self.store = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(local), local, on_progress,
                               lock=jax.process_index() == 0)
+    ck, kv = cfg.checkpoint, KeyValue.current()
+    self.local = LocalTier(ck.local_dir, jax.process_index(), ck.local_max_to_keep) if ck.local_dir else None
+    self.agreement = tiers.Agreement(kv, jax.process_index(), jax.process_count())
+    self.cadence = Cadence(ck, events, kv, jax.process_index(), output_dir / ev.FILENAME)
+    self.resume_tier: str | None = None
+    self._behind_reported = 0  # the lag last reported (a checkpoint_behind event each time it grows)
     self.events, self.metrics = events, metrics
     self.on_save_started = on_save_started or (lambda step: None)
     self.on_progress = on_progress or (lambda: None)
@@ -51,18 +65,57 @@ class Checkpoints:
     def branch(step: int, newer: list[int], moved: list[Path]) -> None:
       self.events.emit(ev.CHECKPOINT_BRANCH, step, newer_steps=newer, moved_to=[str(m) for m in moved])
 
-    return self.store.resolve_resume(on_corrupt=corrupt, on_branch=branch)
+    t0 = time.monotonic()
+    path = self.store.resolve_resume(on_corrupt=corrupt, on_branch=branch)
+    self.resume_tier = tiers.DURABLE if path is not None else None
+    if self.local is not None and str(self.cfg.checkpoint.resume) == "auto":
+      durable = int(path.name) if path is not None and path.name.isdigit() else None
+      choice = self._choose(durable)
+      log.info("resume: %s", choice.reason)
+      self.resume_reason = choice.reason
+      if choice.tier == tiers.LOCAL:
+        path, self.resume_tier = self.local.path(choice.step), tiers.LOCAL
+    self.resume_verify_s = time.monotonic() - t0  # listing and verifying the candidates
+    return path
+
+  def _choose(self, durable: int | None, before: int | None = None) -> tiers.Choice:
+    """The tier and step to restore, the same on every process (the local steps are agreed)."""
+    mine, why = self.local.usable_steps(self.mesh_shape, jax.process_count(), self.cfg.checkpoint.verify)
+    for step, reason in why.items():
+      log.warning("local checkpoint %s not usable: %s", self.local.path(step), reason)
+    return tiers.choose(self.agreement.gather(mine), durable, before)
+
+  def read_meta(self, path: Path) -> dict:
+    if self.local is not None and Path(path).parent == self.local.root:
+      return self.local.read_meta(path)
+    return self.store.read_meta(path)
 
   def restore(self, path: Path, state_spec: Any) -> Restored:
     t0 = time.monotonic()
-    restored = self.store.restore(path, state_spec.abstract, state_spec.shardings)
-    self.events.emit(ev.RESTORE, restored.step, seconds=time.monotonic() - t0, path=str(path))
-    log.info("restored step %d from %s in %.2fs (saved on mesh %s)", restored.step, path, time.monotonic() - t0,
-             restored.meta.get("mesh"))
+    if self.resume_tier == tiers.LOCAL and Path(path).parent == self.local.root:
+      state, data_state = self.local.restore(path, state_spec.abstract, state_spec.shardings)
+      restored = Restored(step=int(state.step), state=state, data_state=data_state, meta=self.read_meta(path),
+                          path=str(path))
+    else:
+      restored = self.store.restore(path, state_spec.abstract, state_spec.shardings)
+    seconds = time.monotonic() - t0
+    tier = self.resume_tier or tiers.DURABLE
+    self.events.emit(ev.RESTORE, restored.step, seconds=seconds, path=str(path), tier=tier,
+                     reason=getattr(self, "resume_reason", ""), verify_s=getattr(self, "resume_verify_s", None),
+                     read_s=seconds)
+    log.info("restored step %d from the %s tier, %s, in %.2fs (saved on mesh %s)", restored.step, tier, path,
+             seconds, restored.meta.get("mesh"))
     note = quant.resume_note(restored.meta.get("config", {}).get("model", {}), self.cfg.model)
     if note:
       log.warning("%s", note)
+    self._drop_local_after(restored.step)
     return restored
+
+  def _drop_local_after(self, step: int) -> None:
+    dropped = self.local.drop_after(step) if self.local is not None else []
+    if dropped:
+      log.warning("local checkpoint steps %s are newer than the restored step %d (a run that was abandoned): deleted",
+                  dropped, step)
 
   def restore_before(self, step: int, state_spec: Any) -> Any | None:
     """The newest checkpoint's state from before `step` that verifies (waiting for a save in flight), or
@@ -77,16 +130,85 @@ class Checkpoints:
       moved = self.store.move_aside(bad)
       log.error("rollback: %s; moved aside to %s, trying an older checkpoint", error, moved)
       self.events.emit(ev.CHECKPOINT_CORRUPT, bad, file=error.first_bad_file, reason=error.reason, moved_to=str(moved))
+    if self.local is not None:  # the local tier may hold a newer step from before the fault
+      self._log_local(self.local.wait())
+      durable = int(good.name) if good is not None and good.name.isdigit() else None
+      choice = self._choose(durable, before=step)
+      log.info("rollback: %s", choice.reason)
+      if choice.tier == tiers.LOCAL:
+        state = self.local.restore(self.local.path(choice.step), state_spec.abstract, state_spec.shardings)[0]
+        self._drop_local_after(choice.step)
+        return state
+    self._drop_local_after(int(good.name) if good is not None and good.name.isdigit() else 0)
     if good is None:
       return None
     return self.store.restore(good, state_spec.abstract, state_spec.shardings).state
 
   def after_step(self, step: int, state: Any, data_state: dict, mesh_shape: dict, *, final: bool) -> None:
-    """Saves when the schedule says so (the final step synchronously); else collects finished saves."""
-    if final or self.store.should_save(step):
+    """Saves when the cadence says so (the final step synchronously, to the durable tier); else collects
+    finished saves. A step due in both tiers goes to the durable one only."""
+    self.cadence.observe(step)
+    durable = self.cadence.due("durable", step)  # both asked every step: a due() may be a decision point
+    local = self.local is not None and self.cadence.due("local", step)
+    if final or durable:
       self.save(step, state, data_state, mesh_shape, sync=final)
+    elif local:
+      self.save_local(step, state, data_state, mesh_shape, sync=False)
     else:
       self._log(self.store.poll())
+    if self.local is not None:
+      self._log_local(self.local.poll())
+    self._log_remote(step)
+
+  def _log_remote(self, step: int) -> None:
+    """Uploads finished (bytes/s), and whether the durable tier falls behind (a slow or stalled bucket)."""
+    remote = self.store.remote
+    if remote is None:
+      return
+    for saved_step, num_bytes, seconds in remote.uploaded():
+      rate = num_bytes / max(seconds, 1e-9)
+      self.events.emit(ev.CHECKPOINT_UPLOAD, saved_step, tier=tiers.DURABLE, bytes=num_bytes, seconds=seconds,
+                       bytes_per_s=rate)
+      self.metrics.scalars(saved_step, {"checkpoint/durable/upload_s": seconds,
+                                        "checkpoint/durable/upload_bytes_per_s": rate})
+    pending, limit = remote.pending(), self.cfg.checkpoint.max_durable_lag
+    if pending > limit and pending > self._behind_reported:
+      self.events.emit(ev.CHECKPOINT_BEHIND, step, tier=tiers.DURABLE, pending=pending, max_durable_lag=limit)
+      log.warning("the durable tier %s is falling behind: %d saves wait for upload (checkpoint.max_durable_lag=%d); "
+                  "training goes on%s", self.location, pending, limit,
+                  " on the local tier" if self.local is not None else "")
+    self._behind_reported = pending if pending > limit else 0
+
+  def save_local(self, step: int, state: Any, data_state: dict, mesh_shape: dict, *, sync: bool) -> None:
+    """A save to this process's local tier: the loop blocks for the device-to-host copy only (`sync`: all of it)."""
+    with self.metrics.outside(step):
+      self.events.emit(ev.CHECKPOINT_SAVE_START, step, tier=tiers.LOCAL)
+      t0 = time.monotonic()
+      meta = {"config": config_lib.redacted(self.cfg), "mesh": mesh_shape, "process_count": jax.process_count(),
+              "process_index": jax.process_index(), "param_shapes": _param_shapes(state), "step": step,
+              "wall_time": time.time(), "rollbacks": self.rollbacks, "tokenizer_identity": self.tokenizer_identity}
+      self.local.save(step, state, data_state, meta)
+      self.on_save_started(step)
+      done = self.local.wait() if sync else self.local.poll()
+      blocking = time.monotonic() - t0
+      self.events.emit(ev.CHECKPOINT_BLOCKED, step, blocking_s=blocking, tier=tiers.LOCAL)
+      self.cadence.saved(tiers.LOCAL, step, blocking)
+      self._log_local(done)
+
+  def _log_local(self, saves: list[LocalSave]) -> None:
+    for save in saves:
+      if save.error is not None:
+        log.error("local checkpoint of step %d failed: %s: %s (training continues)", save.step,
+                  type(save.error).__name__, save.error)
+        continue
+      phases = {"device_to_host_s": save.blocking_s, **save.phases}
+      self.events.emit(ev.CHECKPOINT_SAVE_END, save.step, tier=tiers.LOCAL, blocking_s=save.blocking_s,
+                       save_s=save.save_s, bytes=save.num_bytes, **phases)
+      self.metrics.scalars(save.step, {f"checkpoint/local/{k}": v for k, v in phases.items()}
+                           | {"checkpoint/local/save_s": save.save_s})
+      log.info("local checkpoint step %d saved (%.1f MB): loop blocked %.3fs, complete after %.3fs (%s)", save.step,
+               save.num_bytes / 1e6, save.blocking_s, save.save_s,
+               ", ".join(f"{k} {v:.3f}s" for k, v in save.phases.items()))
 
   def save(self, step: int, state: Any, data_state: dict, mesh_shape: dict, *, sync: bool) -> None:
     with self.metrics.outside(step):
@@ -100,7 +222,15 @@ class Checkpoints:
         if sync:
           timing.blocking_s = time.monotonic() - t0  # the loop waited for all of it
         self.events.emit(ev.CHECKPOINT_BLOCKED, step, blocking_s=time.monotonic() - t0)
+        self.cadence.saved(tiers.DURABLE, step, timing.blocking_s)
         self._log(done)
+
+  def save_preemption(self, step: int, state: Any, data_state: dict, mesh_shape: dict) -> None:
+    """Asked to stop: the fastest tier first (the local one, milliseconds: complete even if the grace period
+    ends during the next save), then the durable one (a replacement node has no local tier)."""
+    if self.local is not None:
+      self.save_local(step, state, data_state, mesh_shape, sync=True)
+    self.save(step, state, data_state, mesh_shape, sync=True)
 
   def check_final(self, step: int) -> None:
     """Exiting 0 would lose this run's work silently when its last save failed; a crash exit lets a
@@ -111,13 +241,26 @@ class Checkpoints:
 
   def _log(self, timings: list[SaveTiming]) -> None:
     for timing in timings:
-      self.events.emit(ev.CHECKPOINT_SAVE_END, timing.step, blocking_s=timing.blocking_s, save_s=timing.save_s)
+      phases = {"device_to_host_s": timing.device_to_host_s, "manifest_s": timing.manifest_s,
+                "write_s": timing.save_s - timing.device_to_host_s - (timing.manifest_s or 0.0)}  # Orbax's serialise + write
+      self.events.emit(ev.CHECKPOINT_SAVE_END, timing.step, blocking_s=timing.blocking_s, save_s=timing.save_s,
+                       tier=tiers.DURABLE, bytes=timing.num_bytes, **phases)
       self.metrics.scalars(timing.step, {"checkpoint/blocking_s": timing.blocking_s,
-                                         "checkpoint/save_s": timing.save_s})
+                                         "checkpoint/save_s": timing.save_s}
+                           | {f"checkpoint/durable/{k}": v for k, v in phases.items() if v is not None})
       log.info("checkpoint step %d saved: loop blocked %.3fs, complete on disk after %.3fs",
                timing.step, timing.blocking_s, timing.save_s)
       self.on_saved(timing.step, self.store.local_path(timing.step))
 
+  def settle(self) -> None:
+    """Waits for the saves in flight (both tiers) and records them."""
+    if self.local is not None:
+      self._log_local(self.local.wait())
+    self._log(self.store.wait())
+
   def close(self) -> None:
     self.on_progress()  # the wait for the last save and upload starts now, under the watchdog
+    if self.local is not None:
+      self._log_local(self.local.wait())
+      self.local.close()
     self.store.close()

@@ -50,7 +50,10 @@ class Restored:
 class SaveTiming:
   step: int
   blocking_s: float  # time the training loop was stopped
+  device_to_host_s: float | None = None  # the part of it Orbax's save call took (a synchronous save also waits for the rest)
   save_s: float | None = None  # start of the save to the checkpoint being complete on disk
+  manifest_s: float | None = None  # writing the manifest (checksumming every file), part of save_s
+  num_bytes: int | None = None  # the step's size on disk
 
 
 def _param_shapes(state) -> dict[str, list[int]]:
@@ -69,8 +72,31 @@ def validate(ck: Any) -> None:
   for key in ("s3_connect_timeout_s", "s3_read_timeout_s"):
     require(ck[key] > 0, f"config.checkpoint.{key}={ck[key]}: must be > 0 seconds")
   require(ck.s3_max_attempts >= 1, f"config.checkpoint.s3_max_attempts={ck.s3_max_attempts}: must be >= 1")
+  validate_tiers(ck)
   require(ck.resume in ("auto", "never") or ck.resume.isdigit() or "/" in ck.resume or ck.resume.startswith("."),
           f"config.checkpoint.resume={ck.resume!r}: use auto, never, a step number or a checkpoint path")
+
+
+def validate_tiers(ck: Any, default_dir: str | None = None) -> None:
+  """The local tier and the cadence keys; `default_dir`: where checkpoint.dir="" resolves (once known)."""
+  for key in ("local_every_steps", "local_max_to_keep", "every_minutes", "max_durable_lag"):
+    require(ck[key] >= 0, f"config.checkpoint.{key}={ck[key]}: must be >= 0")
+  require(ck.mtbf_prior_minutes > 0, f"config.checkpoint.mtbf_prior_minutes={ck.mtbf_prior_minutes}: must be > 0")
+  require(ck.cadence in ("fixed", "auto"), f"config.checkpoint.cadence={ck.cadence!r}: use fixed or auto")
+  if not ck.local_dir:
+    return
+  require(not ck.local_dir.startswith("s3://") and "://" not in ck.local_dir,
+          f"config.checkpoint.local_dir={ck.local_dir}: the local tier is a node-local path, not a URL")
+  durable = ck.dir or default_dir
+  if durable and "://" not in durable:
+    a, b = Path(ck.local_dir).absolute().resolve(), Path(durable).absolute().resolve()
+    require(a != b and not a.is_relative_to(b) and not b.is_relative_to(a),
+            f"config.checkpoint.local_dir={ck.local_dir} and checkpoint.dir={durable} are the same place (or one is "
+            "inside the other): the local tier must be a separate, node-local directory, e.g. "
+            "--config.checkpoint.local_dir=/tmp/maxtrain-local")
+  require(ck.local_every_steps > 0 or ck.cadence == "auto",
+          f"config.checkpoint.local_dir={ck.local_dir} but checkpoint.local_every_steps=0 (and cadence=fixed): the "
+          "local tier would never be written; set local_every_steps or cadence=auto")
 
 
 def check_writable(directory: Path) -> None:
@@ -349,7 +375,7 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - a failed save must not kill training; the last good one stays
       self._failed(step, e)
       return None
-    timing = SaveTiming(step=step, blocking_s=time.monotonic() - t0)
+    timing = SaveTiming(step=step, blocking_s=time.monotonic() - t0, device_to_host_s=time.monotonic() - t0)
     self._pending, self._pending_t0 = timing, t0
     return timing
 
@@ -371,7 +397,10 @@ class Checkpointer:
     if jax.process_index() == 0:
       try:  # written last: a step without its manifest was never completely saved (or predates them)
         make_private(self.directory / str(done.step) / "meta")
+        t0 = time.monotonic()
         manifest.write(self.directory / str(done.step))
+        done.manifest_s = time.monotonic() - t0
+        done.num_bytes = sum(p.stat().st_size for p in (self.directory / str(done.step)).rglob("*") if p.is_file())
       except Exception as e:  # noqa: BLE001 - see save()
         self._failed(done.step, e)
         return

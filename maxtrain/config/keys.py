@@ -135,6 +135,13 @@ def base_config() -> ml_collections.ConfigDict:
   k.s3_read_timeout_s = 60.0  # s3:// checkpoints: seconds to wait for a response (per read).
   k.s3_max_attempts = 5  # s3:// checkpoints: attempts per request (retries with backoff) before the request fails.
   k.init_from = ""  # Start a fresh run (step 0, new optimizer) from these parameters: a converted checkpoint or a Hugging Face dir.
+  k.local_dir = ""  # The local tier: node-local disk or RAM disk, each process its own shards (<local_dir>/process_<i>); "" = off.
+  k.local_every_steps = 0  # Save to the local tier every N steps (a step due in both tiers goes to the durable one); 0: never.
+  k.local_max_to_keep = 2  # Newest local checkpoints kept per process (short retention).
+  k.every_minutes = 0.0  # The durable tier also saves when this many minutes have passed (converted to steps by the measured step time); 0: off.
+  k.cadence = "fixed"  # fixed (the intervals above) | auto (each tier every sqrt(2 x save cost x mean time between failures), Young/Daly).
+  k.mtbf_prior_minutes = 1440.0  # cadence=auto: the mean time between failures assumed before any is observed (counts as one interval).
+  k.max_durable_lag = 2  # A checkpoint_behind event and a warning when more durable saves than this wait for upload.
 
   c.runtime = ml_collections.ConfigDict()
   c.runtime.compile_cache_dir = ""  # Persistent XLA compile cache: "" = <maxtrain cache>/xla, "none" = off.
@@ -183,6 +190,9 @@ def base_config() -> ml_collections.ConfigDict:
   f.process = -1  # The process the step faults above fire in (sigterm, kill, crash, hang, slow); -1 = every process.
   f.sigterm_process = -1  # The process sigterm_at_step fires in; -1 = as faults.process.
   f.slow_step_s = 0.0  # Sleep this long after every step (a straggler host); 0 = off.
+  f.kill_at_step = -1  # SIGKILL itself after this step (kill -9: no exit record, no save).
+  f.kill_every_steps = 0  # SIGKILL itself after every N steps of an attempt (crashes at a known rate), up to kill_times; 0 = off.
+  f.kill_times = 0  # How many kill_every_steps kills in the whole run.
 
   c.guards = g = ml_collections.ConfigDict()
   g.max_consecutive_bad = 3  # Non-finite steps in a row (each skipped in-graph) before a rollback.

@@ -118,7 +118,7 @@ class Rollbacks:
   def __init__(self, guards_cfg: ml_collections.ConfigDict, events: ev.EventLog, checkpoints: Any,
                resume_path: Path | None):
     self.budget = RollbackBudget(checkpoints.store.directory)
-    meta = checkpoints.store.read_meta(resume_path) if resume_path is not None else None
+    meta = checkpoints.read_meta(resume_path) if resume_path is not None else None
     self.policy = GuardPolicy(guards_cfg, events, self.budget.used(meta))
     self.checkpoints, self.events, self.max_rollbacks = checkpoints, events, guards_cfg.max_rollbacks
     checkpoints.rollbacks = self.policy.rollbacks  # saved in every checkpoint's meta

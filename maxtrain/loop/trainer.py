@@ -100,7 +100,9 @@ class Trainer:
     tracking.attach(cfg, self.out_dir, self.metrics, stack, lambda: self.exit_code)  # MLflow, OTel: off by default
     self.faults = Faults(cfg.faults, self.out_dir, jax.process_index())
     self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.faults.after_save_started,
-                                   on_progress=self.watchdog.progress, on_saved=self.faults.after_save_complete)
+                                   on_progress=self.watchdog.progress, on_saved=self.faults.after_save_complete,
+                                   mesh_shape=dict(program.mesh.shape))
+    self.faults.before_kill = self.checkpoints.settle
     stack.callback(self.checkpoints.close)  # waits for the last save (and its upload)
     self.resume_path = self.checkpoints.resolve_resume()
     if jax.process_index() == 0:
@@ -109,7 +111,7 @@ class Trainer:
     stack.callback(self.data.loader.close)  # the read-ahead threads
     self.checkpoints.tokenizer_identity = self.data.train_store.tokenizer_identity
     if self.resume_path is not None:  # before compiling: the checkpoint's tokenizer is this run's
-      check_checkpoint_tokenizer(self.data.train_store, cfg.data, self.checkpoints.store.read_meta(self.resume_path),
+      check_checkpoint_tokenizer(self.data.train_store, cfg.data, self.checkpoints.read_meta(self.resume_path),
                                  self.resume_path)
     log.info("devices: %d x %s; mesh %s; %s", jax.device_count(), jax.devices()[0].device_kind,
              program.plan.mesh.describe(), self.data.describe())
@@ -273,7 +275,7 @@ class Trainer:
   def _preempt(self, state: state_lib.TrainState, step: int, data_state: dict) -> None:
     self.events.emit(ev.PREEMPTION, step, signal=self.stop.reason)
     self.watchdog.beat(step)  # a synchronous save is progress, not a hang
-    self.checkpoints.save(step, state, data_state, dict(self.program.mesh.shape), sync=True)
+    self.checkpoints.save_preemption(step, state, data_state, dict(self.program.mesh.shape))
     raise Preempted(f"stopped by {self.stop.reason} after step {step}; checkpoint saved in "
                     f"{self.checkpoints.location}")
 

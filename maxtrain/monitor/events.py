@@ -41,10 +41,13 @@ STEPS = "steps"  # Summary of steps first..step: first, count, seconds, data_wai
 EVAL = "eval"  # An evaluation finished: seconds (its duration), loss.
 CHECKPOINT_SAVE_START = "checkpoint_save_start"  # A checkpoint save of `step` was requested.
 CHECKPOINT_BLOCKED = "checkpoint_blocked"  # The loop resumed after a save's blocking part: blocking_s.
-CHECKPOINT_SAVE_END = "checkpoint_save_end"  # That save is durable: blocking_s (loop blocked), save_s (total).
-RESTORE = "restore"  # State restored from the checkpoint of `step`: seconds.
+CHECKPOINT_SAVE_END = "checkpoint_save_end"  # That save is complete: tier, blocking_s (loop blocked), save_s (total), bytes, per-phase *_s.
+RESTORE = "restore"  # State restored from the checkpoint of `step`: seconds, tier (local | durable), reason, verify_s, read_s.
 CHECKPOINT_CORRUPT = "checkpoint_corrupt"  # The checkpoint of `step` failed verification: file, reason, moved_to.
 CHECKPOINT_BRANCH = "checkpoint_branch"  # checkpoint.branch: resumed `step`; newer_steps moved aside to moved_to.
+CHECKPOINT_CADENCE = "checkpoint_cadence"  # A tier's next save decided: tier, mode, interval_s, interval_steps, next_step, step_time_s[, cost_s, mtbf_s, failures, span_s], why.
+CHECKPOINT_UPLOAD = "checkpoint_upload"  # A durable step is in object storage: bytes, seconds, bytes_per_s.
+CHECKPOINT_BEHIND = "checkpoint_behind"  # The durable tier lags: pending (saves waiting for upload), max_durable_lag.
 NAN_SKIP = "nan_skip"  # Steps whose update the in-graph guard skipped: count (in the last interval).
 SPIKE = "spike"  # Loss spike detected at `step`: loss, threshold.
 ROLLBACK = "rollback"  # Rolled back: from_step, to_step (step = to_step); seconds (to restore).
@@ -59,7 +62,7 @@ DATA_REPEAT = "data_repeat"  # A source was read past data.max_epochs: source, e
 
 KINDS = (JOB_START, COMPILE_START, COMPILE_END, FIRST_STEP, STEPS, EVAL, CHECKPOINT_SAVE_START, CHECKPOINT_BLOCKED,
          CHECKPOINT_SAVE_END, RESTORE, CHECKPOINT_CORRUPT,
-         CHECKPOINT_BRANCH, NAN_SKIP, SPIKE, ROLLBACK, HANG, ROUTING_COLLAPSE, STRAGGLER, PREEMPTION, CRASH,
+         CHECKPOINT_BRANCH, CHECKPOINT_CADENCE, CHECKPOINT_UPLOAD, CHECKPOINT_BEHIND, NAN_SKIP, SPIKE, ROLLBACK, HANG, ROUTING_COLLAPSE, STRAGGLER, PREEMPTION, CRASH,
          RESTART, EXIT)
 # Worth an fsync: the last words of an attempt, which the goodput report needs to place downtime.
 CRITICAL = frozenset({HANG, PREEMPTION, CRASH, EXIT})

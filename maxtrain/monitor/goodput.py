@@ -43,6 +43,7 @@ import dataclasses
 from collections import Counter
 from typing import Any, Iterable
 
+from maxtrain.monitor import checkpoint_report
 from maxtrain.monitor import events as ev
 
 CATEGORIES = ("productive", "startup_compile", "data_wait", "checkpoint", "eval", "lost_progress", "hang",
@@ -380,6 +381,7 @@ def compute(records: Iterable[dict]) -> dict:
       "events": {k: counts[k] for k in (ev.NAN_SKIP, ev.SPIKE, ev.ROLLBACK, ev.HANG, ev.PREEMPTION, ev.CRASH,
                                           ev.STRAGGLER, ev.RESTART, ev.CHECKPOINT_SAVE_END) if counts[k]},
       "stragglers": _stragglers(records),
+      "checkpoints": checkpoint_report.section(records),
   }
 
 
@@ -404,4 +406,5 @@ def format_table(report: dict, title: str = "") -> str:
   for s in report.get("stragglers", []):
     lines.append(f"  straggler: process {s['process']} ({s['host']}) flagged {s['events']} time(s), up to "
                  f"{s['max_late_s']:.3f}s late per step ({s['max_ratio']:.2f}x the step time without it)")
+  lines += checkpoint_report.format_lines(report.get("checkpoints", {}))
   return "\n".join(lines)

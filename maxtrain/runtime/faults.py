@@ -66,6 +66,7 @@ class Faults:
     # One record per process: processes that fire different faults never overwrite each other's.
     self._record = output_dir / ("faults_fired.json" if process_index == 0 else f"faults_fired.process{process_index}.json")
     self._fired = self._read() if self._record.exists() else set()
+    self.before_kill = lambda: None  # the trainer's: wait for the checkpoint saves in flight
 
   def _read(self) -> set[str]:
     try:
@@ -94,8 +95,25 @@ class Faults:
       os.kill(os.getpid(), signal.SIGTERM)
     if self._fire("crash_at_step", step):
       raise RuntimeError(f"fault injection: crash after step {step}")
+    if self._fire("kill_at_step", step) or self._kill_every(step):
+      self.before_kill()  # a deterministic drill: the saves in flight land first (kill_during_save covers them)
+      os.kill(os.getpid(), signal.SIGKILL)
     if self._fire("hang_at_step", step):
       threading.Event().wait()  # blocks forever, like a hung collective; the watchdog must fire
+
+  def _kill_every(self, step: int) -> bool:
+    """Every `kill_every_steps` steps since this attempt's first, until `kill_times` kills were recorded."""
+    every = self.cfg.kill_every_steps
+    if every <= 0 or not self.targeted:
+      return False
+    self._attempt_first = getattr(self, "_attempt_first", step)
+    kills = sum(name.startswith("kill_every#") for name in self._fired)
+    if kills >= self.cfg.kill_times or step - self._attempt_first + 1 < every:
+      return False
+    self._fired.add(f"kill_every#{kills + 1}")
+    self._record.write_text(json.dumps(sorted(self._fired)))
+    log.warning("fault injection: kill_every_steps (%d of %d) at step %d", kills + 1, self.cfg.kill_times, step)
+    return True
 
   def _armed(self, name: str, step: int) -> bool:
     # The in-graph faults feed a replicated input: every process must agree on them.

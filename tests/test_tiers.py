@@ -1,0 +1,296 @@
+"""Two checkpoint tiers (checkpoint.local_dir + checkpoint.dir): which step a run resumes from, agreed by
+every process, bitwise like the run that never stopped; the cadence's decisions; config errors.
+
+End to end through `maxtrain.launch` with kill -9 (faults.kill_at_step); the tier choice and the
+Young/Daly arithmetic also as plain functions."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from maxtrain import config as config_lib
+from maxtrain.checkpoint import cadence, tiers
+from maxtrain.checkpoint.storage import validate
+from maxtrain.errors import UserError
+from maxtrain.monitor import goodput
+from maxtrain.monitor.events import read_events
+from test_checkpoint import assert_bitwise_equal, losses, restore_raw, s3_server  # noqa: F401 - a fixture
+from s3_proxy import S3Proxy
+from tiny import TINY_MODEL
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=1"]
+TIERS = ["--config.steps=20", "--config.checkpoint.every_steps=10", "--config.checkpoint.local_every_steps=2"]
+
+
+def launch(launcher_args, train_args, devices=8) -> subprocess.CompletedProcess:
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-m", "maxtrain.launch", "--backoff=0.1", *launcher_args, "--", *train_args],
+                        capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+
+
+def attempt_codes(result) -> list[str]:
+  return [line.split("exit ")[1].split()[0] for line in result.stderr.splitlines()
+          if line.startswith("maxtrain.launch: attempt")]
+
+
+def restores(out: Path) -> list[tuple[int, str, int]]:
+  return [(r["process"], r["tier"], r["step"]) for r in read_events(out / "events.jsonl") if r["kind"] == "restore"]
+
+
+def test_choice_across_tiers():
+  both = tiers.choose([[14, 16], [14, 16]], 10)
+  assert (both.tier, both.step) == ("local", 16) and "on all 2 processes" in both.reason
+  half = tiers.choose([[14, 16], [14]], 10)  # process 1's step 16 is half written: 14, the newest they share
+  assert (half.tier, half.step) == ("local", 14)
+  lost = tiers.choose([[14, 16], []], 10)  # process 1's local tier is gone: the durable step
+  assert (lost.tier, lost.step) == ("durable", 10) and "process 1 has none" in lost.reason
+  assert tiers.choose([[10]], 10).tier == "durable"  # a tie: the durable copy survives the node
+  assert (tiers.choose([[14, 16]], 10, before=15).step, tiers.choose([[14, 16]], 10, before=11).tier) == (14, "durable")
+  assert tiers.choose([[]], None).tier is None
+
+
+def test_config_errors(tmp_path):
+  def check(**changes):
+    cfg = config_lib.base_config()
+    for key, value in changes.items():
+      cfg.checkpoint[key] = value
+    with pytest.raises(UserError) as e:
+      validate(cfg.checkpoint)
+    return str(e.value)
+
+  assert "same place" in check(dir=str(tmp_path / "c"), local_dir=str(tmp_path / "c"), local_every_steps=2)
+  assert "same place" in check(dir=str(tmp_path / "c"), local_dir=str(tmp_path / "c/local"), local_every_steps=2)
+  assert "local_every_steps=-2" in check(local_every_steps=-2)
+  assert "every_minutes=-1" in check(every_minutes=-1.0)
+  assert "cadence='sometimes'" in check(cadence="sometimes")
+  assert "never be written" in check(local_dir=str(tmp_path / "l"))
+
+
+def test_same_dir_exits_2_before_training(tmp_path):
+  # checkpoint.dir="" resolves to <output_dir>/checkpoints: a local_dir there is the same place.
+  result = launch([], TINY + [f"--config.output_dir={tmp_path}", "--config.checkpoint.local_every_steps=2",
+                              f"--config.checkpoint.local_dir={tmp_path / 'checkpoints'}"], devices=1)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "checkpoint.local_dir" in result.stderr and "same place" in result.stderr
+  assert attempt_codes(result) == ["2"]
+
+
+def test_young_daly_and_observed_mtbf():
+  assert cadence.young_daly_s(0.5, 400.0) == pytest.approx(20.0)
+  records = [{"wall": 100.0, "attempt": 0, "kind": "job_start"}, {"wall": 130.0, "attempt": 0, "kind": "crash"},
+             {"wall": 131.0, "attempt": 0, "kind": "crash", "process": -1},  # the supervisor's record of the same
+             {"wall": 140.0, "attempt": 1, "kind": "hang"}]
+  mtbf, failures, span = cadence.observed_mtbf(records, prior_s=60.0, now_wall=160.0)
+  assert (failures, span) == (2, 60.0) and mtbf == pytest.approx((60.0 + 60.0) / 3)
+  assert cadence.observed_mtbf([], 60.0, 0.0) == (60.0, 0, 0.0)
+
+
+@pytest.fixture(scope="module")
+def reference(store, tmp_path_factory):
+  """The uninterrupted run: its losses and final state."""
+  out = tmp_path_factory.mktemp("uninterrupted")
+  result = launch([], TINY + TIERS + [f"--config.data.path={store}", f"--config.output_dir={out}",
+                                      f"--config.checkpoint.local_dir={out / 'local'}"])
+  assert result.returncode == 0, result.stderr[-3000:]
+  return losses(out), restore_raw(out / "checkpoints", 20), out
+
+
+@pytest.mark.slow
+def test_kill_resumes_from_the_newest_tier_bitwise(store, tmp_path, reference):
+  ref_losses, ref_state, ref_out = reference
+  # Killed after step 17: local saves at 2, 4, ..., 16; durable at 10. The supervisor restarts it.
+  local = tmp_path / "local"
+  args = TINY + TIERS + [f"--config.data.path={store}", f"--config.checkpoint.local_dir={local}",
+                         "--config.faults.kill_at_step=17"]
+  a = tmp_path / "a"
+  result = launch(["--max-restarts=1"], args + [f"--config.output_dir={a}"])
+  assert result.returncode == 0 and attempt_codes(result) == ["-9", "0"], result.stderr[-3000:]
+  assert restores(a) == [(0, "local", 16)]
+  assert "resume: local step 16 is complete and verified on all 1 processes" in result.stderr
+  scalars = EventAccumulator(str(ref_out / "tensorboard"))  # (a kill -9 loses the writer's unflushed records)
+  scalars.Reload()
+  for phase in ("device_to_host_s", "serialise_s", "write_s", "manifest_s", "save_s"):
+    assert [e.step for e in scalars.Scalars(f"checkpoint/local/{phase}")] == [2, 4, 6, 8, 12, 14, 16, 18]
+  for phase in ("device_to_host_s", "write_s", "manifest_s"):
+    assert [e.step for e in scalars.Scalars(f"checkpoint/durable/{phase}")] == [10, 20]
+  section = goodput.compute(read_events(a / "events.jsonl"))["checkpoints"]
+  assert section["tiers"]["local"]["saves"] == 8 and section["tiers"]["local"]["restores"] == 1
+  assert [(f["last_step"], f["restored_step"], f["restored_tier"]) for f in section["failures"]] == [(17, 16, "local")]
+  # The same kill with the node's local disk lost before the restart: the durable step 10.
+  b = tmp_path / "b"
+  result = launch(["--max-restarts=0"], args + [f"--config.output_dir={b}", f"--config.checkpoint.local_dir={b / 'l'}"])
+  assert attempt_codes(result) == ["-9"], result.stderr[-3000:]
+  shutil.rmtree(b / "l")
+  result = launch([], args + [f"--config.output_dir={b}", f"--config.checkpoint.local_dir={b / 'l'}"])
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert restores(b) == [(0, "durable", 10)] and "resume: durable step 10: the local tier holds no usable step" in result.stderr
+  for out in (a, b):
+    assert_bitwise_equal(restore_raw(out / "checkpoints", 20), ref_state)
+    got = losses(out)
+    assert sorted(got) == list(range(1, 21))
+    assert [got[s] for s in range(1, 21)] == [ref_losses[s] for s in range(1, 21)]  # bitwise: equal floats
+
+
+@pytest.mark.slow
+def test_two_processes_agree_when_one_local_step_is_half_written(store, tmp_path):
+  """2 processes x 4 devices (fsdp inside each, across both), killed after step 17; process 1's local step
+  16 is then cut in half (its node lost the tail of the file): both resume from local step 14, the newest
+  step both hold whole."""
+  local = tmp_path / "local"
+  args = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=2", "--config.mesh.fsdp=4",
+                       "--config.mesh.dcn_fsdp=2", "--config.steps=18", "--config.checkpoint.every_steps=10",
+                       "--config.checkpoint.local_every_steps=2", f"--config.checkpoint.local_dir={local}",
+                       f"--config.data.path={store}", f"--config.output_dir={tmp_path}",
+                       "--config.runtime.shutdown_timeout_s=60", "--config.faults.kill_at_step=17"]
+  result = launch(["--processes=2", "--max-restarts=0", "--peer-grace=60"], args, devices=4)
+  assert "(processes, in exit order: -9, -9)" in result.stderr, result.stderr[-3000:]
+  assert sorted(os.listdir(local)) == ["process_0", "process_1"]
+  state = local / "process_1" / "16" / "state.bin"
+  with open(state, "r+b") as f:
+    f.truncate(state.stat().st_size // 2)
+  result = launch(["--processes=2", "--max-restarts=0", "--peer-grace=60"], args, devices=4)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert sorted(restores(tmp_path)) == [(0, "local", 14), (1, "local", 14)]
+  assert "process_1/16 not usable: corrupt (state.bin: size" in result.stderr
+  # Process 0's whole step 16 belonged to the abandoned run: deleted, then saved anew at 16.
+  assert "local checkpoint steps [16] are newer than the restored step 14" in result.stderr
+  assert (tmp_path / "checkpoints" / "18" / "maxtrain_manifest.json").exists()  # and finished
+
+
+def test_stalled_bucket_falls_behind_while_training_goes_on(store, tmp_path, s3_server, monkeypatch, caplog):
+  from maxtrain.cli import train
+
+  host, port = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://").split(":")
+  proxy = S3Proxy((host, int(port)), b"/ckpts/stall/", "stall")
+  monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+  try:
+    code = train.main(TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", f"--config.output_dir={tmp_path}",
+                              "--config.steps=10", "--config.checkpoint.dir=s3://ckpts/stall",
+                              "--config.checkpoint.every_steps=2", "--config.checkpoint.local_every_steps=1",
+                              f"--config.checkpoint.local_dir={tmp_path / 'local'}",
+                              "--config.checkpoint.max_durable_lag=1", "--config.checkpoint.s3_read_timeout_s=2",
+                              "--config.checkpoint.s3_max_attempts=1", "--config.faults.nan_at_step=8",
+                              "--config.guards.max_consecutive_bad=1"])
+  finally:
+    proxy.close()
+  assert code == 0 and proxy.hits >= 1
+  records = read_events(tmp_path / "events.jsonl")
+  behind = [r for r in records if r["kind"] == "checkpoint_behind"]
+  assert behind and behind[0]["pending"] == 2 and behind[0]["max_durable_lag"] == 1
+  # Training went on, saving to the local tier after the durable one fell behind.
+  local = [r["step"] for r in records if r["kind"] == "checkpoint_save_end" and r["tier"] == "local"]
+  assert [s for s in local if s > behind[0]["step"]] and max(r["step"] for r in records if r["kind"] == "steps") == 10
+  assert not [r for r in records if r["kind"] == "checkpoint_upload"]  # nothing reached the bucket
+  # The NaN at step 8 rolled back to local step 7, newer than the durable tier's 6.
+  rollback = next(r for r in records if r["kind"] == "rollback")
+  assert (rollback["from_step"], rollback["to_step"]) == (8, 7) and "rollback: local step 7" in caplog.text
+
+
+def test_every_minutes_becomes_steps_at_the_warmup_and_each_save(tmp_path):
+  from maxtrain.monitor.events import EventLog
+
+  ck = config_lib.base_config().checkpoint
+  ck.every_steps, ck.every_minutes = 0, 0.05  # 3 s
+  with EventLog(tmp_path / "events.jsonl", 0) as events:
+    c = cadence.Cadence(ck, events)
+    c.observe(1)  # a fresh attempt's first step: the decision comes at its third, step 3
+    c._step_times = [0.25, 0.2, 0.3]  # median 0.25 s a step: 3 s is 12 steps
+    assert not c.due("durable", 2) and not c.due("durable", 3)
+    assert [s for s in range(4, 40) if c.due("durable", s)] == [15]
+    c.saved("durable", 15, cost_s=0.1)
+    assert c.next["durable"] == 27 and c.next["local"] is None
+  decisions = [r for r in read_events(tmp_path / "events.jsonl") if r["kind"] == "checkpoint_cadence"]
+  assert [(r["step"], r["interval_steps"], r["next_step"]) for r in decisions] == [(3, 12, 15), (15, 12, 27)]
+  assert decisions[0]["interval_s"] == 3.0 and decisions[0]["step_time_s"] == 0.25
+
+
+@pytest.mark.slow
+def test_auto_cadence_under_crashes_at_a_known_rate(store, tmp_path):
+  """cadence=auto in a supervised run killed (kill -9) after every 12 steps of an attempt, twice: each local
+  interval is sqrt(2 C M) from the logged save cost C and the M the event history gives, and the goodput
+  report's lost work per failure is the steps recomputed."""
+  prior_min, every = 0.2, 12
+  result = launch(["--max-restarts=3"], TINY + [
+      f"--config.data.path={store}", f"--config.output_dir={tmp_path}", "--config.steps=30", "--config.mesh.fsdp=1",
+      "--config.checkpoint.cadence=auto", "--config.checkpoint.every_steps=0", "--config.checkpoint.local_every_steps=2",
+      f"--config.checkpoint.local_dir={tmp_path / 'local'}", f"--config.checkpoint.mtbf_prior_minutes={prior_min}",
+      f"--config.faults.kill_every_steps={every}", "--config.faults.kill_times=2"], devices=1)
+  assert result.returncode == 0 and attempt_codes(result) == ["-9", "-9", "0"], result.stderr[-3000:]
+  records = read_events(tmp_path / "events.jsonl")
+  decisions = [r for r in records if r["kind"] == "checkpoint_cadence" and r["tier"] == "local"]
+  assert {r["attempt"] for r in decisions} == {0, 1, 2}
+  first_wall = min(r["wall"] for r in records)
+  for r in decisions:
+    assert r["failures"] == r["attempt"]  # every earlier attempt was killed
+    assert r["mtbf_s"] == pytest.approx((r["span_s"] + prior_min * 60) / (r["failures"] + 1))
+    start = min(x["wall"] for x in records if x["attempt"] == r["attempt"] and x["process"] == 0)
+    assert start - first_wall <= r["span_s"] <= r["wall"] - first_wall  # measured as the attempt started
+    saves = [x["blocking_s"] for x in records if x["kind"] == "checkpoint_blocked" and x.get("tier") == "local"
+             and x["attempt"] == r["attempt"] and x["step"] <= r["step"]]
+    assert r["cost_s"] == pytest.approx(sum(saves) / len(saves))
+    assert r["interval_s"] == pytest.approx(cadence.young_daly_s(r["cost_s"], r["mtbf_s"]))
+    assert r["interval_steps"] * r["step_time_s"] == pytest.approx(r["interval_s"], rel=0.2) or r["interval_steps"] == 1
+  report = goodput.compute(records)
+  failures = report["checkpoints"]["failures"]
+  restored = [r["step"] for r in records if r["kind"] == "restore"]
+  assert [f["last_step"] for f in failures] == [every, restored[0] + every]
+  assert [f["restored_step"] for f in failures] == restored
+  for f in failures:  # the newest local save the killed attempt finished
+    saved = [r["step"] for r in records if r["kind"] == "checkpoint_save_end" and r["attempt"] == f["attempt"]]
+    assert f["restored_step"] == max(saved) and f["recomputed_steps"] == f["last_step"] - f["restored_step"]
+    assert f["expected_steps"] > 0 and f["actual_s"] >= 0
+  assert sum(f["recomputed_steps"] for f in failures) == report["steps"]["lost"]
+
+
+def test_preemption_saves_the_fastest_tier_first(store, tmp_path):
+  from maxtrain.cli import train
+
+  code = train.main(TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", f"--config.output_dir={tmp_path}",
+                            "--config.steps=6", "--config.checkpoint.every_steps=0",
+                            "--config.checkpoint.local_every_steps=2", f"--config.checkpoint.local_dir={tmp_path / 'l'}",
+                            "--config.faults.sigterm_at_step=3"])
+  assert code == 75
+  saved = [(r["kind"], r.get("tier", "durable")) for r in read_events(tmp_path / "events.jsonl")
+           if r["step"] == 3 and r["kind"] in ("checkpoint_blocked", "checkpoint_save_end")]
+  # The local save is complete before the durable one starts: a grace period that ends during the durable
+  # save still leaves step 3 on the node.
+  assert saved[:2] == [("checkpoint_blocked", "local"), ("checkpoint_save_end", "local")]
+  assert ("checkpoint_save_end", "durable") in saved[2:]
+  assert (tmp_path / "l" / "process_0" / "3" / "maxtrain_manifest.json").exists()
+  assert (tmp_path / "checkpoints" / "3" / "maxtrain_manifest.json").exists()
+
+
+def test_local_tier_round_trip_rotation_and_abandoned_steps(tmp_path):
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from maxtrain.checkpoint.local import LocalTier, LocalUnusable
+
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  shardings = {"w": NamedSharding(mesh, PartitionSpec("a", None)), "s": NamedSharding(mesh, PartitionSpec())}
+  tier = LocalTier(str(tmp_path), 0, keep=3)
+  for step in (2, 4, 6, 8):
+    state = {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4) * step, shardings["w"]),
+             "s": jax.device_put(jnp.int32(step), shardings["s"])}
+    tier.save(step, state, {"next": step}, {"mesh": {"a": 4, "b": 2}, "process_count": 1})
+  tier.wait()
+  assert tier.steps() == [4, 6, 8]  # keep=3
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  restored, data = tier.restore(tier.path(6), abstract, shardings)
+  assert data == {"next": 6} and int(restored["s"]) == 6 and restored["w"].sharding == shardings["w"]
+  np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(32.0).reshape(8, 4) * 6)
+  other = {"w": NamedSharding(mesh, PartitionSpec(None, "b")), "s": shardings["s"]}
+  with pytest.raises(LocalUnusable):  # another layout: these shards were not saved
+    tier.restore(tier.path(6), abstract, other)
+  assert tier.drop_after(4) == [6, 8] and tier.steps() == [4]  # a resume to 4 abandoned them
+  assert tier.usable_steps({"a": 4, "b": 2}, 1, verify=True) == ([4], {})
+  assert tier.usable_steps({"a": 8, "b": 1}, 1, verify=True)[0] == []
+  tier.close()
