@@ -4,7 +4,7 @@ with the project's generator on the current parameters, scores them with post.re
 post.ppo_epochs x post.minibatches optimizer steps on the clipped objective with a k3 KL to the frozen
 starting model. Start from the SFT run's weights (see docs/post_training.md):
 
-  python -m maxtrain.train --config=configs/grpo.py --config.checkpoint.init_from=runs/sft/checkpoints/300
+  python -m maxtrain.train --config=configs/grpo.py --config.checkpoint.init_from=runs/sft
 
 As shipped (no init_from) it starts from the seed's initialisation, whose completions earn no reward:
 it runs, but learns only once some completion in a group scores (an SFT start)."""

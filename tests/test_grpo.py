@@ -12,7 +12,7 @@ from maxtrain.data import arithmetic
 from maxtrain.data.tokenizer import ByteTokenizer
 from maxtrain.errors import UserError
 from maxtrain.inference.sampling import Sampling
-from maxtrain.loop import grpo, sft as sft_loop
+from maxtrain.loop import grpo, rl_data, sft as sft_loop
 from maxtrain.program import build, rl_loss, rl_step, state as state_lib
 from tiny import TINY_MODEL
 
@@ -92,13 +92,13 @@ def boom(prompt, completion, meta):
 
 def test_reward_function_errors_name_it():
   with pytest.raises(UserError, match="post.reward='no_such_module:f' cannot be loaded"):
-    grpo.load_reward("no_such_module:f")
+    rl_data.load_reward("no_such_module:f")
   with pytest.raises(UserError, match="expected module:function"):
-    grpo.load_reward("maxtrain.data.arithmetic")
-  fn = grpo.load_reward("test_grpo:boom")
+    rl_data.load_reward("maxtrain.data.arithmetic")
+  fn = rl_data.load_reward("test_grpo:boom")
   with pytest.raises(UserError, match="post.reward='test_grpo:boom' raised ValueError: no answer"):
-    grpo.score(fn, "test_grpo:boom", [{"prompt": "1+1=", "meta": {}}], ["2"])
-  assert grpo.load_reward("maxtrain.data.arithmetic:reward") is arithmetic.reward
+    rl_data.score(fn, "test_grpo:boom", [{"prompt": "1+1=", "meta": {}}], ["2"])
+  assert rl_data.load_reward("maxtrain.data.arithmetic:reward") is arithmetic.reward
 
 
 def test_batch_size_must_match_the_round():

@@ -53,7 +53,7 @@ def test_group_advantages_match_numpy():
 
 def test_objective_and_gradient_match_numpy():
   rewards, logp, old, ref, mask = fixed_batch()
-  G, T = rewards.shape[1], logp.shape[1]
+  T = logp.shape[1]
   adv_BT = np.repeat(np_advantages(rewards).reshape(-1, 1), T, axis=1).astype(np.float32) * mask
   clip_eps, kl_coef = 0.2, 0.05
   fn = lambda lp: rl_loss.grpo_loss(lp, old, ref, adv_BT, mask, clip_eps=clip_eps, kl_coef=kl_coef)

@@ -26,7 +26,6 @@ from maxtrain.program import batch as batch_lib
 from maxtrain.runtime import faults
 
 log = logging.getLogger("maxtrain")
-MODES = ("", "sft", "grpo")
 
 
 class _Source:
@@ -54,7 +53,7 @@ class SftData:
     require(self.tokenizer.vocab_size <= cfg.model.vocab_size,
             f"config.data.tokenizer={d.tokenizer!r} has {self.tokenizer.vocab_size} ids, more than "
             f"config.model.vocab_size={cfg.model.vocab_size}")
-    self.source, self.batch_size, self.seed = p.data, d.batch_size, cfg.seed
+    self.source, self.batch_size, self.seed, self.mode = p.data, d.batch_size, cfg.seed, p.mode
     self.train = sft_data.packed_rows(p.data, "train", self.tokenizer, d.seq_len, cfg.seed)
     evals = sft_data.packed_rows(p.data, "eval", self.tokenizer, d.seq_len, cfg.seed)
     self.num_rows = len(self.train["inputs"])
@@ -70,7 +69,7 @@ class SftData:
     self.max_new_tokens, self._generator = p.max_new_tokens, None
 
   def describe(self) -> str:
-    return (f"sft: {self.source or 'arithmetic'}: {self.num_rows} packed rows, "
+    return (f"{self.mode}: {self.source or 'arithmetic'}: {self.num_rows} packed rows, "
             f"{int(self.train['loss_mask'].sum())} response tokens")
 
   def rows(self, step: int) -> dict[str, np.ndarray]:
@@ -137,15 +136,3 @@ def exact_match(generator: Any, tokenizer: Any, examples: Sequence[dict], max_ne
                                  vocab_limit=tokenizer.vocab_size)
     hits += sum(tokenizer.decode(o).strip() == e["response"].strip() for o, e in zip(outs, chunk))
   return hits / max(len(examples), 1)
-
-
-def make_data(cfg: ml_collections.ConfigDict, batch_shardings: dict[str, Any]) -> Any:
-  """The run's data: pretraining stores (`loop/data.py`), or SFT rows when post.mode is sft."""
-  from maxtrain.loop.data import Data
-
-  require(cfg.post.mode in MODES, f"config.post.mode={cfg.post.mode!r}: one of {', '.join(map(repr, MODES))}")
-  if cfg.post.mode == "grpo":
-    from maxtrain.loop.grpo import PromptData
-
-    return PromptData(cfg, batch_shardings)
-  return SftData(cfg, batch_shardings) if cfg.post.mode == "sft" else Data(cfg, batch_shardings)

@@ -26,7 +26,7 @@ from maxtrain.program import build as program_lib
 from maxtrain.program import state as state_lib
 from maxtrain.checkpoint.schedule import Checkpoints
 from maxtrain.loop.data import check_checkpoint_tokenizer
-from maxtrain.loop.sft import make_data
+from maxtrain.loop.post_data import make_data
 from maxtrain.errors import EXIT_CRASH, Aborted, Preempted, UserError, exit_code, require_writable_dir
 from maxtrain.loop.rollback import Rollback, Rollbacks
 from maxtrain.models.llama import param_count
@@ -296,8 +296,4 @@ def prepare_output_dir(out_dir: Path) -> None:
 
 def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) -> dict:
   """Trains per `cfg`. Raises UserError on bad input (before compiling), Preempted after saving."""
-  if cfg.post.mode == "grpo":  # the same trainer, its step a rollout -> score -> train round
-    from maxtrain.loop import grpo
-
-    return grpo.run(cfg, t_process_start)
   return Trainer(cfg, t_process_start).train()
