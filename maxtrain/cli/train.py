@@ -33,7 +33,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from maxtrain.runtime import platform
 
     platform.apply(cfg.runtime)  # XLA_FLAGS and plugin variables count only before the backend starts
-    from maxtrain.loop import trainer  # imported late: config errors surface before any backend work
+    # imported late: config errors surface before any backend work
+    if cfg.post.mode == "grpo":  # the same trainer, its step a rollout -> score -> train round
+      from maxtrain.loop import grpo as trainer
+    else:
+      from maxtrain.loop import trainer
 
     trainer.run(cfg, t_start)
   except UserError as e:

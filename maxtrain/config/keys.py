@@ -211,6 +211,21 @@ def base_config() -> ml_collections.ConfigDict:
   c.fleet.straggler_min_s = 0.01  # ... and by at least this many seconds per step (ignores noise on fast steps).
   c.fleet.exchange_timeout_s = 60.0  # Process 0 waits this long for the others' step times at a log step, then skips it.
 
+  c.post = p = ml_collections.ConfigDict()  # Post-training on the same program (docs/post_training.md).
+  p.mode = ""  # "" = pretraining | sft (prompt/response fine-tuning) | grpo (RL with a verifiable reward).
+  p.data = "arithmetic"  # sft/grpo examples: the embedded task "arithmetic" (no download) or a JSONL path of prompt/response (or chat messages).
+  p.eval_prompts = 200  # Held-out prompts scored at every eval (sft: greedy exact match; grpo: greedy mean reward); 0 = off.
+  p.max_new_tokens = 6  # Tokens generated per completion (evals and GRPO rollouts), EOS included.
+  p.reward = "maxtrain.data.arithmetic:reward"  # grpo: module:function(prompt, completion, meta) -> float, called on the host.
+  p.prompts_per_step = 8  # grpo: prompts per rollout batch.
+  p.group_size = 8  # grpo: completions sampled per prompt (G); advantages are normalised within each group.
+  p.ppo_epochs = 1  # grpo: passes over each rollout batch (old log-probs kept for the ratio).
+  p.minibatches = 1  # grpo: optimizer steps per pass; data.batch_size must be prompts_per_step * group_size / minibatches.
+  p.clip_eps = 0.2  # grpo: importance ratio clipped to [1 - clip_eps, 1 + clip_eps].
+  p.kl_coef = 0.02  # grpo: weight of the k3 KL estimate to the frozen reference (the initial parameters).
+  p.temperature = 1.0  # grpo: rollout sampling temperature (1 = the policy itself).
+  p.negate_reward = False  # grpo: train on minus the reward (a control: the reward must drive learning).
+
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 50  # Eval loss on the validation store every N steps (and at the end); 0: end only.
   c.eval.batches = 4  # Validation batches (of data.batch_size) per eval.

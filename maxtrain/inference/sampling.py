@@ -44,6 +44,14 @@ def sample(logits_BV: jax.Array, key: jax.Array, sampling: Sampling, vocab_limit
   return jax.random.categorical(key, logits_BV, axis=-1)
 
 
+def scores(logits_BV: jax.Array, token_B: jax.Array) -> jax.Array:
+  """[B, 2]: the token's log-probability and the distribution's entropy, from the raw fp32 logits."""
+  logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+  logp_B = jnp.take_along_axis(logp_BV, token_B[:, None].astype(jnp.int32), axis=-1)[:, 0]
+  entropy_B = -jnp.sum(jnp.exp(logp_BV) * logp_BV, axis=-1)
+  return jnp.stack([logp_B, entropy_B], axis=-1)
+
+
 class Generator:
   """Batched generation with one model on one mesh (params already placed by the rules): the training
   model's own cache path (`Llama.init_cache` / `Llama.decode`), jitted twice: the prefill (and the first
@@ -65,23 +73,26 @@ class Generator:
 
     def prefill(params, tokens_BT, valid_BT, key, length, sampling, vocab_limit):
       logits_BTV, cache = forward(params, tokens_BT, valid_BT, init_cache(params, tokens_BT.shape[0], length))
-      return sample(logits_BTV[:, -1], jax.random.fold_in(key, 0), sampling, vocab_limit), cache
+      token_B = sample(logits_BTV[:, -1], jax.random.fold_in(key, 0), sampling, vocab_limit)
+      return token_B, scores(logits_BTV[:, -1], token_B), cache
 
-    def decode_loop(params, token_B, cache, key, num_tokens, sampling, vocab_limit):
-      """Tokens 1..num_tokens-1 after token 0, each from the one before: [B, num_tokens] with token 0."""
+    def decode_loop(params, token_B, score_B2, cache, key, num_tokens, sampling, vocab_limit):
+      """Tokens 1..num_tokens-1 after token 0, each from the one before: [B, num_tokens] with token 0,
+      and each token's `scores` [B, num_tokens, 2]."""
       def step(i, carry):
-        token_B, cache, out_BN = carry
+        token_B, cache, out_BN, score_BN2 = carry
         logits_BTV, cache = forward(params, token_B[:, None], jnp.ones_like(token_B, jnp.bool_)[:, None], cache)
         token_B = sample(logits_BTV[:, 0], jax.random.fold_in(key, i), sampling, vocab_limit).astype(out_BN.dtype)
-        return token_B, cache, out_BN.at[:, i].set(token_B)
+        return token_B, cache, out_BN.at[:, i].set(token_B), score_BN2.at[:, i].set(scores(logits_BTV[:, 0], token_B))
 
       out_BN = jnp.zeros((token_B.shape[0], num_tokens), jnp.int32).at[:, 0].set(token_B)
-      return jax.lax.fori_loop(1, num_tokens, step, (token_B.astype(jnp.int32), cache, out_BN))[2]
+      score_BN2 = jnp.zeros((token_B.shape[0], num_tokens, 2), jnp.float32).at[:, 0].set(score_B2)
+      return jax.lax.fori_loop(1, num_tokens, step, (token_B.astype(jnp.int32), cache, out_BN, score_BN2))[2:]
 
     self.init_cache = jax.jit(init_cache, static_argnums=(1, 2))
     self.forward = jax.jit(forward, donate_argnums=3)  # one call over the cache (tests teacher-force with it)
     self._prefill = jax.jit(prefill, static_argnums=(4, 5, 6))
-    self._decode = jax.jit(decode_loop, static_argnums=(4, 5, 6), donate_argnums=2)
+    self._decode = jax.jit(decode_loop, static_argnums=(5, 6, 7), donate_argnums=3)
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling,
                eos_ids: Sequence[int] = (), vocab_limit: int | None = None,
@@ -89,6 +100,20 @@ class Generator:
     """New tokens per prompt (up to and without the first EOS) and timings. Every row decodes
     max_new_tokens on the device; what follows a row's first EOS is cut on the host. The prompts are
     left-padded to a multiple of `length_multiple` (fewer shapes to compile across calls)."""
+    tokens_BN, _, timing = self.generate_scored(prompts, max_new_tokens, sampling, vocab_limit, length_multiple)
+    eos = set(eos_ids)
+    out = []
+    for row in tokens_BN.tolist():
+      end = next((i for i, t in enumerate(row) if t in eos), len(row))
+      out.append(row[:end])
+    steps = sum(len(o) for o in out)
+    return out, {**timing, "tokens": steps, "tokens_per_s": steps / max(timing["decode_s"], 1e-9)}
+
+  def generate_scored(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling,
+                      vocab_limit: int | None = None, length_multiple: int = 1) -> tuple[np.ndarray, np.ndarray, dict]:
+    """All max_new_tokens tokens of every prompt [N, max_new_tokens] (nothing cut at EOS), with each
+    token's (log-probability, entropy) under the model's own distribution (the raw logits: temperature 1,
+    every id) [N, max_new_tokens, 2], and timings. RL compares these log-probs with the trainer's."""
     vocab_limit = vocab_limit or self.cfg.vocab_size
     rows = len(prompts) + (-len(prompts) % self.batch_multiple)  # the batch must divide its shards
     longest = max(len(p) for p in prompts)
@@ -100,20 +125,16 @@ class Generator:
     sampling = dataclasses.replace(sampling, seed=0)  # the seed is in `key`: another seed compiles nothing new
     with jax.set_mesh(self.mesh):
       t0 = time.monotonic()
-      token_B, cache = self._prefill(self.params, tokens_BT, valid_BT, key, longest + max_new_tokens, sampling,
-                                     vocab_limit)
+      token_B, score_B2, cache = self._prefill(self.params, tokens_BT, valid_BT, key, longest + max_new_tokens,
+                                               sampling, vocab_limit)
       token_B.block_until_ready()
       t1 = time.monotonic()
-      tokens_BN = np.asarray(self._decode(self.params, token_B, cache, key, max_new_tokens, sampling, vocab_limit))
+      tokens_BN, score_BN2 = self._decode(self.params, token_B, score_B2, cache, key, max_new_tokens, sampling,
+                                          vocab_limit)
+      tokens_BN, score_BN2 = np.asarray(tokens_BN), np.asarray(score_BN2)
       t2 = time.monotonic()
-    eos = set(eos_ids)
-    out = []
-    for row in tokens_BN[:len(prompts)].tolist():
-      end = next((i for i, t in enumerate(row) if t in eos), len(row))
-      out.append(row[:end])
-    steps = sum(len(o) for o in out)
-    return out, {"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": steps,
-                 "tokens_per_s": steps / max(t2 - t1, 1e-9)}
+    n = len(prompts)
+    return tokens_BN[:n], score_BN2[:n], {"prefill_s": t1 - t0, "decode_s": t2 - t1}
 
 
 def load(path: str, *, seed: int = 0, overrides: Sequence[str] = ()) -> tuple[Generator, Any, Any]:

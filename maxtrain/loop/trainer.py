@@ -25,7 +25,8 @@ from maxtrain.optim import optimizer as optim
 from maxtrain.program import build as program_lib
 from maxtrain.program import state as state_lib
 from maxtrain.checkpoint.schedule import Checkpoints
-from maxtrain.loop.data import Data, check_checkpoint_tokenizer
+from maxtrain.loop.data import check_checkpoint_tokenizer
+from maxtrain.loop.post_data import make_data
 from maxtrain.errors import EXIT_CRASH, Aborted, Preempted, UserError, exit_code, require_writable_dir
 from maxtrain.loop.rollback import Rollback, Rollbacks
 from maxtrain.models.llama import param_count
@@ -107,7 +108,7 @@ class Trainer:
     self.resume_path = self.checkpoints.resolve_resume()
     if jax.process_index() == 0:
       config_lib.save(cfg, self.out_dir / "config.json")
-    self.data = Data(cfg, program.batch_shardings)
+    self.data = make_data(cfg, program.batch_shardings)  # post.mode=sft: prompt/response rows (loop/sft.py)
     stack.callback(self.data.loader.close)  # the read-ahead threads
     self.checkpoints.tokenizer_identity = self.data.train_store.tokenizer_identity
     if self.resume_path is not None:  # before compiling: the checkpoint's tokenizer is this run's
@@ -151,6 +152,8 @@ class Trainer:
       return self._evaluate(state, step)
     if step == 0:
       self.metrics.text("config", "```\n" + json.dumps(config_lib.redacted(cfg), indent=2, sort_keys=True) + "\n```")
+      if cfg.post.mode:  # post-training: the starting model's eval (loss, held-out accuracy) is the baseline
+        self._evaluate(state, 0)
     with jax.set_mesh(self.program.mesh):
       data_state = self.data.get_state()  # the loader position matching `state`
       batch = self._next_batch(step + 1)
@@ -257,6 +260,8 @@ class Trainer:
         if bytes_per_token:  # comparable across tokenizers: nats per token -> bits per input byte
           per_source[f"eval/{name}/bits_per_byte"] = loss / math.log(2) / bytes_per_token
       result["loss"] = float(total) / max(float(count), 1.0)
+      if hasattr(self.data, "extra_eval"):  # post-training's held-out accuracy (loop/sft.py)
+        per_source.update(self.data.extra_eval(self.program, state.params))
     self.metrics.scalars(step, per_source)
     with self.metrics.outside(step):  # not step time (goodput)
       self.task_eval.run(state.params, step)

@@ -1,0 +1,106 @@
+"""GRPO on the training program: the generator's log-probabilities equal the trainer's forward pass on
+the same tokens (fp32, 1e-5), one optimizer step per rollout has importance ratio exactly 1, the step
+on 8 devices (fsdp x tensor) matches 1 device, and reward functions that cannot be loaded or raise are
+UserErrors naming them."""
+
+import jax
+import numpy as np
+import pytest
+
+from maxtrain import config as config_lib
+from maxtrain.data import arithmetic
+from maxtrain.data.tokenizer import ByteTokenizer
+from maxtrain.errors import UserError
+from maxtrain.inference.sampling import Sampling
+from maxtrain.loop import grpo, rl_data, sft as sft_loop
+from maxtrain.program import build, rl_loss, rl_step, state as state_lib
+from tiny import TINY_MODEL
+
+TOK = ByteTokenizer()
+P, G = 4, 4
+
+
+def tiny_cfg(*extra):
+  return config_lib.load(TINY_MODEL + ["--config.post.mode=grpo", f"--config.post.prompts_per_step={P}",
+                                       f"--config.post.group_size={G}", f"--config.data.batch_size={P * G}",
+                                       "--config.data.seq_len=16", "--config.post.max_new_tokens=6", *extra])
+
+
+def rollout(program, params):
+  """A round's batch (host rows) sampled by the generator at temperature 1 with these parameters."""
+  examples = [e for e in arithmetic.examples("train")[:P] for _ in range(G)]
+  prompt_ids = [TOK.encode(e["prompt"]).tolist() for e in examples]
+  generator = sft_loop.make_generator(program, params)
+  tokens, scores, _ = generator.generate_scored(prompt_ids, 6, Sampling(temperature=1.0, seed=3),
+                                                vocab_limit=TOK.vocab_size)
+  rows, lengths, _ = grpo.rollout_rows(prompt_ids, tokens, scores, TOK.eos_id, 16)
+  rewards = np.arange(P * G, dtype=np.float32).reshape(P, G) % 3  # any fixed rewards: non-zero advantages
+  mask = rows.pop("loss_mask")
+  host = {k: rows[k] for k in ("inputs", "targets", "segment_ids", "positions")}
+  host.update(loss_mask=mask, advantages=np.asarray(rl_loss.group_advantages(rewards)).reshape(-1, 1) * mask,
+              old_logp=rows["sampler_logp"], ref_logp=rows["sampler_logp"])
+  return host, rows["sampler_logp"], mask
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  cfg = tiny_cfg()
+  program = build.program_for(cfg, jax.devices()[:1])
+  state = state_lib.initialize(program.state, program.mesh)
+  with jax.set_mesh(program.mesh):
+    host, sampler_logp, mask = rollout(program, state.params)
+  return cfg, program, state, host, sampler_logp, mask
+
+
+def test_sampler_and_trainer_logprobs_agree(one_device):
+  _, program, state, host, sampler_logp, mask = one_device
+  logprobs, _ = rl_step.jit_pieces(program, clip_eps=0.2, kl_coef=0.1, on_policy=True)
+  with jax.set_mesh(program.mesh):
+    trainer_logp = np.asarray(logprobs(state.params, rl_step.to_device(host, program)))
+  assert mask.sum() >= P * G  # every completion has at least one token
+  np.testing.assert_allclose(trainer_logp[mask > 0], sampler_logp[mask > 0], rtol=0, atol=1e-5)
+
+
+def run_step(cfg, devices, state_host, host, mesh_args=()):
+  """One on-policy GRPO step of `state_host` (host arrays) on `devices`: (metrics, new params) on the host."""
+  cfg = tiny_cfg(*mesh_args) if mesh_args else cfg
+  program = build.program_for(cfg, devices)
+  _, train = rl_step.jit_pieces(program, clip_eps=0.2, kl_coef=0.1, on_policy=True)
+  with jax.set_mesh(program.mesh):
+    state = jax.device_put(state_host, program.state.shardings)
+    state, metrics = train(state, rl_step.to_device(host, program))
+    return jax.device_get(metrics), jax.device_get(state.params)
+
+
+def test_on_policy_ratio_is_one_and_8_devices_match_1(one_device):
+  cfg, program, state, host, _, _ = one_device
+  state_host = jax.device_get(state)
+  metrics1, params1 = run_step(cfg, jax.devices()[:1], state_host, host)
+  assert float(metrics1["ratio_mean"]) == 1.0 and float(metrics1["clip_fraction"]) == 0.0
+  assert float(metrics1["grad_norm"]) > 0 and float(metrics1["skipped"]) == 0.0
+  metrics8, params8 = run_step(cfg, jax.devices()[:8], state_host, host,
+                               ("--config.mesh.fsdp=4", "--config.mesh.tensor=2"))
+  assert float(metrics8["ratio_mean"]) == 1.0
+  for key in ("loss", "kl", "grad_norm"):
+    np.testing.assert_allclose(float(metrics8[key]), float(metrics1[key]), rtol=1e-5, atol=1e-7)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params8, params1)
+
+
+def boom(prompt, completion, meta):
+  raise ValueError("no answer")
+
+
+def test_reward_function_errors_name_it():
+  with pytest.raises(UserError, match="post.reward='no_such_module:f' cannot be loaded"):
+    rl_data.load_reward("no_such_module:f")
+  with pytest.raises(UserError, match="expected module:function"):
+    rl_data.load_reward("maxtrain.data.arithmetic")
+  fn = rl_data.load_reward("test_grpo:boom")
+  with pytest.raises(UserError, match="post.reward='test_grpo:boom' raised ValueError: no answer"):
+    rl_data.score(fn, "test_grpo:boom", [{"prompt": "1+1=", "meta": {}}], ["2"])
+  assert rl_data.load_reward("maxtrain.data.arithmetic:reward") is arithmetic.reward
+
+
+def test_batch_size_must_match_the_round():
+  with pytest.raises(UserError, match="data.batch_size=8 must be post.prompts_per_step x post.group_size"):
+    grpo.check_config(tiny_cfg("--config.data.batch_size=8"))
