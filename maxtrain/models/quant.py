@@ -71,8 +71,11 @@ class QuantConfig:
 
   @classmethod
   def from_config(cls, m: Any) -> "QuantConfig":
-    return cls(recipe=m.quantization, kinds=parse_kinds(m.quant_kinds), min_dim=m.quant_min_dim,
-               margin=m.quant_margin, saturate=m.quant_saturate)
+    """From `config.model` or a checkpoint's saved model section (a plain dict; older ones lack some keys)."""
+    base = cls()
+    return cls(recipe=m.get("quantization", base.recipe), kinds=parse_kinds(m.get("quant_kinds", "")),
+               min_dim=m.get("quant_min_dim", base.min_dim), margin=m.get("quant_margin", base.margin),
+               saturate=m.get("quant_saturate", base.saturate))
 
 
 def parse_kinds(text: str) -> tuple[str, ...]:
