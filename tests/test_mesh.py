@@ -38,7 +38,7 @@ def test_dcn_axes_are_the_slow_factor():
 
 def test_layout_fills_one_axis_and_rejects_bad_sizes():
   assert resolve_layout({"data": 1, "fsdp": 8, "tensor": 1, "dcn_data": -1}, 64).dcn == (8, 1, 1, 1, 1)
-  assert resolve_layout({"data": 1, "fsdp": -1, "tensor": 4, "dcn_fsdp": 2}, 64).ici == (1, 8, 1, 1, 4)
+  assert resolve_layout({"data": 1, "fsdp": -1, "tensor": 4, "dcn_fsdp": 2}, 64).ici == (1, 1, 8, 1, 1, 4)
   with pytest.raises(UserError, match="at most one"):
     resolve_layout({"data": 1, "fsdp": -1, "tensor": 1, "dcn_data": -1}, 8)
   with pytest.raises(UserError, match="not divisible"):
