@@ -44,6 +44,14 @@ class Schedule:
     """The share of each stage's iterations spent idle (fill and drain)."""
     return (self.stages - 1) / self.iterations
 
+  def describe(self) -> str:
+    return (f"{self.stages} stages x {self.repeats} repeat(s), {self.microbatches} microbatches: "
+            f"{self.iterations} iterations, bubble (S-1)/(R*M+S-1) = {self.bubble:.4f}")
+
+  def to_json(self) -> dict[str, Any]:
+    return {"stages": self.stages, "microbatches": self.microbatches, "repeats": self.repeats,
+            "iterations": self.iterations, "bubble_fraction": self.bubble}
+
 
 _ACTIVE: contextvars.ContextVar[Schedule | None] = contextvars.ContextVar("maxtrain_pipeline", default=None)
 
