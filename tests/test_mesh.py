@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def ids(mesh) -> np.ndarray:
-  return np.vectorize(lambda d: d.id)(mesh.devices)
+  """Device ids over the mesh axes after `pipeline` (size 1 here)."""
+  assert mesh.devices.shape[0] == 1
+  return np.vectorize(lambda d: d.id)(mesh.devices)[0]
 
 
 def test_dcn_axes_are_the_slow_factor():
@@ -72,7 +74,7 @@ for nodes in (1, 2):
   # One sequence per batch shard per microbatch: the global batch of 64 over 16 / 32 shards.
   assert plan.batch.num_microbatches == 4 // nodes and plan.batch.per_microbatch == 1
   mesh = make_mesh(plan.mesh, jax.devices()[:64 * nodes])
-  out[nodes] = {"shape": dict(mesh.shape), "ids": np.vectorize(lambda d: d.id)(mesh.devices).tolist()}
+  out[nodes] = {"shape": dict(mesh.shape), "ids": np.vectorize(lambda d: d.id)(mesh.devices)[0].tolist()}
 print(json.dumps(out))
 """
 
@@ -90,7 +92,7 @@ def test_trn2_node_mesh_on_64_fake_devices():
   for f in range(16):  # tensor groups: 4 consecutive NeuronCores (one Trainium2 chip at LNC=2)
     np.testing.assert_array_equal(grid[f], np.arange(4 * f, 4 * f + 4))
   two = out["2"]  # two nodes: data parallel across them, each node laid out as above
-  assert two["shape"] == {"data": 2, "fsdp": 16, "expert": 1, "context": 1, "tensor": 4}
+  assert two["shape"] == {"pipeline": 1, "data": 2, "fsdp": 16, "expert": 1, "context": 1, "tensor": 4}
   grid = np.array(two["ids"])
   np.testing.assert_array_equal(grid[0, :, 0, 0], np.arange(64).reshape(16, 4))
   np.testing.assert_array_equal(grid[1, :, 0, 0], np.arange(64, 128).reshape(16, 4))

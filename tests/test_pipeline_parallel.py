@@ -21,13 +21,16 @@ from maxtrain.runtime import faults
 from tiny import TINY_MODEL
 
 # 4 layers so that 4 stages, and 2 stages x 2 repeats, each hold one layer per repeat (no data source needed).
+# The reference is the same model without the pipeline.
 MODEL = TINY_MODEL + ["--config.model.num_layers=4", "--config.data.batch_size=16", "--config.optimizer.warmup_steps=1"]
 STEPS = 4
 MESHES = {
     "reference": ["--config.mesh.fsdp=8"],
     "pipeline4xfsdp2": ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.pipeline.microbatches=4"],
-    "pipeline2_repeats2": ["--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.repeats=2",
-                           "--config.pipeline.microbatches=2"],
+    # tensor and data parallelism inside each stage, circular repeats and gradient accumulation, in one compile
+    "pipeline2xtensor2xdata2_repeats2_accum2": [
+        "--config.mesh.pipeline=2", "--config.mesh.tensor=2", "--config.mesh.data=2", "--config.mesh.fsdp=1",
+        "--config.pipeline.repeats=2", "--config.pipeline.microbatches=2", "--config.optimizer.grad_accum_steps=2"],
 }
 
 
@@ -67,7 +70,7 @@ def _train(name):
   return np.array(losses), jax.tree.map(np.asarray, state.params), program, compiled, state
 
 
-@pytest.mark.parametrize("name", ["pipeline4xfsdp2", "pipeline2_repeats2"])
+@pytest.mark.parametrize("name", ["pipeline4xfsdp2", "pipeline2xtensor2xdata2_repeats2_accum2"])
 def test_pipeline_trains_like_no_pipeline(name):
   ref_losses, ref_params, *_ = _train("reference")
   losses, params, program, *_ = _train(name)
@@ -115,7 +118,7 @@ def test_checkpoint_of_pipeline4_restores_bitwise_onto_pipeline1_and_pipeline2(t
   ckpt = Checkpointer(program.cfg.checkpoint, str(tmp_path))
   ckpt.save(STEPS, state, {}, program.cfg, dict(program.mesh.shape))
   ckpt.wait()
-  for target in (_train("reference")[2], build_lib.program_for(_cfg(*MESHES["pipeline2_repeats2"]), jax.devices(),
+  for target in (_train("reference")[2], build_lib.program_for(_cfg(*MESHES["pipeline2xtensor2xdata2_repeats2_accum2"]), jax.devices(),
                                                                require_data=False)):
     restored = ckpt.restore(tmp_path / str(STEPS), target.state.abstract, target.state.shardings)
     assert restored.step == STEPS
@@ -126,7 +129,7 @@ def test_checkpoint_of_pipeline4_restores_bitwise_onto_pipeline1_and_pipeline2(t
 
 
 def test_bubble_is_reported_by_the_estimate():
-  for args, bubble in [(MESHES["pipeline4xfsdp2"], 3 / 7), (MESHES["pipeline2_repeats2"], 1 / 5),
+  for args, bubble in [(MESHES["pipeline4xfsdp2"], 3 / 7), (MESHES["pipeline2xtensor2xdata2_repeats2_accum2"], 1 / 5),
                        (["--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.microbatches=8",
                         "--config.data.batch_size=32"], 1 / 9)]:
     e = estimate.estimate(_cfg(*args), 8)
