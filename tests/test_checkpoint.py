@@ -123,7 +123,7 @@ def test_restore_reshards_onto_other_meshes(store, tmp_path):
     mesh = make_mesh(sizes, devices)
     spec = state_lib.spec(model_cfg, tx, mesh, seed=0)
     restored = ckpt.restore(out / "checkpoints" / "2", spec.abstract, spec.shardings)
-    assert restored.step == 2 and restored.meta["mesh"] == {"data": 1, "fsdp": 8, "expert": 1, "context": 1,
+    assert restored.step == 2 and restored.meta["mesh"] == {"pipeline": 1, "data": 1, "fsdp": 8, "expert": 1, "context": 1,
                                                                  "tensor": 1}
     wq = restored.state.params["blocks"]["attn"]["wq"][...]
     assert wq.sharding.mesh.shape == mesh.shape

@@ -52,7 +52,7 @@ def test_reduced_8b_compiles_and_reports(reduced_8b):
   cfg, report = reduced_8b
   n_params = llama_params(2, 4096, 32, 8, 14336, 128256)
   assert report.num_params == n_params
-  assert report.plan.mesh.sizes == {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
+  assert report.plan.mesh.sizes == {"pipeline": 1, "data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
   mem = report.memory
   # The state (fp32 params, Adam mu and nu) is 12 bytes per parameter, an eighth of it per device;
   # the batch and counters add ~20 KB.

@@ -96,7 +96,7 @@ def test_context_order_moves_every_field_together():
 
 def test_mesh_keeps_tensor_innermost():
   mesh = make_mesh({"data": 1, "fsdp": 2, "context": 2, "tensor": 2})
-  assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 2}
+  assert dict(mesh.shape) == {"pipeline": 1, "data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 2}
   ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(-1, 2)
   for group in ids:  # each tensor group is two consecutive devices
     assert group[1] == group[0] + 1

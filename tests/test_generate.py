@@ -146,7 +146,7 @@ def test_load_honours_the_runs_mesh_and_overrides(store, tmp_path):
   assert train.main(TINY_MODEL + mesh + [f"--config.data.path={store}", "--config.steps=1",
                                          f"--config.output_dir={run}"]) == 0
   generator, tokenizer, _ = sampling.load(str(run))
-  assert dict(generator.mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
+  assert dict(generator.mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
   assert generator.batch_multiple == 4
   out, _ = generator.generate([[tokenizer.bos_id, 5, 6]], 4, sampling.Sampling())
   assert len(out) == 1 and len(out[0]) <= 4

@@ -19,17 +19,19 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def ids(mesh) -> np.ndarray:
-  return np.vectorize(lambda d: d.id)(mesh.devices)
+  """Device ids over the mesh axes after `pipeline` (size 1 here)."""
+  assert mesh.devices.shape[0] == 1
+  return np.vectorize(lambda d: d.id)(mesh.devices)[0]
 
 
 def test_dcn_axes_are_the_slow_factor():
   # 2 granules of 4: the data axis = (granule, data within granule); tensor stays inside a granule.
   mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 2, "dcn_data": 2})
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
+  assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
   np.testing.assert_array_equal(ids(mesh)[:, :, 0, 0], np.arange(8).reshape(2, 2, 2))
   # dcn_fsdp: the fsdp axis runs over granule 0's devices, then granule 1's.
   mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 1, "dcn_fsdp": 2})
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
+  assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
   expected = np.array([[0, 1, 4, 5], [2, 3, 6, 7]])  # [data, fsdp]: fsdp = (granule, fsdp within)
   np.testing.assert_array_equal(ids(mesh)[:, :, 0, 0, 0], expected)
   for granule in range(2):  # every tensor group and every granule's devices are one node's
@@ -37,8 +39,8 @@ def test_dcn_axes_are_the_slow_factor():
 
 
 def test_layout_fills_one_axis_and_rejects_bad_sizes():
-  assert resolve_layout({"data": 1, "fsdp": 8, "tensor": 1, "dcn_data": -1}, 64).dcn == (8, 1, 1, 1, 1)
-  assert resolve_layout({"data": 1, "fsdp": -1, "tensor": 4, "dcn_fsdp": 2}, 64).ici == (1, 8, 1, 1, 4)
+  assert resolve_layout({"data": 1, "fsdp": 8, "tensor": 1, "dcn_data": -1}, 64).dcn == (1, 8, 1, 1, 1, 1)
+  assert resolve_layout({"data": 1, "fsdp": -1, "tensor": 4, "dcn_fsdp": 2}, 64).ici == (1, 1, 8, 1, 1, 4)
   with pytest.raises(UserError, match="at most one"):
     resolve_layout({"data": 1, "fsdp": -1, "tensor": 1, "dcn_data": -1}, 8)
   with pytest.raises(UserError, match="not divisible"):
@@ -72,7 +74,7 @@ for nodes in (1, 2):
   # One sequence per batch shard per microbatch: the global batch of 64 over 16 / 32 shards.
   assert plan.batch.num_microbatches == 4 // nodes and plan.batch.per_microbatch == 1
   mesh = make_mesh(plan.mesh, jax.devices()[:64 * nodes])
-  out[nodes] = {"shape": dict(mesh.shape), "ids": np.vectorize(lambda d: d.id)(mesh.devices).tolist()}
+  out[nodes] = {"shape": dict(mesh.shape), "ids": np.vectorize(lambda d: d.id)(mesh.devices)[0].tolist()}
 print(json.dumps(out))
 """
 
@@ -85,12 +87,12 @@ def test_trn2_node_mesh_on_64_fake_devices():
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   one = out["1"]
-  assert one["shape"] == {"data": 1, "fsdp": 16, "expert": 1, "context": 1, "tensor": 4}
+  assert one["shape"] == {"pipeline": 1, "data": 1, "fsdp": 16, "expert": 1, "context": 1, "tensor": 4}
   grid = np.array(one["ids"])[0, :, 0, 0]  # [fsdp, tensor]
   for f in range(16):  # tensor groups: 4 consecutive NeuronCores (one Trainium2 chip at LNC=2)
     np.testing.assert_array_equal(grid[f], np.arange(4 * f, 4 * f + 4))
   two = out["2"]  # two nodes: data parallel across them, each node laid out as above
-  assert two["shape"] == {"data": 2, "fsdp": 16, "expert": 1, "context": 1, "tensor": 4}
+  assert two["shape"] == {"pipeline": 1, "data": 2, "fsdp": 16, "expert": 1, "context": 1, "tensor": 4}
   grid = np.array(two["ids"])
   np.testing.assert_array_equal(grid[0, :, 0, 0], np.arange(64).reshape(16, 4))
   np.testing.assert_array_equal(grid[1, :, 0, 0], np.arange(64, 128).reshape(16, 4))

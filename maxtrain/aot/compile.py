@@ -106,6 +106,8 @@ class CompileReport:
       loops.append(f"the {self.cfg.model.num_layers} scanned layers (model.scan_layers=True)")
     if self.plan.batch.num_microbatches > 1:
       loops.append(f"the {self.plan.batch.num_microbatches} microbatches (optimizer.grad_accum_steps)")
+    if self.plan.pipeline:
+      loops.append(f"the {self.plan.pipeline.iterations} pipeline iterations")
     return loops
 
   def describe(self) -> str:
@@ -114,6 +116,7 @@ class CompileReport:
     lines = [
         f"compiled on {self.num_devices} fake CPU devices (XLA:CPU), not on runtime.platform={cfg.runtime.platform}",
         f"mesh: {self.plan.mesh.describe()}",
+        *([f"pipeline: {self.plan.pipeline.describe()}"] if self.plan.pipeline else []),
         f"model: {self.num_params / 1e9:.3f}B parameters ({m.num_layers} layers, d_model {m.d_model}, "
         f"{m.num_heads}/{m.num_kv_heads} heads, d_ff {m.d_ff}, vocab {m.vocab_size}); params {m.param_dtype}, "
         f"compute {m.compute_dtype}, remat {m.remat}",

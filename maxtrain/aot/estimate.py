@@ -76,6 +76,7 @@ class Estimate:
   microbatch: int  # sequences per device per microbatch
   memory: dict[str, int]  # bytes per device, by component (see COMPONENTS)
   notes: list[str]
+  pipeline: dict[str, Any] | None = None  # sharding/pipeline.py Schedule.to_json + boundary bytes; None: no pipeline
 
   @property
   def arguments(self) -> int:
@@ -94,7 +95,7 @@ class Estimate:
     return {"num_devices": self.num_devices, "mesh": self.mesh_shape, "params": self.params,
             "flops_per_token": self.flops_per_token, "microbatch_sequences_per_device": self.microbatch,
             "memory_bytes_per_device": {**self.memory, "arguments": self.arguments, "temporaries": self.temporaries,
-                                        "peak": self.peak}, "notes": self.notes}
+                                        "peak": self.peak}, "notes": self.notes, "pipeline_schedule": self.pipeline}
 
   def table(self) -> str:
     p = self.params
@@ -109,6 +110,11 @@ class Estimate:
              f"  active/token    {p['active']:>16,}  (MoE: routed experts count experts_per_token of num_experts)",
              f"FLOPs per token:  {self.flops_per_token:>16.4g}  (train: 6 x matmul params + causal attention)",
              "memory per device:"]
+    if self.pipeline:
+      q = self.pipeline
+      lines.insert(1, f"pipeline: {q['stages']} stages x {q['repeats']} repeat(s), {q['microbatches']} microbatches, "
+                   f"{q['iterations']} iterations: bubble {q['bubble_fraction']:.4f}; "
+                   f"{q['boundary_bytes'] / 2**20:.2f} MiB per device to the next stage per step")
     for key, (label, _) in COMPONENTS.items():
       if self.memory.get(key):
         lines.append(f"  {label:<34s} {self.memory[key] / GiB:9.3f} GiB")
@@ -208,6 +214,18 @@ def _largest_layer_gathered(table: list[Param], m: ModelConfig, layout: Layout) 
   return largest
 
 
+def _pipeline(plan: Any, saved: int, microbatch_bytes: int, shard_bytes: int) -> tuple[int, dict[str, Any] | None]:
+  """(saved activations per device, the schedule's figures) under the pipeline (sharding/pipeline.py): a
+  stage saves its L/S layers' activations for every iteration (the bubble's included), and holds the
+  microbatches it returns to the ring and its outputs."""
+  schedule = plan.pipeline
+  if schedule is None:
+    return saved, None
+  saved = saved * schedule.iterations // (schedule.stages * schedule.repeats * schedule.microbatches)
+  figures = {**schedule.to_json(), "boundary_bytes": 2 * schedule.iterations * shard_bytes // schedule.microbatches}
+  return saved + 2 * microbatch_bytes, figures
+
+
 def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1) -> Estimate:
   """Per-device memory and FLOPs of `cfg`'s train step on `num_devices` devices (over `num_processes`)."""
   plan = validate(cfg, num_devices, num_processes, require_data=False)
@@ -261,6 +279,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
     saved = m.num_layers * tokens * dots_per_token * c_bytes
   else:  # everything: the matmul outputs, the norms' and SwiGLU's elementwise results, the attention's
     saved = m.num_layers * (tokens * (dots_per_token + 3 * d + 2 * f_t) * c_bytes + attention_saved)
+  saved, pipeline = _pipeline(plan, saved, tokens * d * c_bytes, batch_rows * seq_local * d * c_bytes)
   # With FSDP a weight is all-gathered (in the compute dtype) where it is used, and its gradient is
   # whole (fp32) until it is reduce-scattered.
   gathered = layout.shards("embed") > 1
@@ -283,7 +302,8 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
       f"fp32 where a GPU/Neuron compiler keeps them in {jnp.dtype(m.compute_dtype).name}, so its figures can exceed "
       "this estimate"]
   return Estimate(num_devices=num_devices, mesh_shape=dict(plan.mesh.sizes), params=params,
-                  flops_per_token=model_cfg.train_flops_per_token(seq), microbatch=b, memory=memory, notes=notes)
+                  flops_per_token=model_cfg.train_flops_per_token(seq), microbatch=b, memory=memory, notes=notes,
+                  pipeline=pipeline)
 
 
 def available_memory(devices: Any) -> tuple[int, str] | None:

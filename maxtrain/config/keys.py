@@ -75,11 +75,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.context = 1  # Context (sequence) parallel: each activation's length dim; attention all-gathers K/V.
   c.mesh.tensor = 1  # Tensor (model) parallel: heads, MLP and vocab dims.
   c.mesh.expert = 1  # Expert parallel: routed experts split over it, tokens sent to them by all-to-all; data parallel elsewhere.
+  c.mesh.pipeline = 1  # Pipeline stages (circular pipeline over the layer stack, docs/sharding.md); 1 = no pipeline.
   # The five above lay out one granule (a node: NVLink/NeuronLink/ICI); these lay out the granules
-  # (across the network). At most one of all seven may be -1.
+  # (across the network). At most one of all nine may be -1.
+  c.mesh.dcn_pipeline = 1  # Pipeline stages across nodes: only stage-boundary activations cross the network.
   c.mesh.dcn_data = 1  # Data-parallel replicas across nodes.
   c.mesh.dcn_fsdp = 1  # FSDP across nodes (parameters sharded over the network too).
   c.mesh.rules = "default"  # Sharding rule set (logical axis -> mesh axes), of maxtrain/sharding/rules.py RULE_SETS.
+  c.pipeline = ml_collections.ConfigDict()
+  c.pipeline.microbatches = 1  # Microbatches each forward pass streams through the stages (>= stages when pipelined).
+  c.pipeline.repeats = 1  # Circular repeats: each stage holds this many non-adjacent layer groups; bubble (S-1)/(R*M+S-1).
 
   c.data = d = ml_collections.ConfigDict()
   d.corpus = "python-stdlib"  # Embedded corpus, built and cached on first use; ignored when data.path is set.

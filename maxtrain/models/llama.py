@@ -28,6 +28,7 @@ from maxtrain.models import quant as quant_lib
 from maxtrain.models.attention.layer import Attention, CacheWrite, KVCache
 from maxtrain.models.layers import MLP, RMSNorm, Rope, param, project
 from maxtrain.models.moe import MoE, MoEConfig
+from maxtrain.sharding import pipeline as pipeline_lib
 from maxtrain.sharding import rules as sharding_rules
 
 REMAT_POLICIES = {
@@ -318,6 +319,17 @@ def _run_stack(cfg: ModelConfig, blocks: nnx.Module, x_BTD: jax.Array, segment_i
   policy = REMAT_POLICIES[cfg.remat]
   if policy is not None and kv is None:  # decoding differentiates nothing: no remat
     apply_block = jax.checkpoint(apply_block, policy=policy, static_argnums=(2,))
+  schedule = pipeline_lib.active()
+  if cfg.scan_layers and kv is None and schedule is not None:  # training / evaluation under the pipeline
+    graphdef, stacked = nnx.split(blocks)
+
+    def group(state, x_BTD, segment_ids_BT, positions_BT):  # a stage's layers of one repeat, scanned
+      def body(x, layer_state):
+        return nnx.merge(graphdef, layer_state)(x, segment_ids_BT, positions_BT)[0], None
+      body = jax.checkpoint(body, policy=policy) if policy is not None else body
+      return jax.lax.scan(body, x_BTD, state)[0]
+
+    return pipeline_lib.run(group, stacked, x_BTD, segment_ids_BT, positions_BT, schedule), {}, None
   if cfg.scan_layers:
     graphdef, stacked = nnx.split(blocks)
     length = jax.tree.leaves(stacked)[0].shape[0]

@@ -73,7 +73,7 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) 
   replicated = NamedSharding(mesh, P())
   # Each batch shard keeps its own partial head gradient across loss chunks (maxtrain/program/loss.py).
   chunking = dict(chunk_tokens=loss_chunk_tokens(cfg.model), batch_shards=plan.layout.shards("act_batch"),
-                  length_shards=plan.layout.shards("act_length"))
+                  length_shards=plan.layout.shards("act_length"), pipeline=plan.pipeline)
   step = step_lib.make_train_step(state_spec.graphdef, optimizer, z_loss=cfg.optimizer.z_loss, moe=model_cfg.moe,
                                   grad_accum_steps=plan.batch.num_microbatches, spike_zscore=cfg.guards.spike_zscore,
                                   spike_warmup=cfg.guards.spike_warmup, rules=rules, **chunking)

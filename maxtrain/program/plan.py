@@ -24,6 +24,7 @@ from maxtrain.errors import UserError, choice, require
 from maxtrain.models import llama
 from maxtrain.monitor import prometheus
 from maxtrain.sharding import mesh as mesh_lib
+from maxtrain.sharding import pipeline as pipeline_lib
 from maxtrain.sharding import rules as rules_lib
 from maxtrain.sharding.layout import Layout
 
@@ -34,6 +35,7 @@ class Plan:
   mesh: mesh_lib.MeshLayout
   layout: Layout  # the mesh sizes and the rule set: how logical dims are split
   batch: BatchLayout
+  pipeline: pipeline_lib.Schedule | None = None  # None: no pipeline (one stage)
 
 
 def _floats(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, float]]:
@@ -101,7 +103,43 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           f"config.model.attention={cfg.model.attention} with a sequence split over {layout.describe('act_length')}: "
           "context-parallel attention runs the flash kernel on each shard. Set model.attention=flash (or auto), "
           "or mesh.context=1.")
-  return Plan(mesh=mesh_layout, layout=layout, batch=batch)
+  schedule = _validate_pipeline(cfg, layout, batch, f"mesh {mesh_layout.describe()}")
+  return Plan(mesh=mesh_layout, layout=layout, batch=batch, pipeline=schedule)
+
+
+def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchLayout,
+                       mesh_text: str) -> pipeline_lib.Schedule | None:
+  """The circular pipeline's arithmetic, and what it does not support (docs/sharding.md), before compiling.
+  None when the mesh has one stage."""
+  p, m = cfg.pipeline, cfg.model
+  require(p.microbatches >= 1 and p.repeats >= 1, f"config.pipeline.microbatches={p.microbatches}, pipeline.repeats="
+          f"{p.repeats}: both must be >= 1")
+  stages = layout.shards("layers")
+  if stages == 1:
+    require(p.repeats == 1 and p.microbatches == 1, f"config.pipeline.microbatches={p.microbatches}, pipeline.repeats="
+            f"{p.repeats} without a pipeline ({mesh_text}): set mesh.pipeline (or mesh.dcn_pipeline) > 1, or leave both at 1")
+    return None
+  where = f"{mesh_text}: a pipeline of {layout.describe('layers')} stages"
+  require(m.num_layers % (stages * p.repeats) == 0,
+          f"{where}: config.model.num_layers={m.num_layers} is not divisible by stages x pipeline.repeats = {stages} x "
+          f"{p.repeats} = {stages * p.repeats}; each stage holds num_layers / (stages x repeats) layers per repeat.")
+  require(p.microbatches >= stages, f"{where}: config.pipeline.microbatches={p.microbatches} is fewer than the "
+          f"{stages} stages; a circular pipeline needs microbatches >= stages (bubble (S-1)/(R*M+S-1)).")
+  rows = batch.per_microbatch
+  require(rows % p.microbatches == 0,
+          f"{where}: config.pipeline.microbatches={p.microbatches} does not divide the {rows} sequences per batch shard"
+          f" (data.batch_size={batch.global_size} / {batch.shards} batch shards / {batch.num_microbatches} gradient "
+          f"accumulation steps). Use a batch_size that is a multiple of {p.microbatches} x {batch.shards} x "
+          f"{batch.num_microbatches} = {p.microbatches * batch.shards * batch.num_microbatches}.")
+  unsupported = [(m.moe.num_experts > 0, "config.model.moe.num_experts > 0 (MoE layers)"),
+                 (not m.scan_layers, "config.model.scan_layers=False (the pipeline splits the stacked layers)"),
+                 (layout.shards("act_length") > 1, "context parallelism (mesh.context > 1)"),
+                 (layout.shards("experts") > 1, "expert parallelism"),
+                 (cfg.optimizer.name == "muon", "optimizer.name=muon (its per-layer resharding)")]
+  bad = [text for hit, text in unsupported if hit]
+  require(not bad, f"{where}: the pipeline does not support {', '.join(bad)}. Set mesh.pipeline=1 (and "
+          "mesh.dcn_pipeline=1), or change those settings (docs/sharding.md lists what the pipeline supports).")
+  return pipeline_lib.Schedule(stages=stages, microbatches=p.microbatches, repeats=p.repeats)
 
 
 def _validate_stages(cfg: ml_collections.ConfigDict, layout: Layout, mesh_text: str, num_processes: int) -> None:

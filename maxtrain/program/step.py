@@ -21,6 +21,7 @@ from maxtrain.runtime import faults
 from maxtrain.optim import optimizer as optim
 from maxtrain.models import moe as moe_lib
 from maxtrain.models.moe import MoEConfig
+from maxtrain.sharding import pipeline as pipeline_lib
 from maxtrain.sharding import rules as sharding_rules
 from maxtrain.program.state import TrainState
 
@@ -109,13 +110,14 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
                     moe: MoEConfig = MoEConfig(), grad_accum_steps: int = 1, spike_zscore: float = 6.0,
                     spike_warmup: int = 20,
                     rules: sharding_rules.Rules | None = None, chunk_tokens: int = 0,
-                    batch_shards: int = 1, length_shards: int = 1) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    batch_shards: int = 1, length_shards: int = 1,
+                    pipeline: pipeline_lib.Schedule | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
   """The step. `batch` may carry the fault input (`runtime/faults.py`); absent, nothing is injected.
   `rules` lay out the model's activations (None: GSPMD decides alone); `chunk_tokens`, `batch_shards`, `length_shards`: see
-  `loss.head_losses`."""
+  `loss.head_losses`; `pipeline`: the layer stacks run through a circular pipeline (`sharding/pipeline.py`)."""
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     rows, fault = faults.split(batch)
-    with sharding_rules.activate(rules):
+    with sharding_rules.activate(rules), pipeline_lib.activate(pipeline):
       metrics, grads = loss_and_grads(graphdef, state.params, rows, z_loss=z_loss,
                                       grad_accum_steps=grad_accum_steps,
                                       chunk_tokens=chunk_tokens, batch_shards=batch_shards,
@@ -152,10 +154,11 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
 
 
 def make_eval_step(graphdef: nnx.GraphDef, rules: sharding_rules.Rules | None = None, *, chunk_tokens: int = 0,
-                   batch_shards: int = 1, length_shards: int = 1) -> Callable[[nnx.State, Batch], tuple[jax.Array, jax.Array]]:
+                   batch_shards: int = 1, length_shards: int = 1,
+                   pipeline: pipeline_lib.Schedule | None = None) -> Callable[[nnx.State, Batch], tuple[jax.Array, jax.Array]]:
   """(sum of token losses, loss tokens) of a batch: sums, so batches add up."""
   def eval_step(params: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    with sharding_rules.activate(rules):
+    with sharding_rules.activate(rules), pipeline_lib.activate(pipeline):
       _, parts = loss_sums(graphdef, params, batch, chunk_tokens=chunk_tokens, batch_shards=batch_shards,
                            length_shards=length_shards)
     return parts["ce"], parts["count"]

@@ -1,4 +1,4 @@
-"""The device mesh: named axes `data`, `fsdp`, `expert`, `context`, `tensor` (AXES), all `AxisType.Auto`
+"""The device mesh: named axes `pipeline` (stages of a circular pipeline, `sharding/pipeline.py`), `data`, `fsdp`, `expert`, `context`, `tensor` (AXES), all `AxisType.Auto`
 (GSPMD propagation). `expert` splits the routed experts of MoE layers (tokens reach them by all-to-all,
 `sharding/expert_dispatch.py`) and is a data-parallel axis for everything else; `context` splits the
 sequence (context parallelism, `sharding/context_attention.py`);
@@ -25,11 +25,13 @@ from jax.sharding import AxisType, Mesh
 
 from maxtrain.errors import UserError
 
-AXES = ("data", "fsdp", "expert", "context", "tensor")
+# `pipeline` is the outermost, slowest-varying axis: a stage is a block of consecutive devices (whole nodes
+# when the pipeline crosses them), so only the activations at stage boundaries leave it.
+AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
 # Across granules; tensor, expert and context parallelism stay inside one (context attention all-gathers
 # keys and values and MoE layers all-to-all their tokens in every layer, which wants the fast interconnect).
-DCN_AXES = ("dcn_data", "dcn_fsdp")
-OPTIONAL = ("expert", "context") + DCN_AXES  # left out of descriptions when 1
+DCN_AXES = ("dcn_pipeline", "dcn_data", "dcn_fsdp")
+OPTIONAL = ("pipeline", "expert", "context") + DCN_AXES  # left out of descriptions when 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +61,9 @@ class MeshLayout:
 
 
 def resolve_layout(sizes: Mapping[str, int], num_devices: int) -> MeshLayout:
-  """Fills at most one -1 axis (of all seven) with the remaining devices and checks the product.
-  `sizes` holds `data`, `fsdp`, `tensor` and optionally `expert`, `context`, `dcn_data`, `dcn_fsdp` (default 1)."""
+  """Fills at most one -1 axis (of all nine) with the remaining devices and checks the product.
+  `sizes` holds `data`, `fsdp`, `tensor` and optionally `pipeline`, `expert`, `context`, `dcn_pipeline`, `dcn_data`,
+  `dcn_fsdp` (default 1)."""
   names = AXES + DCN_AXES
   values = [int(sizes.get(a, 1)) for a in names]
   described = " x ".join(f"{a}({s})" for a, s in zip(names, values) if a not in OPTIONAL or s != 1)
@@ -80,7 +83,7 @@ def resolve_layout(sizes: Mapping[str, int], num_devices: int) -> MeshLayout:
   if math.prod(values) != num_devices:
     raise UserError(
         f"mesh: {described} = {math.prod(values)} devices, but {num_devices} are available. "
-        f"Set mesh.data/fsdp/expert/context/tensor (x mesh.dcn_data/dcn_fsdp) so the product is {num_devices} (one may be -1)."
+        f"Set mesh.pipeline/data/fsdp/expert/context/tensor (x mesh.dcn_pipeline/dcn_data/dcn_fsdp) so the product is {num_devices} (one may be -1)."
     )
   given = dict(zip(names, values))
   return MeshLayout(ici=tuple(given[a] for a in AXES), dcn=tuple(given.get(f"dcn_{a}", 1) for a in AXES))
@@ -93,7 +96,7 @@ def granule_devices(devices: Sequence[jax.Device], per_granule: int) -> list[lis
   ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
   local = sum(1 for d in ordered if d.process_index == ordered[0].process_index)
   if jax.process_count() > 1 and per_granule % local and local % per_granule:
-    raise UserError(f"mesh: a granule of {per_granule} devices (mesh.data x fsdp x expert x context x tensor) neither holds whole "
+    raise UserError(f"mesh: a granule of {per_granule} devices (mesh.pipeline x data x fsdp x expert x context x tensor) neither holds whole "
                     f"processes nor divides a process's {local} devices; choose per-node mesh sizes that match "
                     "the devices per node")
   return [ordered[i:i + per_granule] for i in range(0, len(ordered), per_granule)]

@@ -41,7 +41,8 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "norm": None,
-    "layers": None,
+    # the stacked layer dim: a pipeline stage holds its own layers (sharding/pipeline.py); replicated without one
+    "layers": "pipeline",
     # optimizer: Muon orthogonalises a stacked weight with its layers split over the devices that
     # shard its matrix dims (maxtrain/optim/muon.py), so each device holds whole matrices
     "opt_layers": ("fsdp", "context", "tensor"),

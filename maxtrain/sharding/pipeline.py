@@ -1,0 +1,122 @@
+"""A circular pipeline over the `pipeline` mesh axis, inside the one SPMD program.
+
+The state keeps the layer stack [L, ...] with L split into contiguous blocks over `pipeline` (rule
+`layers`), so a checkpoint does not know whether it was pipelined. A step views it as [R, S, L/(R S), ...]:
+virtual stage v = r S + s (layers v L/(R S) ...) runs on stage s in repeat r. Under `jax.shard_map`
+over `pipeline` alone (data, fsdp and tensor stay GSPMD-partitioned inside each stage), each stage
+runs its layers on the microbatch it holds and hands the result to the next stage with `ppermute`;
+the last stage's output returns to stage 0 for the next repeat (a ring). M microbatches take
+R M + S - 1 iterations, of which S - 1 are the fill/drain bubble: (S - 1) / (R M + S - 1) of each
+stage's time. The forward runs all microbatches, then autodiff runs the backward through the same scan
+(GPipe order: activations of all M microbatches are alive at the peak).
+
+With R = 1 the [S, L/S] view is the stored layout (no weight moves); with R > 1 stage s holds the
+non-adjacent groups s, S + s, ..., so each step reshuffles the stored contiguous blocks into that view
+(an all-to-all of the layer weights, and back for their gradients): see docs/sharding.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+AXIS = "pipeline"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  stages: int  # S: the pipeline axis size (both levels)
+  microbatches: int  # M
+  repeats: int  # R: circular repeats
+
+  @property
+  def iterations(self) -> int:
+    return self.repeats * self.microbatches + self.stages - 1
+
+  @property
+  def bubble(self) -> float:
+    """The share of each stage's iterations spent idle (fill and drain)."""
+    return (self.stages - 1) / self.iterations
+
+  def describe(self) -> str:
+    return (f"{self.stages} stages x {self.repeats} repeat(s), {self.microbatches} microbatches: "
+            f"{self.iterations} iterations, bubble (S-1)/(R*M+S-1) = {self.bubble:.4f}")
+
+  def to_json(self) -> dict[str, Any]:
+    return {"stages": self.stages, "microbatches": self.microbatches, "repeats": self.repeats,
+            "iterations": self.iterations, "bubble_fraction": self.bubble}
+
+
+_ACTIVE: contextvars.ContextVar[Schedule | None] = contextvars.ContextVar("maxtrain_pipeline", default=None)
+
+
+def active() -> Schedule | None:
+  return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def activate(schedule: Schedule | None) -> Iterator[None]:
+  """Within the block, the model runs its layer stacks through `run` (None or 1 stage: it does not)."""
+  token = _ACTIVE.set(schedule if schedule is not None and schedule.stages > 1 else None)
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def _split(x_B: jax.Array, m: int) -> jax.Array:
+  """[B, ...] -> [M, B/M, ...], microbatch i = rows i, i + M, ...: every batch shard keeps its rows."""
+  return jnp.swapaxes(x_B.reshape(x_B.shape[0] // m, m, *x_B.shape[1:]), 0, 1)
+
+
+def _merge(x_M: jax.Array) -> jax.Array:
+  return jnp.swapaxes(x_M, 0, 1).reshape(-1, *x_M.shape[2:])
+
+
+LayersFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array,
+        schedule: Schedule) -> jax.Array:
+  """`layers(group, x, segment_ids, positions)` applies a group of stacked layers [L/(R S), ...] in order;
+  this applies all of `stacked` [L, ...] to `x_BTD` through the pipeline (the same result as applying them in
+  order to the whole batch)."""
+  s_, m_, r_ = schedule.stages, schedule.microbatches, schedule.repeats
+  grouped = jax.tree.map(lambda w: w.reshape((r_, s_, -1) + w.shape[1:]), stacked)
+  xs, segs, poss = (_split(a, m_) for a in (x_BTD, segment_ids_BT, positions_BT))
+  ring = [(i, (i + 1) % s_) for i in range(s_)]
+
+  def stage(grouped, xs, segs, poss):
+    weights = jax.tree.map(lambda w: w[:, 0], grouped)  # this stage's [R, L/(R S), ...]
+    s = jax.lax.axis_index(AXIS)
+    varying = lambda a: jax.lax.pcast(a, AXIS, to="varying")
+
+    def body(carry, t):
+      recv, buf, out = carry
+      k = t - s  # the k-th pass through this stage: microbatch k % M of repeat k // M
+      valid = (k >= 0) & (k < r_ * m_)
+      kc = jnp.clip(k, 0, r_ * m_ - 1)
+      m, r = kc % m_, kc // m_
+      first = jnp.where(t < m_, xs[t % m_], buf[t % m_])  # stage 0: a new microbatch, or one back from the ring
+      x = jnp.where(s == 0, first, recv)
+      y = layers(jax.tree.map(lambda w: w[r], weights), x, segs[m], poss[m])
+      done = valid & (r == r_ - 1)
+      out = out.at[m].set(jnp.where(done, y, out[m]))
+      recv = jax.lax.ppermute(y, AXIS, ring)
+      slot = (t - s_ + 1) % m_  # stage 0 keeps what the last stage finished for its next repeat
+      buf = buf.at[slot].set(jnp.where(t >= s_ - 1, recv, buf[slot]))
+      return (recv, buf, out), None
+
+    init = (varying(jnp.zeros_like(xs[0])), varying(jnp.zeros_like(xs)), varying(jnp.zeros_like(xs)))
+    (_, _, out), _ = jax.lax.scan(body, init, jnp.arange(schedule.iterations))
+    return out[None]
+
+  fn = jax.shard_map(stage, in_specs=(P(None, AXIS), P(), P(), P()), out_specs=P(AXIS), axis_names={AXIS})
+  out = fn(grouped, xs, segs, poss)[s_ - 1]  # the last stage's outputs of the last repeat
+  return _merge(out)
