@@ -85,3 +85,22 @@ def test_lint_catches_each_rejected_construct():
   assert kinds == sorted(["conditional", "host callback", "dynamic while loop", "variadic reduce", "integer matmul",
                           "f8e4m3fn", "threefry PRNG"])
   assert [p.kind for p in neuron_problems(hlo, check_prng=False)].count("threefry PRNG") == 0
+
+
+def test_a_scan_inside_shard_map_passes_the_neuron_lint():
+  """The pipeline's loop (sharding/pipeline.py) runs inside a shard_map body, where shardy wraps the loop
+  bound in a Sharding custom-call: still a compile-time trip count, not a dynamic while loop."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, PartitionSpec as P
+
+  from maxtrain.aot import hlo_lint
+
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("pipeline", "fsdp"))
+  body = lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, length=7)[0]
+  staged = jax.shard_map(body, in_specs=P("pipeline"), out_specs=P("pipeline"), axis_names={"pipeline"})
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(staged).lower(jnp.ones((8, 4))).as_text(dialect="hlo")
+  assert " while(" in hlo and 'custom_call_target="Sharding"' in hlo
+  assert hlo_lint.neuron_problems(hlo) == []

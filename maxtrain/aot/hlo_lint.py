@@ -106,6 +106,9 @@ def _elements(type_: str) -> int:
 
 def _static_condition(instructions: list[Instruction]) -> bool:
   constants = {i.name for i in instructions if i.op == "constant"}
+  for i in instructions:  # inside a shard_map body shardy wraps the bound in a Sharding custom-call: still a constant
+    if i.op == "custom-call" and 'custom_call_target="Sharding"' in i.attrs and constants.intersection(i.operands):
+      constants.add(i.name)
   return any(i.op == "compare" and constants.intersection(i.operands) for i in instructions)
 
 
