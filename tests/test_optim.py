@@ -203,7 +203,7 @@ def test_muon_state_is_sharded_like_its_parameters():
     specs = named(getattr(shardings.opt_state[1].inner_states[group].inner_state[0], moment))
     for name in leaves:
       assert specs[name].is_equivalent_to(params[name], ndim[name]), (group, moment, name, specs[name].spec)
-  assert params["blocks/attn/wq"].spec == P(None, ("fsdp", "context", "expert"), "tensor", None)  # the check above is not vacuous
+  assert params["blocks/attn/wq"].spec == P("pipeline", ("fsdp", "context", "expert"), "tensor", None)  # the check above is not vacuous
 
 
 @pytest.mark.parametrize("param_dtype, state_dtype", [("float32", "bfloat16"), ("bfloat16", "float32")])

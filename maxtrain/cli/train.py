@@ -8,6 +8,7 @@ DESIGN.md (maxtrain/errors.py): 0 finished, 2 bad config or input, 3 stopped by 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 from typing import Sequence
@@ -50,6 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"maxtrain: aborted: {e}", file=sys.stderr)
     return EXIT_ABORTED
   except KeyboardInterrupt:  # SIGINT before the stop handler is installed (start-up), or a second Ctrl-C
+    # Exiting already: a further SIGINT (a terminal's Ctrl-C reaches the supervisor too, which forwards it)
+    # must not interrupt the interpreter's shutdown with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     print("maxtrain: interrupted (Ctrl-C) before a checkpoint could be saved: nothing new was saved; "
           "run again to resume from the newest checkpoint", file=sys.stderr)
     return EXIT_INTERRUPTED
