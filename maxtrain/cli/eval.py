@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from maxtrain.cli import parse_with_overrides
 from maxtrain.errors import EXIT_BAD_INPUT, UserError
 
 
@@ -47,10 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   for name in ("absl", "lm_eval", "lm-eval"):
     logging.getLogger(name).setLevel(logging.ERROR)
   p = parser()
-  args, overrides = p.parse_known_args(sys.argv[1:] if argv is None else argv)
-  unknown = [a for a in overrides if not (a.startswith("--config.") and "=" in a)]
-  if unknown:
-    p.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides are --config.KEY=VALUE)")
+  args, overrides = parse_with_overrides(p, argv)
   try:
     if args.batch_size < 1:
       raise UserError(f"--batch-size={args.batch_size}: must be >= 1")

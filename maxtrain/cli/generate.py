@@ -15,6 +15,7 @@ import math
 import sys
 from typing import Sequence
 
+from maxtrain.cli import parse_with_overrides
 from maxtrain.errors import EXIT_BAD_INPUT, UserError
 
 
@@ -56,10 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   logging.basicConfig(level=logging.WARNING)
   logging.getLogger("absl").setLevel(logging.ERROR)
   p = parser()
-  args, overrides = p.parse_known_args(sys.argv[1:] if argv is None else argv)
-  unknown = [a for a in overrides if not (a.startswith("--config.") and "=" in a)]
-  if unknown:
-    p.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides are --config.KEY=VALUE)")
+  args, overrides = parse_with_overrides(p, argv)
   try:
     check_sampling(args)
     from maxtrain.inference import sampling

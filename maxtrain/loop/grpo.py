@@ -128,13 +128,7 @@ class GrpoTrainer(Trainer):
           log.info("round %d  reward %.3f +- %.3f  kl %.4f  logprob_gap %.2e  rollout %.2fs score %.2fs train %.2fs",
                    step, scalars["rl/reward_mean"], scalars["rl/reward_std"], scalars["rl/kl"],
                    scalars["rl/logprob_gap"], scalars["rl/rollout_s"], scalars["rl/score_s"], scalars["rl/train_s"])
-        if step == cfg.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
-          eval_loss = self._evaluate(state, step)
-        self.watchdog.beat(step)
-        self.faults.after_step(step)
-        if self.stop.requested(step):
-          self._preempt(state, step, data_state)
-        self.checkpoints.after_step(step, state, data_state, dict(self.program.mesh.shape), final=step == cfg.steps)
+        eval_loss = self._after_step(state, step, data_state, eval_loss)
     self.checkpoints.check_final(step)
     return eval_loss
 

@@ -182,15 +182,22 @@ class Trainer:
         if step % cfg.log_every == 0 or step == cfg.steps:
           self.routing.check(step, self.metrics.train(step, metrics, fleet=self.stragglers.exchange(step)))
           self.metrics.scalars(step, self.data.scalars(data_state))
-        if step == cfg.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
-          eval_loss = self._evaluate(state, step)
-        # After the step and its events: a hang's idle window (goodput's `hang`) starts after them.
-        self.watchdog.beat(step)
-        self.faults.after_step(step)
-        if self.stop.requested(step):
-          self._preempt(state, step, data_state)
-        self.checkpoints.after_step(step, state, data_state, dict(self.program.mesh.shape), final=step == cfg.steps)
+        eval_loss = self._after_step(state, step, data_state, eval_loss)
     self.checkpoints.check_final(step)
+    return eval_loss
+
+  def _after_step(self, state: state_lib.TrainState, step: int, data_state: dict, eval_loss: float) -> float:
+    """The end of every step, in every loop (pretraining, GRPO): eval when due, then the watchdog's beat,
+    faults, the stop request and the checkpoint schedule. Returns the latest eval loss."""
+    cfg = self.cfg
+    if step == cfg.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
+      eval_loss = self._evaluate(state, step)
+    # After the step and its events: a hang's idle window (goodput's `hang`) starts after them.
+    self.watchdog.beat(step)
+    self.faults.after_step(step)
+    if self.stop.requested(step):
+      self._preempt(state, step, data_state)
+    self.checkpoints.after_step(step, state, data_state, dict(self.program.mesh.shape), final=step == cfg.steps)
     return eval_loss
 
   def _initial_state(self) -> state_lib.TrainState:
