@@ -294,3 +294,33 @@ def test_local_tier_round_trip_rotation_and_abandoned_steps(tmp_path):
   assert tier.usable_steps({"a": 4, "b": 2}, 1, verify=True) == ([4], {})
   assert tier.usable_steps({"a": 8, "b": 1}, 1, verify=True)[0] == []
   tier.close()
+
+
+@pytest.mark.slow
+def test_a_rollback_sets_the_abandoned_durable_steps_aside(store, tmp_path):
+  """A NaN at step 8 is seen at step 9 (the flags are read a step late), after the durable save of step 8:
+  the rollback to step 6 abandons that step 8. It is moved aside (not deleted), so the new timeline saves
+  its own step 8, and a kill -9 after step 9 resumes from that one: the run ends bitwise like the run that
+  was not killed. Without it, the new step 8 was skipped as "already saved" and the restart took the
+  abandoned one."""
+  args = TINY + [f"--config.data.path={store}", "--config.steps=10", "--config.checkpoint.every_steps=2",
+                 "--config.faults.nan_at_step=8", "--config.guards.max_consecutive_bad=1"]
+  ref, killed = tmp_path / "ref", tmp_path / "killed"
+  result = launch([], args + [f"--config.output_dir={ref}"], devices=1)
+  assert result.returncode == 0, result.stderr[-3000:]
+  result = launch(["--max-restarts=1"], args + [f"--config.output_dir={killed}", "--config.faults.kill_at_step=9"],
+                  devices=1)
+  assert result.returncode == 0 and attempt_codes(result) == ["-9", "0"], result.stderr[-3000:]
+  for out in (ref, killed):
+    records = read_events(out / "events.jsonl")
+    rollback = next(r for r in records if r["kind"] == "rollback")
+    assert (rollback["from_step"], rollback["to_step"]) == (8, 6)
+    abandoned = [r for r in records if r["kind"] == "checkpoint_abandoned"]
+    assert [(r["step"], r["durable_steps"], r["reason"]) for r in abandoned] == [(6, [8], "rolled back from step 8")]
+    aside = [p for p in (out / "checkpoints").iterdir() if p.name.startswith("8.abandoned-")]
+    assert [str(p) for p in aside] == abandoned[0]["moved_to"] and (aside[0] / "maxtrain_manifest.json").exists()
+    assert restore_raw(out / "checkpoints", 8)["step"] == 8
+  assert restores(killed) == [(0, "durable", 8)]
+  assert "durable checkpoint steps [8] are newer than the restored step 6" in result.stderr
+  assert_bitwise_equal(restore_raw(killed / "checkpoints", 10), restore_raw(ref / "checkpoints", 10))
+  assert [losses(killed)[s] for s in (9, 10)] == [losses(ref)[s] for s in (9, 10)]

@@ -87,6 +87,7 @@ class S3Mirror:
     self._uploaded: list[tuple[int, int, float]] = []  # (step, bytes, seconds) of finished uploads, not yet reported
     self._uploaded_lock = threading.Lock()
     self._queued: list[int] = []  # steps submitted and not yet started
+    self._upload_step: dict[concurrent.futures.Future, int] = {}
 
   def _new_client(self):
     """A client on a new session: the standard credential chain read afresh. Its web-identity, container,
@@ -137,6 +138,7 @@ class S3Mirror:
     self._queued.append(step)
     future = self._pool.submit(self._upload, local_step_dir, step, keep)
     self._uploads.append(future)
+    self._upload_step[future] = step
     return future
 
   def _upload(self, local_step_dir: Path, step: int, keep: list[int]) -> float:
@@ -185,6 +187,18 @@ class S3Mirror:
       for obj in page.get("Contents", []):
         self._client.delete_object(Bucket=self.bucket, Key=obj["Key"])
 
+  def move_aside(self, step: int, name: str) -> str:
+    """Moves a complete remote step to `<prefix>/<name>/` (server-side copies, then the step is deleted, its
+    marker first): no longer a step number, so never listed, restored or rotated; nothing is lost."""
+    paginator = self._client.get_paginator("list_objects_v2")
+    prefix = self._key(str(step)) + "/"
+    for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+      for obj in page.get("Contents", []):
+        self._client.copy_object(Bucket=self.bucket, Key=self._key(name, obj["Key"][len(prefix):]),
+                                 CopySource={"Bucket": self.bucket, "Key": obj["Key"]})
+    self._delete(step)
+    return f"s3://{self.bucket}/{self._key(name)}"
+
   def download(self, step: int, local_step_dir: Path) -> None:
     """Fetches a complete remote step into a temporary directory, renamed into place when done."""
     tmp = local_step_dir.with_name(f"{local_step_dir.name}.download-tmp")
@@ -200,14 +214,16 @@ class S3Mirror:
         self._client.download_file(self.bucket, obj["Key"], str(target))
     tmp.rename(local_step_dir)
 
-  def wait(self) -> None:
-    """Blocks until every upload finished; a failed upload is logged (local checkpoints stay)."""
-    for future in self._uploads:
+  def wait(self, after: int = -1) -> None:
+    """Blocks until every upload (of a step newer than `after`) finished; a failed upload is logged (local
+    checkpoints stay)."""
+    for future in [f for f in self._uploads if self._upload_step[f] > after]:
       try:
         future.result()
       except Exception as e:  # noqa: BLE001 - an upload failure must not lose the local checkpoint
         log.error("checkpoint upload to %s failed: %s: %s", self.url, type(e).__name__, e)
-    self._uploads = []
+      self._uploads.remove(future)
+      del self._upload_step[future]
 
   def close(self) -> None:
     self.wait()

@@ -45,6 +45,7 @@ class Checkpoints:
     self.agreement = tiers.Agreement(kv, jax.process_index(), jax.process_count())
     self.cadence = Cadence(ck, events, kv, jax.process_index(), output_dir / ev.FILENAME)
     self.resume_tier: str | None = None
+    self._abandons = 0  # numbers the key-value keys of the abandon barrier
     self._behind_reported = 0  # the lag last reported (a checkpoint_behind event each time it grows)
     self.events, self.metrics = events, metrics
     self.on_save_started = on_save_started or (lambda step: None)
@@ -108,14 +109,34 @@ class Checkpoints:
     note = quant.resume_note(restored.meta.get("config", {}).get("model", {}), self.cfg.model)
     if note:
       log.warning("%s", note)
-    self._drop_local_after(restored.step)
+    self._abandon_after(restored.step, f"resumed from step {restored.step}")
     return restored
 
-  def _drop_local_after(self, step: int) -> None:
+  def _abandon_after(self, step: int, why: str) -> None:
+    """Restored `step`: the newer steps of both tiers belong to the abandoned timeline. The durable ones are
+    moved aside (never deleted: a user may want them back), the local ones (this process's short-term
+    copies) deleted; the other processes wait until process 0 has moved them, then list the tier afresh."""
     dropped = self.local.drop_after(step) if self.local is not None else []
     if dropped:
       log.warning("local checkpoint steps %s are newer than the restored step %d (a run that was abandoned): deleted",
                   dropped, step)
+    moved = self.store.abandon_after(step)
+    kv = self.agreement.kv
+    if kv is not None:
+      self._abandons += 1
+      key = f"ckpt-abandon/{self._abandons}"
+      if jax.process_index() == 0:
+        kv.set(key, "done")
+      elif kv.get(key, tiers.AGREE_TIMEOUT_S) is None:
+        raise RuntimeError(f"process 0 did not set aside the abandoned durable steps within {tiers.AGREE_TIMEOUT_S:.0f}s")
+      self.store.reload()
+    if (moved or dropped) and jax.process_index() == 0:
+      self.events.emit(ev.CHECKPOINT_ABANDONED, step, durable_steps=[s for s, _ in moved],
+                       moved_to=[p for _, places in moved for p in places], local_steps=dropped, reason=why)
+    if moved and jax.process_index() == 0:
+      log.warning("durable checkpoint steps %s are newer than the restored step %d (%s): they belong to an abandoned "
+                  "timeline, moved aside (not deleted) to %s; resume=auto will not take them",
+                  [s for s, _ in moved], step, why, [p for _, places in moved for p in places])
 
   def restore_before(self, step: int, state_spec: Any) -> Any | None:
     """The newest checkpoint's state from before `step` that verifies (waiting for a save in flight), or
@@ -137,9 +158,9 @@ class Checkpoints:
       log.info("rollback: %s", choice.reason)
       if choice.tier == tiers.LOCAL:
         state = self.local.restore(self.local.path(choice.step), state_spec.abstract, state_spec.shardings)[0]
-        self._drop_local_after(choice.step)
+        self._abandon_after(choice.step, f"rolled back from step {step}")
         return state
-    self._drop_local_after(int(good.name) if good is not None and good.name.isdigit() else 0)
+    self._abandon_after(int(good.name) if good is not None and good.name.isdigit() else 0, f"rolled back from step {step}")
     if good is None:
       return None
     return self.store.restore(good, state_spec.abstract, state_spec.shardings).state

@@ -302,6 +302,32 @@ class Checkpointer:
     self._manager.reload()
     return moved
 
+  def abandon_after(self, step: int) -> list[tuple[int, list[str]]]:
+    """A restore to `step` (a rollback, a resume from an older tier) abandons the newer steps: they belong to
+    a timeline this run no longer follows, and resume=auto must never take one (nor a save of the same step
+    number on the new timeline be skipped as "already saved"). Process 0 moves each aside, locally and in
+    object storage, to `<step>.abandoned-<time>` (nothing is deleted); [(step, [new places])]. The other
+    processes must reload after it (`reload`)."""
+    self._wait_pending()
+    remote = set()
+    if self.remote is not None:
+      self.remote.wait(after=step)  # an upload of a newer step in flight would land after the move
+      remote = set(self.remote.complete_steps())
+    moved = []
+    for newer in [s for s in self.steps() if s > step]:
+      places = []
+      if (self.directory / str(newer)).is_dir():
+        places.append(str(self.move_aside(newer, "abandoned")))
+      if newer in remote and jax.process_index() == 0:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        name = Path(places[0]).name if places else f"{newer}.abandoned-{stamp}"
+        places.append(self.remote.move_aside(newer, name))
+      moved.append((newer, places))
+    return moved
+
+  def reload(self) -> None:
+    self._manager.reload()
+
   def verify(self, path: Path) -> None:
     """Checks a step against its manifest once per process (`checkpoint.verify`): every read of a checkpoint
     (resume, rollback, the tools through interop/sources.py) goes through `manifest.check`."""

@@ -18,7 +18,7 @@ from typing import Sequence
 
 log = logging.getLogger("maxtrain")
 LOCAL, DURABLE = "local", "durable"
-_AGREE_TIMEOUT_S = 600.0  # the other processes list their local steps at the same point of start-up
+AGREE_TIMEOUT_S = 600.0  # the other processes list their local steps at the same point of start-up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +81,8 @@ class Agreement:
     self.kv.set(f"ckpt-local/{self._round}/{self.process_index}", json.dumps(mine))
     lists = []
     for process in range(self.process_count):
-      value = self.kv.get(f"ckpt-local/{self._round}/{process}", _AGREE_TIMEOUT_S)
+      value = self.kv.get(f"ckpt-local/{self._round}/{process}", AGREE_TIMEOUT_S)
       if value is None:
-        raise RuntimeError(f"process {process} did not list its local checkpoints within {_AGREE_TIMEOUT_S:.0f}s")
+        raise RuntimeError(f"process {process} did not list its local checkpoints within {AGREE_TIMEOUT_S:.0f}s")
       lists.append(json.loads(value))
     return lists

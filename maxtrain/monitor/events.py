@@ -45,6 +45,8 @@ CHECKPOINT_SAVE_END = "checkpoint_save_end"  # That save is complete: tier, bloc
 RESTORE = "restore"  # State restored from the checkpoint of `step`: seconds, tier (local | durable), reason, verify_s, read_s.
 CHECKPOINT_CORRUPT = "checkpoint_corrupt"  # The checkpoint of `step` failed verification: file, reason, moved_to.
 CHECKPOINT_BRANCH = "checkpoint_branch"  # checkpoint.branch: resumed `step`; newer_steps moved aside to moved_to.
+CHECKPOINT_ABANDONED = "checkpoint_abandoned"  # A restore to `step` abandoned newer steps: durable_steps moved aside to moved_to, local_steps deleted, reason.
+CHECKPOINT_PREEMPTION = "checkpoint_preemption"  # Which tiers a stop request saves: remaining_s (of the grace period), cost_s per tier, tiers, skipped, why.
 CHECKPOINT_CADENCE = "checkpoint_cadence"  # A tier's next save decided: tier, mode, interval_s, interval_steps, next_step, step_time_s[, cost_s, mtbf_s, failures, span_s], why.
 CHECKPOINT_UPLOAD = "checkpoint_upload"  # A durable step is in object storage: bytes, seconds, bytes_per_s.
 CHECKPOINT_BEHIND = "checkpoint_behind"  # The durable tier lags: pending (saves waiting for upload), max_durable_lag.
@@ -62,7 +64,7 @@ DATA_REPEAT = "data_repeat"  # A source was read past data.max_epochs: source, e
 
 KINDS = (JOB_START, COMPILE_START, COMPILE_END, FIRST_STEP, STEPS, EVAL, CHECKPOINT_SAVE_START, CHECKPOINT_BLOCKED,
          CHECKPOINT_SAVE_END, RESTORE, CHECKPOINT_CORRUPT,
-         CHECKPOINT_BRANCH, CHECKPOINT_CADENCE, CHECKPOINT_UPLOAD, CHECKPOINT_BEHIND, NAN_SKIP, SPIKE, ROLLBACK, HANG, ROUTING_COLLAPSE, STRAGGLER, PREEMPTION, CRASH,
+         CHECKPOINT_BRANCH, CHECKPOINT_ABANDONED, CHECKPOINT_PREEMPTION, CHECKPOINT_CADENCE, CHECKPOINT_UPLOAD, CHECKPOINT_BEHIND, NAN_SKIP, SPIKE, ROLLBACK, HANG, ROUTING_COLLAPSE, STRAGGLER, PREEMPTION, CRASH,
          RESTART, EXIT)
 # Worth an fsync: the last words of an attempt, which the goodput report needs to place downtime.
 CRITICAL = frozenset({HANG, PREEMPTION, CRASH, EXIT})
