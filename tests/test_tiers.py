@@ -29,8 +29,9 @@ TINY = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=1"]
 TIERS = ["--config.steps=20", "--config.checkpoint.every_steps=10", "--config.checkpoint.local_every_steps=2"]
 
 
-def launch(launcher_args, train_args, devices=8) -> subprocess.CompletedProcess:
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+def launch(launcher_args, train_args, devices=8, xla_flags="") -> subprocess.CompletedProcess:
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip(),
+         "JAX_PLATFORMS": "cpu"}
   return subprocess.run([sys.executable, "-m", "maxtrain.launch", "--backoff=0.1", *launcher_args, "--", *train_args],
                         capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
 
@@ -140,28 +141,77 @@ def test_kill_resumes_from_the_newest_tier_bitwise(store, tmp_path, reference):
 
 @pytest.mark.slow
 def test_two_processes_agree_when_one_local_step_is_half_written(store, tmp_path):
-  """2 processes x 4 devices (fsdp inside each, across both), killed after step 17; process 1's local step
-  16 is then cut in half (its node lost the tail of the file): both resume from local step 14, the newest
-  step both hold whole."""
+  """2 processes x 4 devices (fsdp inside each, across both), killed after step 5; process 1's local step
+  4 is then cut in half (its node lost the tail of the file): both resume from local step 2, the newest
+  step both hold whole (and promote it to the durable tier together)."""
   local = tmp_path / "local"
   args = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=2", "--config.mesh.fsdp=4",
-                       "--config.mesh.dcn_fsdp=2", "--config.steps=18", "--config.checkpoint.every_steps=10",
+                       "--config.mesh.dcn_fsdp=2", "--config.steps=6", "--config.checkpoint.every_steps=10",
                        "--config.checkpoint.local_every_steps=2", f"--config.checkpoint.local_dir={local}",
                        f"--config.data.path={store}", f"--config.output_dir={tmp_path}",
-                       "--config.runtime.shutdown_timeout_s=60", "--config.faults.kill_at_step=17"]
-  result = launch(["--processes=2", "--max-restarts=0", "--peer-grace=60"], args, devices=4)
+                       "--config.runtime.shutdown_timeout_s=60", "--config.faults.kill_at_step=5"]
+  # On a loaded machine one process may compile half a minute after the other: its first collective must
+  # not time out meanwhile (XLA's CPU collectives wait 30 s by default).
+  slow_peer = "--xla_cpu_collective_timeout_seconds=600"
+  result = launch(["--processes=2", "--max-restarts=0", "--peer-grace=60"], args, devices=4, xla_flags=slow_peer)
   assert "(processes, in exit order: -9, -9)" in result.stderr, result.stderr[-3000:]
   assert sorted(os.listdir(local)) == ["process_0", "process_1"]
-  state = local / "process_1" / "16" / "state.bin"
+  state = local / "process_1" / "4" / "state.bin"
   with open(state, "r+b") as f:
     f.truncate(state.stat().st_size // 2)
-  result = launch(["--processes=2", "--max-restarts=0", "--peer-grace=60"], args, devices=4)
+  result = launch(["--processes=2", "--max-restarts=0", "--peer-grace=60"], args, devices=4, xla_flags=slow_peer)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert sorted(restores(tmp_path)) == [(0, "local", 14), (1, "local", 14)]
-  assert "process_1/16 not usable: corrupt (state.bin: size" in result.stderr
-  # Process 0's whole step 16 belonged to the abandoned run: deleted, then saved anew at 16.
-  assert "local checkpoint steps [16] are newer than the restored step 14" in result.stderr
-  assert (tmp_path / "checkpoints" / "18" / "maxtrain_manifest.json").exists()  # and finished
+  assert sorted(restores(tmp_path)) == [(0, "local", 2), (1, "local", 2)]
+  assert "process_1/4 not usable: corrupt (state.bin: size" in result.stderr
+  # Process 0's whole step 4 belonged to the abandoned run: deleted, then saved anew at 4.
+  assert "local checkpoint steps [4] are newer than the restored step 2" in result.stderr
+  for step in (2, 6):  # local step 2 promoted by both processes' collective save; the run finished
+    assert (tmp_path / "checkpoints" / str(step) / "maxtrain_manifest.json").exists()
+
+
+def test_every_minutes_is_one_decision_for_all_processes(tmp_path):
+  """checkpoint.every_minutes with 2 processes on a real coordination service (jax's, in this process):
+  the processes measure different step times, yet save at the same steps: process 0 decides, the other
+  reads its decision (the durable save is collective: a disagreement would hang it)."""
+  import socket
+  import threading
+
+  from jax._src.lib import _jax
+
+  from maxtrain.monitor.events import EventLog
+  from maxtrain.runtime.kv import KeyValue
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{s.getsockname()[1]}"
+  service = _jax.get_distributed_runtime_service(address, 2, heartbeat_timeout=60, shutdown_timeout=5)
+  clients = [_jax.get_distributed_runtime_client(address, i, init_timeout=60, heartbeat_timeout=60,
+                                                 use_compression=True) for i in range(2)]
+  ck = config_lib.base_config().checkpoint
+  ck.every_steps, ck.every_minutes = 0, 0.05  # 3 s: 12 steps at process 0's 0.25 s, 30 at process 1's 0.1 s
+  due = {}
+
+  def process(index, step_times):
+    clients[index].connect()
+    with EventLog(tmp_path / f"events{index}.jsonl", index) as events:
+      c = cadence.Cadence(ck, events, KeyValue(clients[index], index, 2), index)
+      c.observe(1)
+      c._step_times = step_times
+      due[index] = [s for s in range(2, 60) if c.due("durable", s) and c.saved("durable", s, cost_s=0.1) is None]
+
+  def together(target, *args_per_process):
+    threads = [threading.Thread(target=target, args=args) for args in args_per_process]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(timeout=120)
+
+  together(process, (0, [0.25] * 3), (1, [0.1] * 3))
+  together(lambda client: client.shutdown(), *[(c,) for c in clients])  # a barrier: both at once
+  service.shutdown()
+  assert due == {0: [15, 27, 39, 51], 1: [15, 27, 39, 51]}
+  decided = [r for r in read_events(tmp_path / "events0.jsonl") if r["kind"] == "checkpoint_cadence"]
+  assert [r["interval_steps"] for r in decided][:2] == [12, 12] and not read_events(tmp_path / "events1.jsonl")
 
 
 def test_stalled_bucket_falls_behind_while_training_goes_on(store, tmp_path, s3_server, monkeypatch, caplog):
@@ -249,22 +299,60 @@ def test_auto_cadence_under_crashes_at_a_known_rate(store, tmp_path):
   assert sum(f["recomputed_steps"] for f in failures) == report["steps"]["lost"]
 
 
-def test_preemption_saves_the_fastest_tier_first(store, tmp_path):
+def test_preemption_plan_fits_the_grace_period():
+  plan = tiers.preemption_plan(10.0, {"durable": 4.0, "local": 0.5})
+  assert (plan.tiers, plan.skipped) == (["local", "durable"], [])
+  plan = tiers.preemption_plan(4.2, {"durable": 4.0, "local": 0.5})  # 3.7 s left after the local save
+  assert (plan.tiers, plan.skipped) == (["local"], ["durable"]) and "durable takes 4.00s, 3.70s left" in plan.why
+  assert tiers.preemption_plan(5.0, {"durable": 4.0}).tiers == ["durable"]
+  plan = tiers.preemption_plan(-1.0, {"durable": 4.0, "local": 0.5})  # nothing fits: the fastest anyway
+  assert (plan.tiers, plan.skipped) == (["local"], ["durable"]) and "none fits" in plan.why
+  assert tiers.preemption_plan(0.1, {"durable": None, "local": None}).tiers == ["local", "durable"]  # not measured
+  assert tiers.preemption_plan(None, {"durable": 4.0, "local": 9.0}).tiers == ["durable", "local"]  # measured order
+
+
+def test_preemption_saves_the_tiers_the_grace_period_fits_and_resume_promotes(store, tmp_path):
+  """A real SIGTERM after step 3 (faults.sigterm_at_step). With a long grace period both tiers save step 3,
+  the local one first (complete before the durable one starts); with a grace period already over, only the
+  local one (the fastest: the only chance to keep the step). The run resumed from that local step promotes
+  it to the durable tier in the background: bitwise the durable step 3 the other run saved directly."""
+  from maxtrain.checkpoint import manifest
   from maxtrain.cli import train
 
-  code = train.main(TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", f"--config.output_dir={tmp_path}",
-                            "--config.steps=6", "--config.checkpoint.every_steps=0",
-                            "--config.checkpoint.local_every_steps=2", f"--config.checkpoint.local_dir={tmp_path / 'l'}",
-                            "--config.faults.sigterm_at_step=3"])
-  assert code == 75
-  saved = [(r["kind"], r.get("tier", "durable")) for r in read_events(tmp_path / "events.jsonl")
-           if r["step"] == 3 and r["kind"] in ("checkpoint_blocked", "checkpoint_save_end")]
-  # The local save is complete before the durable one starts: a grace period that ends during the durable
-  # save still leaves step 3 on the node.
+  def run(out, grace, steps=6):
+    return train.main(TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", f"--config.output_dir={out}",
+                              f"--config.steps={steps}", "--config.checkpoint.every_steps=0",
+                              "--config.checkpoint.local_every_steps=2", f"--config.checkpoint.local_dir={out / 'l'}",
+                              "--config.faults.sigterm_at_step=3", f"--config.checkpoint.preemption_grace_s={grace}"])
+
+  def at_3(out):
+    return [r for r in read_events(out / "events.jsonl") if r["step"] == 3]
+
+  both, local_only = tmp_path / "both", tmp_path / "local_only"
+  assert run(both, 600) == 75
+  plan = next(r for r in at_3(both) if r["kind"] == "checkpoint_preemption")
+  assert plan["tiers"] == ["local", "durable"] and plan["skipped"] == [] and 0 < plan["remaining_s"] <= 600
+  assert plan["cost_s"]["local"] is not None  # the local save of step 2 was measured
+  saved = [(r["kind"], r.get("tier", "durable")) for r in at_3(both) if r["kind"] in ("checkpoint_blocked",
+                                                                                       "checkpoint_save_end")]
   assert saved[:2] == [("checkpoint_blocked", "local"), ("checkpoint_save_end", "local")]
   assert ("checkpoint_save_end", "durable") in saved[2:]
-  assert (tmp_path / "l" / "process_0" / "3" / "maxtrain_manifest.json").exists()
-  assert (tmp_path / "checkpoints" / "3" / "maxtrain_manifest.json").exists()
+  assert (both / "l" / "process_0" / "3" / "maxtrain_manifest.json").exists()
+
+  assert run(local_only, 0.001) == 75  # the signal arrived; a millisecond later the grace period is over
+  plan = next(r for r in at_3(local_only) if r["kind"] == "checkpoint_preemption")
+  assert plan["tiers"] == ["local"] and plan["skipped"] == ["durable"] and plan["remaining_s"] < 0
+  assert "none fits: local, the fastest, is tried anyway" in plan["why"]
+  assert (local_only / "l" / "process_0" / "3" / "maxtrain_manifest.json").exists()
+  assert not (local_only / "checkpoints" / "3").exists()
+
+  assert run(local_only, 0.001, steps=4) == 0  # resumes from local step 3, promotes it, trains step 4
+  records = read_events(local_only / "events.jsonl")
+  assert [(r["tier"], r["step"]) for r in records if r["kind"] == "restore"] == [("local", 3)]
+  promoted = [r for r in records if r["kind"] == "checkpoint_save_start" and r.get("promoted_from") == "local"]
+  assert [r["step"] for r in promoted] == [3]
+  assert manifest.verify(local_only / "checkpoints" / "3").verified
+  assert_bitwise_equal(restore_raw(local_only / "checkpoints", 3), restore_raw(both / "checkpoints", 3))
 
 
 def test_local_tier_round_trip_rotation_and_abandoned_steps(tmp_path):

@@ -7,6 +7,8 @@ every save and restore, phase by phase (events, TensorBoard, the log). The stora
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -45,6 +47,8 @@ class Checkpoints:
     self.agreement = tiers.Agreement(kv, jax.process_index(), jax.process_count())
     self.cadence = Cadence(ck, events, kv, jax.process_index(), output_dir / ev.FILENAME)
     self.resume_tier: str | None = None
+    self._save_s: dict[str, list[float]] = {tiers.LOCAL: [], tiers.DURABLE: []}  # measured, for a stop request
+    self._upload_s: list[float] = []
     self._abandons = 0  # numbers the key-value keys of the abandon barrier
     self._behind_reported = 0  # the lag last reported (a checkpoint_behind event each time it grows)
     self.events, self.metrics = events, metrics
@@ -110,7 +114,24 @@ class Checkpoints:
     if note:
       log.warning("%s", note)
     self._abandon_after(restored.step, f"resumed from step {restored.step}")
+    if tier == tiers.LOCAL and self.cfg.checkpoint.promote_local:
+      self._promote(restored)
     return restored
+
+  def _promote(self, restored: Restored) -> None:
+    """Resumed from a local step (newer than the durable tier's): the same state, now on the devices, saved
+    to the durable tier, so the step survives the node. The formats differ (each process's raw shards vs one
+    Orbax checkpoint), so this is a save, not a copy; like every durable save the loop blocks only for the
+    device-to-host copy, the write and the manifest happen in the background."""
+    if restored.step in self.store.steps():
+      return
+    log.info("promoting local step %d to the durable tier %s in the background", restored.step, self.location)
+    self.events.emit(ev.CHECKPOINT_SAVE_START, restored.step, tier=tiers.DURABLE, promoted_from=tiers.LOCAL)
+    t0 = time.monotonic()
+    extra = {"rollbacks": self.rollbacks, "tokenizer_identity": self.tokenizer_identity, "promoted_from": tiers.LOCAL}
+    if self.store.save(restored.step, restored.state, restored.data_state, self.cfg, self.mesh_shape, extra):
+      self.events.emit(ev.CHECKPOINT_BLOCKED, restored.step, blocking_s=time.monotonic() - t0, tier=tiers.DURABLE,
+                       promoted_from=tiers.LOCAL)
 
   def _abandon_after(self, step: int, why: str) -> None:
     """Restored `step`: the newer steps of both tiers belong to the abandoned timeline. The durable ones are
@@ -188,6 +209,7 @@ class Checkpoints:
       return
     for saved_step, num_bytes, seconds in remote.uploaded():
       rate = num_bytes / max(seconds, 1e-9)
+      self._upload_s.append(seconds)
       self.events.emit(ev.CHECKPOINT_UPLOAD, saved_step, tier=tiers.DURABLE, bytes=num_bytes, seconds=seconds,
                        bytes_per_s=rate)
       self.metrics.scalars(saved_step, {"checkpoint/durable/upload_s": seconds,
@@ -223,6 +245,7 @@ class Checkpoints:
                   type(save.error).__name__, save.error)
         continue
       phases = {"device_to_host_s": save.blocking_s, **save.phases}
+      self._save_s[tiers.LOCAL].append(save.save_s)
       self.events.emit(ev.CHECKPOINT_SAVE_END, save.step, tier=tiers.LOCAL, blocking_s=save.blocking_s,
                        save_s=save.save_s, bytes=save.num_bytes, **phases)
       self.metrics.scalars(save.step, {f"checkpoint/local/{k}": v for k, v in phases.items()}
@@ -246,12 +269,57 @@ class Checkpoints:
         self.cadence.saved(tiers.DURABLE, step, timing.blocking_s)
         self._log(done)
 
-  def save_preemption(self, step: int, state: Any, data_state: dict, mesh_shape: dict) -> None:
-    """Asked to stop: the fastest tier first (the local one, milliseconds: complete even if the grace period
-    ends during the next save), then the durable one (a replacement node has no local tier)."""
+  def save_preemption(self, step: int, state: Any, data_state: dict, mesh_shape: dict,
+                      since_signal_s: float = 0.0) -> None:
+    """Asked to stop: the tiers whose measured save time fits in what is left of the grace period
+    (`checkpoint.preemption_grace_s`), fastest first (tiers.preemption_plan); process 0 decides for all (the
+    durable save is collective). The plan and its inputs are a `checkpoint_preemption` event."""
     if self.local is not None:
-      self.save_local(step, state, data_state, mesh_shape, sync=True)
-    self.save(step, state, data_state, mesh_shape, sync=True)
+      self._log_local(self.local.wait())  # a local save in flight (milliseconds): its time is measured too
+    self._log(self.store.poll())
+    grace = float(self.cfg.checkpoint.preemption_grace_s)
+    remaining = grace - since_signal_s if grace > 0 else None
+    costs = {tiers.DURABLE: self.save_cost(tiers.DURABLE)}
+    if self.local is not None:
+      costs[tiers.LOCAL] = self.save_cost(tiers.LOCAL)
+    plan = self._agreed_plan(step, tiers.preemption_plan(remaining, costs))
+    self.events.emit(ev.CHECKPOINT_PREEMPTION, step, grace_s=grace, remaining_s=remaining, cost_s=costs,
+                     tiers=plan.tiers, skipped=plan.skipped, why=plan.why)
+    log.warning("stop request: saving step %d to the %s tier%s%s (%s)", step, " then the ".join(plan.tiers),
+                "s" if len(plan.tiers) > 1 else "", f", not the {' nor the '.join(plan.skipped)}" if plan.skipped else "",
+                plan.why)
+    for tier in plan.tiers:
+      if tier == tiers.LOCAL:
+        self.save_local(step, state, data_state, mesh_shape, sync=True)
+      else:
+        self.save(step, state, data_state, mesh_shape, sync=True)
+
+  def _agreed_plan(self, step: int, plan: tiers.PreemptionPlan) -> tiers.PreemptionPlan:
+    kv = self.agreement.kv
+    if kv is None:
+      return plan
+    key = f"ckpt-preempt/{step}"
+    if jax.process_index() == 0:
+      kv.set(key, json.dumps(dataclasses.asdict(plan)))
+      return plan
+    value = kv.get(key, tiers.AGREE_TIMEOUT_S)
+    if value is None:
+      raise RuntimeError(f"process 0 did not say which tiers the stop at step {step} saves within "
+                         f"{tiers.AGREE_TIMEOUT_S:.0f}s")
+    return tiers.PreemptionPlan(**json.loads(value))
+
+  def save_cost(self, tier: str) -> float | None:
+    """Mean seconds from the start of a save of `tier` to its being complete (for s3://, uploaded too) in this
+    attempt; None before one was measured."""
+    done = self._save_s[tier]
+    if not done:
+      return None
+    cost = sum(done) / len(done)
+    if tier == tiers.DURABLE and self.store.remote is not None:
+      if not self._upload_s:
+        return None
+      cost += sum(self._upload_s) / len(self._upload_s)
+    return cost
 
   def check_final(self, step: int) -> None:
     """Exiting 0 would lose this run's work silently when its last save failed; a crash exit lets a
@@ -264,6 +332,7 @@ class Checkpoints:
     for timing in timings:
       phases = {"device_to_host_s": timing.device_to_host_s, "manifest_s": timing.manifest_s,
                 "write_s": timing.save_s - timing.device_to_host_s - (timing.manifest_s or 0.0)}  # Orbax's serialise + write
+      self._save_s[tiers.DURABLE].append(timing.save_s)
       self.events.emit(ev.CHECKPOINT_SAVE_END, timing.step, blocking_s=timing.blocking_s, save_s=timing.save_s,
                        tier=tiers.DURABLE, bytes=timing.num_bytes, **phases)
       self.metrics.scalars(timing.step, {"checkpoint/blocking_s": timing.blocking_s,

@@ -79,7 +79,7 @@ def validate(ck: Any) -> None:
 
 def validate_tiers(ck: Any, default_dir: str | None = None) -> None:
   """The local tier and the cadence keys; `default_dir`: where checkpoint.dir="" resolves (once known)."""
-  for key in ("local_every_steps", "local_max_to_keep", "every_minutes", "max_durable_lag"):
+  for key in ("local_every_steps", "local_max_to_keep", "every_minutes", "max_durable_lag", "preemption_grace_s"):
     require(ck[key] >= 0, f"config.checkpoint.{key}={ck[key]}: must be >= 0")
   require(ck.mtbf_prior_minutes > 0, f"config.checkpoint.mtbf_prior_minutes={ck.mtbf_prior_minutes}: must be > 0")
   require(ck.cadence in ("fixed", "auto"), f"config.checkpoint.cadence={ck.cadence!r}: use fixed or auto")

@@ -86,3 +86,42 @@ class Agreement:
         raise RuntimeError(f"process {process} did not list its local checkpoints within {AGREE_TIMEOUT_S:.0f}s")
       lists.append(json.loads(value))
     return lists
+
+
+@dataclasses.dataclass(frozen=True)
+class PreemptionPlan:
+  tiers: list[str]  # saved, in this order
+  skipped: list[str]
+  why: str
+
+
+def preemption_plan(remaining_s: float | None, costs: dict[str, float | None]) -> PreemptionPlan:
+  """Which tiers a stop request saves to, from what is left of the grace period (None: unknown) and each
+  tier's measured save time (None: not measured yet). Fastest first, each while its cost fits in what
+  is left after the ones before it: a save the kill would cut short is time lost (both tiers rename a step
+  into place only once it is complete, so it would never be restored). When none fits, the fastest is
+  still tried: nothing else can keep the step. A tier not measured yet is tried when time is left (and
+  counted as the fastest when local, the slowest when durable)."""
+  unmeasured = {LOCAL: 0.0, DURABLE: float("inf")}  # the local tier (a node-local write) is the faster one
+  order = sorted(costs, key=lambda t: (unmeasured[t] if costs[t] is None else costs[t], t != LOCAL))
+  if remaining_s is None:
+    return PreemptionPlan(order, [], "the grace period is unknown (checkpoint.preemption_grace_s=0): every tier, "
+                          "fastest first")
+  left, chosen, skipped, notes = remaining_s, [], [], []
+  for tier in order:
+    cost = costs[tier]
+    if cost is None:
+      fits = left > 0
+      notes.append(f"{tier} not measured yet, {'tried' if fits else 'skipped'} with {left:.2f}s left")
+    else:
+      fits = cost <= left
+      notes.append(f"{tier} takes {cost:.2f}s, {left:.2f}s left: {'saved' if fits else 'skipped, it would not complete'}")
+    if fits:
+      chosen.append(tier)
+      left -= cost or 0.0
+    else:
+      skipped.append(tier)
+  if not chosen:
+    chosen, skipped = [order[0]], order[1:]
+    notes.append(f"none fits: {order[0]}, the fastest, is tried anyway")
+  return PreemptionPlan(chosen, skipped, f"{remaining_s:.2f}s of the grace period left; " + "; ".join(notes))

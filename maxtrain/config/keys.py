@@ -147,6 +147,8 @@ def base_config() -> ml_collections.ConfigDict:
   k.cadence = "fixed"  # fixed (the intervals above) | auto (each tier every sqrt(2 x save cost x mean time between failures), Young/Daly).
   k.mtbf_prior_minutes = 1440.0  # cadence=auto: the mean time between failures assumed before any is observed (counts as one interval).
   k.max_durable_lag = 2  # A checkpoint_behind event and a warning when more durable saves than this wait for upload.
+  k.preemption_grace_s = 0.0  # Seconds from a stop signal to the kill (a spot VM's notice, Kubernetes' terminationGracePeriodSeconds): a stop saves only to the tiers whose measured save time fits in what is left, fastest first; 0: unknown, every tier.
+  k.promote_local = True  # A run resumed from a local step (newer than the durable tier's) also saves it to the durable tier, in the background.
 
   c.runtime = ml_collections.ConfigDict()
   c.runtime.compile_cache_dir = ""  # Persistent XLA compile cache: "" = <maxtrain cache>/xla, "none" = off.

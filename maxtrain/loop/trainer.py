@@ -287,7 +287,8 @@ class Trainer:
   def _preempt(self, state: state_lib.TrainState, step: int, data_state: dict) -> None:
     self.events.emit(ev.PREEMPTION, step, signal=self.stop.reason)
     self.watchdog.beat(step)  # a synchronous save is progress, not a hang
-    self.checkpoints.save_preemption(step, state, data_state, dict(self.program.mesh.shape))
+    self.checkpoints.save_preemption(step, state, data_state, dict(self.program.mesh.shape),
+                                     since_signal_s=self.stop.seconds_since())
     raise Preempted(f"stopped by {self.stop.reason} after step {step}; checkpoint saved in "
                     f"{self.checkpoints.location}")
 

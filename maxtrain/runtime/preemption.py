@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 
 from maxtrain.runtime.kv import KeyValue
 
@@ -44,6 +45,7 @@ class StopRequest:
     self._proposal: int | None = None  # this process's proposal, once it knows of a stop
     self._stop_step: int | None = None
     self._agreed = threading.Event()
+    self._since: float | None = None  # monotonic time this process learned of the stop (signal or notice)
 
   def install(self) -> "StopRequest":
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -59,6 +61,7 @@ class StopRequest:
     if self.signal_name is not None and signum == signal.SIGINT:
       raise KeyboardInterrupt
     self.signal_name = signal.Signals(signum).name
+    self._since = self._since or time.monotonic()
     log.warning("%s received: stopping after the current step with a checkpoint", self.signal_name)
 
   def requested(self, step: int) -> bool:
@@ -84,6 +87,7 @@ class StopRequest:
     with self._lock:
       if self._proposal is None:
         self._requested_by = sender
+        self._since = self._since or time.monotonic()
         self._propose_locked(self._checked + 1)
 
   def _propose_locked(self, step: int) -> None:
@@ -96,6 +100,10 @@ class StopRequest:
     self._stop_step = max(proposals)
     log.warning("all %d processes stop after step %d (proposals %s)", len(proposals), self._stop_step, proposals)
     self._agreed.set()
+
+  def seconds_since(self) -> float:
+    """Seconds since this process learned of the stop (0 before): what the grace period has used up."""
+    return 0.0 if self._since is None else time.monotonic() - self._since
 
   @property
   def reason(self) -> str:
