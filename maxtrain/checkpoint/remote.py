@@ -87,7 +87,8 @@ class S3Mirror:
     self._uploaded: list[tuple[int, int, float]] = []  # (step, bytes, seconds) of finished uploads, not yet reported
     self._uploaded_lock = threading.Lock()
     self._queued: list[int] = []  # steps submitted and not yet started
-    self._upload_step: dict[concurrent.futures.Future, int] = {}
+    self._upload_step: dict[concurrent.futures.Future, tuple[int, threading.Event]] = {}  # step, cancelled
+    self._marker_lock = threading.Lock()
 
   def _new_client(self):
     """A client on a new session: the standard credential chain read afresh. Its web-identity, container,
@@ -136,16 +137,30 @@ class S3Mirror:
   def upload(self, local_step_dir: Path, step: int, keep: list[int]) -> concurrent.futures.Future:
     """Uploads a complete local checkpoint in the background, then drops remote steps not in `keep`."""
     self._queued.append(step)
-    future = self._pool.submit(self._upload, local_step_dir, step, keep)
+    cancelled = threading.Event()
+    future = self._pool.submit(self._upload, local_step_dir, step, keep, cancelled)
     self._uploads.append(future)
-    self._upload_step[future] = step
+    self._upload_step[future] = (step, cancelled)
     return future
 
-  def _upload(self, local_step_dir: Path, step: int, keep: list[int]) -> float:
-    return self._with_fresh_credentials(f"upload of checkpoint step {step} to {self.url}", self._upload_once,
-                                        local_step_dir, step, keep)
+  def cancel_after(self, step: int) -> list[int]:
+    """Uploads of steps newer than `step` not finished yet will never be marked complete (a restore to `step`
+    abandoned them); returns their steps. Once this returns, no such upload writes its marker."""
+    with self._marker_lock:
+      cancelled = []
+      for future, (upload_step, flag) in self._upload_step.items():
+        if upload_step > step and not future.done():
+          flag.set()
+          cancelled.append(upload_step)
+      return cancelled
 
-  def _upload_once(self, local_step_dir: Path, step: int, keep: list[int]) -> float:
+  def _upload(self, local_step_dir: Path, step: int, keep: list[int], cancelled: threading.Event) -> float:
+    return self._with_fresh_credentials(f"upload of checkpoint step {step} to {self.url}", self._upload_once,
+                                        local_step_dir, step, keep, cancelled)
+
+  def _upload_once(self, local_step_dir: Path, step: int, keep: list[int], cancelled: threading.Event) -> float:
+    if cancelled.is_set():
+      return 0.0
     newer = [s for s in self._queued if s > step]
     if step in self._queued:  # (a retry finds it removed)
       self._queued.remove(step)
@@ -158,7 +173,13 @@ class S3Mirror:
       self._client.upload_file(str(path), self.bucket, self._key(str(step), str(path.relative_to(local_step_dir))))
       num_bytes += path.stat().st_size
       self.on_progress()  # a file is up: the upload is moving (the watchdog watches the wait at exit)
-    self._client.put_object(Bucket=self.bucket, Key=self._key(str(step), MARKER), Body=b"")
+    with self._marker_lock:  # the marker makes the step complete: never for one a restore abandoned meanwhile
+      if cancelled.is_set():
+        log.warning("checkpoint step %d: upload to %s abandoned (a restore to an older step); never marked complete",
+                    step, self.url)
+        self._delete(step)  # its objects: the new timeline's step of this number must not inherit them
+        return 0.0
+      self._client.put_object(Bucket=self.bucket, Key=self._key(str(step), MARKER), Body=b"")
     seconds = time.monotonic() - t0
     with self._uploaded_lock:
       self._uploaded.append((step, num_bytes, seconds))
@@ -214,10 +235,9 @@ class S3Mirror:
         self._client.download_file(self.bucket, obj["Key"], str(target))
     tmp.rename(local_step_dir)
 
-  def wait(self, after: int = -1) -> None:
-    """Blocks until every upload (of a step newer than `after`) finished; a failed upload is logged (local
-    checkpoints stay)."""
-    for future in [f for f in self._uploads if self._upload_step[f] > after]:
+  def wait(self) -> None:
+    """Blocks until every upload finished; a failed upload is logged (local checkpoints stay)."""
+    for future in list(self._uploads):
       try:
         future.result()
       except Exception as e:  # noqa: BLE001 - an upload failure must not lose the local checkpoint

@@ -149,7 +149,8 @@ class Checkpoints:
       if jax.process_index() == 0:
         kv.set(key, "done")
       elif kv.get(key, tiers.AGREE_TIMEOUT_S) is None:
-        raise RuntimeError(f"process 0 did not set aside the abandoned durable steps within {tiers.AGREE_TIMEOUT_S:.0f}s")
+        raise RuntimeError("process 0 did not set aside the abandoned durable steps within "
+                           f"{tiers.AGREE_TIMEOUT_S:.0f}s")
       self.store.reload()
     if (moved or dropped) and jax.process_index() == 0:
       self.events.emit(ev.CHECKPOINT_ABANDONED, step, durable_steps=[s for s, _ in moved],
@@ -181,7 +182,8 @@ class Checkpoints:
         state = self.local.restore(self.local.path(choice.step), state_spec.abstract, state_spec.shardings)[0]
         self._abandon_after(choice.step, f"rolled back from step {step}")
         return state
-    self._abandon_after(int(good.name) if good is not None and good.name.isdigit() else 0, f"rolled back from step {step}")
+    restored = int(good.name) if good is not None and good.name.isdigit() else 0
+    self._abandon_after(restored, f"rolled back from step {step}")
     if good is None:
       return None
     return self.store.restore(good, state_spec.abstract, state_spec.shardings).state
@@ -285,9 +287,9 @@ class Checkpoints:
     plan = self._agreed_plan(step, tiers.preemption_plan(remaining, costs))
     self.events.emit(ev.CHECKPOINT_PREEMPTION, step, grace_s=grace, remaining_s=remaining, cost_s=costs,
                      tiers=plan.tiers, skipped=plan.skipped, why=plan.why)
+    skipped = f", not the {' nor the '.join(plan.skipped)}" if plan.skipped else ""
     log.warning("stop request: saving step %d to the %s tier%s%s (%s)", step, " then the ".join(plan.tiers),
-                "s" if len(plan.tiers) > 1 else "", f", not the {' nor the '.join(plan.skipped)}" if plan.skipped else "",
-                plan.why)
+                "s" if len(plan.tiers) > 1 else "", skipped, plan.why)
     for tier in plan.tiers:
       if tier == tiers.LOCAL:
         self.save_local(step, state, data_state, mesh_shape, sync=True)

@@ -311,7 +311,7 @@ class Checkpointer:
     self._wait_pending()
     remote = set()
     if self.remote is not None:
-      self.remote.wait(after=step)  # an upload of a newer step in flight would land after the move
+      self.remote.cancel_after(step)  # an upload of a newer step in flight must not complete after the move
       remote = set(self.remote.complete_steps())
     moved = []
     for newer in [s for s in self.steps() if s > step]:

@@ -115,7 +115,8 @@ def preemption_plan(remaining_s: float | None, costs: dict[str, float | None]) -
       notes.append(f"{tier} not measured yet, {'tried' if fits else 'skipped'} with {left:.2f}s left")
     else:
       fits = cost <= left
-      notes.append(f"{tier} takes {cost:.2f}s, {left:.2f}s left: {'saved' if fits else 'skipped, it would not complete'}")
+      verdict = "saved" if fits else "skipped, it would not complete"
+      notes.append(f"{tier} takes {cost:.2f}s, {left:.2f}s left: {verdict}")
     if fits:
       chosen.append(tier)
       left -= cost or 0.0
