@@ -243,6 +243,8 @@ class Trainer:
     compiled = program.train_step.lower(state, batch).compile()
     self.events.emit(ev.COMPILE_END, int(state.step), seconds=time.monotonic() - t0)
     log.info("compiled train step in %.1fs", time.monotonic() - t0)
+    if self.kv is not None:  # the first step starts together: CPU (gloo) collectives give a late peer only 30 s
+      self.kv.barrier(f"compiled/{len(self._steps)}", self.cfg.runtime.init_timeout_s)
     return compiled
 
   def _rollback(self, rollback: Rollback) -> tuple[state_lib.TrainState, int]:

@@ -50,6 +50,10 @@ class KeyValue:
         return None
       raise
 
+  def barrier(self, name: str, timeout_s: float) -> None:
+    """Returns once every process reached the barrier `name` (each name used once); raises after `timeout_s`."""
+    self.client.wait_at_barrier(PREFIX + name, max(1, int(timeout_s * 1000)))
+
   def delete(self, key: str) -> None:
     self.client.key_value_delete(PREFIX + key)
 
