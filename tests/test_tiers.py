@@ -73,6 +73,7 @@ def test_config_errors(tmp_path):
   assert "same place" in check(dir=str(tmp_path / "c"), local_dir=str(tmp_path / "c/local"), local_every_steps=2)
   assert "local_every_steps=-2" in check(local_every_steps=-2)
   assert "every_minutes=-1" in check(every_minutes=-1.0)
+  assert "preemption_grace_s=-30" in check(preemption_grace_s=-30.0)
   assert "cadence='sometimes'" in check(cadence="sometimes")
   assert "never be written" in check(local_dir=str(tmp_path / "l"))
 
