@@ -74,9 +74,10 @@ def losses(out: Path) -> dict[int, float]:
 OPTIMIZERS = {"adamw": [], "muon": ["--config.optimizer.name=muon", "--config.optimizer.lr=0.02"]}
 
 
+# Two of the four mesh x optimizer pairs: each optimizer once, and the sharded mesh with Muon, whose per-layer
+# Newton-Schulz state is the harder one to restore (the other pairs add five trainer starts each and no new path).
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
-@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("mesh,optimizer", [("1 device", "adamw"), ("fsdp=4 x tensor=2", "muon")])
 def test_resume_is_bitwise_identical(store, tmp_path, mesh, optimizer):
   devices, mesh_args = MESHES[mesh]
   base = TINY + mesh_args + OPTIMIZERS[optimizer] + [f"--config.data.path={store}"]

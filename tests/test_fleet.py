@@ -295,7 +295,9 @@ def test_two_processes_straggler_hang_and_preemption(store, tmp_path):
   scalars = EventAccumulator(str(faulty / "tensorboard"))
   scalars.Reload()
   assert {e.value for e in scalars.Scalars("fleet/slowest_process")} == {1.0}
-  assert min(e.value for e in scalars.Scalars("fleet/step_time_max_over_median")) > 1.2
+  # With two processes the median is their mean: (t + 0.5) / (t + 0.25) for a fast step time t, so 1.2 at t = 1 s
+  # and less on a slower (loaded) machine. The 0.5 s itself is checked by late_s above.
+  assert min(e.value for e in scalars.Scalars("fleet/step_time_max_over_median")) > 1.0
 
   # Preemption: both processes saved the same step, and the next attempt resumed from it.
   stops = {r["process"]: r["step"] for r in records if r["kind"] == ev.PREEMPTION}

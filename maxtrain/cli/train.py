@@ -16,10 +16,12 @@ from typing import Sequence
 from maxtrain import config as config_lib
 from maxtrain.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PREEMPTED, Aborted, Preempted,
                              UserError)
+from maxtrain.runtime import preemption
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   t_start = time.monotonic()
+  preemption.catch_start_up_interrupt()  # a Ctrl-C before the stop handler is installed is never lost
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                       datefmt="%H:%M:%S")
   logging.getLogger("maxtrain").setLevel(logging.INFO)

@@ -32,6 +32,23 @@ from maxtrain.runtime.kv import KeyValue
 
 log = logging.getLogger("maxtrain")
 NOTICE = "stop"
+_start_up_interrupted = False  # a Ctrl-C came before StopRequest.install (catch_start_up_interrupt)
+
+
+def catch_start_up_interrupt() -> None:
+  """The entry point's first act: until the stop handler is installed, a Ctrl-C raises KeyboardInterrupt as
+  usual and is also remembered. Python drops an exception raised inside a garbage-collection callback (jax
+  registers one) or a `__del__`: a Ctrl-C landing there vanished, and the run trained on to exit 0 (seen for
+  signals 0.8-2 s after the platform line). `StopRequest.install` raises a remembered one again."""
+  global _start_up_interrupted
+  _start_up_interrupted = False
+
+  def handle(signum, frame) -> None:
+    global _start_up_interrupted
+    _start_up_interrupted = True
+    raise KeyboardInterrupt
+
+  signal.signal(signal.SIGINT, handle)
 
 
 class StopRequest:
@@ -48,6 +65,8 @@ class StopRequest:
     self._since: float | None = None  # monotonic time this process learned of the stop (signal or notice)
 
   def install(self) -> "StopRequest":
+    if _start_up_interrupted:  # its KeyboardInterrupt was swallowed during start-up: it ends the run here
+      raise KeyboardInterrupt
     for sig in (signal.SIGTERM, signal.SIGINT):
       self._previous[sig] = signal.signal(sig, self._handle)
     return self
