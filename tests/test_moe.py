@@ -448,7 +448,7 @@ def _restore_onto_other_meshes(ckpt_dir, saved, assert_bitwise_equal):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer", ["muon"])  # per-expert Newton-Schulz state; AdamW's resume: test_checkpoint
 def test_moe_resume_is_bitwise_identical(store, tmp_path, optimizer):
   from test_checkpoint import OPTIMIZERS, assert_bitwise_equal, losses, restore_raw
 
