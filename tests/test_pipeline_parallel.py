@@ -5,10 +5,12 @@ between stage counts both ways, runs Muon per stage, reports its bubble, and ref
 before compiling. Each mesh compiles once (the `runs` fixture); every test reads its results."""
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,12 +18,15 @@ from maxtrain.aot import estimate
 from maxtrain.checkpoint.storage import Checkpointer
 from maxtrain.config import loader as config_lib
 from maxtrain.errors import UserError
+from maxtrain.optim import muon
+from maxtrain.optim import optimizer as optim
 from maxtrain.program import batch as batch_lib
 from maxtrain.program import build as build_lib
 from maxtrain.program import state as state_lib
 from maxtrain.program.plan import validate
 from maxtrain.runtime import faults
 from maxtrain.sharding import rules as rules_lib
+from maxtrain.sharding.layout import param_name
 from tiny import TINY_MODEL
 
 # 4 layers so that 4 stages, and 2 stages x 2 repeats, each hold one layer per repeat (no data source needed).
@@ -210,40 +215,40 @@ def test_bubble_is_reported_by_the_estimate():
   assert estimate.estimate(_cfg(*MESHES["reference"]), 8).pipeline is None
 
 
-MUON = ["--config.optimizer.name=muon", "--config.model.num_layers=8"]
-
-
-def _muon_update(args):
-  """Muon's update of random gradients (and its HLO) on the program's mesh, under its rules, as the step runs it."""
-  program = build_lib.program_for(_cfg(*MUON, *args), jax.devices(), require_data=False)
-  tx, shardings, rules = program.optimizer.tx, program.state.shardings, program.plan.layout.rules
-  rng = np.random.default_rng(1)
-  abstract = program.state.abstract
-  grads = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(a.dtype), abstract.params)
-
-  def update(grads, opt_state, params):
-    with rules_lib.activate(rules):
-      return tx.update(grads, opt_state, params)[0]
-
-  with jax.set_mesh(program.mesh):
-    state = state_lib.initialize(program.state, program.mesh)
-    grads = jax.device_put(grads, shardings.params)
-    compiled = jax.jit(update, in_shardings=(shardings.params, shardings.opt_state, shardings.params),
-                       out_shardings=shardings.params).lower(grads, state.opt_state, state.params).compile(COMPILE)
-    out = compiled(grads, state.opt_state, state.params)
-  return jax.tree.map(np.asarray, out), compiled.as_text(), program
-
-
 def test_muon_under_the_pipeline_orthogonalises_each_stages_own_layers():
-  """8 layers on pipeline=4 x fsdp=2: each stage splits its 2 layers over its fsdp pair (no layer crosses a
-  stage), and the update equals fsdp=8's (its 8 layers over the 8 devices)."""
-  ref, _, _ = _muon_update(["--config.mesh.fsdp=8"])
-  got, hlo, program = _muon_update(["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.pipeline.microbatches=4"])
-  assert program.plan.pipeline.stages == 4
-  assert rules_lib.layer_split(8, dict(program.mesh.shape)).axes == ("pipeline", "fsdp")
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, ref)
-  stage_of = _stage_of(program.mesh)
+  """Muon is accepted with a pipeline; its Newton-Schulz of the stacked weights (the one part of its update
+  that depends on the mesh), as the step runs it on pipeline=4 x fsdp=2 with 8 layers, splits each stage's
+  2 layers over its fsdp pair with no collective across stages, and equals the unsharded iteration."""
+  program = build_lib.program_for(_cfg("--config.optimizer.name=muon", "--config.model.num_layers=8",
+                                       *MESHES["pipeline4xfsdp2"]), jax.devices(), require_data=False)
+  assert rules_lib.layer_split(8, dict(program.mesh.shape)) == rules_lib.LayerSplit(("pipeline", "fsdp"), 4, 2)
+  names = muon.logical_names(program.state.abstract.params)
+  weights = ["blocks/mlp/gate", "blocks/attn/wo", "blocks/attn/wk"]  # a matrix, heads folded into fan_in and fan_out
+  shardings = {k: v for k, v in _named(program.state.shardings.params).items() if k in weights}
+  rng = np.random.default_rng(1)
+  x = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in _named(program.state.abstract.params).items()
+       if k in weights}
+  coeffs, steps = optim.parse_ns_coeffs(program.cfg.optimizer.muon_ns_coeffs), program.cfg.optimizer.muon_ns_steps
+
+  def run(x, rules):
+    with rules_lib.activate(rules):
+      return {k: muon.orthogonalize(v, optim.matrix_dimension_numbers(k), names[k], coeffs, steps, jnp.float32)
+              for k, v in x.items()}
+
+  want = jax.jit(functools.partial(run, rules=None))(x)  # one device, no rules: the plain iteration
+  with jax.set_mesh(program.mesh):
+    compiled = jax.jit(functools.partial(run, rules=program.plan.layout.rules), in_shardings=(shardings,),
+                       out_shardings=shardings).lower(x).compile(COMPILE)
+    got = compiled(jax.device_put(x, shardings))
+  for k in weights:
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+  hlo, stage_of = compiled.as_text(), _stage_of(program.mesh)
+  assert re.search(r"all-to-all(-start)?\(", hlo)  # the split inside each stage
   assert not _crossing(hlo, stage_of, "all-to-all") and not _crossing(hlo, stage_of, "all-gather")
+
+
+def _named(tree):
+  return {param_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 @pytest.mark.parametrize("layers, sizes, axes, per_group", [
