@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import print_saved_residuals
 import numpy as np
 import pytest
 
@@ -23,8 +24,10 @@ from maxtrain.optim import optimizer as optim
 from maxtrain.program import batch as batch_lib
 from maxtrain.program import build as build_lib
 from maxtrain.program import state as state_lib
+from maxtrain.program import step as step_lib
 from maxtrain.program.plan import validate
 from maxtrain.runtime import faults
+from maxtrain.sharding import pipeline as pipeline_lib
 from maxtrain.sharding import rules as rules_lib
 from maxtrain.sharding.layout import param_name
 from tiny import TINY_MODEL
@@ -171,6 +174,31 @@ def test_lowered_step_permutes_between_stages_and_gathers_no_layer_stack(runs):
   crossing = _crossing(hlo, stage_of, "all-gather")
   # Whole layer stacks [L, ...] (or a stage's [L/S, ...] slab regrouped) never cross the pipeline axis.
   assert not [s for s in crossing if s and s[0] in (4, 1) and np.prod(s) in {np.prod(t) for t in stacked}], crossing
+
+
+@pytest.mark.parametrize("name", ["pipeline4xfsdp2", "pipeline2xtensor2xdata2_repeats2"])
+def test_remat_saves_only_layer_inputs_per_iteration_not_the_stage_weights(name, capsys):
+  """With remat, what the backward keeps from each of the R M + S - 1 iterations of the pipeline loop is
+  each layer's input [rows of a microbatch, T, D]; the stage's weights are kept once, not copied per
+  iteration (they were: pipeline.run picks the repeat inside the remat). Traced, not compiled."""
+  cfg = _cfg(*MESHES[name], "--config.model.remat=full")
+  program = build_lib.program_for(cfg, jax.devices(), require_data=False)
+  schedule, batch = program.plan.pipeline, program.abstract_batch()
+  batch.pop(faults.INPUT)
+
+  def loss(params, batch):
+    with rules_lib.activate(program.plan.layout.rules), pipeline_lib.activate(schedule):
+      return step_lib.loss_sums(program.state.graphdef, params, batch)[0]
+
+  with jax.set_mesh(program.mesh):
+    print_saved_residuals(loss, program.abstract_state().params, batch)
+  shapes = [tuple(int(d) for d in dims.split(",")) for dims in
+            re.findall(r"^f32\[([\d,]+)\] output of shard_map", capsys.readouterr().out, re.MULTILINE)]
+  per_iteration = {s for s in shapes if s[0] == schedule.stages * schedule.iterations}
+  rows = cfg.data.batch_size // schedule.microbatches
+  layers_per_group = cfg.model.num_layers // (schedule.stages * schedule.repeats)
+  assert per_iteration == {(schedule.stages * schedule.iterations, layers_per_group, rows, cfg.data.seq_len,
+                            cfg.model.d_model)}, per_iteration
 
 
 def _assert_restores(ckpt, path, target, saved):

@@ -323,11 +323,12 @@ def _run_stack(cfg: ModelConfig, blocks: nnx.Module, x_BTD: jax.Array, segment_i
   if cfg.scan_layers and kv is None and schedule is not None:  # training / evaluation under the pipeline
     graphdef, stacked = nnx.split(blocks)
 
-    def group(state, x_BTD, segment_ids_BT, positions_BT):  # a stage's layers of one repeat, scanned
-      def body(x, layer_state):
+    def group(stage, r, x_BTD, segment_ids_BT, positions_BT):  # a stage's layers [n, R, ...] of repeat r, scanned
+      def body(x, layer_repeats):  # the repeat picked inside the remat: pipeline.run says why
+        layer_state = jax.tree.map(lambda w: w[r], layer_repeats)
         return nnx.merge(graphdef, layer_state)(x, segment_ids_BT, positions_BT)[0], None
       body = jax.checkpoint(body, policy=policy) if policy is not None else body
-      return jax.lax.scan(body, x_BTD, state)[0]
+      return jax.lax.scan(body, x_BTD, stage)[0]
 
     return pipeline_lib.run(group, stacked, x_BTD, segment_ids_BT, positions_BT, schedule), {}, None
   if cfg.scan_layers:
