@@ -46,8 +46,8 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     # the stacked layer dim: a pipeline stage holds its own layers (sharding/pipeline.py); replicated without one
     "layers": "pipeline",
     # optimizer: Muon orthogonalises a stacked weight with its layers split over the devices that
-    # shard it (maxtrain/optim/muon.py), so each device holds whole matrices: the stage's own layers
-    # (pipeline), then those of the other axes whose sizes divide the layer count (`layer_split`)
+    # shard it (maxtrain/optim/muon.py), so each device holds whole matrices: a stage its own layers
+    # (pipeline), split further over the other axes as `layer_split` picks
     "opt_layers": ("pipeline", "fsdp", "context", "tensor"),
     "experts": "expert",  # the routed-expert dim of expert weights [experts, ...]
     "expert_embed": ("fsdp", "context"),  # the model dim of expert weights
