@@ -1,11 +1,17 @@
 """The circular pipeline over the `pipeline` mesh axis (maxtrain/sharding/pipeline.py): it trains like the same
-model without it, lowers to stage-to-stage collective-permutes without gathering layer stacks across stages,
-reports its bubble, and refuses what it does not support before compiling."""
+model without it for 20 steps (with remat, gradient accumulation, the chunked loss and the guards' skips),
+lowers to stage-to-stage collective-permutes without gathering layer stacks across stages, moves checkpoints
+between stage counts both ways, runs Muon per stage, reports its bubble, and refuses what it does not support
+before compiling. Each mesh compiles once (the `runs` fixture); every test reads its results."""
 
+import dataclasses
 import functools
 import re
+from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import print_saved_residuals
 import numpy as np
 import pytest
 
@@ -13,24 +19,41 @@ from maxtrain.aot import estimate
 from maxtrain.checkpoint.storage import Checkpointer
 from maxtrain.config import loader as config_lib
 from maxtrain.errors import UserError
+from maxtrain.optim import muon
+from maxtrain.optim import optimizer as optim
 from maxtrain.program import batch as batch_lib
 from maxtrain.program import build as build_lib
 from maxtrain.program import state as state_lib
+from maxtrain.program import step as step_lib
 from maxtrain.program.plan import validate
 from maxtrain.runtime import faults
+from maxtrain.sharding import pipeline as pipeline_lib
+from maxtrain.sharding import rules as rules_lib
+from maxtrain.sharding.layout import param_name
 from tiny import TINY_MODEL
 
 # 4 layers so that 4 stages, and 2 stages x 2 repeats, each hold one layer per repeat (no data source needed).
-# The reference is the same model without the pipeline.
-MODEL = TINY_MODEL + ["--config.model.num_layers=4", "--config.data.batch_size=16", "--config.optimizer.warmup_steps=1"]
-STEPS = 4
+# spike_warmup=5: the loss-spike policy is armed by the spike step below.
+MODEL = TINY_MODEL + ["--config.model.num_layers=4", "--config.data.batch_size=16", "--config.optimizer.warmup_steps=1",
+                      "--config.guards.spike_warmup=5"]
+STEPS = 20
+# In-graph faults (the step's fault input: the same compiled program): a NaN step and a x100 loss spike,
+# whose updates the guards skip in every run alike.
+FAULTS = {6: (1.0, 1.0), 13: (0.0, 100.0)}
+# Less backend (LLVM) optimisation: half the compile time on CPU; the optimised HLO the tests read (collectives,
+# layouts) is the same, and every run compared here is compiled alike.
+COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 MESHES = {
-    "reference": ["--config.mesh.fsdp=8"],
-    "pipeline4xfsdp2": ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.pipeline.microbatches=4"],
-    # tensor and data parallelism inside each stage, circular repeats and gradient accumulation, in one compile
-    "pipeline2xtensor2xdata2_repeats2_accum2": [
+    "reference": ["--config.mesh.fsdp=8"],  # the same model without the pipeline
+    # M = S; remat of every layer inside the stages
+    "pipeline4xfsdp2": ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.pipeline.microbatches=4",
+                        "--config.model.remat=full"],
+    # tensor and data parallelism inside each stage, circular repeats with M > S (microbatches wait at stage 0
+    # for their next repeat), gradient accumulation and the chunked loss, in one compile
+    "pipeline2xtensor2xdata2_repeats2": [
         "--config.mesh.pipeline=2", "--config.mesh.tensor=2", "--config.mesh.data=2", "--config.mesh.fsdp=1",
-        "--config.pipeline.repeats=2", "--config.pipeline.microbatches=2", "--config.optimizer.grad_accum_steps=2"],
+        "--config.pipeline.repeats=2", "--config.pipeline.microbatches=4", "--config.optimizer.grad_accum_steps=2",
+        "--config.model.loss_chunk_tokens=16"],
 }
 
 
@@ -40,10 +63,10 @@ def _cfg(*args):
 
 def _batches(cfg, n):
   rng = np.random.default_rng(0)
-  b, t, v = cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size
+  b, t = cfg.data.batch_size, cfg.data.seq_len
   out = []
   for _ in range(n):
-    tokens = rng.integers(0, v, size=(b, t + 1), dtype=np.int32)
+    tokens = rng.integers(0, 16, size=(b, t + 1), dtype=np.int32)  # 16 of the v tokens: a loss that falls
     segments = np.ones((b, t), np.int32)
     segments[:, t // 2:] = 2  # two documents per row: the masks and positions travel with the microbatches
     positions = np.concatenate([np.arange(t // 2), np.arange(t - t // 2)]).astype(np.int32)[None].repeat(b, 0)
@@ -52,31 +75,64 @@ def _batches(cfg, n):
   return out
 
 
-@functools.cache
+@dataclasses.dataclass
+class Run:
+  program: Any
+  compiled: Any
+  losses: np.ndarray  # [STEPS + 1]: the last one from the step after the final state
+  metrics: list[dict[str, float]]
+  state: Any  # numpy, after STEPS steps
+
+  def step(self, state, rows):
+    """One more step from `state` (on this run's mesh): its loss."""
+    batch = faults.attach(batch_lib.to_device(rows, self.program.batch_shardings), faults.NONE,
+                          self.program.batch_shardings[faults.INPUT])
+    with jax.set_mesh(self.program.mesh):
+      return float(self.compiled(state, batch)[1]["loss"])
+
+
 def _train(name):
-  """(per-step losses, final parameters, program, compiled step, final state) of STEPS steps on fixed batches,
-  compiled once."""
+  """STEPS steps on fixed batches (with FAULTS), compiled once, then the loss of one more step."""
   cfg = _cfg(*MESHES[name])
   program = build_lib.program_for(cfg, jax.devices(), require_data=False)
-  compiled = program.lower().compile()
+  compiled = program.lower().compile(compiler_options=COMPILE)
+  rows = _batches(cfg, STEPS + 1)
   with jax.set_mesh(program.mesh):
     state = state_lib.initialize(program.state, program.mesh)
-    losses = []
-    for rows in _batches(cfg, STEPS):
-      batch = faults.attach(batch_lib.to_device(rows, program.batch_shardings), faults.NONE,
+    metrics = []
+    for i in range(STEPS):
+      batch = faults.attach(batch_lib.to_device(rows[i], program.batch_shardings), FAULTS.get(i, faults.NONE),
                             program.batch_shardings[faults.INPUT])
-      state, metrics = compiled(state, batch)
-      losses.append(float(metrics["loss"]))
-  return np.array(losses), jax.tree.map(np.asarray, state.params), program, compiled, state
+      state, m = compiled(state, batch)
+      metrics.append({k: float(v) for k, v in m.items() if np.ndim(v) == 0})
+  saved = jax.tree.map(np.asarray, state)
+  run = Run(program, compiled, np.array([m["loss"] for m in metrics]), metrics, saved)
+  run.losses = np.append(run.losses, run.step(state, rows[STEPS]))
+  return run
 
 
-@pytest.mark.parametrize("name", ["pipeline4xfsdp2", "pipeline2xtensor2xdata2_repeats2_accum2"])
-def test_pipeline_trains_like_no_pipeline(name):
-  ref_losses, ref_params, *_ = _train("reference")
-  losses, params, program, *_ = _train(name)
-  assert program.plan.pipeline is not None and program.plan.pipeline.stages == int(name[8])
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, ref_params)
+@pytest.fixture(scope="module")
+def runs():
+  return {name: _train(name) for name in MESHES}
+
+
+@pytest.mark.parametrize("name", ["pipeline4xfsdp2", "pipeline2xtensor2xdata2_repeats2"])
+def test_pipeline_trains_like_no_pipeline(runs, name):
+  ref, run = runs["reference"], runs[name]
+  assert run.program.plan.pipeline is not None and run.program.plan.pipeline.stages == int(name[8])
+  np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5)  # 20 steps and the next one
+  finite = np.isfinite(ref.losses)
+  assert list(np.flatnonzero(~finite)) == [6] and ref.losses[finite][-1] < ref.losses[0]  # it trains
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), run.state.params, ref.state.params)
+
+
+def test_guards_skip_the_same_steps_under_the_pipeline(runs):
+  """The NaN step and the loss spike are skipped (parameters kept) by the pipelined runs as by the reference."""
+  for name, run in runs.items():
+    nonfinite = [i for i, m in enumerate(run.metrics) if m["nonfinite"]]
+    spikes = [i for i, m in enumerate(run.metrics) if m["spike"]]
+    assert (nonfinite, spikes, run.metrics[-1]["skipped_steps"]) == ([6], [13], 2), name
+    assert run.metrics[6]["param_norm"] == pytest.approx(run.metrics[5]["param_norm"], rel=1e-6), name
 
 
 def _groups(attrs: str, num_devices: int) -> list[set[int]]:
@@ -92,50 +148,159 @@ def _groups(attrs: str, num_devices: int) -> list[set[int]]:
   return [set(row) for row in ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()]
 
 
-def test_lowered_step_permutes_between_stages_and_gathers_no_layer_stack():
-  _, _, program, compiled, _ = _train("pipeline4xfsdp2")
-  hlo = compiled.as_text()
-  devices = program.mesh.devices  # [pipeline, data, fsdp, expert, context, tensor]
-  stage_of = {d.id: s for s in range(devices.shape[0]) for d in devices[s].flat}
+def _crossing(hlo: str, stage_of: dict[int, int], op: str) -> list[tuple[int, ...]]:
+  """Shapes of the `op` collectives (all-gather, all-to-all) whose groups span stages."""
+  out = []
+  for line in hlo.splitlines():
+    if re.search(rf"= \S+ {op}(-start)?\(", line):
+      if any(len({stage_of[d] for d in g}) > 1 for g in _groups(line, len(stage_of))):
+        out.append(tuple(int(x) for x in re.search(r"= \w+\[([\d,]*)\]", line).group(1).split(",") if x))
+  return out
+
+
+def _stage_of(mesh) -> dict[int, int]:
+  devices = mesh.devices  # [pipeline, data, fsdp, expert, context, tensor]
+  return {d.id: s for s in range(devices.shape[0]) for d in devices[s].flat}
+
+
+def test_lowered_step_permutes_between_stages_and_gathers_no_layer_stack(runs):
+  run = runs["pipeline4xfsdp2"]
+  hlo, stage_of = run.compiled.as_text(), _stage_of(run.program.mesh)
   ring = [line for line in hlo.splitlines() if "collective-permute" in line and "ppermute" in line]
   assert ring, "no stage-to-stage collective-permute"
   pairs = {tuple(map(int, p)) for line in ring for p in re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])}
   assert {(stage_of[a], stage_of[b]) for a, b in pairs} >= {(s, (s + 1) % 4) for s in range(4)}  # the ring, forward
-  stacked = {tuple(leaf.shape) for leaf in jax.tree.leaves(program.state.abstract.params["blocks"])}
-  crossing = []
-  for line in hlo.splitlines():
-    if re.search(r"= \S+ all-gather(-start)?\(", line):
-      if any(len({stage_of[d] for d in g}) > 1 for g in _groups(line, devices.size)):
-        crossing.append(tuple(int(x) for x in re.search(r"= \w+\[([\d,]*)\]", line).group(1).split(",") if x))
+  stacked = {tuple(leaf.shape) for leaf in jax.tree.leaves(run.program.state.abstract.params["blocks"])}
+  crossing = _crossing(hlo, stage_of, "all-gather")
   # Whole layer stacks [L, ...] (or a stage's [L/S, ...] slab regrouped) never cross the pipeline axis.
   assert not [s for s in crossing if s and s[0] in (4, 1) and np.prod(s) in {np.prod(t) for t in stacked}], crossing
 
 
-def test_checkpoint_of_pipeline4_restores_bitwise_onto_pipeline1_and_pipeline2(tmp_path):
-  """The state keeps the stacked [L, ...] layout, so the resharding restore moves it between stage counts."""
-  *_, program, _, state = _train("pipeline4xfsdp2")
-  saved = jax.tree.map(np.asarray, state)
-  ckpt = Checkpointer(program.cfg.checkpoint, str(tmp_path))
-  ckpt.save(STEPS, state, {}, program.cfg, dict(program.mesh.shape))
-  ckpt.wait()
-  for target in (_train("reference")[2], build_lib.program_for(_cfg(*MESHES["pipeline2xtensor2xdata2_repeats2_accum2"]), jax.devices(),
-                                                               require_data=False)):
-    restored = ckpt.restore(tmp_path / str(STEPS), target.state.abstract, target.state.shardings)
-    assert restored.step == STEPS
-    wq = restored.state.params["blocks"]["attn"]["wq"][...]
-    assert wq.sharding.mesh.shape == target.mesh.shape
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.state), saved)
+@pytest.mark.parametrize("name, remat", [("pipeline4xfsdp2", "full"), ("pipeline2xtensor2xdata2_repeats2", "full"),
+                                         ("pipeline2xtensor2xdata2_repeats2", "none")])
+def test_the_backward_keeps_activations_per_iteration_not_the_stage_weights(name, remat, capsys):
+  """What the backward keeps from each of the R M + S - 1 iterations of the pipeline loop: with remat=full
+  each layer's input [rows of a microbatch, T, D] only; without remat activations, but no layer weight. The
+  stage's weights are kept once, not copied per iteration (they were: see pipeline.run). Traced, not compiled."""
+  cfg = _cfg(*MESHES[name], f"--config.model.remat={remat}")
+  program = build_lib.program_for(cfg, jax.devices(), require_data=False)
+  schedule, batch = program.plan.pipeline, program.abstract_batch()
+  batch.pop(faults.INPUT)
+
+  def loss(params, batch):
+    with rules_lib.activate(program.plan.layout.rules), pipeline_lib.activate(schedule):
+      return step_lib.loss_sums(program.state.graphdef, params, batch)[0]
+
+  with jax.set_mesh(program.mesh):
+    print_saved_residuals(loss, program.abstract_state().params, batch)
+  shapes = [tuple(int(d) for d in dims.split(",")) for dims in
+            re.findall(r"^f32\[([\d,]+)\] output of shard_map", capsys.readouterr().out, re.MULTILINE)]
+  per_iteration = {s for s in shapes if s[0] == schedule.stages * schedule.iterations}
+  weights = {tuple(leaf.shape[1:]) for leaf in jax.tree.leaves(program.state.abstract.params["blocks"])}
+  assert per_iteration and not [s for s in per_iteration if s[2:] in weights], per_iteration
+  rows = cfg.data.batch_size // schedule.microbatches
+  layers_per_group = cfg.model.num_layers // (schedule.stages * schedule.repeats)
+  if remat == "full":
+    assert per_iteration == {(schedule.stages * schedule.iterations, layers_per_group, rows, cfg.data.seq_len,
+                              cfg.model.d_model)}, per_iteration
+
+
+def _assert_restores(ckpt, path, target, saved):
+  restored = ckpt.restore(path, target.program.state.abstract, target.program.state.shardings)
+  assert restored.step == STEPS
+  wq = restored.state.params["blocks"]["attn"]["wq"][...]
+  assert wq.sharding.mesh.shape == target.program.mesh.shape
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.state), saved)
+  return restored.state
+
+
+def test_checkpoints_move_between_stage_counts_bitwise(runs, tmp_path):
+  """The state keeps the stacked [L, ...] layout, so the resharding restore moves it between stage counts:
+  pipeline=4 onto pipeline=1 and 2, and pipeline=1 and 2 onto pipeline=4, bitwise; the pipeline=1 checkpoint
+  resumes on pipeline=4 to the reference's next loss."""
+  names = {1: "reference", 2: "pipeline2xtensor2xdata2_repeats2", 4: "pipeline4xfsdp2"}
+  paths = {}
+  for stages, name in names.items():
+    run = runs[name]
+    ckpt = Checkpointer(run.program.cfg.checkpoint, str(tmp_path / name))
+    with jax.set_mesh(run.program.mesh):
+      state = jax.device_put(run.state, run.program.state.shardings)
+    ckpt.save(STEPS, state, {}, run.program.cfg, dict(run.program.mesh.shape))
+    ckpt.close()
+    paths[stages] = tmp_path / name / str(STEPS)
+  ckpt = Checkpointer(runs["reference"].program.cfg.checkpoint, str(tmp_path / "restore"))
+  for source, target in ((4, 1), (4, 2), (1, 4), (2, 4)):
+    state = _assert_restores(ckpt, paths[source], runs[names[target]], runs[names[source]].state)
+    if (source, target) == (1, 4):
+      rows = _batches(runs["reference"].program.cfg, STEPS + 1)[STEPS]
+      loss = runs[names[target]].step(state, rows)
+      np.testing.assert_allclose(loss, runs["reference"].losses[STEPS], rtol=1e-5)
   ckpt.close()
 
 
 def test_bubble_is_reported_by_the_estimate():
-  for args, bubble in [(MESHES["pipeline4xfsdp2"], 3 / 7), (MESHES["pipeline2xtensor2xdata2_repeats2_accum2"], 1 / 5),
-                       (["--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.microbatches=8",
-                        "--config.data.batch_size=32"], 1 / 9)]:
+  for args, bubble in [(MESHES["pipeline4xfsdp2"], 3 / 7), (MESHES["pipeline2xtensor2xdata2_repeats2"], 1 / 9),
+                       (["--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.microbatches=2"], 1 / 3)]:
     e = estimate.estimate(_cfg(*args), 8)
     assert e.pipeline["bubble_fraction"] == pytest.approx(bubble)
     assert f"bubble {bubble:.4f}" in e.table()
   assert estimate.estimate(_cfg(*MESHES["reference"]), 8).pipeline is None
+
+
+def test_muon_under_the_pipeline_orthogonalises_each_stages_own_layers():
+  """Muon is accepted with a pipeline; its Newton-Schulz of the stacked weights (the one part of its update
+  that depends on the mesh), as the step runs it on pipeline=4 x fsdp=2 with 8 layers, splits each stage's
+  2 layers over its fsdp pair with no collective across stages, and equals the unsharded iteration."""
+  program = build_lib.program_for(_cfg("--config.optimizer.name=muon", "--config.model.num_layers=8",
+                                       *MESHES["pipeline4xfsdp2"]), jax.devices(), require_data=False)
+  assert rules_lib.layer_split(8, dict(program.mesh.shape)) == rules_lib.LayerSplit(("pipeline", "fsdp"), 4, 2)
+  names = muon.logical_names(program.state.abstract.params)
+  weights = ["blocks/mlp/gate", "blocks/attn/wo", "blocks/attn/wk"]  # a matrix, heads folded into fan_in and fan_out
+  shardings = {k: v for k, v in _named(program.state.shardings.params).items() if k in weights}
+  rng = np.random.default_rng(1)
+  x = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in _named(program.state.abstract.params).items()
+       if k in weights}
+  coeffs, steps = optim.parse_ns_coeffs(program.cfg.optimizer.muon_ns_coeffs), program.cfg.optimizer.muon_ns_steps
+
+  def run(x, rules):
+    with rules_lib.activate(rules):
+      return {k: muon.orthogonalize(v, optim.matrix_dimension_numbers(k), names[k], coeffs, steps, jnp.float32)
+              for k, v in x.items()}
+
+  want = jax.jit(functools.partial(run, rules=None))(x)  # one device, no rules: the plain iteration
+  with jax.set_mesh(program.mesh):
+    compiled = jax.jit(functools.partial(run, rules=program.plan.layout.rules), in_shardings=(shardings,),
+                       out_shardings=shardings).lower(x).compile(COMPILE)
+    got = compiled(jax.device_put(x, shardings))
+  for k in weights:
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+  hlo, stage_of = compiled.as_text(), _stage_of(program.mesh)
+  assert re.search(r"all-to-all(-start)?\(", hlo)  # the split inside each stage
+  assert not _crossing(hlo, stage_of, "all-to-all") and not _crossing(hlo, stage_of, "all-gather")
+
+
+def _named(tree):
+  return {param_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.mark.parametrize("layers, sizes, axes, per_group", [
+    # 32 layers on 64 devices: the axes that divide them when that costs no work (fsdp=32: 1 layer per device;
+    # tensor would only add 32 zero layers) ...
+    (32, {"fsdp": 32, "tensor": 2}, ("fsdp",), 32),
+    (32, {"fsdp": 8, "tensor": 4, "context": 2}, ("fsdp", "tensor"), 32),
+    # ... and zero layers where they halve it: 1 layer per device, not 2 on each fsdp device duplicated over tensor
+    (32, {"fsdp": 16, "tensor": 4}, ("fsdp", "tensor"), 64),
+    (4, {"fsdp": 4, "tensor": 2}, ("fsdp",), 4),
+    # a pipeline: each stage its own layers (8 per stage), padded inside the stage only if that shortens the work
+    (32, {"pipeline": 4, "fsdp": 2, "tensor": 4}, ("pipeline", "fsdp", "tensor"), 8),
+    (32, {"pipeline": 4, "fsdp": 4, "tensor": 4}, ("pipeline", "fsdp", "tensor"), 16),
+    (32, {"pipeline": 4, "fsdp": 8, "tensor": 2}, ("pipeline", "fsdp"), 8),
+    (32, {"pipeline": 2, "data": 4}, ("pipeline",), 16),  # data is not in opt_layers (it replicates the parameters)
+])
+def test_muon_layer_split_prefers_dividing_axes_and_pads_only_to_shorten_the_work(layers, sizes, axes, per_group):
+  split = rules_lib.layer_split(layers, sizes)
+  assert (split.axes, split.per_group) == (axes, per_group)
+  assert split.groups == sizes.get("pipeline", 1)
 
 
 @pytest.mark.parametrize("args, message", [

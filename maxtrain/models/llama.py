@@ -38,6 +38,15 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 REMAT_CHOICES = tuple(REMAT_POLICIES)
+# Under the pipeline without remat: keep every activation, but recompute slices and reshapes, so that a layer's
+# weights picked from its stage's repeats are not kept per loop iteration (sharding/pipeline.py). Casts are
+# kept: recomputing them would keep an fp32 source in place of its bf16 cast.
+_LAYOUT_OPS = frozenset({"dynamic_slice", "slice", "squeeze", "reshape", "expand_dims", "broadcast_in_dim",
+                         "transpose"})
+
+
+def _save_all_but_layout_ops(prim: Any, *_, **__) -> bool:
+  return prim.name not in _LAYOUT_OPS
 ROPE_SCALINGS = ("none", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 # The config key that sets each logical parameter dim: what a layout error tells the user to change.
@@ -323,11 +332,12 @@ def _run_stack(cfg: ModelConfig, blocks: nnx.Module, x_BTD: jax.Array, segment_i
   if cfg.scan_layers and kv is None and schedule is not None:  # training / evaluation under the pipeline
     graphdef, stacked = nnx.split(blocks)
 
-    def group(state, x_BTD, segment_ids_BT, positions_BT):  # a stage's layers of one repeat, scanned
-      def body(x, layer_state):
+    def group(stage, r, x_BTD, segment_ids_BT, positions_BT):  # a stage's layers [n, R, ...] of repeat r, scanned
+      def body(x, layer_repeats):  # the repeat picked inside the remat: pipeline.run says why
+        layer_state = jax.tree.map(lambda w: w[r], layer_repeats)
         return nnx.merge(graphdef, layer_state)(x, segment_ids_BT, positions_BT)[0], None
-      body = jax.checkpoint(body, policy=policy) if policy is not None else body
-      return jax.lax.scan(body, x_BTD, state)[0]
+      body = jax.checkpoint(body, policy=policy or _save_all_but_layout_ops)
+      return jax.lax.scan(body, x_BTD, stage)[0]
 
     return pipeline_lib.run(group, stacked, x_BTD, segment_ids_BT, positions_BT, schedule), {}, None
   if cfg.scan_layers:

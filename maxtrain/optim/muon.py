@@ -8,9 +8,10 @@ restore unchanged), written here for three things optax's cannot do:
     kept (as `optim.scale_by_adam_guarded` does for Adam);
   - Newton-Schulz in a chosen dtype (`optimizer.muon_ns_dtype`: bfloat16 halves its matmul traffic);
   - on sharded, scanned weights, each device orthogonalises whole layers: the Muon input is
-    resharded so the stacked `layers` dim is split over the devices that shard the matrix dims (an
-    all-to-all, logical name `opt_layers` in maxtrain/sharding/rules.py), rather than every device
-    all-gathering every matrix, and the result is resharded back to the parameter's layout.
+    resharded so the stacked `layers` dim is split over the devices that shard it (an all-to-all,
+    logical name `opt_layers` in maxtrain/sharding/rules.py; under a pipeline each stage keeps its own
+    layers), rather than every device all-gathering every matrix, and the result is resharded back to
+    the parameter's layout.
 
 Shape legend: L layers (a stacked weight's leading dim), M the matrices of a leaf (L, or 1),
 I fan_in, O fan_out (the products of the reduction and output dims, optim.HIDDEN_MATRICES).
@@ -69,21 +70,26 @@ def newton_schulz(x: jax.Array, dims: MuonDimensionNumbers, coeffs: Any, steps: 
 def orthogonalize(x: jax.Array, dims: MuonDimensionNumbers, logical: tuple[str | None, ...] | None, coeffs: Any,
                   steps: int, dtype: jnp.dtype) -> jax.Array:
   """`newton_schulz`, with whole layers per device when `x` is a stacked weight (its logical names
-  start with `layers`) and the active rules split `opt_layers`: resharded to layers over those
-  devices, orthogonalised locally, resharded back to `logical`. Otherwise (an unstacked weight, one
-  device) GSPMD partitions the iteration over the parameter's own layout, which all-gathers the
-  matrix dims at every iteration."""
-  shards = sharding_rules.active_shards("opt_layers")
-  if logical is None or logical[:1] != ("layers",) or shards == 1:
+  start with `layers`) and the active rules split `opt_layers`: resharded to layers over the axes
+  `sharding.rules.layer_split` picks (under a pipeline each stage orthogonalises its own layers; zero layers
+  pad a stage's block only where that shortens the work per device), orthogonalised locally, resharded back
+  to `logical`. Otherwise (an unstacked weight, one device) GSPMD partitions the iteration over the parameter's own
+  layout, which all-gathers the matrix dims at every iteration."""
+  split = sharding_rules.active_layer_split(x.shape[0]) if logical is not None and logical[:1] == ("layers",) else None
+  if split is None:
     return newton_schulz(x, dims, coeffs, steps, dtype)
   num_layers, out_dtype = x.shape[0], x.dtype
-  pad = -num_layers % shards  # zero layers (they stay zero) let any layer count split evenly
-  x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+  per_group = num_layers // split.groups
+  pad = split.per_group - per_group  # zero layers (they stay zero) at the end of each stage's own block
   if jnp.dtype(dtype).itemsize < x.dtype.itemsize:  # the all-to-alls move the iteration's narrower dtype
     x = x.astype(dtype)
-  x = sharding_rules.constrain(x, ("opt_layers",) + (None,) * (x.ndim - 1))
-  y = sharding_rules.constrain(newton_schulz(x, dims, coeffs, steps, dtype), logical).astype(out_dtype)
-  return y[:num_layers] if pad else y
+  if pad:
+    x = x.reshape(split.groups, per_group, *x.shape[1:])
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(-1, *x.shape[2:])
+  y = newton_schulz(sharding_rules.constrain_layers(x, split), dims, coeffs, steps, dtype)
+  if pad:
+    y = y.reshape(split.groups, split.per_group, *y.shape[1:])[:, :per_group].reshape(num_layers, *y.shape[1:])
+  return sharding_rules.constrain(y, logical).astype(out_dtype)
 
 
 def nesterov_input(mu: Any, grads: Any, beta: float, count: jax.Array) -> Any:

@@ -134,8 +134,7 @@ def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: Ba
   unsupported = [(m.moe.num_experts > 0, "config.model.moe.num_experts > 0 (MoE layers)"),
                  (not m.scan_layers, "config.model.scan_layers=False (the pipeline splits the stacked layers)"),
                  (layout.shards("act_length") > 1, "context parallelism (mesh.context > 1)"),
-                 (layout.shards("experts") > 1, "expert parallelism"),
-                 (cfg.optimizer.name == "muon", "optimizer.name=muon (its per-layer resharding)")]
+                 (layout.shards("experts") > 1, "expert parallelism")]
   bad = [text for hit, text in unsupported if hit]
   require(not bad, f"{where}: the pipeline does not support {', '.join(bad)}. Set mesh.pipeline=1 (and "
           "mesh.dcn_pipeline=1), or change those settings (docs/sharding.md lists what the pipeline supports).")

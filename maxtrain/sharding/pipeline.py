@@ -79,21 +79,29 @@ def _merge(x_M: jax.Array) -> jax.Array:
   return jnp.swapaxes(x_M, 0, 1).reshape(-1, *x_M.shape[2:])
 
 
-LayersFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
+# (this stage's layers [L/(R S), R, ...], the repeat r (an int when R = 1), x, segment ids, positions) -> x
+LayersFn = Callable[[Any, jax.Array | int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array,
         schedule: Schedule) -> jax.Array:
-  """`layers(group, x, segment_ids, positions)` applies a group of stacked layers [L/(R S), ...] in order;
-  this applies all of `stacked` [L, ...] to `x_BTD` through the pipeline (the same result as applying them in
-  order to the whole batch)."""
+  """`layers(stage, r, x, segment_ids, positions)` applies layer group r of a stage's layers [L/(R S), R, ...]
+  (layer i of repeat r: `stage[i, r]`) in order; this applies all of `stacked` [L, ...] to `x_BTD` through the
+  pipeline (the same result as applying them in order to the whole batch).
+
+  Why the group is indexed inside `layers` (in its per-layer scan, under its remat): a weight slice taken here
+  by the loop's repeat index would be a per-iteration value, and autodiff would keep a copy of the stage's
+  weights for every one of the R M + S - 1 iterations; indexed inside a checkpointed layer (without remat:
+  one that recomputes only slices and reshapes, models/llama.py), the residual is the loop-invariant stage
+  weights, kept once. With R = 1 the index is the constant 0 (tests: the saved residuals; compiled temp
+  memory: tools/pipeline_memory.py, docs/sharding.md)."""
   s_, m_, r_ = schedule.stages, schedule.microbatches, schedule.repeats
   grouped = jax.tree.map(lambda w: w.reshape((r_, s_, -1) + w.shape[1:]), stacked)
   xs, segs, poss = (_split(a, m_) for a in (x_BTD, segment_ids_BT, positions_BT))
   ring = [(i, (i + 1) % s_) for i in range(s_)]
 
   def stage(grouped, xs, segs, poss):
-    weights = jax.tree.map(lambda w: w[:, 0], grouped)  # this stage's [R, L/(R S), ...]
+    weights = jax.tree.map(lambda w: jnp.swapaxes(w[:, 0], 0, 1), grouped)  # this stage's [L/(R S), R, ...]
     s = jax.lax.axis_index(AXIS)
     varying = lambda a: jax.lax.pcast(a, AXIS, to="varying")
 
@@ -102,10 +110,10 @@ def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Ar
       k = t - s  # the k-th pass through this stage: microbatch k % M of repeat k // M
       valid = (k >= 0) & (k < r_ * m_)
       kc = jnp.clip(k, 0, r_ * m_ - 1)
-      m, r = kc % m_, kc // m_
+      m, r = kc % m_, (kc // m_ if r_ > 1 else 0)
       first = jnp.where(t < m_, xs[t % m_], buf[t % m_])  # stage 0: a new microbatch, or one back from the ring
       x = jnp.where(s == 0, first, recv)
-      y = layers(jax.tree.map(lambda w: w[r], weights), x, segs[m], poss[m])
+      y = layers(weights, r, x, segs[m], poss[m])
       done = valid & (r == r_ - 1)
       out = out.at[m].set(jnp.where(done, y, out[m]))
       recv = jax.lax.ppermute(y, AXIS, ring)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import itertools
 import math
 from typing import Any, Iterator, Mapping
 
@@ -44,8 +46,9 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     # the stacked layer dim: a pipeline stage holds its own layers (sharding/pipeline.py); replicated without one
     "layers": "pipeline",
     # optimizer: Muon orthogonalises a stacked weight with its layers split over the devices that
-    # shard its matrix dims (maxtrain/optim/muon.py), so each device holds whole matrices
-    "opt_layers": ("fsdp", "context", "tensor"),
+    # shard it (maxtrain/optim/muon.py), so each device holds whole matrices: a stage its own layers
+    # (pipeline), split further over the other axes as `layer_split` picks
+    "opt_layers": ("pipeline", "fsdp", "context", "tensor"),
     "experts": "expert",  # the routed-expert dim of expert weights [experts, ...]
     "expert_embed": ("fsdp", "context"),  # the model dim of expert weights
     "expert_mlp": "tensor",  # the hidden dim of expert weights
@@ -116,13 +119,51 @@ def activate(rules: Rules | None) -> Iterator[None]:
     _ACTIVE.reset(token)
 
 
-def active_shards(logical: str) -> int:
-  """Into how many parts the active rules split a dim named `logical` on the current mesh (the step
-  traces under `jax.set_mesh`); 1 outside a step's tracing."""
+@dataclasses.dataclass(frozen=True)
+class LayerSplit:
+  """How Muon splits a stack of layers [L, ...] so that each device orthogonalises whole layers."""
+  axes: tuple[str, ...]  # the mesh axes of the split layers dim: the stored layout's own (pipeline) first
+  groups: int  # parts of L the stored layout already splits (pipeline stages): each pads on its own
+  per_group: int  # layers of each group after padding (a multiple of the other axes' product)
+
+
+def layer_split(num_layers: int, sizes: Mapping[str, int], rules: Rules = DEFAULT_RULES) -> LayerSplit:
+  """Muon's split of a stack of `num_layers` layers (logical `opt_layers`; `sizes`: mesh axis -> size). The
+  `opt_layers` axes that already split the stored `layers` dim stay first (a pipeline stage orthogonalises its
+  own layers: nothing crosses stages); of the other `opt_layers` axes, the subset that leaves the fewest layers
+  per device (the critical path), then the least zero padding (ties: the rule's order). So an axis that does
+  not divide a stage's layers is used only where it shortens the work, e.g. 32 layers on fsdp=16 x tensor=4:
+  16 x 4 devices, 1 layer each (32 of them zeros) rather than 2 layers on each fsdp device (tensor duplicating
+  them); on fsdp=8 x tensor=4, fsdp x tensor (1 each, no padding)."""
+  size = lambda axes: math.prod(sizes.get(a, 1) for a in axes)
+  split = mesh_axes(rules["opt_layers"])
+  own = tuple(a for a in mesh_axes(rules["layers"]) if a in split and sizes.get(a, 1) > 1)
+  if num_layers % size(own):
+    own = ()
+  per_group = num_layers // size(own)
+  others = [a for a in split if a not in own and sizes.get(a, 1) > 1]
+  cost = lambda combo: (-(-per_group // size(combo)), -per_group % size(combo))  # (layers per device, padding)
+  best: tuple[str, ...] = ()
+  for k in range(1, len(others) + 1):
+    for combo in itertools.combinations(others, k):
+      if cost(combo) < cost(best):
+        best = combo
+  return LayerSplit(axes=own + best, groups=size(own), per_group=per_group + cost(best)[1])
+
+
+def active_layer_split(num_layers: int) -> LayerSplit | None:
+  """`layer_split` by the active rules on the current mesh; None outside a step's tracing or when it
+  splits nothing."""
   rules, mesh = _ACTIVE.get(), jax.sharding.get_abstract_mesh()
   if rules is None or mesh.empty:
-    return 1
-  return math.prod(mesh.shape[a] for a in mesh_axes(rules[logical]))
+    return None
+  split = layer_split(num_layers, dict(mesh.shape), rules)
+  return split if split.axes else None
+
+
+def constrain_layers(x: jax.Array, split: LayerSplit) -> jax.Array:
+  """`x` [L, ...] with L split over `split.axes`, its other dims whole."""
+  return jax.lax.with_sharding_constraint(x, P(split.axes, *(None,) * (x.ndim - 1)))
 
 
 def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
