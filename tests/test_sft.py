@@ -3,8 +3,7 @@ chunked, against a NumPy reference with a mask built from the text), packing, ch
 exit 2 on bad examples (missing fields, a response longer than seq_len) from the entry point."""
 
 import json
-import subprocess
-import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,12 +12,14 @@ import pytest
 from flax import nnx
 
 from maxtrain import config as config_lib
+from maxtrain.cli import train
 from maxtrain.data import arithmetic, sft
 from maxtrain.data.tokenizer import ByteTokenizer
 from maxtrain.errors import UserError
 from maxtrain.program import build, state as state_lib, step as step_lib
 from tiny import TINY_MODEL
 
+REPO = Path(__file__).resolve().parent.parent
 TOK = ByteTokenizer()
 EXAMPLES = [("17+25=", "42"), ("3+4=", "7"), ("Q: hello\nA:", " world"), ("99+99=", "198")]
 
@@ -99,12 +100,12 @@ def test_loss_counts_response_tokens_only_against_numpy(tiny_program):
     assert float(parts["count"]) == mask.sum()
 
 
-def test_entry_point_exits_2_on_a_missing_field(tmp_path):
+def test_entry_point_exits_2_on_a_missing_field(tmp_path, capsys):
   path = tmp_path / "bad.jsonl"
   path.write_text(json.dumps({"prompt": "1+1="}) + "\n")
-  result = subprocess.run([sys.executable, "-m", "maxtrain.train", "--config=configs/sft.py", *TINY_MODEL,
-                           f"--config.post.data={path}", f"--config.output_dir={tmp_path / 'out'}"],
-                          capture_output=True, text=True, timeout=300)
-  assert result.returncode == 2, result.stderr[-2000:]
-  assert "bad.jsonl:1: missing or non-string field(s) ['response']" in result.stderr
-  assert "Traceback" not in result.stderr
+  code = train.main([f"--config={REPO / 'configs/sft.py'}", *TINY_MODEL, f"--config.post.data={path}",
+                     f"--config.output_dir={tmp_path / 'out'}"])  # in process: no second interpreter to start
+  err = capsys.readouterr().err
+  assert code == 2, err[-2000:]
+  assert "bad.jsonl:1: missing or non-string field(s) ['response']" in err
+  assert "Traceback" not in err

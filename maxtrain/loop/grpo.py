@@ -20,6 +20,7 @@ completion tokens) and the rollout / score / train seconds.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, Sequence
@@ -36,6 +37,7 @@ from maxtrain.program import rl_loss, rl_step
 from maxtrain.program import state as state_lib
 
 log = logging.getLogger("maxtrain")
+ROLLOUTS_FILE = "rollouts.jsonl"  # post.log_rollouts
 
 
 def rollout_rows(prompt_ids: Sequence[Sequence[int]], tokens_BN: np.ndarray, scores_BN2: np.ndarray, eos_id: int,
@@ -151,7 +153,10 @@ class GrpoTrainer(Trainer):
     examples, prompt_ids, tokens_BN, scores_BN2 = self._rollout(state, k, generator)
     t1 = time.monotonic()
     rows, lengths, completions = rollout_rows(prompt_ids, tokens_BN, scores_BN2, tok.eos_id, self.cfg.data.seq_len)
-    rewards = score(self.data.reward_fn, p.reward, examples, [tok.decode(c) for c in completions])
+    texts = [tok.decode(c) for c in completions]
+    rewards = score(self.data.reward_fn, p.reward, examples, texts)
+    if p.log_rollouts and jax.process_index() == 0:
+      self._log_rollouts(k + 1, examples, texts, rewards)
     trained = -rewards if p.negate_reward else rewards
     adv_PG = np.asarray(rl_loss.group_advantages(trained.reshape(p.prompts_per_step, p.group_size)))
     t2 = time.monotonic()
@@ -183,6 +188,13 @@ class GrpoTrainer(Trainer):
                "rl/rollout_tokens_per_s": float(n * p.max_new_tokens) / max(t1 - t0, 1e-9)}
     self.metrics.tokens_per_step = n * self.cfg.data.seq_len * p.ppo_epochs
     return state, metrics, scalars
+
+  def _log_rollouts(self, round_: int, examples: list[dict], texts: list[str], rewards: np.ndarray) -> None:
+    """One line per round in <output_dir>/rollouts.jsonl (a resumed run appends the rounds it redoes)."""
+    record = {"round": round_, "prompts": [e["prompt"] for e in examples],
+              "completions": texts, "rewards": rewards.tolist()}
+    with open(self.out_dir / ROLLOUTS_FILE, "a", encoding="utf-8") as f:
+      f.write(json.dumps(record) + "\n")
 
 
 def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) -> dict:
