@@ -109,3 +109,37 @@ def test_entry_point_exits_2_on_a_missing_field(tmp_path, capsys):
   assert code == 2, err[-2000:]
   assert "bad.jsonl:1: missing or non-string field(s) ['response']" in err
   assert "Traceback" not in err
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_a_hugging_face_chat_template_renders_chat_examples(tmp_path):
+  """Chat examples with a tokenizer that has a chat template: the prompt is what `transformers`
+  renders with the generation prompt, the response the rest of the whole conversation; the loss mask
+  covers exactly the response's tokens and the EOS."""
+  from transformers import PreTrainedTokenizerFast
+
+  from hf_models import make_tokenizer
+  from maxtrain.data.tokenizer import load_tokenizer
+
+  make_tokenizer(tmp_path / "tokenizer.json")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}))
+  messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+1="},
+              {"role": "assistant", "content": "2"}]
+  data = tmp_path / "chat.jsonl"
+  data.write_text(json.dumps({"messages": messages}) + "\n")
+  tok = load_tokenizer(str(tmp_path))
+  [ex] = sft.read_jsonl(str(data), tok)
+  hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="<s>", eos_token="</s>")
+  want_prompt = hf.apply_chat_template(messages[:-1], chat_template=CHAT_TEMPLATE, tokenize=False,
+                                       add_generation_prompt=True)
+  want_full = hf.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False)
+  assert ex["prompt"] == want_prompt == "<s><|system|>Add.</s><|user|>1+1=</s><|assistant|>"
+  assert ex["prompt"] + ex["response"] == want_full and ex["response"] == "2</s>"
+  [row] = sft.pack([sft.encode(tok, ex["prompt"], ex["response"], 64, "ex")], 64)
+  trained = row["targets"][row["loss_mask"] > 0].tolist()
+  assert trained == tok.encode("2</s>").tolist() + [tok.eos_id]
+  assert sft.read_jsonl(str(data))[0]["prompt"].startswith("<|system|>\nAdd.")  # no tokenizer: <|role|> turns

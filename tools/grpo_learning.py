@@ -46,7 +46,8 @@ def run(argv: list[str], seed: int, negate: bool, root: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # an unfinished run's events would mix with the new ones
     grpo.run(cfg)
   rewards = scalars(out, "rl/eval_reward")
-  split = {tag: float(np.mean(list(scalars(out, tag).values()))) for tag in SPLIT}
+  # Rounds after the first (which compiles the sampler and the step).
+  split = {tag: float(np.mean([v for k, v in scalars(out, tag).items() if k > 1] or [np.nan])) for tag in SPLIT}
   p = cfg.post
   rows = p.prompts_per_step * p.group_size
   split["rollout_tokens_per_s"] = rows * p.max_new_tokens / split["rl/rollout_s"]  # tokens sampled (EOS included)
@@ -69,7 +70,7 @@ def report(results: list[dict], cfg_argv: list[str]) -> None:
           f"(min {np.min(arm):+.3f}, max {np.max(arm):+.3f}, {len(arm)} seeds)")
   mean = {k: float(np.mean([r[k] for r in results])) for k in (*SPLIT, "rollout_tokens_per_s", "train_tokens_per_s")}
   total = sum(mean[k] for k in SPLIT)
-  print(f"per round (mean of all runs): rollout {mean['rl/rollout_s']:.2f}s ({mean['rl/rollout_s'] / total:.0%}), "
+  print(f"per round after the first (mean of all runs): rollout {mean['rl/rollout_s']:.2f}s ({mean['rl/rollout_s'] / total:.0%}), "
         f"scoring {mean['rl/score_s']:.3f}s ({mean['rl/score_s'] / total:.1%}), training {mean['rl/train_s']:.2f}s "
         f"({mean['rl/train_s'] / total:.0%}); rollout {mean['rollout_tokens_per_s']:.0f} sampled tokens/s, "
         f"training {mean['train_tokens_per_s']:.0f} row tokens/s")
