@@ -88,14 +88,20 @@ def test_loss_counts_response_tokens_only_against_numpy(tiny_program):
     row, n_p, n = int(i == 3), len(p.encode()), len((p + r).encode()) + 1
     mask[row, starts[i] + n_p - 1: starts[i] + n - 1] = 1.0
   np.testing.assert_array_equal(np.asarray(batch["loss_mask"]), mask)
-  model = nnx.merge(program.state.graphdef, params)
-  x, _ = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
-  logits = np.asarray(x @ model.head_weights(), np.float64)
+  graphdef = program.state.graphdef
+
+  @jax.jit  # one compiled program each, not op-by-op dispatch
+  def logits_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    x, _ = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
+    return x @ model.head_weights()
+
+  logits = np.asarray(logits_fn(params, batch), np.float64)
   logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
   ce = logz - np.take_along_axis(logits, np.asarray(batch["targets"])[..., None], -1)[..., 0]
   expected = (ce * mask).sum() / mask.sum()
   for chunk in (0, 8):  # the reference head and the chunked cross-entropy
-    _, parts = step_lib.loss_sums(program.state.graphdef, params, batch, chunk_tokens=chunk)
+    _, parts = jax.jit(lambda p, b: step_lib.loss_sums(graphdef, p, b, chunk_tokens=chunk))(params, batch)
     np.testing.assert_allclose(float(parts["ce"] / parts["count"]), expected, rtol=1e-5)
     assert float(parts["count"]) == mask.sum()
 
