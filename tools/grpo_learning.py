@@ -42,7 +42,8 @@ def run(argv: list[str], seed: int, negate: bool, root: Path) -> dict:
   cfg = config_lib.load(["--config=configs/grpo.py", "--config.log_every=1", *argv, f"--config.seed={seed}",
                          f"--config.post.negate_reward={negate}", f"--config.output_dir={out}"])
   done = out / "summary.json"
-  if not (done.exists() and json.loads((out / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict()))):
+  same = lambda c: {k: v for k, v in c.items() if k != "output_dir"}  # noqa: E731  (a moved --out is reused)
+  if not (done.exists() and same(json.loads((out / "config.json").read_text())) == same(json.loads(json.dumps(cfg.to_dict())))):
     shutil.rmtree(out, ignore_errors=True)  # an unfinished run's events would mix with the new ones
     grpo.run(cfg)
   rewards = scalars(out, "rl/eval_reward")
@@ -83,10 +84,12 @@ def main() -> None:
   parser.add_argument("--init_from", required=True, help="the SFT run (its output dir or a checkpoint step dir)")
   parser.add_argument("--seeds", default="0,1,2")
   parser.add_argument("--out", default="runs/grpo_learning")
+  parser.add_argument("--arms", default="reward,negated", help="reward, negated or both (e.g. one per process)")
   args, rest = parser.parse_known_args()
   logging.basicConfig(level=logging.WARNING)
   argv = [f"--config.checkpoint.init_from={args.init_from}", *rest]
-  results = [run(argv, int(seed), negate, Path(args.out)) for seed in args.seeds.split(",") for negate in (False, True)]
+  arms = [arm == "negated" for arm in args.arms.split(",")]
+  results = [run(argv, int(seed), negate, Path(args.out)) for seed in args.seeds.split(",") for negate in arms]
   report(results, rest)
 
 
