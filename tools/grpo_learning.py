@@ -54,20 +54,28 @@ def run(argv: list[str], seed: int, negate: bool, root: Path) -> dict:
   split["rollout_tokens_per_s"] = rows * p.max_new_tokens / split["rl/rollout_s"]  # tokens sampled (EOS included)
   split["train_tokens_per_s"] = rows * cfg.data.seq_len * p.ppo_epochs / split["rl/train_s"]  # row tokens trained
   result = {"seed": seed, "negate": negate, "before": rewards[0], "after": rewards[max(rewards)], "rounds": cfg.steps,
-            **split}
+            "curve": rewards, **split}
   print(f"seed {seed} {'negated' if negate else 'reward '}: held-out reward {result['before']:.3f} -> "
         f"{result['after']:.3f} ({result['after'] - result['before']:+.3f}) after {cfg.steps} rounds", flush=True)
   return result
 
 
 def report(results: list[dict], cfg_argv: list[str]) -> None:
-  print("\n| seed | trained on | before | after | change |\n| --- | --- | --- | --- | --- |")
+  evals = sorted({k for r in results for k in r["curve"]})  # the rounds evaluated (eval.every_steps, the end)
+  print("\n| seed | trained on | " + " | ".join(f"round {k}" for k in evals) + " | change |")
+  print("| --- | --- | " + " | ".join("---" for _ in evals) + " | --- |")
   for r in results:
-    print(f"| {r['seed']} | {'-reward' if r['negate'] else 'reward'} | {r['before']:.3f} | {r['after']:.3f} | "
-          f"{r['after'] - r['before']:+.3f} |")
+    print(f"| {r['seed']} | {'-reward' if r['negate'] else 'reward'} | "
+          + " | ".join(f"{r['curve'][k]:.3f}" if k in r["curve"] else "" for k in evals)
+          + f" | {r['after'] - r['before']:+.3f} |")
+  for k in evals[1:-1]:
+    for negate in (False, True):
+      arm = [r["curve"][k] - r["before"] for r in results if r["negate"] == negate and k in r["curve"]]
+      print(f"mean change at round {k}, {'negated reward' if negate else 'reward'}: {np.mean(arm):+.4f} "
+            f"(min {np.min(arm):+.3f}, max {np.max(arm):+.3f}, {len(arm)} seeds)")
   for negate in (False, True):
     arm = [r["after"] - r["before"] for r in results if r["negate"] == negate]
-    print(f"mean change, {'negated reward' if negate else 'reward'}: {np.mean(arm):+.4f} "
+    print(f"mean change at the end, {'negated reward' if negate else 'reward'}: {np.mean(arm):+.4f} "
           f"(min {np.min(arm):+.3f}, max {np.max(arm):+.3f}, {len(arm)} seeds)")
   mean = {k: float(np.mean([r[k] for r in results])) for k in (*SPLIT, "rollout_tokens_per_s", "train_tokens_per_s")}
   total = sum(mean[k] for k in SPLIT)
