@@ -12,13 +12,12 @@ def get_config():
   c.output_dir = "runs/sft"
   c.post.mode = "sft"
   c.post.data = "arithmetic"
-  c.data.seq_len = 128  # ~14 examples of ~9 tokens per row
+  c.data.seq_len = 64  # an example is at most 11 tokens: 5-6 per row
   c.data.batch_size = 16
-  c.steps = 200
+  c.steps = 800
   c.log_every = 25
   c.eval.every_steps = 100
   c.eval.batches = 2
-  c.optimizer.lr = 3e-3
   c.optimizer.warmup_steps = 20
   c.checkpoint.every_steps = 100
   return c

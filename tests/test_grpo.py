@@ -3,6 +3,13 @@ the same tokens (fp32, 1e-5), one optimizer step per rollout has importance rati
 on 8 devices (fsdp x tensor) matches 1 device, and reward functions that cannot be loaded or raise are
 UserErrors naming them."""
 
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -10,10 +17,12 @@ import pytest
 from maxtrain import config as config_lib
 from maxtrain.data import arithmetic
 from maxtrain.data.tokenizer import ByteTokenizer
-from maxtrain.errors import UserError
+from maxtrain.errors import Aborted, UserError
 from maxtrain.inference.sampling import Sampling
 from maxtrain.loop import grpo, rl_data, sft as sft_loop
+from maxtrain.monitor import events as ev
 from maxtrain.program import build, rl_loss, rl_step, state as state_lib
+from test_checkpoint import REPO, assert_bitwise_equal, flat, restore_raw
 from tiny import TINY_MODEL
 
 TOK = ByteTokenizer()
@@ -44,46 +53,62 @@ def rollout(program, params):
 
 @pytest.fixture(scope="module")
 def one_device():
+  """The 1-device program, its initial state (on the host), a rollout batch, and the compiled pieces."""
   cfg = tiny_cfg()
   program = build.program_for(cfg, jax.devices()[:1])
   state = state_lib.initialize(program.state, program.mesh)
+  logprobs, train = rl_step.jit_pieces(program, clip_eps=0.2, kl_coef=0.1, on_policy=True)
   with jax.set_mesh(program.mesh):
     host, sampler_logp, mask = rollout(program, state.params)
-  return cfg, program, state, host, sampler_logp, mask
+  return cfg, program, jax.device_get(state), host, sampler_logp, mask, logprobs, train
 
 
 def test_sampler_and_trainer_logprobs_agree(one_device):
-  _, program, state, host, sampler_logp, mask = one_device
-  logprobs, _ = rl_step.jit_pieces(program, clip_eps=0.2, kl_coef=0.1, on_policy=True)
+  _, program, state_host, host, sampler_logp, mask, logprobs, _ = one_device
   with jax.set_mesh(program.mesh):
-    trainer_logp = np.asarray(logprobs(state.params, rl_step.to_device(host, program)))
+    params = jax.device_put(state_host.params, program.state.shardings.params)
+    trainer_logp = np.asarray(logprobs(params, rl_step.to_device(host, program)))
   assert mask.sum() >= P * G  # every completion has at least one token
   np.testing.assert_allclose(trainer_logp[mask > 0], sampler_logp[mask > 0], rtol=0, atol=1e-5)
 
 
-def run_step(cfg, devices, state_host, host, mesh_args=()):
-  """One on-policy GRPO step of `state_host` (host arrays) on `devices`: (metrics, new params) on the host."""
-  cfg = tiny_cfg(*mesh_args) if mesh_args else cfg
-  program = build.program_for(cfg, devices)
-  _, train = rl_step.jit_pieces(program, clip_eps=0.2, kl_coef=0.1, on_policy=True)
+def run_step(program, train, state_host, host):
+  """One on-policy GRPO step of `state_host` (host arrays): (metrics, new params) on the host."""
   with jax.set_mesh(program.mesh):
-    state = jax.device_put(state_host, program.state.shardings)
+    state = jax.device_put(state_host, program.state.shardings)  # a fresh copy: the step donates it
     state, metrics = train(state, rl_step.to_device(host, program))
     return jax.device_get(metrics), jax.device_get(state.params)
 
 
 def test_on_policy_ratio_is_one_and_8_devices_match_1(one_device):
-  cfg, program, state, host, _, _ = one_device
-  state_host = jax.device_get(state)
-  metrics1, params1 = run_step(cfg, jax.devices()[:1], state_host, host)
+  _, program, state_host, host, _, _, _, train = one_device
+  metrics1, params1 = run_step(program, train, state_host, host)
   assert float(metrics1["ratio_mean"]) == 1.0 and float(metrics1["clip_fraction"]) == 0.0
   assert float(metrics1["grad_norm"]) > 0 and float(metrics1["skipped"]) == 0.0
-  metrics8, params8 = run_step(cfg, jax.devices()[:8], state_host, host,
-                               ("--config.mesh.fsdp=4", "--config.mesh.tensor=2"))
+  program8 = build.program_for(tiny_cfg("--config.mesh.fsdp=4", "--config.mesh.tensor=2"), jax.devices()[:8])
+  _, train8 = rl_step.jit_pieces(program8, clip_eps=0.2, kl_coef=0.1, on_policy=True)
+  metrics8, params8 = run_step(program8, train8, state_host, host)
   assert float(metrics8["ratio_mean"]) == 1.0
   for key in ("loss", "kl", "grad_norm"):
     np.testing.assert_allclose(float(metrics8[key]), float(metrics1[key]), rtol=1e-5, atol=1e-7)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params8, params1)
+  # A non-finite objective (here a NaN advantage) skips the update in graph: the parameters stay.
+  metrics_nan, params_nan = run_step(program, train, state_host, {**host, "advantages": host["advantages"] * np.nan})
+  assert float(metrics_nan["skipped"]) == 1.0
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), params_nan, jax.device_get(state_host.params))
+
+
+def test_skipped_updates_are_events_and_too_many_in_a_row_stop_the_run(tmp_path):
+  events = ev.EventLog(tmp_path / "events.jsonl")
+  guard = grpo.SkipGuard(3, events)
+  guard.after_round(1, [0.0, 1.0, 1.0, 0.0])  # two in a row, then a good one
+  guard.after_round(2, [1.0, 1.0, 0.0, 0.0])
+  with pytest.raises(Aborted, match="3 non-finite GRPO updates in a row at round 3.*max_consecutive_bad=3"):
+    guard.after_round(3, [0.0, 1.0, 1.0, 1.0])
+  skips = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+  assert [(e["kind"], e["step"], e["update"], e["consecutive"]) for e in skips] == [
+      ("nan_skip", 1, 2, 1), ("nan_skip", 1, 3, 2), ("nan_skip", 2, 1, 1), ("nan_skip", 2, 2, 2),
+      ("nan_skip", 3, 2, 1), ("nan_skip", 3, 3, 2), ("nan_skip", 3, 4, 3)]
 
 
 def boom(prompt, completion, meta):
@@ -101,6 +126,50 @@ def test_reward_function_errors_name_it():
   assert rl_data.load_reward("maxtrain.data.arithmetic:reward") is arithmetic.reward
 
 
-def test_batch_size_must_match_the_round():
+def test_batch_size_must_match_the_round_and_rollback_is_refused():
   with pytest.raises(UserError, match="data.batch_size=8 must be post.prompts_per_step x post.group_size"):
     grpo.check_config(tiny_cfg("--config.data.batch_size=8"))
+  with pytest.raises(UserError, match="guards.spike_action='rollback' is not supported with post.mode=grpo"):
+    grpo.check_config(tiny_cfg("--config.guards.spike_action=rollback"))
+
+
+def digit_reward(prompt, completion, meta):
+  """Varied rewards from any model (the tiny one never answers right): the completion's digit count."""
+  return float(sum(c.isdigit() for c in completion))
+
+
+def test_resume_after_sigkill_mid_run_is_bitwise_and_samples_the_same(tmp_path):
+  """configs/grpo.py on the tiny model (2 epochs x 2 minibatches a round: old log-probs kept), killed
+  (SIGKILL) after round 3 with the newest checkpoint at round 2, resumed: the round-4 state equals an
+  uninterrupted run's bit for bit, and the rounds redone after the resume sample the same completions
+  (sampling seed, prompt position and the rebuilt reference restored)."""
+  args = ["--config=configs/grpo.py", *TINY_MODEL, "--config.data.seq_len=16", f"--config.post.prompts_per_step={P}",
+          f"--config.post.group_size={G}", f"--config.data.batch_size={P * G // 2}", "--config.post.eval_prompts=0",
+          "--config.post.reward=test_grpo:digit_reward", "--config.post.log_rollouts=true", "--config.steps=4",
+          "--config.checkpoint.every_steps=2", "--config.eval.every_steps=0", "--config.log_every=1",
+          "--config.optimizer.lr=1e-3"]
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]])}
+
+  def start(name, *extra):
+    return subprocess.Popen([sys.executable, "-m", "maxtrain.train", *args, f"--config.output_dir={tmp_path / name}",
+                             *extra], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+  # One after another: the first compiles, the others hit the persistent compilation cache.
+  for name, extra, code in (("straight", (), 0), ("killed", ("--config.faults.kill_at_step=3",), -signal.SIGKILL),
+                            ("killed", ("--config.faults.kill_at_step=3",), 0)):  # the fault fires once
+    _, err = (run := start(name, *extra)).communicate(timeout=600)
+    assert run.returncode == code, err[-3000:]
+  assert "restored step 8" in err and "killed/checkpoints/2" in err  # the state's step: 2 rounds x 4 updates
+
+  def rounds(name):
+    return [json.loads(line) for line in (tmp_path / name / grpo.ROLLOUTS_FILE).read_text().splitlines()]
+
+  straight, killed = rounds("straight"), rounds("killed")
+  assert [r["round"] for r in straight] == [1, 2, 3, 4] and [r["round"] for r in killed] == [1, 2, 3, 3, 4]
+  assert killed[:3] == straight[:3] and killed[3:] == straight[2:]  # round 3 sampled again, the same
+  assert len({c for r in straight for c in r["completions"]}) > 1 and len({x for r in straight for x in r["rewards"]}) > 1
+  a, b = restore_raw(tmp_path / "straight/checkpoints", 4), restore_raw(tmp_path / "killed/checkpoints", 4)
+  assert int(flat(a)["step"]) == 4 * 4  # rounds x (ppo_epochs x minibatches)
+  assert_bitwise_equal(a, b)
+  before = flat(restore_raw(tmp_path / "killed/checkpoints", 2))
+  assert any(v.tobytes() != before[k].tobytes() for k, v in flat(a).items() if k.startswith("params"))  # it trained

@@ -3,8 +3,7 @@ chunked, against a NumPy reference with a mask built from the text), packing, ch
 exit 2 on bad examples (missing fields, a response longer than seq_len) from the entry point."""
 
 import json
-import subprocess
-import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,12 +12,14 @@ import pytest
 from flax import nnx
 
 from maxtrain import config as config_lib
+from maxtrain.cli import train
 from maxtrain.data import arithmetic, sft
 from maxtrain.data.tokenizer import ByteTokenizer
 from maxtrain.errors import UserError
 from maxtrain.program import build, state as state_lib, step as step_lib
 from tiny import TINY_MODEL
 
+REPO = Path(__file__).resolve().parent.parent
 TOK = ByteTokenizer()
 EXAMPLES = [("17+25=", "42"), ("3+4=", "7"), ("Q: hello\nA:", " world"), ("99+99=", "198")]
 
@@ -87,24 +88,64 @@ def test_loss_counts_response_tokens_only_against_numpy(tiny_program):
     row, n_p, n = int(i == 3), len(p.encode()), len((p + r).encode()) + 1
     mask[row, starts[i] + n_p - 1: starts[i] + n - 1] = 1.0
   np.testing.assert_array_equal(np.asarray(batch["loss_mask"]), mask)
-  model = nnx.merge(program.state.graphdef, params)
-  x, _ = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
-  logits = np.asarray(x @ model.head_weights(), np.float64)
+  graphdef = program.state.graphdef
+
+  @jax.jit  # one compiled program each, not op-by-op dispatch
+  def logits_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    x, _ = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
+    return x @ model.head_weights()
+
+  logits = np.asarray(logits_fn(params, batch), np.float64)
   logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
   ce = logz - np.take_along_axis(logits, np.asarray(batch["targets"])[..., None], -1)[..., 0]
   expected = (ce * mask).sum() / mask.sum()
   for chunk in (0, 8):  # the reference head and the chunked cross-entropy
-    _, parts = step_lib.loss_sums(program.state.graphdef, params, batch, chunk_tokens=chunk)
+    _, parts = jax.jit(lambda p, b: step_lib.loss_sums(graphdef, p, b, chunk_tokens=chunk))(params, batch)
     np.testing.assert_allclose(float(parts["ce"] / parts["count"]), expected, rtol=1e-5)
     assert float(parts["count"]) == mask.sum()
 
 
-def test_entry_point_exits_2_on_a_missing_field(tmp_path):
+def test_entry_point_exits_2_on_a_missing_field(tmp_path, capsys):
   path = tmp_path / "bad.jsonl"
   path.write_text(json.dumps({"prompt": "1+1="}) + "\n")
-  result = subprocess.run([sys.executable, "-m", "maxtrain.train", "--config=configs/sft.py", *TINY_MODEL,
-                           f"--config.post.data={path}", f"--config.output_dir={tmp_path / 'out'}"],
-                          capture_output=True, text=True, timeout=300)
-  assert result.returncode == 2, result.stderr[-2000:]
-  assert "bad.jsonl:1: missing or non-string field(s) ['response']" in result.stderr
-  assert "Traceback" not in result.stderr
+  code = train.main([f"--config={REPO / 'configs/sft.py'}", *TINY_MODEL, f"--config.post.data={path}",
+                     f"--config.output_dir={tmp_path / 'out'}"])  # in process: no second interpreter to start
+  err = capsys.readouterr().err
+  assert code == 2, err[-2000:]
+  assert "bad.jsonl:1: missing or non-string field(s) ['response']" in err
+  assert "Traceback" not in err
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_a_hugging_face_chat_template_renders_chat_examples(tmp_path):
+  """Chat examples with a tokenizer that has a chat template: the prompt is what `transformers`
+  renders with the generation prompt, the response the rest of the whole conversation; the loss mask
+  covers exactly the response's tokens and the EOS."""
+  from transformers import PreTrainedTokenizerFast
+
+  from hf_models import make_tokenizer
+  from maxtrain.data.tokenizer import load_tokenizer
+
+  make_tokenizer(tmp_path / "tokenizer.json")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}))
+  messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+1="},
+              {"role": "assistant", "content": "2"}]
+  data = tmp_path / "chat.jsonl"
+  data.write_text(json.dumps({"messages": messages}) + "\n")
+  tok = load_tokenizer(str(tmp_path))
+  [ex] = sft.read_jsonl(str(data), tok)
+  hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="<s>", eos_token="</s>")
+  want_prompt = hf.apply_chat_template(messages[:-1], chat_template=CHAT_TEMPLATE, tokenize=False,
+                                       add_generation_prompt=True)
+  want_full = hf.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False)
+  assert ex["prompt"] == want_prompt == "<s><|system|>Add.</s><|user|>1+1=</s><|assistant|>"
+  assert ex["prompt"] + ex["response"] == want_full and ex["response"] == "2</s>"
+  [row] = sft.pack([sft.encode(tok, ex["prompt"], ex["response"], 64, "ex")], 64)
+  trained = row["targets"][row["loss_mask"] > 0].tolist()
+  assert trained == tok.encode("2</s>").tolist() + [tok.eos_id]
+  assert sft.read_jsonl(str(data))[0]["prompt"].startswith("<|system|>\nAdd.")  # no tokenizer: <|role|> turns

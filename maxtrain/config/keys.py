@@ -232,6 +232,7 @@ def base_config() -> ml_collections.ConfigDict:
   p.kl_coef = 0.02  # grpo: weight of the k3 KL estimate to the frozen reference (the initial parameters).
   p.temperature = 1.0  # grpo: rollout sampling temperature (1 = the policy itself).
   p.negate_reward = False  # grpo: train on minus the reward (a control: the reward must drive learning).
+  p.log_rollouts = False  # grpo: append each round's prompts, completions and rewards to <output_dir>/rollouts.jsonl.
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 50  # Eval loss on the validation store every N steps (and at the end); 0: end only.

@@ -37,11 +37,39 @@ def render_chat(messages: list, where: str) -> tuple[str, str]:
   return turns + "<|assistant|>\n", messages[-1]["content"]
 
 
-def parse_example(record: Any, where: str) -> dict[str, Any]:
-  """{"prompt", "response", "meta"} of one JSON record; UserError naming `where` and the field."""
+def render_template(template: str, messages: list, where: str, special: dict[str, str]) -> tuple[str, str]:
+  """(prompt, response) with a Hugging Face chat template (Jinja, rendered as `transformers` does): the
+  prompt is the turns before the last plus the generation prompt; the response is what rendering the
+  whole conversation adds after it (the answer and the template's end of turn)."""
+  import jinja2
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+  env.globals["raise_exception"] = raise_exception
+  try:
+    compiled = env.from_string(template)
+    prompt = compiled.render(messages=messages[:-1], add_generation_prompt=True, **special)
+    full = compiled.render(messages=messages, add_generation_prompt=False, **special)
+  except jinja2.TemplateError as e:
+    raise UserError(f"{where}: the tokenizer's chat template failed on this example ({e})") from None
+  require(full.startswith(prompt) and len(full) > len(prompt), f"{where}: the tokenizer's chat template does not "
+          "render the conversation as the generation prompt followed by the assistant's answer; use prompt/response "
+          "fields instead of messages")
+  return prompt, full[len(prompt):]
+
+
+def parse_example(record: Any, where: str, tokenizer: Any = None) -> dict[str, Any]:
+  """{"prompt", "response", "meta"} of one JSON record; UserError naming `where` and the field. Chat
+  messages use `tokenizer`'s chat template when it has one, else the <|role|> rendering."""
   require(isinstance(record, dict), f"{where}: each line must be a JSON object")
   if "messages" in record:
-    prompt, response = render_chat(record["messages"], where)
+    prompt, response = render_chat(record["messages"], where)  # checks the messages
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+      prompt, response = render_template(template, record["messages"], where, tokenizer.special_tokens)
   else:
     missing = [k for k in ("prompt", "response") if not isinstance(record.get(k), str)]
     require(not missing, f"{where}: missing or non-string field(s) {missing}: each line needs string "
@@ -50,7 +78,7 @@ def parse_example(record: Any, where: str) -> dict[str, Any]:
   return {"prompt": prompt, "response": response, "meta": record.get("meta", {})}
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
+def read_jsonl(path: str, tokenizer: Any = None) -> list[dict[str, Any]]:
   """The examples of a JSONL file (UserError naming the file and line on bad input)."""
   p = Path(path)
   require(p.is_file(), f"config.post.data={path}: no such file (a JSONL of prompt/response or messages)")
@@ -62,20 +90,21 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
       record = json.loads(line)
     except json.JSONDecodeError as e:
       raise UserError(f"{path}:{i}: not JSON ({e.msg})") from None
-    out.append(parse_example(record, f"{path}:{i}"))
+    out.append(parse_example(record, f"{path}:{i}", tokenizer))
   require(bool(out), f"config.post.data={path}: no examples")
   return out
 
 
-def load_examples(source: str, split: str) -> list[dict[str, Any]]:
+def load_examples(source: str, split: str, tokenizer: Any = None) -> list[dict[str, Any]]:
   """`source` = a task name (TASKS) or a JSONL path: for a path, "eval" reads PATH's sibling with
-  `.eval` before the suffix when there is one, else the last 5% of the file."""
+  `.eval` before the suffix when there is one, else the last 5% of the file. `tokenizer`: its chat
+  template renders chat examples (`parse_example`)."""
   if source in TASKS or not source:
     return arithmetic.examples(split)
   eval_path = Path(source).with_suffix(".eval" + Path(source).suffix)
   if eval_path.is_file():
-    return read_jsonl(str(eval_path if split == "eval" else source))
-  rows = read_jsonl(source)
+    return read_jsonl(str(eval_path if split == "eval" else source), tokenizer)
+  rows = read_jsonl(source, tokenizer)
   cut = len(rows) - max(1, len(rows) // 20)
   return rows[cut:] if split == "eval" else rows[:cut]
 
@@ -126,7 +155,7 @@ def pack(encoded: Iterable[tuple[np.ndarray, int]], seq_len: int) -> list[dict[s
 
 def packed_rows(source: str, split: str, tokenizer: Any, seq_len: int, seed: int) -> np.ndarray | dict:
   """The split's examples, shuffled by `seed` (train) and packed: a dict of [rows, seq_len] arrays."""
-  examples = load_examples(source, split)
+  examples = load_examples(source, split, tokenizer)
   order = np.random.default_rng(seed).permutation(len(examples)) if split == "train" else range(len(examples))
   where = source or "post.data"
   encoded = (encode(tokenizer, examples[i]["prompt"], examples[i]["response"], seq_len, f"{where} example {i}")

@@ -7,6 +7,7 @@ store built with one tokenizer is never silently trained with another.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -46,6 +47,7 @@ class ByteTokenizer:
   # Training's convention: stored documents carry no BOS (tokens + EOS) and each starts at position 0 of
   # its own segment, so a prompt starts the same way, with nothing before it.
   prompt_prefix: tuple[int, ...] = ()
+  chat_template: str | None = None  # chat examples use data/sft.py's <|role|> rendering
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
@@ -108,6 +110,32 @@ class HFTokenizer:
     self.bos_id = eos if bos is None else bos
     self.pad_id = eos if pad is None else pad
     self.prompt_prefix = self._post_processor_prefix()
+    self.chat_template, self.special_tokens = self._chat_template(os.path.dirname(path))
+
+  def _chat_template(self, directory: str) -> tuple[str | None, dict[str, str]]:
+    """The chat template saved beside tokenizer.json (`chat_template.jinja`, else `tokenizer_config.json`'s
+    "chat_template"; None without one) and the bos/eos token strings it is rendered with."""
+    config: dict = {}
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    if os.path.isfile(config_path):
+      try:
+        with open(config_path, encoding="utf-8") as f:
+          config = json.load(f)
+      except (OSError, ValueError) as e:
+        raise UserError(f"{config_path!r} is not readable JSON ({e}): fix or remove it") from None
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+      template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    jinja_path = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+      with open(jinja_path, encoding="utf-8") as f:
+        template = f.read()
+    special = {}
+    for name, default_id in (("bos_token", self.bos_id), ("eos_token", self.eos_id)):
+      value = config.get(name)
+      value = value.get("content") if isinstance(value, dict) else value
+      special[name] = value if isinstance(value, str) else self._tok.id_to_token(default_id)
+    return (template if isinstance(template, str) and template else None), special
 
   def _post_processor_prefix(self) -> tuple[int, ...]:
     """The ids the tokenizer's own post-processor puts before a single text (a Llama-style template's BOS;

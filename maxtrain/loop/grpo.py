@@ -20,6 +20,7 @@ completion tokens) and the rollout / score / train seconds.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, Sequence
@@ -28,14 +29,16 @@ import jax
 import ml_collections
 import numpy as np
 
-from maxtrain.errors import require
+from maxtrain.errors import Aborted, require
 from maxtrain.loop import sft as sft_loop
 from maxtrain.loop.rl_data import score
 from maxtrain.loop.trainer import Trainer
+from maxtrain.monitor import events as ev
 from maxtrain.program import rl_loss, rl_step
 from maxtrain.program import state as state_lib
 
 log = logging.getLogger("maxtrain")
+ROLLOUTS_FILE = "rollouts.jsonl"  # post.log_rollouts
 
 
 def rollout_rows(prompt_ids: Sequence[Sequence[int]], tokens_BN: np.ndarray, scores_BN2: np.ndarray, eos_id: int,
@@ -77,8 +80,33 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
           f"config.data.batch_size={b} must be post.prompts_per_step x post.group_size / post.minibatches = "
           f"{p.prompts_per_step} x {p.group_size} / {p.minibatches}: the optimizer step's batch")
   require(p.temperature > 0, f"config.post.temperature={p.temperature}: GRPO samples, it must be > 0")
+  require(cfg.guards.spike_action != "rollback", "config.guards.spike_action='rollback' is not supported with "
+          "post.mode=grpo (GRPO skips a non-finite optimizer step and stops after guards.max_consecutive_bad in a "
+          "row; it does not roll back): use skip or abort")
   require(p.clip_eps > 0 and p.kl_coef >= 0, f"config.post.clip_eps={p.clip_eps}, post.kl_coef={p.kl_coef}: "
           "need clip_eps > 0 and kl_coef >= 0")
+
+
+class SkipGuard:
+  """GRPO's host-side guard. The step skips an update whose loss or gradient is non-finite (in graph,
+  `rl_step`); here each skip is a `nan_skip` event, and guards.max_consecutive_bad skipped optimizer
+  steps in a row stop the run (exit 3). No rollback (not built: a restore replays the same rounds
+  exactly, so it would need the rounds to skip ahead, as pretraining's data does)."""
+
+  def __init__(self, max_consecutive_bad: int, events: ev.EventLog):
+    self.limit, self.events, self.consecutive = max_consecutive_bad, events, 0
+
+  def after_round(self, round_: int, skipped: Sequence[float]) -> None:
+    for i, bad in enumerate(skipped):
+      self.consecutive = self.consecutive + 1 if bad else 0
+      if bad:
+        self.events.emit(ev.NAN_SKIP, round_, count=1, consecutive=self.consecutive, what="loss or gradients",
+                         update=i + 1)
+        log.warning("round %d, update %d: non-finite loss or gradients; update skipped (%d in a row)", round_, i + 1,
+                    self.consecutive)
+    if self.consecutive >= self.limit:
+      raise Aborted(f"{self.consecutive} non-finite GRPO updates in a row at round {round_} "
+                    f"(guards.max_consecutive_bad={self.limit}); GRPO does not roll back (docs/post_training.md)")
 
 
 class GrpoTrainer(Trainer):
@@ -91,6 +119,7 @@ class GrpoTrainer(Trainer):
     self.updates_per_round = p.ppo_epochs * p.minibatches
     self.logprobs, self.grpo_step = rl_step.jit_pieces(self.program, clip_eps=p.clip_eps, kl_coef=p.kl_coef,
                                                        on_policy=self.updates_per_round == 1)
+    self.guard = SkipGuard(cfg.guards.max_consecutive_bad, self.events)
 
   def _reference(self, state: state_lib.TrainState) -> Any:
     """The frozen reference: the run's starting parameters (rebuilt, not saved: also after a resume)."""
@@ -151,7 +180,10 @@ class GrpoTrainer(Trainer):
     examples, prompt_ids, tokens_BN, scores_BN2 = self._rollout(state, k, generator)
     t1 = time.monotonic()
     rows, lengths, completions = rollout_rows(prompt_ids, tokens_BN, scores_BN2, tok.eos_id, self.cfg.data.seq_len)
-    rewards = score(self.data.reward_fn, p.reward, examples, [tok.decode(c) for c in completions])
+    texts = [tok.decode(c) for c in completions]
+    rewards = score(self.data.reward_fn, p.reward, examples, texts)
+    if p.log_rollouts and jax.process_index() == 0:
+      self._log_rollouts(k + 1, examples, texts, rewards)
     trained = -rewards if p.negate_reward else rewards
     adv_PG = np.asarray(rl_loss.group_advantages(trained.reshape(p.prompts_per_step, p.group_size)))
     t2 = time.monotonic()
@@ -164,15 +196,17 @@ class GrpoTrainer(Trainer):
     host["ref_logp"] = np.asarray(self.logprobs(reference, batch))
     host["old_logp"] = np.asarray(self.logprobs(state.params, batch))
     gap = float(np.max(np.abs(host["old_logp"] - rows["sampler_logp"]) * mask))
-    n, per = len(mask), len(mask) // p.minibatches
+    n, per, skipped = len(mask), len(mask) // p.minibatches, []
     for _ in range(p.ppo_epochs):
       for i in range(p.minibatches):
         state, metrics = self.grpo_step(state, rl_step.to_device({key: v[i * per:(i + 1) * per]
                                                                   for key, v in host.items()}, self.program))
+        skipped.append(metrics["skipped"])
     jax.block_until_ready(metrics)
     t3 = time.monotonic()
     count = max(float(mask.sum()), 1.0)
     metrics = jax.device_get(metrics)
+    self.guard.after_round(k + 1, [float(s) for s in jax.device_get(skipped)])
     scalars = {"rl/reward_mean": float(rewards.mean()), "rl/reward_std": float(rewards.std()),
                "rl/kl": float(metrics["kl"]), "rl/clip_fraction": float(metrics["clip_fraction"]),
                "rl/ratio_mean": float(metrics["ratio_mean"]),
@@ -183,6 +217,13 @@ class GrpoTrainer(Trainer):
                "rl/rollout_tokens_per_s": float(n * p.max_new_tokens) / max(t1 - t0, 1e-9)}
     self.metrics.tokens_per_step = n * self.cfg.data.seq_len * p.ppo_epochs
     return state, metrics, scalars
+
+  def _log_rollouts(self, round_: int, examples: list[dict], texts: list[str], rewards: np.ndarray) -> None:
+    """One line per round in <output_dir>/rollouts.jsonl (a resumed run appends the rounds it redoes)."""
+    record = {"round": round_, "prompts": [e["prompt"] for e in examples],
+              "completions": texts, "rewards": rewards.tolist()}
+    with open(self.out_dir / ROLLOUTS_FILE, "a", encoding="utf-8") as f:
+      f.write(json.dumps(record) + "\n")
 
 
 def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) -> dict:

@@ -51,7 +51,7 @@ class PromptData(sft_loop.SftData):
     super().__init__(cfg, batch_shardings)
     from maxtrain.data import sft as sft_data
 
-    self.examples = sft_data.load_examples(cfg.post.data, "train")
+    self.examples = sft_data.load_examples(cfg.post.data, "train", self.tokenizer)
     self.per_round = cfg.post.prompts_per_step
     self.reward_spec = cfg.post.reward
     self.reward_fn = load_reward(cfg.post.reward)  # before compiling: a bad name is exit 2 at once

@@ -65,7 +65,7 @@ class SftData:
     n_eval = min(cfg.eval.batches * self.batch_size, len(evals["inputs"]) // self.batch_size * self.batch_size)
     self.eval_sets = {"sft": [batch_lib.to_device({k: evals[k][i:i + self.batch_size] for k in KEYS}, batch_shardings)
                               for i in range(0, n_eval, self.batch_size)]}
-    self.eval_examples = sft_data.load_examples(p.data, "eval")[:p.eval_prompts]
+    self.eval_examples = sft_data.load_examples(p.data, "eval", self.tokenizer)[:p.eval_prompts]
     self.max_new_tokens, self._generator = p.max_new_tokens, None
 
   def describe(self) -> str:
