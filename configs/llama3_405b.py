@@ -25,20 +25,22 @@ def get_config():
 
 
 # fp32 parameters and Adam moments are 4.9 TB (16 B per parameter with the gradients, +4 B for the
-# guarded update's copy): a layer is 3.2B parameters, too big to all-gather whole on one GPU (FSDP
+# guarded update's copy). A layer is 3.2B parameters, too big to all-gather whole on one GPU (FSDP
 # inside a node would gather 19 GiB per layer), so tensor parallelism splits every layer over the
-# node's 8 GPUs (NVLink) and the pipeline splits the 126 layers over 9 stages of whole nodes: only the
+# node's 8 GPUs (NVLink) and the pipeline splits the 126 layers into 9 stages of whole nodes: only
 # stage-boundary activations cross InfiniBand, plus FSDP's gathers over the `dcn_fsdp` copies of a
-# stage (the remaining nodes: 2 on 18 nodes). Circular repeats (7: each stage runs 7 groups of 2
-# layers) cut the bubble to (9-1)/(7*9+9-1) = 11%; 9 sequences per batch shard per accumulation step,
-# one per pipeline microbatch (GPipe order keeps all of a stage's microbatches' layer inputs: ~40 GiB
-# of the ~114 GiB estimated peak on 18 H200 nodes; tools/estimate.py, BENCHMARKS.md).
+# stage (the remaining nodes: 2 on 18 nodes). Each batch shard runs 9 sequences per accumulation step,
+# one per pipeline microbatch; `pipeline.stage_remat` keeps one [T, D] stage input per iteration
+# instead of 14 layers' inputs. repeats=1: with repeats > 1 the compiled step reshuffles the whole layer
+# stack through every device (docs/sharding.md), so the bubble is (9-1)/(9+9-1) = 47%; more
+# microbatches shrink it at the cost of more saved stage inputs. Compiled peak on 18 H200 nodes
+# (144 devices): 104.4 GiB of 131 (BENCHMARKS.md).
 _ACROSS_NODES = {"mesh.dcn_pipeline": 9, "mesh.dcn_data": 1, "mesh.dcn_fsdp": -1, "mesh.fsdp": 1, "mesh.tensor": 8,
                  "pipeline.repeats": 1, "pipeline.microbatches": 9, "pipeline.stage_remat": True,
                  "optimizer.microbatch_size": 9}
 HARDWARE = {
     "h200x8": _ACROSS_NODES,  # 18 nodes (144 GPUs) or any multiple of 9
-    # 80 GB per GPU: the layer inputs of 8192-token sequences alone are 40 GiB per GPU, so the H100
-    # preset trains at 4096 tokens (Meta's first 405B phase) on 36 nodes (dcn_fsdp=4).
+    # 80 GB per GPU: the H200 layout needs 104 GiB, so the H100 preset trains at 4096 tokens (Meta's first
+    # 405B phase) on 36 nodes (dcn_fsdp=4 copies of each stage; BENCHMARKS.md).
     "h100x8": {**_ACROSS_NODES, "data.seq_len": 4096},
 }

@@ -20,6 +20,7 @@ from maxtrain import config as config_lib
 from maxtrain.aot import estimate as estimate_lib
 from maxtrain.errors import UserError
 from maxtrain.models.llama import ModelConfig
+from tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -261,7 +262,7 @@ def test_stage_remat_trains_the_same_in_less_memory():
 
   results = {}
   for remat in (False, True):
-    cfg = config_lib.load(PIPELINED + [f"--config.pipeline.stage_remat={remat}"])
+    cfg = config_lib.load(TINY_MODEL + PIPELINED + [f"--config.pipeline.stage_remat={remat}"])
     program = build_lib.program_for(cfg, jax.devices())
     state = state_lib.initialize(program.state, program.mesh)
     batch = Data(cfg, program.batch_shardings).next_batch()[0]
