@@ -1,11 +1,14 @@
 """Ahead-of-time compile (`python -m maxtrain.compile`) and the arithmetic estimate (`tools/estimate.py`).
 
-The compile runs in-process on conftest's 8 CPU devices (once, module-scoped); the CLI paths that must
-set up their own device count, or exit 2, run as subprocesses.
+The compile runs in-process on conftest's 8 CPU devices (once, module-scoped); the CLI runs that must set
+up their own device count (the pipelined presets, on 256 and 144 devices) run as concurrent subprocesses.
+The CLI's exit 2 for a step over --device-memory-gb is the 405B preset's on an H100's 80 GiB.
 """
 
-import json
+import functools
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,7 @@ from maxtrain import config as config_lib
 from maxtrain.aot import estimate as estimate_lib
 from maxtrain.errors import UserError
 from maxtrain.models.llama import ModelConfig
+from tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -28,10 +32,69 @@ REDUCED_8B = ["--config=configs/llama3_8b.py", "--config.model.num_layers=2", "-
               "--config.data.batch_size=16", "--config.model.scan_unroll=1"]
 
 
-def run(args, timeout=300):
+# The pipelined presets at full depth (the layer stacks are scanned: compile time does not grow with
+# depth), each in a fresh process with its own device count; started together, read by the tests below.
+PRESETS = {
+    # 4 trn2 nodes: 4 stages of 20 layers across nodes, fsdp=16 x tensor=4 inside; 24 GiB per core.
+    "llama3_70b_pipeline": (["--config=configs/llama3_70b_pipeline.py", "--devices", "256"], 24),
+    # 18 nodes of 8 H200: 9 stages of 14 layers across nodes, tensor=8 inside, 2 FSDP copies per stage;
+    # checked against an H100's 80 GB (exit 2, with the figures) and an H200's 131 GiB.
+    "llama3_405b": (["--config=configs/llama3_405b.py", "--config.hardware=h200x8", "--devices", "144"], 80),
+}
+
+
+@pytest.fixture(scope="module")
+def preset_runs():
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env["PYTHONPATH"] = str(REPO)
-  return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+  procs = {name: subprocess.Popen([sys.executable, "-m", "maxtrain.compile", *args, "--device-memory-gb", str(gib)],
+                                  cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for name, (args, gib) in PRESETS.items()}
+  yield {name: functools.partial(_finish, proc) for name, proc in procs.items()}
+  for proc in procs.values():
+    proc.kill()
+    proc.communicate()
+
+
+def _finish(proc, timeout=900):
+  out, err = proc.communicate(timeout=timeout)
+  return proc.returncode, out, err
+
+
+def _peak_gib(out):
+  return float(re.search(r"^  peak +([0-9.]+) GiB", out, re.M).group(1))
+
+
+@pytest.mark.slow
+def test_llama3_70b_pipelined_over_trn2_nodes_fits_and_passes_the_neuron_lint(preset_runs):
+  code, out, err = preset_runs["llama3_70b_pipeline"]()
+  assert code == 0, out + err
+  assert "compiled on 256 fake CPU devices (XLA:CPU), not on runtime.platform=neuron" in out
+  assert "across 4 granules 4 x 1 x 1 x 1 x 1 x 1" in out  # the pipeline is the cross-node axis
+  assert "pipeline: 4 stages x 2 repeat(s), 4 microbatches: 11 iterations, bubble (S-1)/(R*M+S-1) = 0.2727" in out
+  assert "per stage" in out and "on each of the 4 stages (20 layers each" in out
+  assert "80 layers, d_model 8192" in out
+  assert "fits: peak" in out and _peak_gib(out) < 24
+  assert "Neuron lint of the lowered train step: clean" in out
+  est = estimate_lib.estimate(config_lib.load(PRESETS["llama3_70b_pipeline"][0][:1]), 256)
+  assert est.pipeline["bubble_fraction"] == pytest.approx(3 / 11) and est.peak < 24 * GiB
+  args = float(re.search(r"^  arguments +([0-9.]+) GiB", out, re.M).group(1))
+  assert args == pytest.approx(est.arguments / GiB, abs=2e-3)  # the train state: the same sharded arrays
+
+
+@pytest.mark.slow
+def test_llama3_405b_pipelined_over_gpu_nodes_fits_an_h200_not_an_h100(preset_runs):
+  code, out, err = preset_runs["llama3_405b"]()
+  assert code == 2, out + err
+  assert "compiled on 144 fake CPU devices (XLA:CPU), not on runtime.platform=gpu" in out
+  assert "across 18 granules 9 x 1 x 2 x 1 x 1 x 1" in out
+  assert "126 layers, d_model 16384" in out and "405." in out
+  assert "over --device-memory-gb=80" in err and "To fit, try:" in err  # exit 2 with the figures
+  assert 80 < _peak_gib(out) < 131  # an H200's 141 GB
+  est = estimate_lib.estimate(config_lib.load(PRESETS["llama3_405b"][0][:2]), 144)
+  assert est.peak < 131 * GiB
+  args = float(re.search(r"^  arguments +([0-9.]+) GiB", out, re.M).group(1))
+  assert args == pytest.approx(est.arguments / GiB, abs=2e-3)
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +147,8 @@ def test_estimate_agrees_with_the_compiled_step(reduced_8b):
   measured, docs/fitting.md). Hence the bounds: peak within [-5%, +10%], temporaries within
   [-5%, +12%].
   """
-  _, report = reduced_8b
-  proc = run(["tools/estimate.py", *REDUCED_8B, "--devices", "8", "--json"], timeout=120)
-  assert proc.returncode == 0, proc.stderr
-  est = json.loads(proc.stdout)
+  cfg, report = reduced_8b
+  est = estimate_lib.estimate(cfg, 8).to_json()  # what `tools/estimate.py --json` prints
   mem = est["memory_bytes_per_device"]
   compiled = report.memory
   print(f"per device, estimate / compiled: arguments {mem['arguments'] / GiB:.3f} / {compiled.arguments / GiB:.3f} GiB, "
@@ -112,29 +173,16 @@ def test_fits_check_names_peak_limit_and_fixes(reduced_8b):
   assert "optimizer.state_dtype=bfloat16" in message and "grad_accum_steps" in message
 
 
-def test_device_memory_too_small_exits_2_from_a_fresh_process():
-  """The CLI sets up its own device count (8, one node of the h100x8 preset, although this process
-  has none) and compiles on CPU whatever runtime.platform says."""
-  proc = run(["-m", "maxtrain.compile", "--config.hardware=h100x8", "--device-memory-gb", "0.01"])
-  assert proc.returncode == 2, proc.stdout + proc.stderr
-  assert "compiled on 8 fake CPU devices (XLA:CPU), not on runtime.platform=gpu" in proc.stdout
-  assert "mesh: data=1 x fsdp=8 x tensor=1" in proc.stdout
-  assert "over --device-memory-gb=0.01" in proc.stderr and "To fit, try:" in proc.stderr
+def test_bad_config_exits_2(capsys):
+  """Both CLIs, in-process: the typo is refused while loading the config, before any backend starts."""
+  from maxtrain.cli import compile as compile_cli
 
-
-def test_other_device_count_in_a_fresh_process():
-  proc = run(["-m", "maxtrain.compile", "--devices", "4", "--device-memory-gb", "8", "--config.runtime.platform=neuron"])
-  assert proc.returncode == 0, proc.stderr
-  assert "compiled on 4 fake CPU devices" in proc.stdout and "mesh: data=1 x fsdp=4 x tensor=1" in proc.stdout
-  assert "fits: peak" in proc.stdout
-  assert "Neuron lint of the lowered train step: clean" in proc.stdout
-
-
-def test_bad_config_exits_2():
-  for tool in (["-m", "maxtrain.compile"], ["tools/estimate.py"]):
-    proc = run([*tool, "--devices", "8", "--config.model.d_modl=3"], timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "unknown config key config.model.d_modl. Did you mean config.model.d_model" in proc.stderr
+  spec = importlib.util.spec_from_file_location("estimate_tool", REPO / "tools" / "estimate.py")
+  estimate_tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(estimate_tool)
+  for main in (compile_cli.main, estimate_tool.main):
+    assert main(["--devices", "8", "--config.model.d_modl=3"]) == 2
+    assert "unknown config key config.model.d_modl. Did you mean config.model.d_model" in capsys.readouterr().err
 
 
 def test_refuses_a_running_backend_of_another_size():
@@ -164,3 +212,71 @@ def test_estimate_of_a_tiny_model_by_hand():
   assert est.memory["weights"] == 4 * (matrices + vocab + norms)
   assert est.memory["optimizer_state"] == 2 * (matrices + 2 * vocab + 2 * norms)
   assert est.microbatch == 4  # 8 sequences over fsdp=2 batch shards
+
+
+PIPELINED = ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.model.num_layers=8", "--config.data.batch_size=16",
+             "--config.pipeline.microbatches=4"]
+
+
+def test_estimate_reports_per_stage_memory():
+  """The circular scan saves its stage's layer inputs for every iteration (the bubble's included) on
+  every stage (one SPMD program); the first stage holds them longest. Stage remat saves one
+  [b/M, T, D] stage input per iteration instead of L/(R S) layer inputs (remat=full)."""
+  base = PIPELINED + ["--config.model.remat=full", "--config.pipeline.repeats=2"]
+  est = estimate_lib.estimate(config_lib.load(base), 8)
+  remat = estimate_lib.estimate(config_lib.load(base + ["--config.pipeline.stage_remat=true"]), 8)
+  q, r = est.pipeline, remat.pipeline
+  S, R, M, its, L, T, D = 4, 2, 4, 11, 8, 256, 256
+  rows = 16 // 2 // M  # sequences per pipeline microbatch on a device (fsdp=2 batch shards)
+  layer_input = rows * T * D * 4  # fp32 compute on the cpu preset
+  assert q["saved_bytes_per_iteration"] == L // (R * S) * layer_input
+  assert r["saved_bytes_per_iteration"] == layer_input
+  assert [x["held_iterations"] for x in q["per_stage"]] == [2 * its - 1 - 2 * s for s in range(S)]
+  assert {x["saved_bytes"] for x in q["per_stage"]} == {q["max_stage_saved_bytes"]}
+  assert q["max_stage_saved_bytes"] == its * L // (R * S) * layer_input + 2 * M * layer_input
+  assert r["max_stage_saved_bytes"] == its * layer_input + 2 * M * layer_input + L // (R * S) * layer_input
+  assert est.memory["saved_activations"] == q["max_stage_saved_bytes"]
+  assert q["boundary_bytes"] == 2 * its * layer_input  # one microbatch forward and its gradient back, per iteration
+  table = est.table()
+  assert "per stage (one SPMD program" in table and "  stage 0: 2 layers, 8 passes live at its peak" in table
+  assert f"held {2 * its - 1} iterations" in table and "max over stages" in table
+
+
+def test_stage_remat_gives_the_same_gradients_in_less_memory():
+  """`pipeline.stage_remat` (sharding/pipeline.py) recomputes each stage's layers in the backward from the
+  stage input: the same loss and gradients as saving every layer's activations, and smaller compiled
+  temporaries. On pipeline=4 x fsdp=2, 8 layers (2 per stage and repeat), two layers of tanh(x @ w)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  from maxtrain.sharding import pipeline as pipeline_lib
+
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("pipeline", "fsdp"))
+  rng = np.random.default_rng(0)
+  w = jax.device_put(rng.normal(size=(8, 64, 64)).astype(np.float32) / 8, NamedSharding(mesh, P("pipeline")))
+  x = jax.device_put(rng.normal(size=(16, 32, 64)).astype(np.float32), NamedSharding(mesh, P("fsdp")))
+  segs = jnp.ones((16, 32), jnp.int32)
+
+  def layers(stage, r, x, seg, pos):  # the stage's layers [L/(R S), R, ...]: group r
+    def layer(x, w):
+      return jnp.tanh(jax.checkpoint(lambda x, w: x @ w)(x, w)), None
+    return jax.lax.scan(layer, x, stage[:, r])[0]
+
+  results = {}
+  for remat in (False, True):
+    schedule = pipeline_lib.Schedule(stages=4, microbatches=4, repeats=1, stage_remat=remat)
+    loss = lambda w, x: jnp.sum(pipeline_lib.run(layers, w, x, segs, segs, schedule) ** 2)
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(jax.value_and_grad(loss)).lower(w, x).compile()
+      value, grad = compiled(w, x)
+    results[remat] = float(value), np.asarray(grad), compiled.memory_analysis().temp_size_in_bytes
+  (value, grad, temp), (value_r, grad_r, temp_r) = results[False], results[True]
+  reference = jax.value_and_grad(lambda w, x: jnp.sum(jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, w)[0] ** 2))
+  value_ref, grad_ref = reference(np.asarray(w), np.asarray(x))  # no pipeline, one device
+  print(f"compiled temporaries: {temp / 2**10:.0f} KiB, with stage remat {temp_r / 2**10:.0f} KiB")
+  np.testing.assert_allclose([value, value_r], float(value_ref), rtol=1e-5)
+  np.testing.assert_allclose(grad, grad_ref, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(grad_r, grad, rtol=1e-6, atol=1e-7)
+  assert temp_r < temp

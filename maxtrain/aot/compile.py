@@ -110,13 +110,27 @@ class CompileReport:
       loops.append(f"the {self.plan.pipeline.iterations} pipeline iterations")
     return loops
 
+  def stage_lines(self) -> list[str]:
+    """Per-stage memory under the pipeline. The step is one SPMD program: every device of every stage runs
+    it with the same buffers, so each stage's peak is the compiled peak and so is their max (the estimate,
+    tools/estimate.py, splits a stage's saved activations into useful and bubble iterations)."""
+    schedule = self.plan.pipeline
+    if not schedule:
+      return []
+    layers = self.cfg.model.num_layers // schedule.stages
+    return [f"  per stage       {self.memory.peak / GiB:9.3f} GiB  on each of the {schedule.stages} stages ({layers} "
+            f"layers each; one SPMD program, the same buffers on every stage): max {self.memory.peak / GiB:.3f} GiB"]
+
   def describe(self) -> str:
+    from maxtrain.aot.estimate import boundary_bytes  # imports the model: after the backend is set up
+
     cfg, m, mem = self.cfg, self.cfg.model, self.memory
     k, micro = self.plan.batch.num_microbatches, self.plan.batch.per_microbatch
     lines = [
         f"compiled on {self.num_devices} fake CPU devices (XLA:CPU), not on runtime.platform={cfg.runtime.platform}",
         f"mesh: {self.plan.mesh.describe()}",
-        *([f"pipeline: {self.plan.pipeline.describe()}"] if self.plan.pipeline else []),
+        *([f"pipeline: {self.plan.pipeline.describe()}; {boundary_bytes(cfg, self.plan) / 2**20:.2f} MiB per device "
+           "to the next stage per step"] if self.plan.pipeline else []),
         f"model: {self.num_params / 1e9:.3f}B parameters ({m.num_layers} layers, d_model {m.d_model}, "
         f"{m.num_heads}/{m.num_kv_heads} heads, d_ff {m.d_ff}, vocab {m.vocab_size}); params {m.param_dtype}, "
         f"compute {m.compute_dtype}, remat {m.remat}",
@@ -130,6 +144,7 @@ class CompileReport:
         f"  temporaries     {mem.temporaries / GiB:9.3f} GiB  (activations, gradients, gathered weights ...)",
         f"  generated code  {mem.generated_code / GiB:9.3f} GiB",
         f"  peak            {mem.peak / GiB:9.3f} GiB  = arguments + outputs - aliased + temporaries",
+        *self.stage_lines(),
         f"  {CPU_CAVEAT}",
         "FLOPs per device per step:",
         f"  model (analytic)  {self.model_flops / 1e12:12.3f} TFLOP  = train_flops_per_token x "

@@ -115,6 +115,14 @@ class Estimate:
       lines.insert(1, f"pipeline: {q['stages']} stages x {q['repeats']} repeat(s), {q['microbatches']} microbatches, "
                    f"{q['iterations']} iterations: bubble {q['bubble_fraction']:.4f}; "
                    f"{q['boundary_bytes'] / 2**20:.2f} MiB per device to the next stage per step")
+      lines.insert(2, "per stage (one SPMD program: each stage's devices allocate the same; the first holds its "
+                   "activations longest):")
+      for i, x in enumerate(q["per_stage"]):
+        lines.insert(3 + i, f"  stage {x['stage']}: {x['layers']} layers, {x['live_passes']} passes live at its peak, "
+                     f"saved activations {x['saved_bytes'] / GiB:.3f} GiB (useful {x['useful_saved_bytes'] / GiB:.3f}), "
+                     f"held {x['held_iterations']} iterations")
+      lines.insert(3 + len(q["per_stage"]), f"  max over stages: {q['max_stage_saved_bytes'] / GiB:.3f} GiB saved "
+                   f"activations, peak {self.peak / GiB:.3f} GiB")
     for key, (label, _) in COMPONENTS.items():
       if self.memory.get(key):
         lines.append(f"  {label:<34s} {self.memory[key] / GiB:9.3f} GiB")
@@ -214,16 +222,55 @@ def _largest_layer_gathered(table: list[Param], m: ModelConfig, layout: Layout) 
   return largest
 
 
-def _pipeline(plan: Any, saved: int, microbatch_bytes: int, shard_bytes: int) -> tuple[int, dict[str, Any] | None]:
-  """(saved activations per device, the schedule's figures) under the pipeline (sharding/pipeline.py): a
-  stage saves its L/S layers' activations for every iteration (the bubble's included), and holds the
-  microbatches it returns to the ring and its outputs."""
+def boundary_bytes(cfg: ml_collections.ConfigDict, plan: Any) -> int:
+  """Bytes one device sends to the next stage per step: every iteration of every accumulation step
+  passes one microbatch's activations [b/M, T, D] forward (ppermute) and its gradient back."""
+  schedule = plan.pipeline
+  seq_local = cfg.data.seq_len // plan.layout.shards("act_length")
+  rows = plan.batch.per_shard // schedule.microbatches
+  return 2 * schedule.iterations * rows * seq_local * cfg.model.d_model * _itemsize(cfg.model.compute_dtype)
+
+
+def _pipeline(plan: Any, num_layers: int, saved: int, microbatch_bytes: int,
+              shard_bytes: int) -> tuple[int, dict[str, Any] | None]:
+  """(saved activations per device, the schedule's figures) under the pipeline (sharding/pipeline.py).
+
+  `saved` is what all L layers would save for the b sequences of one accumulation step. Each iteration
+  of the circular scan runs L/(R S) layers on one microbatch (b/M sequences) and autodiff saves their
+  inputs for every iteration, the S-1 of the bubble included; a stage also holds the microbatches it
+  returns to the ring and its outputs (2 x b sequences). It is one SPMD program, so every stage
+  allocates the same and the max over stages is that figure. What differs is how long (GPipe order:
+  forward iteration t at time t, its backward at time 2 I - 1 - t): stage s saves its first pass at
+  time s and frees it at 2 I - 1 - s, so the first stage holds its activations the longest.
+
+  With `pipeline.stage_remat` an iteration saves only its stage input (one microbatch's [b/M, T, D]);
+  the backward of one iteration then holds what its L/(R S) layers save, once."""
   schedule = plan.pipeline
   if schedule is None:
     return saved, None
-  saved = saved * schedule.iterations // (schedule.stages * schedule.repeats * schedule.microbatches)
-  figures = {**schedule.to_json(), "boundary_bytes": 2 * schedule.iterations * shard_bytes // schedule.microbatches}
-  return saved + 2 * microbatch_bytes, figures
+  s_, r_, m_, its = schedule.stages, schedule.repeats, schedule.microbatches, schedule.iterations
+  per_iteration = saved // (s_ * r_ * m_)
+  allocated = per_iteration * its + 2 * microbatch_bytes
+  if schedule.stage_remat:
+    per_iteration, recompute = microbatch_bytes // m_, per_iteration
+    allocated = per_iteration * its + 2 * microbatch_bytes + recompute
+  stages = [{"stage": s, "layers": num_layers // s_, "live_passes": r_ * m_,
+             "useful_saved_bytes": per_iteration * r_ * m_, "saved_bytes": allocated,
+             "held_iterations": 2 * its - 1 - 2 * s} for s in range(s_)]
+  figures = {**schedule.to_json(), "boundary_bytes": 2 * its * shard_bytes // m_,
+             "saved_bytes_per_iteration": per_iteration, "per_stage": stages,
+             "max_stage_saved_bytes": max(x["saved_bytes"] for x in stages)}
+  return allocated, figures
+
+
+def _grad_accumulators(table: list[Param], m: ModelConfig, layout: Layout) -> int:
+  """fp32 gradient sums of gradient accumulation. XLA's sharding propagation leaves the embedding's and
+  head's accumulators whole (over fsdp) when their gradients arrive in another dtype (bf16 compute, fp32
+  params); with fp32 compute it shards them."""
+  # [V, D] split over the vocab's shards only, not over the embed dim's (FSDP)
+  vocab_whole = {p.name: p.size // layout.shards("vocab") for p in table if p.name in ("embed", "head")}
+  whole = m.compute_dtype != m.param_dtype
+  return 4 * sum(vocab_whole[p.name] if whole and p.name in vocab_whole else p.local_size for p in table)
 
 
 def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1) -> Estimate:
@@ -252,21 +299,12 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   # Temporaries: a model of the live set at the step's peak (see COMPONENTS).
   c_bytes = _itemsize(m.compute_dtype)
   gradients = sum(p.local_size * _itemsize(p.dtype) for p in table)
-  vocab_params = [p for p in table if p.name in ("embed", "head")]
-  # [V, D] split over the vocab's shards only, not over the embed dim's (FSDP)
-  vocab_whole = {p.name: p.size // layout.shards("vocab") for p in vocab_params}
-  grad_accumulators = 0
-  if k > 1:
-    # XLA's sharding propagation leaves the embedding's and head's accumulators whole (over fsdp) when
-    # their gradients arrive in another dtype (bf16 compute, fp32 params); with fp32 compute it shards them.
-    whole = m.compute_dtype != m.param_dtype
-    grad_accumulators = 4 * sum(vocab_whole[p.name] if whole and p.name in vocab_whole else p.local_size
-                                for p in table)
+  grad_accumulators = _grad_accumulators(table, m, layout) if k > 1 else 0
 
   v_t, h_t = m.vocab_size // layout.shards("act_vocab"), m.num_heads // layout.shards("act_heads")
   kv_t, f_t = m.num_kv_heads // layout.shards("act_kv_heads"), _mean_ffn_width(m) // layout.shards("act_mlp")
   tokens = b * seq_local
-  attention_saved, attention_work = _attention_bytes(m, b, seq, h_t, kv_t, c_bytes, context)
+  attention_saved = _attention_bytes(m, b, seq, h_t, kv_t, c_bytes, context)[0]
   # One layer's weights when all-gathered over the embed dim's shards (FSDP): split over the others only
   # (a MoE layer gathers only its own device's experts).
   layer_weights = _largest_layer_gathered(table, m, layout)
@@ -279,15 +317,18 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
     saved = m.num_layers * tokens * dots_per_token * c_bytes
   else:  # everything: the matmul outputs, the norms' and SwiGLU's elementwise results, the attention's
     saved = m.num_layers * (tokens * (dots_per_token + 3 * d + 2 * f_t) * c_bytes + attention_saved)
-  saved, pipeline = _pipeline(plan, saved, tokens * d * c_bytes, batch_rows * seq_local * d * c_bytes)
+  saved, pipeline = _pipeline(plan, m.num_layers, saved, tokens * d * c_bytes, batch_rows * seq_local * d * c_bytes)
   # With FSDP a weight is all-gathered (in the compute dtype) where it is used, and its gradient is
   # whole (fp32) until it is reduce-scattered.
   gathered = layout.shards("embed") > 1
   head_gathered = d * v_t * c_bytes if gathered and head else 0
   chunk = loss_chunk_tokens(cfg.model)  # the chunked loss holds one chunk's logits, not all of them
   loss_phase = head_gathered + d * v_t * 4 + LOGIT_BUFFERS * (min(tokens, chunk) if chunk else tokens) * v_t * 4
+  # Under the pipeline a layer runs on one pipeline microbatch (b/M sequences) at a time.
+  per_call = plan.pipeline.microbatches if plan.pipeline else 1
+  attention_work = _attention_bytes(m, b // per_call, seq, h_t, kv_t, c_bytes, context)[1]
   layer_phase = ((layer_weights * c_bytes if gathered else 0) + layer_weights * 4
-                 + attention_work + tokens * dots_per_token * 4)
+                 + attention_work + tokens // per_call * dots_per_token * 4)
   # The new parameters are written while the old ones are still being read (the guard selects between
   # them). The moments are updated in place: the guard's select sits inside Adam's and Muon's updates
   # (maxtrain.optim.scale_by_adam_guarded, maxtrain.muon).

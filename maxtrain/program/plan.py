@@ -138,7 +138,8 @@ def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: Ba
   bad = [text for hit, text in unsupported if hit]
   require(not bad, f"{where}: the pipeline does not support {', '.join(bad)}. Set mesh.pipeline=1 (and "
           "mesh.dcn_pipeline=1), or change those settings (docs/sharding.md lists what the pipeline supports).")
-  return pipeline_lib.Schedule(stages=stages, microbatches=p.microbatches, repeats=p.repeats)
+  return pipeline_lib.Schedule(stages=stages, microbatches=p.microbatches, repeats=p.repeats,
+                               stage_remat=p.stage_remat)
 
 
 def _validate_stages(cfg: ml_collections.ConfigDict, layout: Layout, mesh_text: str, num_processes: int) -> None:

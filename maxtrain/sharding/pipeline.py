@@ -34,6 +34,7 @@ class Schedule:
   stages: int  # S: the pipeline axis size (both levels)
   microbatches: int  # M
   repeats: int  # R: circular repeats
+  stage_remat: bool = False  # the model recomputes a stage's layers in the backward from the stage's input
 
   @property
   def iterations(self) -> int:
@@ -46,11 +47,12 @@ class Schedule:
 
   def describe(self) -> str:
     return (f"{self.stages} stages x {self.repeats} repeat(s), {self.microbatches} microbatches: "
-            f"{self.iterations} iterations, bubble (S-1)/(R*M+S-1) = {self.bubble:.4f}")
+            f"{self.iterations} iterations, bubble (S-1)/(R*M+S-1) = {self.bubble:.4f}"
+            + ("; stage remat" if self.stage_remat else ""))
 
   def to_json(self) -> dict[str, Any]:
     return {"stages": self.stages, "microbatches": self.microbatches, "repeats": self.repeats,
-            "iterations": self.iterations, "bubble_fraction": self.bubble}
+            "iterations": self.iterations, "bubble_fraction": self.bubble, "stage_remat": self.stage_remat}
 
 
 _ACTIVE: contextvars.ContextVar[Schedule | None] = contextvars.ContextVar("maxtrain_pipeline", default=None)
@@ -100,6 +102,10 @@ def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Ar
   xs, segs, poss = (_split(a, m_) for a in (x_BTD, segment_ids_BT, positions_BT))
   ring = [(i, (i + 1) % s_) for i in range(s_)]
 
+  # Stage remat: each iteration saves only its input (and r); the backward recomputes the stage's layers.
+  # The weights are an argument, so the scan saves them once rather than a slice per iteration.
+  apply = jax.checkpoint(layers, static_argnums=(1,) if r_ == 1 else ()) if schedule.stage_remat else layers
+
   def stage(grouped, xs, segs, poss):
     weights = jax.tree.map(lambda w: jnp.swapaxes(w[:, 0], 0, 1), grouped)  # this stage's [L/(R S), R, ...]
     s = jax.lax.axis_index(AXIS)
@@ -111,9 +117,12 @@ def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Ar
       valid = (k >= 0) & (k < r_ * m_)
       kc = jnp.clip(k, 0, r_ * m_ - 1)
       m, r = kc % m_, (kc // m_ if r_ > 1 else 0)
-      first = jnp.where(t < m_, xs[t % m_], buf[t % m_])  # stage 0: a new microbatch, or one back from the ring
+      # The input is invariant over stages: its cotangent is psum'd over them, here in f32 (jax 0.10.2's
+      # XLA:CPU aborts promoting a bf16 all-reduce whose reducer shard_map wrapped: "opcode copy").
+      new = varying(xs[t % m_].astype(jnp.float32)).astype(xs.dtype)
+      first = jnp.where(t < m_, new, buf[t % m_])  # stage 0: a new microbatch, or one back from the ring
       x = jnp.where(s == 0, first, recv)
-      y = layers(weights, r, x, segs[m], poss[m])
+      y = apply(weights, r, x, segs[m], poss[m])
       done = valid & (r == r_ - 1)
       out = out.at[m].set(jnp.where(done, y, out[m]))
       recv = jax.lax.ppermute(y, AXIS, ring)

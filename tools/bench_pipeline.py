@@ -1,0 +1,85 @@
+"""CPU time per train step of the circular pipeline as its microbatches grow, at fixed tokens per step:
+
+  python tools/bench_pipeline.py [--microbatches 4,8,16] [--repeats 1,2] [--rounds 5] [--config.key=value ...]
+
+On 8 fake CPU devices, `mesh.pipeline=4 x mesh.fsdp=2` (by default), one compiled step per
+(microbatches, repeats) variant, all built first and then timed in alternation (`timing.interleaved`:
+round after round, each variant once per round), so the machine's load drifts over all of them alike.
+Prints each variant's median CPU and wall time per step, its ratio to the first variant, and the bubble
+the schedule reports, (S-1)/(R*M+S-1). CPU time (all of this process's threads), because on a shared
+machine wall time mostly measures the scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+from maxtrain import config as config_lib  # noqa: E402
+from maxtrain.loop.data import Data  # noqa: E402
+from maxtrain.monitor import timing  # noqa: E402
+from maxtrain.program import build as program_lib, state as state_lib  # noqa: E402
+
+# A deeper default model (8 layers: 4 stages x 2 repeats) with enough rows per batch shard for 16 microbatches.
+BASE = ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.model.num_layers=8",
+        "--config.data.batch_size=32", "--config.model.scan_unroll=1"]
+
+
+def build(rest: list[str], microbatches: int, repeats: int, steps: int):
+  """A callable running `steps` compiled steps of the variant, and its schedule."""
+  cfg = config_lib.load(BASE + rest + [f"--config.pipeline.microbatches={microbatches}",
+                                       f"--config.pipeline.repeats={repeats}"])
+  program = program_lib.program_for(cfg, jax.devices())
+  state = state_lib.initialize(program.state, program.mesh)
+  data = Data(cfg, program.batch_shardings)
+  batches = [data.next_batch()[0] for _ in range(steps)]
+  with jax.set_mesh(program.mesh):
+    compiled = program.train_step.lower(state, batches[0]).compile()
+  box = {"state": state}
+
+  def run():
+    with jax.set_mesh(program.mesh):
+      for batch in batches:
+        box["state"], metrics = compiled(box["state"], batch)
+    return metrics
+
+  return run, program.plan.pipeline, cfg
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--microbatches", default="4,8,16", help="comma-separated pipeline.microbatches")
+  parser.add_argument("--repeats", default="1,2", help="comma-separated pipeline.repeats")
+  parser.add_argument("--steps", type=int, default=3, help="steps per timed call")
+  parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; medians are reported")
+  args, rest = parser.parse_known_args()
+  variants, schedules = {}, {}
+  for r in map(int, args.repeats.split(",")):
+    for m in map(int, args.microbatches.split(",")):
+      name = f"M={m} R={r}"
+      variants[name], schedules[name], cfg = build(rest, m, r, args.steps)
+  print(f"machine: {platform.machine()} {os.cpu_count()} cores, {jax.device_count()} x {jax.devices()[0].device_kind}; "
+        f"python {platform.python_version()}, jax {jax.__version__}; load average {os.getloadavg()[0]:.2f} at start")
+  print(f"model: {cfg.model.num_layers} layers, d_model {cfg.model.d_model}; batch {cfg.data.batch_size} x "
+        f"{cfg.data.seq_len} tokens per step (fixed); {args.rounds} alternating rounds of {args.steps} steps")
+  results = timing.interleaved(variants, args.rounds, warmup=1)
+  first = next(iter(results))
+  print(f"{'variant':>10} {'CPU s/step':>11} {'vs ' + first:>12} {'wall s/step':>12} {'bubble':>8} {'iterations':>10}")
+  for name, t in results.items():
+    s = schedules[name]
+    ratios = [c / f for c, f in zip(t.cpus, results[first].cpus)]  # per round: the two ran back to back
+    print(f"{name:>10} {t.cpu / args.steps:11.3f} {statistics.median(ratios):12.3f} {t.wall / args.steps:12.3f} "
+          f"{s.bubble:8.4f} {s.iterations:10d}")
+  print(f"load average at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
