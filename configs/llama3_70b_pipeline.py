@@ -6,6 +6,9 @@ network, while FSDP and tensor parallelism stay on each node's NeuronLink. Check
 
 4 nodes = 4 stages of 20 layers; 8, 12, ... nodes add FSDP copies of each stage across nodes
 (`mesh.dcn_fsdp` fills them). `HARDWARE` refines the generic presets of maxtrain/config/hardware.py.
+
+repeats=1 (bubble 3/7): with 2 repeats (bubble 3/11) XLA gathers the layer stack's shards to build each stage's
+repeats, and the step needs 24.27 GiB, over the core's 24 (BENCHMARKS.md).
 """
 
 from pathlib import Path
@@ -22,14 +25,14 @@ def get_config():
 
 # 24 GiB per logical core (LNC=2). Each node is one stage: fsdp=16 x tensor=4 over its 64 cores. The
 # 256 sequences give each of the 16 batch shards 16 per step: 4 accumulation steps of 4, one sequence
-# per pipeline microbatch (M=4 >= 4 stages). Circular repeats (R=5: each stage runs 5 groups of 4
-# layers) cut the bubble from 3/7 to 3/23 = 13%. GPipe order would keep every iteration's layer inputs
+# per pipeline microbatch (M=4 >= 4 stages): bubble 3/7. Circular repeats would cut it (R=5: 3/23) but
+# do not fit (module doc). GPipe order would keep every iteration's layer inputs
 # (~12.5 GiB of bf16 per core); `pipeline.stage_remat` keeps only each iteration's stage input and
 # recomputes the stage's 4 layers in the backward (one more forward of the layers). Context
 # parallelism (the single-node trn2 preset's answer to 8192-token sequences) does not run under the
 # pipeline. Compiled peak and estimate: BENCHMARKS.md.
 HARDWARE = {
     "trn2.48xlarge": {"mesh.dcn_pipeline": 4, "mesh.dcn_data": 1, "mesh.dcn_fsdp": -1, "mesh.fsdp": 16,
-                      "mesh.context": 1, "mesh.tensor": 4, "pipeline.repeats": 2, "pipeline.microbatches": 4,
+                      "mesh.context": 1, "mesh.tensor": 4, "pipeline.repeats": 1, "pipeline.microbatches": 4,
                       "pipeline.stage_remat": True, "optimizer.microbatch_size": 4},
 }
