@@ -2,7 +2,8 @@
 nodes (`mesh.dcn_pipeline`, docs/sharding.md): only the activations at stage boundaries cross the
 network, while FSDP and tensor parallelism stay on each node's NeuronLink. Check it fits:
 
-  python -m maxtrain.compile --config=configs/llama3_70b_pipeline.py --devices 256 --device-memory-gb 24
+  python -m maxtrain.compile --config=configs/llama3_70b_pipeline.py --config.hardware=trn2.48xlarge \
+      --devices 256 --device-memory-gb 24
 
 4 nodes = 4 stages of 20 layers; 8, 12, ... nodes add FSDP copies of each stage across nodes
 (`mesh.dcn_fsdp` fills them). `HARDWARE` refines the generic presets of maxtrain/config/hardware.py.
@@ -19,7 +20,6 @@ from maxtrain.config import load_file
 def get_config():
   c, _ = load_file(Path(__file__).with_name("llama3_70b.py"))
   c.output_dir = "runs/llama3_70b_pipeline"
-  c.hardware = "trn2.48xlarge"
   return c
 
 

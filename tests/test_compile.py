@@ -36,7 +36,8 @@ REDUCED_8B = ["--config=configs/llama3_8b.py", "--config.model.num_layers=2", "-
 # depth), each in a fresh process with its own device count; started together, read by the tests below.
 PRESETS = {
     # 4 trn2 nodes: 4 stages of 20 layers across nodes, fsdp=16 x tensor=4 inside; 24 GiB per core.
-    "llama3_70b_pipeline": (["--config=configs/llama3_70b_pipeline.py", "--devices", "256"], 24),
+    "llama3_70b_pipeline": (["--config=configs/llama3_70b_pipeline.py", "--config.hardware=trn2.48xlarge", "--devices",
+                             "256"], 24),
     # 18 nodes of 8 H200: 9 stages of 14 layers across nodes, tensor=8 inside, 2 FSDP copies per stage;
     # checked against an H100's 80 GB (exit 2, with the figures) and an H200's 131 GiB.
     "llama3_405b": (["--config=configs/llama3_405b.py", "--config.hardware=h200x8", "--devices", "144"], 80),
@@ -76,7 +77,7 @@ def test_llama3_70b_pipelined_over_trn2_nodes_fits_and_passes_the_neuron_lint(pr
   assert "80 layers, d_model 8192" in out
   assert "fits: peak" in out and _peak_gib(out) < 24
   assert "Neuron lint of the lowered train step: clean" in out
-  est = estimate_lib.estimate(config_lib.load(PRESETS["llama3_70b_pipeline"][0][:1]), 256)
+  est = estimate_lib.estimate(config_lib.load(PRESETS["llama3_70b_pipeline"][0][:2]), 256)
   assert est.pipeline["bubble_fraction"] == pytest.approx(3 / 7) and est.peak < 24 * GiB
   args = float(re.search(r"^  arguments +([0-9.]+) GiB", out, re.M).group(1))
   assert args == pytest.approx(est.arguments / GiB, abs=2e-3)  # the train state: the same sharded arrays

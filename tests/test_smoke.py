@@ -29,10 +29,12 @@ def test_entry_point_starts(module):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_shipped_config_loads_and_validates(name):
-  """On the devices its hardware preset describes (one node), or the CPU's 8 test devices."""
+  """On the devices its hardware preset describes (one node, or a multi-node preset's fewest nodes), or the
+  CPU's 8 test devices."""
   cfg = config_lib.load([f"--config=configs/{name}"])
-  sizes = [cfg.mesh[k] for k in ("data", "fsdp", "tensor", "context", "expert") if k in cfg.mesh]
-  devices = 8 if -1 in sizes else math.prod(sizes)
+  sizes = [cfg.mesh[k] for k in ("data", "fsdp", "tensor", "context", "expert", "pipeline") if k in cfg.mesh]
+  nodes = math.prod(max(1, cfg.mesh[k]) for k in ("dcn_pipeline", "dcn_data", "dcn_fsdp") if k in cfg.mesh)
+  devices = 8 if -1 in sizes else math.prod(sizes) * nodes  # a multi-node preset: its fewest nodes
   plan = validate(cfg, devices, require_data=False)
   assert plan.batch.global_size == cfg.data.batch_size
 

@@ -19,6 +19,7 @@ from maxtrain.models.llama import CONFIG_KEYS, Llama, ModelConfig
 from maxtrain.monitor import goodput
 from maxtrain.monitor.events import read_events
 from maxtrain.sharding.layout import check_divisible
+from maxtrain.sharding.mesh import DCN_AXES
 from maxtrain.program.plan import validate
 from tiny import TINY_MODEL
 
@@ -145,12 +146,15 @@ def test_entry_point_exit_code_in_a_fresh_process(tmp_path):
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.py")), ids=lambda p: p.name)
 def test_shipped_configs_parse_and_validate(path):
-  """Every config file, alone and with each hardware preset it lists (and cpu), validates on one node."""
+  """Every config file, alone and with each hardware preset it lists (and cpu), validates on one node (a
+  multi-node preset: on its fewest nodes)."""
   _, model_presets = config_lib.load_file(path)
   for name in ["", *sorted({"cpu", *model_presets})]:
     cfg = config_lib.load([f"--config={path}", f"--config.hardware={name}"] if name else [f"--config={path}"])
-    node = math.prod(max(1, cfg.mesh[a]) for a in ("data", "fsdp", "expert", "context", "tensor")) if cfg.mesh.fsdp != -1 else 8
-    plan = validate(cfg, num_devices=node, require_data=bool(cfg.data.corpus or cfg.data.path))
+    node = math.prod(max(1, cfg.mesh[a]) for a in ("data", "fsdp", "expert", "context", "tensor", "pipeline")
+                     if a in cfg.mesh) if cfg.mesh.fsdp != -1 else 8
+    nodes = math.prod(max(1, cfg.mesh[a]) for a in DCN_AXES)  # a multi-node preset: its fewest nodes
+    plan = validate(cfg, num_devices=node * nodes, require_data=bool(cfg.data.corpus or cfg.data.path))
     # The model is built abstractly and its parameters divide over the layout.
     abstract = nnx.state(nnx.eval_shape(lambda: Llama(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(0))))
     check_divisible(abstract, plan.layout, CONFIG_KEYS)
