@@ -309,19 +309,10 @@ def test_store_refusals(store, docs_store, tmp_path):
 
 # End to end, through `python -m maxtrain.train` (real subprocesses, 8 or 4 fake devices).
 
+from test_checkpoint import trainer as _trainer  # noqa: E402
 from tiny import TINY_MODEL  # noqa: E402
 
 TINY = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=4", "--config.checkpoint.every_steps=4"]
-
-
-def _trainer(args, devices=8):
-  import os
-  import subprocess
-  import sys
-
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
-  return subprocess.run([sys.executable, "-m", "maxtrain.train", *args], capture_output=True, text=True, env=env,
-                        timeout=300, cwd=REPO)
 
 
 def _scalars(out: Path) -> dict[str, dict[int, float]]:
