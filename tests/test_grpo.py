@@ -20,8 +20,10 @@ from maxtrain.data.tokenizer import ByteTokenizer
 from maxtrain.errors import Aborted, UserError
 from maxtrain.inference.sampling import Sampling
 from maxtrain.loop import grpo, rl_data, sft as sft_loop
+from maxtrain.loop.rollback import GuardPolicy, Rollback
 from maxtrain.monitor import events as ev
 from maxtrain.program import build, rl_loss, rl_step, state as state_lib
+from maxtrain.runtime import faults
 from test_checkpoint import REPO, assert_bitwise_equal, flat, restore_raw
 from tiny import TINY_MODEL
 
@@ -76,7 +78,7 @@ def run_step(program, train, state_host, host):
   """One on-policy GRPO step of `state_host` (host arrays): (metrics, new params) on the host."""
   with jax.set_mesh(program.mesh):
     state = jax.device_put(state_host, program.state.shardings)  # a fresh copy: the step donates it
-    state, metrics = train(state, rl_step.to_device(host, program))
+    state, metrics = train(state, rl_step.to_device(host, program, faults.NONE))
     return jax.device_get(metrics), jax.device_get(state.params)
 
 
@@ -98,17 +100,40 @@ def test_on_policy_ratio_is_one_and_8_devices_match_1(one_device):
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), params_nan, jax.device_get(state_host.params))
 
 
-def test_skipped_updates_are_events_and_too_many_in_a_row_stop_the_run(tmp_path):
+def flags(nonfinite=0, spike=0, consecutive_bad=0, grad_norm=1.0, zscore=0.0):
+  """One GRPO update's guard flags as `rl_step` returns them."""
+  return {"nonfinite": nonfinite, "nonfinite_update": 0, "spike": spike, "loss_zscore": zscore,
+          "consecutive_bad": consecutive_bad, "grad_norm": grad_norm}
+
+
+def grpo_policy(events, *extra):
+  policy = GuardPolicy(tiny_cfg(*extra).guards, events, rollbacks_used=0)
+  policy.unit, policy.signal = "round", "grad_norm"
+  return policy
+
+
+def test_guard_policy_reads_a_rounds_updates(tmp_path):
+  """Pretraining's GuardPolicy over a round's updates (4 a round here): each skip is an event naming the
+  round and update; max_consecutive_bad in a row (across rounds) rolls back to before the round where
+  the streak began; the budget spent, and a spike with spike_action=abort, stop the run (exit 3)."""
   events = ev.EventLog(tmp_path / "events.jsonl")
-  guard = grpo.SkipGuard(3, events)
-  guard.after_round(1, [0.0, 1.0, 1.0, 0.0])  # two in a row, then a good one
-  guard.after_round(2, [1.0, 1.0, 0.0, 0.0])
-  with pytest.raises(Aborted, match="3 non-finite GRPO updates in a row at round 3.*max_consecutive_bad=3"):
-    guard.after_round(3, [0.0, 1.0, 1.0, 1.0])
+  policy = grpo_policy(events, "--config.guards.max_consecutive_bad=3", "--config.guards.max_rollbacks=1")
+  assert policy.after_updates(1, [flags(), flags(1, consecutive_bad=1), flags(), flags(1, consecutive_bad=1)], 4) is None
+  rollback = policy.after_updates(2, [flags(1, consecutive_bad=2), flags(1, consecutive_bad=3), flags()], 4)
+  assert rollback == Rollback(step=2, first_bad=1, reason="3 non-finite updates in a row") and policy.rollbacks == 1
   skips = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
   assert [(e["kind"], e["step"], e["update"], e["consecutive"]) for e in skips] == [
-      ("nan_skip", 1, 2, 1), ("nan_skip", 1, 3, 2), ("nan_skip", 2, 1, 1), ("nan_skip", 2, 2, 2),
-      ("nan_skip", 3, 2, 1), ("nan_skip", 3, 3, 2), ("nan_skip", 3, 4, 3)]
+      ("nan_skip", 1, 2, 1), ("nan_skip", 1, 4, 1), ("nan_skip", 2, 1, 2), ("nan_skip", 2, 2, 3)]
+  with pytest.raises(Aborted, match="3 non-finite updates in a row at round 5, and guards.max_rollbacks=1"):
+    policy.after_updates(5, [flags(1, consecutive_bad=3)], 4)
+  abort = grpo_policy(events, "--config.guards.spike_action=abort")
+  assert abort.after_updates(6, [flags(spike=0, grad_norm=0.9, zscore=2.0)], 4) is None
+  with pytest.raises(Aborted, match=r"grad_norm spike at round 6, update 2: grad_norm 90.0000, z-score 700.0 > "
+                                    r"guards.spike_zscore=6.0 \(guards.spike_action=abort\)"):
+    abort.after_updates(6, [flags(), flags(spike=1, grad_norm=90.0, zscore=700.0)], 4)
+  spike = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])
+  assert (spike["kind"], spike["step"], spike["update"], spike["grad_norm"], spike["action"]) == (
+      "spike", 6, 2, 90.0, "abort")
 
 
 def boom(prompt, completion, meta):
@@ -126,11 +151,10 @@ def test_reward_function_errors_name_it():
   assert rl_data.load_reward("maxtrain.data.arithmetic:reward") is arithmetic.reward
 
 
-def test_batch_size_must_match_the_round_and_rollback_is_refused():
+def test_batch_size_must_match_the_round():
   with pytest.raises(UserError, match="data.batch_size=8 must be post.prompts_per_step x post.group_size"):
     grpo.check_config(tiny_cfg("--config.data.batch_size=8"))
-  with pytest.raises(UserError, match="guards.spike_action='rollback' is not supported with post.mode=grpo"):
-    grpo.check_config(tiny_cfg("--config.guards.spike_action=rollback"))
+  grpo.check_config(tiny_cfg("--config.guards.spike_action=rollback"))  # GRPO rolls back like pretraining
 
 
 def digit_reward(prompt, completion, meta):
