@@ -5,6 +5,7 @@ UserErrors naming them."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,8 +21,10 @@ from maxtrain.data.tokenizer import ByteTokenizer
 from maxtrain.errors import Aborted, UserError
 from maxtrain.inference.sampling import Sampling
 from maxtrain.loop import grpo, rl_data, sft as sft_loop
-from maxtrain.loop.rollback import GuardPolicy, Rollback
+from maxtrain.cli import train
+from maxtrain.loop.rollback import ROLLBACKS_FILE, GuardPolicy, Rollback
 from maxtrain.monitor import events as ev
+from maxtrain.monitor.events import read_events
 from maxtrain.program import build, rl_loss, rl_step, state as state_lib
 from maxtrain.runtime import faults
 from test_checkpoint import REPO, assert_bitwise_equal, flat, restore_raw
@@ -162,16 +165,89 @@ def digit_reward(prompt, completion, meta):
   return float(sum(c.isdigit() for c in completion))
 
 
+# configs/grpo.py on the tiny model, 2 epochs x 2 minibatches a round (old log-probs kept): the end-to-end
+# runs below share it, so the processes after the first hit the persistent compilation cache.
+RUN_ARGS = ["--config=configs/grpo.py", *TINY_MODEL, "--config.data.seq_len=16", f"--config.post.prompts_per_step={P}",
+            f"--config.post.group_size={G}", f"--config.data.batch_size={P * G // 2}", "--config.post.eval_prompts=0",
+            "--config.post.reward=test_grpo:digit_reward", "--config.post.log_rollouts=true",
+            "--config.checkpoint.every_steps=2", "--config.eval.every_steps=0", "--config.log_every=1",
+            "--config.optimizer.lr=1e-3"]
+
+
+def rounds(out):
+  return [json.loads(line) for line in (out / grpo.ROLLOUTS_FILE).read_text().splitlines()]
+
+
+def guard_events(out):
+  return [(r["kind"], r["step"], r.get("update", r.get("from_step"))) for r in read_events(out / "events.jsonl")
+          if r["kind"] in ("nan_skip", "spike", "rollback")]
+
+
+@pytest.fixture(scope="module")
+def rolled_back(tmp_path_factory):
+  """A run (7 rounds, checkpoints every 2) whose round 3 is NaN (every update; 2 in a row roll back) and
+  whose round 6's gradients are x1e4 (a gradient-norm spike, spike_action=rollback): its output dir. (x1e4:
+  a round whose groups all have equal rewards has a KL-only gradient ~100x smaller than usual.)"""
+  out = tmp_path_factory.mktemp("grpo") / "run"
+  assert train.main(RUN_ARGS + ["--config.steps=7", "--config.faults.nan_at_step=3", "--config.guards.max_consecutive_bad=2",
+                                "--config.faults.spike_at_step=6", "--config.faults.spike_factor=1e4",
+                                "--config.guards.spike_action=rollback",
+                                f"--config.output_dir={out}"]) == 0
+  return out
+
+
+def test_nan_and_spike_roll_back_and_the_redone_rounds_draw_new_rollouts(rolled_back):
+  out = rolled_back
+  assert guard_events(out) == [("nan_skip", 3, 1), ("nan_skip", 3, 2), ("rollback", 2, 3),  # to round 2, from 3
+                               ("spike", 6, 1), ("rollback", 4, 6)]
+  spike = next(r for r in read_events(out / "events.jsonl") if r["kind"] == "spike")
+  assert spike["zscore"] > 6.0 and spike["action"] == "rollback"
+  assert json.loads((out / "checkpoints" / ROLLBACKS_FILE).read_text())["rollbacks"] == 2
+  done = rounds(out)
+  assert [r["round"] for r in done] == [1, 2, 3, 3, 4, 5, 6, 5, 6, 7]
+  assert [r["position"] for r in done] == list(range(10))  # the prompt position only moves forward
+  faulty, redone = (done[2], done[6]), (done[3], done[7])  # rounds 3 and 6 as faulted, then as redone
+  for bad, again in zip(faulty, redone):
+    assert bad["prompts"] != again["prompts"] and bad["completions"] != again["completions"]
+  assert json.loads((out / "summary.json").read_text())["steps"] == 7
+
+
+def test_resume_after_a_rollback_is_exact(rolled_back, tmp_path):
+  """Resumed from the round-6 checkpoint written after both rollbacks: round 7 draws the same rollouts
+  (position 9, from the checkpoint's data state) and ends bit for bit where the uninterrupted run did."""
+  out = tmp_path / "resumed"
+  shutil.copytree(rolled_back, out)
+  shutil.rmtree(out / "checkpoints" / "7")
+  (out / grpo.ROLLOUTS_FILE).write_text("")
+  assert train.main(RUN_ARGS + ["--config.steps=7", "--config.faults.nan_at_step=3", "--config.guards.max_consecutive_bad=2",
+                                "--config.faults.spike_at_step=6", "--config.faults.spike_factor=1e4",
+                                "--config.guards.spike_action=rollback",
+                                f"--config.output_dir={out}"]) == 0
+  assert rounds(out) == rounds(rolled_back)[-1:] and rounds(out)[0]["position"] == 9
+  assert_bitwise_equal(restore_raw(rolled_back / "checkpoints", 7), restore_raw(out / "checkpoints", 7))
+
+
+def test_a_skipped_spike_goes_on_and_a_spent_budget_stops_the_run(tmp_path):
+  """spike_action=skip: round 6's x1e4 gradients are spikes, skipped in graph, and the run goes on; then
+  round 7's NaNs need a rollback but guards.max_rollbacks=0: exit 3."""
+  out = tmp_path / "run"
+  code = train.main(RUN_ARGS + ["--config.steps=8", "--config.faults.spike_at_step=6", "--config.faults.spike_factor=1e4",
+                                "--config.faults.nan_at_step=7",
+                                "--config.guards.max_consecutive_bad=4", "--config.guards.max_rollbacks=0",
+                                f"--config.output_dir={out}"])
+  assert code == train.EXIT_ABORTED == 3
+  assert guard_events(out) == [("spike", 6, u) for u in (1, 2, 3, 4)] + [("nan_skip", 7, u) for u in (1, 2, 3, 4)]
+  assert [r["round"] for r in rounds(out)] == [1, 2, 3, 4, 5, 6, 7]
+  exit_record = read_events(out / "events.jsonl")[-1]
+  assert (exit_record["kind"], exit_record["code"]) == ("exit", 3)
+
+
 def test_resume_after_sigkill_mid_run_is_bitwise_and_samples_the_same(tmp_path):
   """configs/grpo.py on the tiny model (2 epochs x 2 minibatches a round: old log-probs kept), killed
   (SIGKILL) after round 3 with the newest checkpoint at round 2, resumed: the round-4 state equals an
   uninterrupted run's bit for bit, and the rounds redone after the resume sample the same completions
   (sampling seed, prompt position and the rebuilt reference restored)."""
-  args = ["--config=configs/grpo.py", *TINY_MODEL, "--config.data.seq_len=16", f"--config.post.prompts_per_step={P}",
-          f"--config.post.group_size={G}", f"--config.data.batch_size={P * G // 2}", "--config.post.eval_prompts=0",
-          "--config.post.reward=test_grpo:digit_reward", "--config.post.log_rollouts=true", "--config.steps=4",
-          "--config.checkpoint.every_steps=2", "--config.eval.every_steps=0", "--config.log_every=1",
-          "--config.optimizer.lr=1e-3"]
+  args = RUN_ARGS + ["--config.steps=4"]
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]])}
 
   def start(name, *extra):
@@ -185,10 +261,7 @@ def test_resume_after_sigkill_mid_run_is_bitwise_and_samples_the_same(tmp_path):
     assert run.returncode == code, err[-3000:]
   assert "restored step 8" in err and "killed/checkpoints/2" in err  # the state's step: 2 rounds x 4 updates
 
-  def rounds(name):
-    return [json.loads(line) for line in (tmp_path / name / grpo.ROLLOUTS_FILE).read_text().splitlines()]
-
-  straight, killed = rounds("straight"), rounds("killed")
+  straight, killed = rounds(tmp_path / "straight"), rounds(tmp_path / "killed")
   assert [r["round"] for r in straight] == [1, 2, 3, 4] and [r["round"] for r in killed] == [1, 2, 3, 3, 4]
   assert killed[:3] == straight[:3] and killed[3:] == straight[2:]  # round 3 sampled again, the same
   assert len({c for r in straight for c in r["completions"]}) > 1 and len({x for r in straight for x in r["rewards"]}) > 1
