@@ -77,6 +77,24 @@ def test_sampler_and_trainer_logprobs_agree(one_device):
   np.testing.assert_allclose(trainer_logp[mask > 0], sampler_logp[mask > 0], rtol=0, atol=1e-5)
 
 
+def test_bf16_sampler_and_trainer_logprob_gap_is_small():
+  """In bfloat16 (parameters and matmuls) the generator (one token at a time, against its KV cache) and the
+  trainer's forward pass (the whole row) round differently: the gap `rl/logprob_gap` reports is no longer
+  ~1e-6 but must stay far inside the objective's clip range. Bound: log(1 + clip_eps) / 4 = 0.046 nats
+  (clip_eps 0.2), so that a sampler/trainer mismatch alone moves an importance ratio by at most a quarter
+  of the way to the clip; a bf16 round-off of a log-probability is ~2^-8 x |logit|, well below it."""
+  program = build.program_for(tiny_cfg("--config.model.compute_dtype=bfloat16", "--config.model.param_dtype=bfloat16"),
+                              jax.devices()[:1])
+  logprobs, _ = rl_step.jit_pieces(program, clip_eps=0.2, kl_coef=0.1, on_policy=True)
+  with jax.set_mesh(program.mesh):
+    state = state_lib.initialize(program.state, program.mesh)
+    host, sampler_logp, mask = rollout(program, state.params)
+    trainer_logp = np.asarray(logprobs(state.params, rl_step.to_device(host, program)))
+  gap = grpo.logprob_gap(trainer_logp, sampler_logp, mask)
+  print(f"bf16 sampler/trainer logprob gap: {gap:.3e} nats (max over {int(mask.sum())} completion tokens)")
+  assert np.isfinite(gap) and 0 < gap < np.log(1.2) / 4
+
+
 def run_step(program, train, state_host, host):
   """One on-policy GRPO step of `state_host` (host arrays): (metrics, new params) on the host."""
   with jax.set_mesh(program.mesh):

@@ -74,6 +74,11 @@ def rollout_rows(prompt_ids: Sequence[Sequence[int]], tokens_BN: np.ndarray, sco
   return rows, lengths, texts
 
 
+def logprob_gap(trainer_logp: np.ndarray, sampler_logp: np.ndarray, mask: np.ndarray) -> float:
+  """`rl/logprob_gap`: the max |trainer - sampler| log-probability over the completion tokens (mask > 0)."""
+  return float(np.max(np.abs(trainer_logp - sampler_logp) * mask))
+
+
 def check_config(cfg: ml_collections.ConfigDict) -> None:
   """The GRPO keys, before anything is built (UserError naming the key)."""
   p, b = cfg.post, cfg.data.batch_size
@@ -200,7 +205,7 @@ class GrpoTrainer(Trainer):
     batch = rl_step.to_device(host, self.program)
     host["ref_logp"] = np.asarray(self.logprobs(reference, batch))
     host["old_logp"] = np.asarray(self.logprobs(state.params, batch))
-    gap = float(np.max(np.abs(host["old_logp"] - rows["sampler_logp"]) * mask))
+    gap = logprob_gap(host["old_logp"], rows["sampler_logp"], mask)
     n, per, flags = len(mask), len(mask) // p.minibatches, []
     fault = self.faults.in_graph(k + 1)  # faults.nan_at_step / spike_at_step: every update of that round
     for _ in range(p.ppo_epochs):
