@@ -4,6 +4,7 @@ on 8 devices (fsdp x tensor) matches 1 device, and reward functions that cannot 
 UserErrors naming them."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -260,24 +261,23 @@ def test_a_skipped_spike_goes_on_and_a_spent_budget_stops_the_run(tmp_path):
   assert (exit_record["kind"], exit_record["code"]) == ("exit", 3)
 
 
-def test_resume_after_sigkill_mid_run_is_bitwise_and_samples_the_same(tmp_path):
+def test_resume_after_sigkill_mid_run_is_bitwise_and_samples_the_same(tmp_path, caplog):
   """configs/grpo.py on the tiny model (2 epochs x 2 minibatches a round: old log-probs kept), killed
   (SIGKILL) after round 3 with the newest checkpoint at round 2, resumed: the round-4 state equals an
   uninterrupted run's bit for bit, and the rounds redone after the resume sample the same completions
   (sampling seed, prompt position and the rebuilt reference restored)."""
   args = RUN_ARGS + ["--config.steps=4"]
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]])}
-
-  def start(name, *extra):
-    return subprocess.Popen([sys.executable, "-m", "maxtrain.train", *args, f"--config.output_dir={tmp_path / name}",
-                             *extra], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-  # One after another: the first compiles, the others hit the persistent compilation cache.
-  for name, extra, code in (("straight", (), 0), ("killed", ("--config.faults.kill_at_step=3",), -signal.SIGKILL),
-                            ("killed", ("--config.faults.kill_at_step=3",), 0)):  # the fault fires once
-    _, err = (run := start(name, *extra)).communicate(timeout=600)
-    assert run.returncode == code, err[-3000:]
-  assert "restored step 8" in err and "killed/checkpoints/2" in err  # the state's step: 2 rounds x 4 updates
+  kill = [f"--config.output_dir={tmp_path / 'killed'}", "--config.faults.kill_at_step=3"]
+  # Only the killed run needs a process of its own; the others run here (the same compiled programs).
+  assert train.main(args + [f"--config.output_dir={tmp_path / 'straight'}"]) == 0
+  run = subprocess.run([sys.executable, "-m", "maxtrain.train", *args, *kill], cwd=REPO, env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+  assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="maxtrain"):
+    assert train.main(args + kill) == 0  # the fault fires once
+  assert "restored step 8" in caplog.text and "killed/checkpoints/2" in caplog.text  # 2 rounds x 4 updates
 
   straight, killed = rounds(tmp_path / "straight"), rounds(tmp_path / "killed")
   assert [r["round"] for r in straight] == [1, 2, 3, 4] and [r["round"] for r in killed] == [1, 2, 3, 3, 4]
