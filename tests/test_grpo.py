@@ -27,7 +27,7 @@ from maxtrain.loop.rollback import ROLLBACKS_FILE, GuardPolicy, Rollback
 from maxtrain.monitor import events as ev
 from maxtrain.monitor.events import read_events
 from maxtrain.program import build, rl_loss, rl_step, state as state_lib
-from maxtrain.runtime import faults
+from maxtrain.runtime import cache, faults
 from test_checkpoint import REPO, assert_bitwise_equal, flat, restore_raw
 from tiny import TINY_MODEL
 
@@ -60,6 +60,7 @@ def rollout(program, params):
 @pytest.fixture(scope="module")
 def one_device():
   """The 1-device program, its initial state (on the host), a rollout batch, and the compiled pieces."""
+  cache.configure_compile_cache("")  # the persistent compilation cache, as every trainer run (below) configures it
   cfg = tiny_cfg()
   program = build.program_for(cfg, jax.devices()[:1])
   state = state_lib.initialize(program.state, program.mesh)
@@ -96,11 +97,11 @@ def test_bf16_sampler_and_trainer_logprob_gap_is_small():
   assert np.isfinite(gap) and 0 < gap < np.log(1.2) / 4
 
 
-def run_step(program, train, state_host, host):
+def run_step(program, train, state_host, host, fault=faults.NONE):
   """One on-policy GRPO step of `state_host` (host arrays): (metrics, new params) on the host."""
   with jax.set_mesh(program.mesh):
     state = jax.device_put(state_host, program.state.shardings)  # a fresh copy: the step donates it
-    state, metrics = train(state, rl_step.to_device(host, program, faults.NONE))
+    state, metrics = train(state, rl_step.to_device(host, program, fault))
     return jax.device_get(metrics), jax.device_get(state.params)
 
 
@@ -120,6 +121,17 @@ def test_on_policy_ratio_is_one_and_8_devices_match_1(one_device):
   metrics_nan, params_nan = run_step(program, train, state_host, {**host, "advantages": host["advantages"] * np.nan})
   assert float(metrics_nan["skipped"]) == 1.0
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), params_nan, jax.device_get(state_host.params))
+  # The gradient norm is the spike signal: past the warmup, x1e4 gradients (the fault seam) are a spike, skipped.
+  norm = float(metrics1["grad_norm"])
+  window = state_host.guard.losses.shape[0]
+  warm = state_host.replace(guard=state_host.guard.replace(losses=np.linspace(0.9, 1.1, window, dtype=np.float32) * norm,
+                                                           recorded=np.int32(window)))
+  metrics_spike, params_spike = run_step(program, train, warm, host, fault=(0.0, 1e4))
+  assert int(metrics_spike["spike"]) == 1 and float(metrics_spike["skipped"]) == 1.0
+  np.testing.assert_allclose(float(metrics_spike["grad_norm"]), 1e4 * norm, rtol=1e-4)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), params_spike, jax.device_get(state_host.params))
+  metrics_ok, _ = run_step(program, train, warm, host)  # the same update unscaled is inside the window: no spike
+  assert int(metrics_ok["spike"]) == 0 and float(metrics_ok["skipped"]) == 0.0
 
 
 def flags(nonfinite=0, spike=0, consecutive_bad=0, grad_norm=1.0, zscore=0.0):
