@@ -1,7 +1,9 @@
 """GRPO on the training program: the generator's log-probabilities equal the trainer's forward pass on
-the same tokens (fp32, 1e-5), one optimizer step per rollout has importance ratio exactly 1, the step
-on 8 devices (fsdp x tensor) matches 1 device, and reward functions that cannot be loaded or raise are
-UserErrors naming them."""
+the same tokens (fp32, 1e-5; the bf16 gap bounded), one optimizer step per rollout has importance ratio
+exactly 1, the step on 8 devices (fsdp x tensor) matches 1 device, reward functions that cannot be
+loaded or raise are UserErrors naming them, and the guards: NaN and gradient-norm spikes skip in graph,
+roll back (the redone rounds draw new rollouts; a resume after it is bitwise) or stop the run; a
+SIGKILLed run resumes bitwise."""
 
 import json
 import logging

@@ -135,7 +135,7 @@ class GrpoTrainer(Trainer):
         step = self.step = step + 1
         self.data.set_state({"step": position + 1})
         self.faults.in_graph_ran(step)  # before a rollback: the round redone after it runs clean
-        rollback = self.rollbacks.policy.after_updates(step, flags, self.updates_per_round)
+        rollback = self.rollbacks.after_updates(step, flags, self.updates_per_round)
         if rollback is not None:
           state, step = self._rollback(rollback)
           self.watchdog.beat(step)

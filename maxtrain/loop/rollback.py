@@ -140,6 +140,9 @@ class Rollbacks:
   def after_step(self, step: int, metrics: Any, *, last: bool) -> Rollback | None:
     return self.policy.after_step(step, metrics, last=last)
 
+  def after_updates(self, step: int, updates: Sequence[dict], per_step: int) -> Rollback | None:
+    return self.policy.after_updates(step, updates, per_step)
+
   def perform(self, rollback: Rollback, state_spec: Any, initialize: Any, per_step: int = 1) -> Any:
     """The newest checkpoint's state from before the fault (`initialize()` when there is none). The data
     loader keeps going forward, so the batches that led to the fault are not replayed. `per_step`:
