@@ -281,7 +281,9 @@ def test_resume_after_sigkill_mid_run_is_bitwise_and_samples_the_same(tmp_path, 
   uninterrupted run's bit for bit, and the rounds redone after the resume sample the same completions
   (sampling seed, prompt position and the rebuilt reference restored)."""
   args = RUN_ARGS + ["--config.steps=4"]
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]])}
+  # conftest's matmul precision in the child too: the same programs as this process's runs (compile cache hits).
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]]),
+         "JAX_DEFAULT_MATMUL_PRECISION": str(jax.config.jax_default_matmul_precision)}
   kill = [f"--config.output_dir={tmp_path / 'killed'}", "--config.faults.kill_at_step=3"]
   # Only the killed run needs a process of its own; the others run here (the same compiled programs).
   assert train.main(args + [f"--config.output_dir={tmp_path / 'straight'}"]) == 0
