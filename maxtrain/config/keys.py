@@ -192,8 +192,8 @@ def base_config() -> ml_collections.ConfigDict:
   f.corrupt_checkpoint_at_step = -1  # Flip a byte of this step's checkpoint once it is complete (bit rot).
   f.crash_at_step = -1  # Raise an exception after this step (exit 1, a crash).
   f.hang_at_step = -1  # Block forever after this step (the watchdog must fire).
-  f.nan_at_step = -1  # Make this step's loss and gradients NaN (in-graph).
-  f.spike_at_step = -1  # Multiply this step's loss and gradients by spike_factor (in-graph).
+  f.nan_at_step = -1  # Make this step's (GRPO: every update of this round's) loss and gradients NaN (in-graph).
+  f.spike_at_step = -1  # Multiply this step's (GRPO: this round's) loss and gradients by spike_factor (in-graph).
   f.spike_factor = 100.0  # Loss and gradient multiplier of spike_at_step.
   f.process = -1  # The process the step faults above fire in (sigterm, kill, crash, hang, slow); -1 = every process.
   f.sigterm_process = -1  # The process sigterm_at_step fires in; -1 = as faults.process.
@@ -203,10 +203,10 @@ def base_config() -> ml_collections.ConfigDict:
   f.kill_times = 0  # How many kill_every_steps kills in the whole run.
 
   c.guards = g = ml_collections.ConfigDict()
-  g.max_consecutive_bad = 3  # Non-finite steps in a row (each skipped in-graph) before a rollback.
-  g.spike_window = 32  # Recorded losses the spike statistics use.
+  g.max_consecutive_bad = 3  # Non-finite steps (GRPO: optimizer updates) in a row (each skipped in-graph) before a rollback.
+  g.spike_window = 32  # Recorded losses (GRPO: gradient norms) the spike statistics use.
   g.spike_warmup = 20  # Recorded losses needed before spikes are detected.
-  g.spike_zscore = 6.0  # A loss above mean + spike_zscore x std of the window is a spike (its update is skipped).
+  g.spike_zscore = 6.0  # A loss (GRPO: gradient norm) above mean + spike_zscore x std of the window is a spike (its update is skipped).
   g.spike_action = "skip"  # skip (just the update) | rollback (to the newest checkpoint, data skips ahead) | abort.
   g.max_rollbacks = 3  # Rollbacks allowed per run (counted across restarts), then abort.
 

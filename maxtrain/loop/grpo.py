@@ -3,16 +3,20 @@ metrics, watchdog, preemption, evals) with its step replaced by a rollout -> sco
 
 Each round k (a `steps` unit; each makes post.ppo_epochs x post.minibatches optimizer steps, so
 the state's step is k x that):
-- rollout: the round's post.prompts_per_step prompts (`PromptData`, a function of seed and k), each
-  repeated post.group_size times, sampled by the project's KV-cache generator (`inference/sampling.py`)
-  on the training mesh with the current parameters (the same arrays: no copy), seed derived from
-  (seed, k), so a resumed run samples the same completions;
+- rollout: the post.prompts_per_step prompts of the data position q (`PromptData`, a function of seed
+  and q), each repeated post.group_size times, sampled by the project's KV-cache generator
+  (`inference/sampling.py`) on the training mesh with the current parameters (the same arrays: no
+  copy), seed derived from (seed, q), so a resumed run samples the same completions. q counts the
+  rounds drawn and only moves forward (the checkpoint's data state): it equals k until a rollback,
+  after which the redone rounds draw new prompts and seeds, as pretraining's loader does;
 - score: the reward function `post.reward` (module:function(prompt, completion, meta) -> float) on the
   host, per completion (cut at its first EOS);
 - train: rows prompt + completion (+ EOS) with the loss mask on completion tokens, group-normalised
   advantages, reference log-probs from the frozen reference (the initial parameters: checkpoint.init_from,
   else the seed's initialisation, rebuilt on resume), the old log-probs from the trainer's forward pass
-  before the first update; then the optimizer steps (`program/rl_step.py`).
+  before the first update; then the optimizer steps (`program/rl_step.py`);
+- guards: each update's flags (non-finite, gradient-norm spike) go to pretraining's `GuardPolicy` in
+  rounds (`loop/rollback.py`): events, and a rollback, skip or abort as guards.* say.
 Scalars (TensorBoard `rl/*`): reward mean/std, KL, entropy, clip fraction, response length, the
 fraction of zero-advantage groups, `rl/logprob_gap` (max |sampler - trainer| log-prob on the round's
 completion tokens) and the rollout / score / train seconds.
@@ -29,16 +33,17 @@ import jax
 import ml_collections
 import numpy as np
 
-from maxtrain.errors import Aborted, require
+from maxtrain.errors import require
 from maxtrain.loop import sft as sft_loop
 from maxtrain.loop.rl_data import score
+from maxtrain.loop.rollback import Rollback
 from maxtrain.loop.trainer import Trainer
-from maxtrain.monitor import events as ev
 from maxtrain.program import rl_loss, rl_step
 from maxtrain.program import state as state_lib
 
 log = logging.getLogger("maxtrain")
 ROLLOUTS_FILE = "rollouts.jsonl"  # post.log_rollouts
+GUARD_FLAGS = ("nonfinite", "nonfinite_update", "spike", "loss_zscore", "consecutive_bad", "grad_norm")
 
 
 def rollout_rows(prompt_ids: Sequence[Sequence[int]], tokens_BN: np.ndarray, scores_BN2: np.ndarray, eos_id: int,
@@ -69,6 +74,11 @@ def rollout_rows(prompt_ids: Sequence[Sequence[int]], tokens_BN: np.ndarray, sco
   return rows, lengths, texts
 
 
+def logprob_gap(trainer_logp: np.ndarray, sampler_logp: np.ndarray, mask: np.ndarray) -> float:
+  """`rl/logprob_gap`: the max |trainer - sampler| log-probability over the completion tokens (mask > 0)."""
+  return float(np.max(np.abs(trainer_logp - sampler_logp) * mask))
+
+
 def check_config(cfg: ml_collections.ConfigDict) -> None:
   """The GRPO keys, before anything is built (UserError naming the key)."""
   p, b = cfg.post, cfg.data.batch_size
@@ -80,33 +90,8 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
           f"config.data.batch_size={b} must be post.prompts_per_step x post.group_size / post.minibatches = "
           f"{p.prompts_per_step} x {p.group_size} / {p.minibatches}: the optimizer step's batch")
   require(p.temperature > 0, f"config.post.temperature={p.temperature}: GRPO samples, it must be > 0")
-  require(cfg.guards.spike_action != "rollback", "config.guards.spike_action='rollback' is not supported with "
-          "post.mode=grpo (GRPO skips a non-finite optimizer step and stops after guards.max_consecutive_bad in a "
-          "row; it does not roll back): use skip or abort")
   require(p.clip_eps > 0 and p.kl_coef >= 0, f"config.post.clip_eps={p.clip_eps}, post.kl_coef={p.kl_coef}: "
           "need clip_eps > 0 and kl_coef >= 0")
-
-
-class SkipGuard:
-  """GRPO's host-side guard. The step skips an update whose loss or gradient is non-finite (in graph,
-  `rl_step`); here each skip is a `nan_skip` event, and guards.max_consecutive_bad skipped optimizer
-  steps in a row stop the run (exit 3). No rollback (not built: a restore replays the same rounds
-  exactly, so it would need the rounds to skip ahead, as pretraining's data does)."""
-
-  def __init__(self, max_consecutive_bad: int, events: ev.EventLog):
-    self.limit, self.events, self.consecutive = max_consecutive_bad, events, 0
-
-  def after_round(self, round_: int, skipped: Sequence[float]) -> None:
-    for i, bad in enumerate(skipped):
-      self.consecutive = self.consecutive + 1 if bad else 0
-      if bad:
-        self.events.emit(ev.NAN_SKIP, round_, count=1, consecutive=self.consecutive, what="loss or gradients",
-                         update=i + 1)
-        log.warning("round %d, update %d: non-finite loss or gradients; update skipped (%d in a row)", round_, i + 1,
-                    self.consecutive)
-    if self.consecutive >= self.limit:
-      raise Aborted(f"{self.consecutive} non-finite GRPO updates in a row at round {round_} "
-                    f"(guards.max_consecutive_bad={self.limit}); GRPO does not roll back (docs/post_training.md)")
 
 
 class GrpoTrainer(Trainer):
@@ -119,7 +104,7 @@ class GrpoTrainer(Trainer):
     self.updates_per_round = p.ppo_epochs * p.minibatches
     self.logprobs, self.grpo_step = rl_step.jit_pieces(self.program, clip_eps=p.clip_eps, kl_coef=p.kl_coef,
                                                        on_policy=self.updates_per_round == 1)
-    self.guard = SkipGuard(cfg.guards.max_consecutive_bad, self.events)
+    self.rollbacks.policy.unit, self.rollbacks.policy.signal = "round", "grad_norm"  # loop/rollback.py, per round
 
   def _reference(self, state: state_lib.TrainState) -> Any:
     """The frozen reference: the run's starting parameters (rebuilt, not saved: also after a resume)."""
@@ -145,9 +130,16 @@ class GrpoTrainer(Trainer):
       self._evaluate(state, 0)
     with jax.set_mesh(self.program.mesh):
       while step < cfg.steps:
-        state, metrics, scalars = self._round(state, step, reference, generator)
+        position = self.data.get_state()["step"]  # rounds of prompts drawn: only moves forward (rollbacks)
+        state, metrics, scalars, flags = self._round(state, step, position, reference, generator)
         step = self.step = step + 1
-        self.data.set_state({"step": step})
+        self.data.set_state({"step": position + 1})
+        self.faults.in_graph_ran(step)  # before a rollback: the round redone after it runs clean
+        rollback = self.rollbacks.after_updates(step, flags, self.updates_per_round)
+        if rollback is not None:
+          state, step = self._rollback(rollback)
+          self.watchdog.beat(step)
+          continue
         data_state = self.data.get_state()
         if self.metrics.summary is None:
           self.metrics.first_step(step, metrics, self.t_start)
@@ -161,29 +153,47 @@ class GrpoTrainer(Trainer):
     self.checkpoints.check_final(step)
     return eval_loss
 
-  def _rollout(self, state: state_lib.TrainState, k: int, generator: Any) -> tuple[list[dict], np.ndarray, np.ndarray, list]:
+  def _rollback(self, rollback: Rollback) -> tuple[state_lib.TrainState, int]:
+    """Pretraining's rollback (loop/rollback.py) in rounds; with no checkpoint before the fault, the run's
+    starting state (checkpoint.init_from's weights when set)."""
+    state = self.rollbacks.perform(rollback, self.program.state, self._starting_state, per_step=self.updates_per_round)
+    step = self.step = int(state.step) // self.updates_per_round
+    self.metrics.restart_interval(step)
+    return state, step
+
+  def _starting_state(self) -> state_lib.TrainState:
+    if self.cfg.checkpoint.init_from:
+      from maxtrain.interop import init_from
+
+      return init_from.initial_state(self.program, self.cfg.checkpoint.init_from, self.cfg.guards.spike_window)
+    return state_lib.initialize(self.program.state, self.program.mesh)
+
+  def _rollout(self, state: state_lib.TrainState, q: int, generator: Any) -> tuple[list[dict], np.ndarray, np.ndarray, list]:
+    """Position q's prompts, each group_size times, sampled with a seed derived from (seed, q)."""
     from maxtrain.inference.sampling import Sampling
 
     p, tok = self.cfg.post, self.data.tokenizer
-    examples = [e for e in self.data.prompts(k) for _ in range(p.group_size)]
+    examples = [e for e in self.data.prompts(q) for _ in range(p.group_size)]
     prompt_ids = [tok.encode(e["prompt"]).tolist() for e in examples]
     generator.params = state.params  # the current parameters themselves
-    seed = int(np.random.default_rng([self.cfg.seed, k, 11]).integers(2**31))
+    seed = int(np.random.default_rng([self.cfg.seed, q, 11]).integers(2**31))
     tokens_BN, scores_BN2, _ = generator.generate_scored(prompt_ids, p.max_new_tokens,
                                                          Sampling(temperature=p.temperature, seed=seed),
                                                          vocab_limit=tok.vocab_size)
     return examples, prompt_ids, tokens_BN, scores_BN2
 
-  def _round(self, state: state_lib.TrainState, k: int, reference: Any, generator: Any) -> tuple[Any, dict, dict]:
+  def _round(self, state: state_lib.TrainState, k: int, q: int, reference: Any,
+             generator: Any) -> tuple[Any, dict, dict, list[dict]]:
+    """Round k + 1 on position q's rollouts: (state, last update's metrics, scalars, each update's guard flags)."""
     p, tok = self.cfg.post, self.data.tokenizer
     t0 = time.monotonic()
-    examples, prompt_ids, tokens_BN, scores_BN2 = self._rollout(state, k, generator)
+    examples, prompt_ids, tokens_BN, scores_BN2 = self._rollout(state, q, generator)
     t1 = time.monotonic()
     rows, lengths, completions = rollout_rows(prompt_ids, tokens_BN, scores_BN2, tok.eos_id, self.cfg.data.seq_len)
     texts = [tok.decode(c) for c in completions]
     rewards = score(self.data.reward_fn, p.reward, examples, texts)
     if p.log_rollouts and jax.process_index() == 0:
-      self._log_rollouts(k + 1, examples, texts, rewards)
+      self._log_rollouts(k + 1, q, examples, texts, rewards)
     trained = -rewards if p.negate_reward else rewards
     adv_PG = np.asarray(rl_loss.group_advantages(trained.reshape(p.prompts_per_step, p.group_size)))
     t2 = time.monotonic()
@@ -195,18 +205,18 @@ class GrpoTrainer(Trainer):
     batch = rl_step.to_device(host, self.program)
     host["ref_logp"] = np.asarray(self.logprobs(reference, batch))
     host["old_logp"] = np.asarray(self.logprobs(state.params, batch))
-    gap = float(np.max(np.abs(host["old_logp"] - rows["sampler_logp"]) * mask))
-    n, per, skipped = len(mask), len(mask) // p.minibatches, []
+    gap = logprob_gap(host["old_logp"], rows["sampler_logp"], mask)
+    n, per, flags = len(mask), len(mask) // p.minibatches, []
+    fault = self.faults.in_graph(k + 1)  # faults.nan_at_step / spike_at_step: every update of that round
     for _ in range(p.ppo_epochs):
       for i in range(p.minibatches):
-        state, metrics = self.grpo_step(state, rl_step.to_device({key: v[i * per:(i + 1) * per]
-                                                                  for key, v in host.items()}, self.program))
-        skipped.append(metrics["skipped"])
+        minibatch = {key: v[i * per:(i + 1) * per] for key, v in host.items()}
+        state, metrics = self.grpo_step(state, rl_step.to_device(minibatch, self.program, fault))
+        flags.append({key: metrics[key] for key in GUARD_FLAGS})
     jax.block_until_ready(metrics)
     t3 = time.monotonic()
     count = max(float(mask.sum()), 1.0)
     metrics = jax.device_get(metrics)
-    self.guard.after_round(k + 1, [float(s) for s in jax.device_get(skipped)])
     scalars = {"rl/reward_mean": float(rewards.mean()), "rl/reward_std": float(rewards.std()),
                "rl/kl": float(metrics["kl"]), "rl/clip_fraction": float(metrics["clip_fraction"]),
                "rl/ratio_mean": float(metrics["ratio_mean"]),
@@ -216,11 +226,13 @@ class GrpoTrainer(Trainer):
                "rl/logprob_gap": gap, "rl/rollout_s": t1 - t0, "rl/score_s": t2 - t1, "rl/train_s": t3 - t2,
                "rl/rollout_tokens_per_s": float(n * p.max_new_tokens) / max(t1 - t0, 1e-9)}
     self.metrics.tokens_per_step = n * self.cfg.data.seq_len * p.ppo_epochs
-    return state, metrics, scalars
+    return state, metrics, scalars, flags
 
-  def _log_rollouts(self, round_: int, examples: list[dict], texts: list[str], rewards: np.ndarray) -> None:
-    """One line per round in <output_dir>/rollouts.jsonl (a resumed run appends the rounds it redoes)."""
-    record = {"round": round_, "prompts": [e["prompt"] for e in examples],
+  def _log_rollouts(self, round_: int, position: int, examples: list[dict], texts: list[str],
+                    rewards: np.ndarray) -> None:
+    """One line per round in <output_dir>/rollouts.jsonl (a resumed run appends the rounds it redoes; a
+    round redone after a rollback is drawn at a new prompt position)."""
+    record = {"round": round_, "position": position, "prompts": [e["prompt"] for e in examples],
               "completions": texts, "rewards": rewards.tolist()}
     with open(self.out_dir / ROLLOUTS_FILE, "a", encoding="utf-8") as f:
       f.write(json.dumps(record) + "\n")

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import ml_collections
@@ -41,6 +41,8 @@ class GuardPolicy:
     self.events = events
     self.rollbacks = rollbacks_used
     self._unread: tuple[int, Any] | None = None  # (step, metrics) whose flags are read at the next step
+    # What a step is and which value the in-graph spike check watches (GRPO: "round", "grad_norm").
+    self.unit, self.signal = "step", "loss"
 
   def after_step(self, step: int, metrics: Any, *, last: bool) -> Rollback | None:
     """Reads the previous step's flags (and this one's if it is the last); a Rollback to perform, or
@@ -56,31 +58,43 @@ class GuardPolicy:
         return self._use_budget(rollback)
     return None
 
-  def _check(self, step: int, flags: dict) -> Rollback | None:
-    g = self.cfg
+  def after_updates(self, step: int, updates: Sequence[dict], per_step: int) -> Rollback | None:
+    """A step made of `per_step` guarded optimizer updates whose flags are all read at once (a GRPO
+    round; the events name the update): a Rollback to perform, or None. Raises Aborted like after_step."""
+    for i, flags in enumerate(jax.device_get(list(updates)), start=1):
+      rollback = self._check(step, flags, update=i, per_step=per_step)
+      if rollback is not None:
+        return self._use_budget(rollback)
+    return None
+
+  def _check(self, step: int, flags: dict, update: int = 0, per_step: int = 1) -> Rollback | None:
+    g, signal, at = self.cfg, self.signal, f"{self.unit} {step}" + (f", update {update}" if update else "")
+    extra = {"update": update} if update else {}
     if flags["nonfinite"]:
       what = "update or new parameters (finite loss and gradients)" if flags["nonfinite_update"] else \
           "loss or gradients"
-      self.events.emit(ev.NAN_SKIP, step, count=1, consecutive=int(flags["consecutive_bad"]), what=what)
-      log.warning("step %d: non-finite %s; update skipped (%d in a row)", step, what, flags["consecutive_bad"])
-      if flags["consecutive_bad"] >= g.max_consecutive_bad:
-        return Rollback(step, first_bad=step - int(flags["consecutive_bad"]) + 1,
-                        reason=f"{flags['consecutive_bad']} non-finite steps in a row")
+      bad = int(flags["consecutive_bad"])
+      self.events.emit(ev.NAN_SKIP, step, count=1, consecutive=bad, what=what, **extra)
+      log.warning("%s: non-finite %s; update skipped (%d in a row)", at, what, bad)
+      if bad >= g.max_consecutive_bad:
+        done = (step - 1) * per_step + max(update, 1)  # optimizer updates so far; the streak's first is done - bad + 1
+        return Rollback(step, first_bad=(done - bad) // per_step + 1,
+                        reason=f"{bad} non-finite {'updates' if update else 'steps'} in a row")
     if flags["spike"]:
-      self.events.emit(ev.SPIKE, step, loss=float(flags["loss"]), zscore=float(flags["loss_zscore"]),
-                       action=g.spike_action)
-      log.warning("step %d: loss spike %.4f (z-score %.1f > %.1f); update skipped; action %s", step, flags["loss"],
+      self.events.emit(ev.SPIKE, step, **{signal: float(flags[signal])}, zscore=float(flags["loss_zscore"]),
+                       action=g.spike_action, **extra)
+      log.warning("%s: %s spike %.4f (z-score %.1f > %.1f); update skipped; action %s", at, signal, flags[signal],
                   flags["loss_zscore"], g.spike_zscore, g.spike_action)
       if g.spike_action == "abort":
-        raise Aborted(f"loss spike at step {step}: loss {flags['loss']:.4f}, z-score {flags['loss_zscore']:.1f} > "
+        raise Aborted(f"{signal} spike at {at}: {signal} {flags[signal]:.4f}, z-score {flags['loss_zscore']:.1f} > "
                       f"guards.spike_zscore={g.spike_zscore} (guards.spike_action=abort)")
       if g.spike_action == "rollback":
-        return Rollback(step, first_bad=step, reason=f"loss spike (z-score {flags['loss_zscore']:.1f})")
+        return Rollback(step, first_bad=step, reason=f"{signal} spike (z-score {flags['loss_zscore']:.1f})")
     return None
 
   def _use_budget(self, rollback: Rollback) -> Rollback:
     if self.rollbacks >= self.cfg.max_rollbacks:
-      raise Aborted(f"{rollback.reason} at step {rollback.step}, and guards.max_rollbacks={self.cfg.max_rollbacks} "
+      raise Aborted(f"{rollback.reason} at {self.unit} {rollback.step}, and guards.max_rollbacks={self.cfg.max_rollbacks} "
                     "rollbacks were already used in this run")
     self.rollbacks += 1
     return rollback
@@ -126,18 +140,22 @@ class Rollbacks:
   def after_step(self, step: int, metrics: Any, *, last: bool) -> Rollback | None:
     return self.policy.after_step(step, metrics, last=last)
 
-  def perform(self, rollback: Rollback, state_spec: Any, initialize: Any) -> Any:
+  def after_updates(self, step: int, updates: Sequence[dict], per_step: int) -> Rollback | None:
+    return self.policy.after_updates(step, updates, per_step)
+
+  def perform(self, rollback: Rollback, state_spec: Any, initialize: Any, per_step: int = 1) -> Any:
     """The newest checkpoint's state from before the fault (`initialize()` when there is none). The data
-    loader keeps going forward, so the batches that led to the fault are not replayed."""
+    loader keeps going forward, so the batches that led to the fault are not replayed. `per_step`:
+    optimizer steps per loop step (a GRPO round's updates), for the step the event names."""
     t0 = time.monotonic()
     state = self.checkpoints.restore_before(rollback.first_bad, state_spec)
     if state is None:
       state = initialize()
-    step, count = int(state.step), self.policy.rollbacks
+    step, count = int(state.step) // per_step, self.policy.rollbacks
     record = self.events.emit(ev.ROLLBACK, step, from_step=rollback.step, to_step=step,
                               seconds=time.monotonic() - t0, reason=rollback.reason)
     self.budget.record(count, record)
     self.checkpoints.rollbacks = count
-    log.warning("rollback %d/%d: %s at step %d; restored step %d; the data skips ahead past the fault",
-                count, self.max_rollbacks, rollback.reason, rollback.step, step)
+    log.warning("rollback %d/%d: %s at %s %d; restored %s %d; the data skips ahead past the fault", count,
+                self.max_rollbacks, rollback.reason, self.policy.unit, rollback.step, self.policy.unit, step)
     return state

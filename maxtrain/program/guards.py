@@ -48,19 +48,24 @@ def init(window: int) -> GuardState:
   return GuardState(losses=jnp.zeros((window,), jnp.float32), recorded=zero, consecutive_bad=zero, skipped=zero)
 
 
-def check(guard: GuardState, loss: jax.Array, grad_norm: jax.Array, *, zscore: float,
-          warmup: int) -> tuple[GuardState, jax.Array, dict[str, jax.Array]]:
-  """Returns (new guard state, skip this update?, metrics)."""
+def check(guard: GuardState, loss: jax.Array, grad_norm: jax.Array, *, zscore: float, warmup: int,
+          signal: jax.Array | None = None) -> tuple[GuardState, jax.Array, dict[str, jax.Array]]:
+  """Returns (new guard state, skip this update?, metrics). `signal`: the value watched for spikes in
+  place of the loss (GRPO: the gradient norm, `program/rl_step.py`); a signal of exactly 0 (an update
+  that learns nothing) is neither recorded nor a spike, so a run of them cannot shrink the window's
+  spread to nothing."""
   window = guard.losses.shape[0]
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  watched = finite if signal is None else finite & (signal > 0)
+  loss = loss if signal is None else signal
   n = jnp.minimum(guard.recorded, window)
   valid = jnp.arange(window) < n
   mean = jnp.sum(jnp.where(valid, guard.losses, 0.0)) / jnp.maximum(n, 1)
   var = jnp.sum(jnp.where(valid, jnp.square(guard.losses - mean), 0.0)) / jnp.maximum(n, 1)
   z = (loss - mean) / jnp.maximum(jnp.sqrt(var), 1e-6 * jnp.maximum(jnp.abs(mean), 1.0))
-  spike = finite & (guard.recorded >= warmup) & (z > zscore)
+  spike = watched & (guard.recorded >= warmup) & (z > zscore)
   skip = ~finite | spike
-  record = finite & ~spike
+  record = watched & ~spike
   losses = jnp.where(record, guard.losses.at[guard.recorded % window].set(loss.astype(jnp.float32)), guard.losses)
   new = GuardState(losses=losses, recorded=guard.recorded + record.astype(jnp.int32),
                    consecutive_bad=jnp.where(finite, 0, guard.consecutive_bad + 1),

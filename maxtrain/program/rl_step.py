@@ -19,9 +19,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxtrain.data.pipeline import KEYS
+from maxtrain.runtime import faults
 from maxtrain.optim import optimizer as optim
 from maxtrain.optim.masking import keep_if
-from maxtrain.program import rl_loss, step as step_lib
+from maxtrain.program import guards, rl_loss, step as step_lib
 from maxtrain.program.state import TrainState
 from maxtrain.sharding import rules as sharding_rules
 
@@ -43,11 +44,14 @@ def make_logprobs(graphdef: nnx.GraphDef, rules: sharding_rules.Rules | None = N
 
 
 def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, clip_eps: float, kl_coef: float,
-                   on_policy: bool, rules: sharding_rules.Rules | None = None,
+                   on_policy: bool, spike_zscore: float = 6.0, spike_warmup: int = 20,
+                   rules: sharding_rules.Rules | None = None,
                    **chunking) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  """One optimizer step on a GRPO batch. `on_policy` (one optimizer step per rollout): the old
-  log-probs are this forward pass's own, gradient stopped, so the ratio is exactly 1. A non-finite
-  loss or gradient skips the update (the optimizer's guarded state stays)."""
+  """One optimizer step on a GRPO batch (with its fault input, `runtime/faults.py`). `on_policy` (one
+  optimizer step per rollout): the old log-probs are this forward pass's own, gradient stopped, so the
+  ratio is exactly 1. The guards are pretraining's (`program/guards.py`, the state's GuardState): a
+  non-finite loss, gradient or update is skipped, and so is a spike of the gradient norm (the watched
+  signal: the surrogate loss is ~0 by construction; docs/post_training.md)."""
   def objective(params, batch):
     logp_BT = token_logprobs(graphdef, params, batch, **chunking)
     old = jax.lax.stop_gradient(logp_BT) if on_policy else batch["old_logp"]
@@ -55,16 +59,22 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, clip_e
                              clip_eps=clip_eps, kl_coef=kl_coef)
 
   def grpo_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    rows, fault = faults.split(batch)
     with sharding_rules.activate(rules):
-      (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params, batch)
+      (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params, rows)
+    loss, grads = faults.inject(fault, loss, grads)
     grad_norm = optax.tree.norm(grads)
-    skip = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+    guard, skip, guard_metrics = guards.check(state.guard, loss, grad_norm, zscore=spike_zscore, warmup=spike_warmup,
+                                              signal=grad_norm)
     with sharding_rules.activate(rules):
       updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params, skip=skip)
-    params = keep_if(skip, state.params, optax.apply_updates(state.params, updates))
-    metrics.update(loss=loss, grad_norm=grad_norm, skipped=skip.astype(jnp.float32),
+    candidate = optax.apply_updates(state.params, updates)
+    update_finite = jnp.isfinite(optax.tree.norm(candidate))
+    guard, skip, guard_metrics = guards.reject_update(state.guard, guard, skip, update_finite, guard_metrics)
+    params = keep_if(skip, state.params, candidate)
+    metrics.update(guard_metrics, loss=loss, grad_norm=grad_norm, skipped=skip.astype(jnp.float32),
                    **{name: lr(state.step) for name, lr in optimizer.learning_rates.items()})
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, guard=guard), metrics
 
   return grpo_step
 
@@ -82,16 +92,20 @@ def jit_pieces(program, *, clip_eps: float, kl_coef: float, on_policy: bool) -> 
   replicated = NamedSharding(program.mesh, P())
   logprobs = jax.jit(make_logprobs(spec.graphdef, layout.rules, **chunking),
                      in_shardings=(spec.shardings.params, batch_shardings), out_shardings=rows)
+  guards_cfg = program.cfg.guards
   step = make_grpo_step(spec.graphdef, program.optimizer, clip_eps=clip_eps, kl_coef=kl_coef, on_policy=on_policy,
-                        rules=layout.rules, **chunking)
-  train = jax.jit(step, in_shardings=(spec.shardings, batch_shardings), out_shardings=(spec.shardings, replicated),
-                  donate_argnums=0)
+                        spike_zscore=guards_cfg.spike_zscore, spike_warmup=guards_cfg.spike_warmup, rules=layout.rules,
+                        **chunking)
+  train = jax.jit(step, in_shardings=(spec.shardings, {**batch_shardings, faults.INPUT: replicated}),
+                  out_shardings=(spec.shardings, replicated), donate_argnums=0)
   return logprobs, train
 
 
-def to_device(rows: dict[str, np.ndarray], program) -> dict[str, jax.Array]:
-  """Host rows (KEYS + RL_KEYS) -> global arrays with the batch's row sharding."""
+def to_device(rows: dict[str, np.ndarray], program, fault: tuple[float, float] | None = None) -> dict[str, jax.Array]:
+  """Host rows (KEYS + RL_KEYS) -> global arrays with the batch's row sharding; with `fault` (the step's
+  batch: `faults.NONE` when nothing is injected), plus the step's fault input."""
   from maxtrain.program import batch as batch_lib
 
   shardings = {k: program.batch_shardings["inputs"] for k in rows}
-  return batch_lib.to_device(rows, shardings)
+  batch = batch_lib.to_device(rows, shardings)
+  return batch if fault is None else faults.attach(batch, fault, NamedSharding(program.mesh, P()))

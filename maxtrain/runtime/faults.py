@@ -89,8 +89,7 @@ class Faults:
   def after_step(self, step: int) -> None:
     if self.targeted and self.cfg.slow_step_s > 0:
       time.sleep(self.cfg.slow_step_s)  # the fault itself: this host's work per step takes longer
-    for name in ("nan_at_step", "spike_at_step"):
-      self._fire(name, step)
+    self.in_graph_ran(step)
     if self._fire("sigterm_at_step", step):
       os.kill(os.getpid(), signal.SIGTERM)
     if self._fire("crash_at_step", step):
@@ -100,6 +99,12 @@ class Faults:
       os.kill(os.getpid(), signal.SIGKILL)
     if self._fire("hang_at_step", step):
       threading.Event().wait()  # blocks forever, like a hung collective; the watchdog must fire
+
+  def in_graph_ran(self, step: int) -> None:
+    """Records the in-graph faults of a completed step as fired (`after_step` does it too); a loop that
+    reacts to the step before `after_step` (GRPO's rollback) calls it first, so a redone step is clean."""
+    for name in ("nan_at_step", "spike_at_step"):
+      self._fire(name, step)
 
   def _kill_every(self, step: int) -> bool:
     """Every `kill_every_steps` steps since this attempt's first, until `kill_times` kills were recorded."""
