@@ -248,6 +248,25 @@ def test_init_from_starts_a_fresh_run_then_resumes_like_any_run(store, tmp_path,
   assert "restored step 1" in caplog.text and open_source(run).dir.name == "3"
 
 
+def test_a_rollback_before_any_checkpoint_restores_the_init_from_weights(store, tmp_path, capsys):
+  """NaN at step 1, no checkpoint yet: the rollback restores the run's starting state, the init_from weights
+  (it used to be the seed's initialisation), and the redone step at a negligible learning rate keeps them."""
+  make_hf_model(tmp_path / "hf", "gqa_untied")
+  hf_import.from_hf(tmp_path / "hf", tmp_path / "mt")
+  run = tmp_path / "run"
+  code, out = run_train([f"--config={tmp_path / 'mt' / 'config.py'}", f"--config.data.path={store}",
+                         "--config.data.tokenizer=byte", "--config.data.seq_len=32", "--config.data.batch_size=8",
+                         "--config.eval.batches=1", f"--config.output_dir={run}", "--config.optimizer.lr=1e-12",
+                         "--config.optimizer.adam_lr=1e-12", "--config.steps=1", "--config.faults.nan_at_step=1",
+                         "--config.guards.max_consecutive_bad=1"], capsys)
+  assert code == 0, out
+  rollbacks = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["kind"] == "rollback"]
+  assert [(e["from_step"], e["to_step"]) for e in rollbacks] == [(1, 0)]
+  after, converted = open_source(run), open_source(tmp_path / "mt")
+  for name in converted.names():
+    np.testing.assert_allclose(after.read(name), converted.read(name), rtol=0, atol=1e-9, err_msg=name)
+
+
 def test_init_from_with_other_model_math_exits_2(tmp_path, capsys):
   make_hf_model(tmp_path / "hf", "gqa_untied", tokenizer=False)
   hf_import.from_hf(tmp_path / "hf", tmp_path / "mt")

@@ -154,19 +154,11 @@ class GrpoTrainer(Trainer):
     return eval_loss
 
   def _rollback(self, rollback: Rollback) -> tuple[state_lib.TrainState, int]:
-    """Pretraining's rollback (loop/rollback.py) in rounds; with no checkpoint before the fault, the run's
-    starting state (checkpoint.init_from's weights when set)."""
+    """Pretraining's rollback (loop/rollback.py) in rounds."""
     state = self.rollbacks.perform(rollback, self.program.state, self._starting_state, per_step=self.updates_per_round)
     step = self.step = int(state.step) // self.updates_per_round
     self.metrics.restart_interval(step)
     return state, step
-
-  def _starting_state(self) -> state_lib.TrainState:
-    if self.cfg.checkpoint.init_from:
-      from maxtrain.interop import init_from
-
-      return init_from.initial_state(self.program, self.cfg.checkpoint.init_from, self.cfg.guards.spike_window)
-    return state_lib.initialize(self.program.state, self.program.mesh)
 
   def _rollout(self, state: state_lib.TrainState, q: int, generator: Any) -> tuple[list[dict], np.ndarray, np.ndarray, list]:
     """Position q's prompts, each group_size times, sampled with a seed derived from (seed, q)."""

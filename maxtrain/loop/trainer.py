@@ -166,13 +166,17 @@ class Trainer:
           state, metrics = compiled(state, batch)
         self.profiler.maybe_stop(step + 1, metrics)
         step = self.step = step + 1
+        self.faults.in_graph_ran(step)  # before a rollback (the last step's flags are read at once): a redone step is clean
         data_state = self.data.get_state()
         self._check_epochs(step)
         if step < cfg.steps:  # host work for the next batch overlaps the device running this step
           batch = self._next_batch(step + 1)
         rollback = self.rollbacks.after_step(step, metrics, last=step == cfg.steps)
         if rollback is not None:
+          last = step == cfg.steps  # no next batch was read: read one (the data moves on past the fault)
           state, step = self._rollback(rollback)
+          if last:
+            batch = self._next_batch(step + 1)
           self.watchdog.beat(step)
           self.stragglers.reset()
           data_state = self.data.get_state()
@@ -200,14 +204,19 @@ class Trainer:
     self.checkpoints.after_step(step, state, data_state, dict(self.program.mesh.shape), final=step == cfg.steps)
     return eval_loss
 
+  def _starting_state(self) -> state_lib.TrainState:
+    """The run's step-0 state: checkpoint.init_from's parameters with a new optimizer state, else the
+    seed's initialisation (a fresh run, and a rollback with no checkpoint from before the fault)."""
+    if self.cfg.checkpoint.init_from:
+      from maxtrain.interop import init_from
+
+      return init_from.initial_state(self.program, self.cfg.checkpoint.init_from, self.cfg.guards.spike_window)
+    return state_lib.initialize(self.program.state, self.program.mesh)
+
   def _initial_state(self) -> state_lib.TrainState:
     spec = self.program.state
-    if self.resume_path is None and self.cfg.checkpoint.init_from:
-      from maxtrain.interop import init_from  # a fresh run from given parameters: step 0, new optimizer state
-
-      state = init_from.initial_state(self.program, self.cfg.checkpoint.init_from, self.cfg.guards.spike_window)
-    elif self.resume_path is None:
-      state = state_lib.initialize(spec, self.program.mesh)
+    if self.resume_path is None:
+      state = self._starting_state()
     else:
       restored = self.checkpoints.restore(self.resume_path, spec)
       state = restored.state
@@ -248,8 +257,7 @@ class Trainer:
     return compiled
 
   def _rollback(self, rollback: Rollback) -> tuple[state_lib.TrainState, int]:
-    spec, mesh = self.program.state, self.program.mesh
-    state = self.rollbacks.perform(rollback, spec, lambda: state_lib.initialize(spec, mesh))
+    state = self.rollbacks.perform(rollback, self.program.state, self._starting_state)
     step = self.step = int(state.step)
     self.metrics.restart_interval(step)
     return state, step
