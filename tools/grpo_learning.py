@@ -1,4 +1,4 @@
-"""Does the reward drive GRPO? The held-out greedy mean reward before and after GRPO from an SFT
+"""Does the reward drive GRPO? The held-out mean reward before and after GRPO from an SFT
 checkpoint, trained on the reward and on the reward negated (`post.negate_reward`, the control), over
 several seeds; and the round's time split (rollout / scoring / training) with rollout and training
 tokens/s, from the same runs.
@@ -6,9 +6,10 @@ tokens/s, from the same runs.
   python tools/grpo_learning.py --init_from=runs/sft [--seeds=0,1,2] [--out=runs/grpo_learning] [--config.key=value ...]
 
 Each run is configs/grpo.py with checkpoint.init_from, seed, negate_reward and the overrides, logging
-every round; it scores post.eval_prompts held-out prompts greedily at round 0 and at the end
-(`rl/eval_reward`). A run already finished under --out with the same config is reused. Prints a
-table per run, the mean change per arm, and the machine; the figures go into BENCHMARKS.md.
+every round; it scores post.eval_prompts held-out prompts at round 0, every eval.every_steps and at the
+end, greedily (`rl/eval_reward`) and sampled at post.temperature with a fixed seed
+(`rl/eval_reward_sampled`). A run already finished under --out with the same config is reused. Prints a
+table per reward and run, the mean change per arm, and the machine; the figures go into BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from maxtrain import config as config_lib
 from maxtrain.loop import grpo
 
 SPLIT = ("rl/rollout_s", "rl/score_s", "rl/train_s")
+REWARDS = {"rl/eval_reward": "greedy", "rl/eval_reward_sampled": "sampled"}  # held-out mean rewards
 
 
 def scalars(out_dir: Path, tag: str) -> dict[int, float]:
@@ -46,37 +48,36 @@ def run(argv: list[str], seed: int, negate: bool, root: Path) -> dict:
   if not (done.exists() and same(json.loads((out / "config.json").read_text())) == same(json.loads(json.dumps(cfg.to_dict())))):
     shutil.rmtree(out, ignore_errors=True)  # an unfinished run's events would mix with the new ones
     grpo.run(cfg)
-  rewards = scalars(out, "rl/eval_reward")
+  curves = {tag: scalars(out, tag) for tag in REWARDS}
   # Rounds after the first (which compiles the sampler and the step).
   split = {tag: float(np.mean([v for k, v in scalars(out, tag).items() if k > 1] or [np.nan])) for tag in SPLIT}
   p = cfg.post
   rows = p.prompts_per_step * p.group_size
   split["rollout_tokens_per_s"] = rows * p.max_new_tokens / split["rl/rollout_s"]  # tokens sampled (EOS included)
   split["train_tokens_per_s"] = rows * cfg.data.seq_len * p.ppo_epochs / split["rl/train_s"]  # row tokens trained
-  result = {"seed": seed, "negate": negate, "before": rewards[0], "after": rewards[max(rewards)], "rounds": cfg.steps,
-            "curve": rewards, **split}
-  print(f"seed {seed} {'negated' if negate else 'reward '}: held-out reward {result['before']:.3f} -> "
-        f"{result['after']:.3f} ({result['after'] - result['before']:+.3f}) after {cfg.steps} rounds", flush=True)
+  result = {"seed": seed, "negate": negate, "rounds": cfg.steps, "curves": curves, **split}
+  for tag, name in REWARDS.items():
+    c = curves[tag]
+    print(f"seed {seed} {'negated' if negate else 'reward '}: held-out {name} reward {c[0]:.3f} -> {c[max(c)]:.3f} "
+          f"({c[max(c)] - c[0]:+.3f}) after {cfg.steps} rounds", flush=True)
   return result
 
 
 def report(results: list[dict], cfg_argv: list[str]) -> None:
-  evals = sorted({k for r in results for k in r["curve"]})  # the rounds evaluated (eval.every_steps, the end)
-  print("\n| seed | trained on | " + " | ".join(f"round {k}" for k in evals) + " | change |")
-  print("| --- | --- | " + " | ".join("---" for _ in evals) + " | --- |")
-  for r in results:
-    print(f"| {r['seed']} | {'-reward' if r['negate'] else 'reward'} | "
-          + " | ".join(f"{r['curve'][k]:.3f}" if k in r["curve"] else "" for k in evals)
-          + f" | {r['after'] - r['before']:+.3f} |")
-  for k in evals[1:-1]:
-    for negate in (False, True):
-      arm = [r["curve"][k] - r["before"] for r in results if r["negate"] == negate and k in r["curve"]]
-      print(f"mean change at round {k}, {'negated reward' if negate else 'reward'}: {np.mean(arm):+.4f} "
-            f"(min {np.min(arm):+.3f}, max {np.max(arm):+.3f}, {len(arm)} seeds)")
-  for negate in (False, True):
-    arm = [r["after"] - r["before"] for r in results if r["negate"] == negate]
-    print(f"mean change at the end, {'negated reward' if negate else 'reward'}: {np.mean(arm):+.4f} "
-          f"(min {np.min(arm):+.3f}, max {np.max(arm):+.3f}, {len(arm)} seeds)")
+  for tag, name in REWARDS.items():
+    curves = [r["curves"][tag] for r in results]
+    evals = sorted({k for c in curves for k in c})  # the rounds evaluated (eval.every_steps, the end)
+    print(f"\nheld-out {name} mean reward\n| seed | trained on | " + " | ".join(f"round {k}" for k in evals) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in evals) + " |")
+    for r, c in zip(results, curves):
+      print(f"| {r['seed']} | {'-reward' if r['negate'] else 'reward'} | "
+            + " | ".join(f"{c[k]:.3f}" if k in c else "" for k in evals) + " |")
+    for k in evals[1:]:
+      for negate in (False, True):
+        arm = [c[k] - c[0] for r, c in zip(results, curves) if r["negate"] == negate and k in c]
+        if arm:
+          print(f"{name}: mean change at round {k}, {'negated reward' if negate else 'reward'}: {np.mean(arm):+.4f} "
+                f"(min {np.min(arm):+.3f}, max {np.max(arm):+.3f}, {len(arm)} seeds)")
   mean = {k: float(np.mean([r[k] for r in results])) for k in (*SPLIT, "rollout_tokens_per_s", "train_tokens_per_s")}
   total = sum(mean[k] for k in SPLIT)
   print(f"per round after the first (mean of all runs): rollout {mean['rl/rollout_s']:.2f}s ({mean['rl/rollout_s'] / total:.0%}), "

@@ -53,7 +53,7 @@ class PromptData(sft_loop.SftData):
 
     self.examples = sft_data.load_examples(cfg.post.data, "train", self.tokenizer)
     self.per_round = cfg.post.prompts_per_step
-    self.reward_spec = cfg.post.reward
+    self.reward_spec, self.temperature = cfg.post.reward, cfg.post.temperature
     self.reward_fn = load_reward(cfg.post.reward)  # before compiling: a bad name is exit 2 at once
 
   def prompts(self, k: int) -> list[dict]:
@@ -63,6 +63,9 @@ class PromptData(sft_loop.SftData):
     return [self.examples[j] for j in order[i * self.per_round:(i + 1) * self.per_round]]
 
   def extra_eval(self, program: Any, params: Any) -> dict[str, float]:
+    """The held-out prompts' mean reward: greedy (`rl/eval_reward`), and sampled at post.temperature
+    with a seed fixed for the run (`rl/eval_reward_sampled`: the quantity GRPO maximises, and the same
+    random stream at every eval, so two evals differ only by the parameters)."""
     if not self.eval_examples:
       return {}
     from maxtrain.inference.sampling import Sampling
@@ -71,8 +74,13 @@ class PromptData(sft_loop.SftData):
       self._generator = sft_loop.make_generator(program, params)
     self._generator.params = params
     prompts = [self.tokenizer.encode(e["prompt"]).tolist() for e in self.eval_examples]
-    outs, _ = self._generator.generate(prompts, self.max_new_tokens, Sampling(), eos_ids=(self.tokenizer.eos_id,),
-                                       vocab_limit=self.tokenizer.vocab_size)
-    rewards = score(self.reward_fn, self.reward_spec, self.eval_examples, [self.tokenizer.decode(o) for o in outs])
-    log.info("held-out greedy reward %.3f (%d prompts)", float(rewards.mean()), len(rewards))
-    return {"rl/eval_reward": float(rewards.mean())}
+    out = {}
+    for tag, sampling in (("rl/eval_reward", Sampling()),
+                          ("rl/eval_reward_sampled", Sampling(temperature=self.temperature, seed=self.seed + 1))):
+      outs, _ = self._generator.generate(prompts, self.max_new_tokens, sampling, eos_ids=(self.tokenizer.eos_id,),
+                                         vocab_limit=self.tokenizer.vocab_size)
+      texts = [self.tokenizer.decode(o) for o in outs]
+      out[tag] = float(score(self.reward_fn, self.reward_spec, self.eval_examples, texts).mean())
+    log.info("held-out mean reward %.3f greedy, %.3f sampled at temperature %g (%d prompts)", out["rl/eval_reward"],
+             out["rl/eval_reward_sampled"], self.temperature, len(self.eval_examples))
+    return out
