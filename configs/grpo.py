@@ -6,6 +6,10 @@ starting model. Start from the SFT run's weights (see docs/post_training.md):
 
   python -m maxtrain.train --config=configs/grpo.py --config.checkpoint.init_from=runs/sft
 
+The finished SFT run answers 98% of held-out prompts, which leaves GRPO little to gain; from its step-200
+checkpoint (74%; --config.checkpoint.init_from=runs/sft/checkpoints/200) 40 rounds raise the held-out
+greedy reward to 0.82 over three seeds, and to 0.08 with the reward negated (docs/post_training.md).
+
 As shipped (no init_from) it starts from the seed's initialisation, whose completions earn no reward:
 it runs, but learns only once some completion in a group scores (an SFT start)."""
 

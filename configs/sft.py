@@ -18,8 +18,8 @@ def get_config():
   c.log_every = 25
   c.eval.every_steps = 100
   c.eval.batches = 2
-  # Muon (lr of configs/muon.py) learns the task's carries in a few hundred steps; AdamW at the default lr
-  # reaches 24.5% held-out exact match in 800 (BENCHMARKS.md, "Post-training").
+  # Muon (configs/muon.py's lr): 98.5% held-out exact match at step 400; AdamW at the default lr reaches
+  # 24.5% in 800 steps (docs/post_training.md).
   c.optimizer.name = "muon"
   c.optimizer.lr = 0.04
   c.optimizer.warmup_steps = 20
