@@ -19,11 +19,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxtrain.data.pipeline import KEYS
-from maxtrain.runtime import faults
 from maxtrain.optim import optimizer as optim
 from maxtrain.optim.masking import keep_if
 from maxtrain.program import guards, rl_loss, step as step_lib
 from maxtrain.program.state import TrainState
+from maxtrain.runtime import faults
 from maxtrain.sharding import rules as sharding_rules
 
 RL_KEYS = ("old_logp", "ref_logp", "advantages")

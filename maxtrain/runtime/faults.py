@@ -102,7 +102,7 @@ class Faults:
 
   def in_graph_ran(self, step: int) -> None:
     """Records the in-graph faults of a completed step as fired (`after_step` does it too); a loop that
-    reacts to the step before `after_step` (GRPO's rollback) calls it first, so a redone step is clean."""
+    reacts to the step before `after_step` (a rollback) calls it first, so a redone step is clean."""
     for name in ("nan_at_step", "spike_at_step"):
       self._fire(name, step)
 
