@@ -12,6 +12,7 @@ TINY_MODEL = ["--config.model.num_layers=2", "--config.model.d_model=32", "--con
 # passes are untouched, so optimised HLO, collectives and memory_analysis are the same; every bitwise
 # comparison is between runs compiled alike. Never in the default run or tools/bench*.py.
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+XLA_DEFAULTS_ENV = "MAXTRAIN_TEST_XLA_DEFAULTS"  # set to 1: conftest leaves XLA's default code generation
 
 
 def cpu_env(devices: int = 8, **extra: str) -> dict[str, str]:
