@@ -19,7 +19,7 @@ from maxtrain.cli import train
 from maxtrain.checkpoint.storage import Checkpointer
 from maxtrain.models.llama import ModelConfig
 from maxtrain.sharding.mesh import make_mesh
-from tiny import TINY_MODEL
+from tiny import TINY_MODEL, cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=1", "--config.checkpoint.every_steps=4"]
@@ -33,7 +33,7 @@ MESHES = {
 
 
 def trainer(args, devices=8) -> subprocess.CompletedProcess:
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+  env = cpu_env(devices)
   return subprocess.run([sys.executable, "-m", "maxtrain.train", *args], capture_output=True, text=True,
                         env=env, timeout=300, cwd=REPO)
 
@@ -245,7 +245,7 @@ LIMITED = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, sign
 def test_failed_saves_keep_the_last_good_checkpoint(store, tmp_path):
   args = TINY + ["--config.mesh.fsdp=1", f"--config.data.path={store}", f"--config.output_dir={tmp_path}",
                  "--config.checkpoint.every_steps=2", "--config.optimizer.decay_steps=6"]
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+  env = cpu_env(1)
   first = trainer(args + ["--config.steps=2"], devices=1)
   assert first.returncode == 0, first.stderr
   good = restore_raw(tmp_path / "checkpoints", 2)

@@ -20,7 +20,7 @@ from maxtrain import config as config_lib
 from maxtrain.aot import estimate as estimate_lib
 from maxtrain.errors import UserError
 from maxtrain.models.llama import ModelConfig
-from tiny import TINY_MODEL
+from tiny import FAST_COMPILE_FLAGS, TINY_MODEL, XLA_DEFAULTS_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -47,7 +47,9 @@ PRESETS = {
 @pytest.fixture(scope="module")
 def preset_runs():
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  env["PYTHONPATH"] = str(REPO)
+  # maxtrain.compile sets its own device count; the tests' compile flags leave the memory figures as they are
+  # (the reduced 8B here: the same Memory(...) to the byte, in 8.3 instead of 15.5 CPU s)
+  env["XLA_FLAGS"], env["PYTHONPATH"] = FAST_COMPILE_FLAGS, str(REPO)
   procs = {name: subprocess.Popen([sys.executable, "-m", "maxtrain.compile", *args, "--device-memory-gb", str(gib)],
                                   cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for name, (args, gib) in PRESETS.items()}
@@ -247,6 +249,16 @@ def test_stage_remat_gives_the_same_gradients_in_less_memory():
   """`pipeline.stage_remat` (sharding/pipeline.py) recomputes each stage's layers in the backward from the
   stage input: the same loss and gradients as saving every layer's activations, and smaller compiled
   temporaries. On pipeline=4 x fsdp=2, 8 layers (2 per stage and repeat), two layers of tanh(x @ w)."""
+  if not os.environ.get(XLA_DEFAULTS_ENV):
+    # The two programs agree to 1e-4 under XLA's default code generation; under the tests' FAST_COMPILE_FLAGS
+    # 3-4 of 32768 gradients differ by 2e-6 near 2e-3 (in this pytest process, not in a bare script). So this
+    # test runs in its own pytest process with the defaults (a few seconds more), the tolerance unchanged.
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:cacheprovider",
+                           f"{__file__}::test_stage_remat_gives_the_same_gradients_in_less_memory"],
+                          env={**os.environ, XLA_DEFAULTS_ENV: "1", "XLA_FLAGS": ""}, capture_output=True, text=True,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return
   import jax
   import jax.numpy as jnp
   import numpy as np

@@ -7,7 +7,6 @@ processes (2 x 4 CPU devices joined by jax.distributed on localhost) under `maxt
 """
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -25,7 +24,7 @@ from maxtrain.monitor import goodput
 from maxtrain.monitor.stragglers import find_stragglers
 from maxtrain.runtime.preemption import StopRequest
 from test_checkpoint import assert_bitwise_equal, restore_raw
-from tiny import TINY_MODEL
+from tiny import TINY_MODEL, cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -232,7 +231,7 @@ def test_unanswering_coordinator_is_a_clear_restartable_error(tmp_path):
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     address = f"127.0.0.1:{listener.getsockname()[1]}"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(1)
     t0 = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "maxtrain.train", f"--config.output_dir={tmp_path}",
                              "--config.runtime.num_processes=2", "--config.runtime.process_id=1",
@@ -247,7 +246,7 @@ def test_unanswering_coordinator_is_a_clear_restartable_error(tmp_path):
 
 FLEET = TINY_MODEL + ["--config.eval.every_steps=0", "--config.mesh.fsdp=4", "--config.mesh.dcn_fsdp=2",
                       "--config.steps=8", "--config.log_every=2", "--config.runtime.shutdown_timeout_s=60"]
-ENV4 = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+ENV4 = cpu_env(4)
 
 
 def supervise(train_args, timeout=600) -> subprocess.CompletedProcess:

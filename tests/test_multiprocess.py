@@ -1,7 +1,6 @@
 """Two JAX processes on localhost (2 x 4 CPU devices, jax.distributed over gloo) train exactly like
 one process with 8 devices, the two-level (per-node x across-node) mesh included."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 
 from test_checkpoint import TINY, flat, losses, restore_raw
+from tiny import cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,8 +22,7 @@ def free_port() -> int:
 
 
 def start(args, devices, **env) -> subprocess.Popen:
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-         **env}
+  env = cpu_env(devices, **env)
   return subprocess.Popen([sys.executable, "-m", "maxtrain.train", *args], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
 

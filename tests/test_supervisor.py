@@ -1,6 +1,5 @@
 """The supervisor and the watchdog, end to end with injected faults: real processes, real signals."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,11 +8,11 @@ import pytest
 
 from maxtrain.monitor import goodput
 from maxtrain.monitor.events import read_events
-from tiny import TINY_MODEL
+from tiny import TINY_MODEL, cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=1", "--config.mesh.fsdp=1"]
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+ENV = cpu_env(1)
 
 
 def launch(launcher_args, train_args, env=ENV, timeout=600) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from maxtrain.monitor import goodput
 from maxtrain.monitor.events import read_events
 from test_checkpoint import assert_bitwise_equal, losses, restore_raw, s3_server  # noqa: F401 - a fixture
 from s3_proxy import S3Proxy
-from tiny import TINY_MODEL
+from tiny import TINY_MODEL, cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=1"]
@@ -33,7 +33,7 @@ TIERS = ["--config.steps=20", "--config.checkpoint.every_steps=10", "--config.ch
 
 
 def launch(launcher_args, train_args, devices=8) -> subprocess.CompletedProcess:
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+  env = cpu_env(devices)
   return subprocess.run([sys.executable, "-m", "maxtrain.launch", "--backoff=0.1", *launcher_args, "--", *train_args],
                         capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
 

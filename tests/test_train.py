@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from maxtrain.monitor.events import read_events
 from maxtrain.sharding.layout import check_divisible
 from maxtrain.sharding.mesh import DCN_AXES
 from maxtrain.program.plan import validate
-from tiny import TINY_MODEL
+from tiny import TINY_MODEL, cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = TINY_MODEL + ["--config.model.num_kv_heads=2", "--config.log_every=2"]  # GQA
@@ -137,7 +136,7 @@ def test_bad_token_stores_exit_2(store, tmp_path, capsys):
 
 
 def test_entry_point_exit_code_in_a_fresh_process(tmp_path):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+  env = cpu_env(8)
   proc = subprocess.run([sys.executable, "-m", "maxtrain.train", "--config.model.d_modle=64"],
                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
   assert proc.returncode == 2

@@ -28,11 +28,11 @@ from maxtrain.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_HANG, UserError
 from maxtrain.monitor.events import read_events
 from maxtrain.checkpoint.remote import staged_path
 from test_checkpoint import assert_bitwise_equal, restore_raw, s3_server  # noqa: F401 (a fixture)
-from tiny import TINY_MODEL
+from tiny import TINY_MODEL, cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = TINY_MODEL + ["--config.eval.every_steps=0", "--config.log_every=1"]  # mesh.fsdp=-1: all devices
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+ENV = cpu_env(1)
 SECRETS = ("hf_secretvalue123", "abcSECRETxyz", "AKIAQWERTYUIOPASDFGH")
 
 
@@ -215,8 +215,7 @@ def test_secrets_reach_no_file_log_or_mirror(store, tmp_path, s3_server):  # noq
   env = ",".join(["HF_TOKEN=hf_secretvalue123", "AWS_SECRET_ACCESS_KEY_OTHER=abcSECRETxyz",
                   "MY_ID=AKIAQWERTYUIOPASDFGH"])
   code, stdout, stderr = run_process(base(store, out, steps=2) + [
-      f"--config.runtime.env={env}", "--config.checkpoint.dir=s3://ckpts/runs/secret"], env={**os.environ, "JAX_PLATFORMS": "cpu",
-      "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+      f"--config.runtime.env={env}", "--config.checkpoint.dir=s3://ckpts/runs/secret"], env=cpu_env(1))
   assert code == 0, stderr[-3000:]
   assert "HF_TOKEN=<redacted>" in stderr  # the platform log names the variable, not its value
   files = [p for p in out.rglob("*") if p.is_file()]

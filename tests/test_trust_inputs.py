@@ -19,10 +19,10 @@ import pytest
 from maxtrain.cli import generate, launch, train
 from maxtrain.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, NOT_RESTARTED
 from maxtrain.monitor import mfu
-from tiny import TINY_MODEL
+from tiny import TINY_MODEL, cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+ENV = cpu_env(1)
 
 
 def assert_exit(code, output, expected, *names):
