@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 import ml_collections
+from flax import nnx
 
 from maxtrain import config as config_lib
 from maxtrain.aot import estimate
@@ -63,6 +64,7 @@ class Trainer:
       if batch_size not in self.stage_programs:
         self.stage_programs[batch_size] = program_lib.program_for(stage_config(cfg, batch_size, seq_len), jax.devices())
     self._steps: dict[tuple[int, ...], object] = {}  # the compiled step of each batch shape seen
+    self._eval_steps: dict[tuple[int, ...], object] = {}  # the compiled eval step of each eval batch shape
     if cfg.optimizer.warmup_steps > total_steps(cfg):  # legal (short smoke runs), but never silent
       log.warning("optimizer.warmup_steps=%d > the schedule's %d steps (optimizer.decay_steps or steps): the learning "
                   "rate never reaches optimizer.lr", cfg.optimizer.warmup_steps, total_steps(cfg))
@@ -262,13 +264,25 @@ class Trainer:
     self.metrics.restart_interval(step)
     return state, step
 
+  def _eval_step_for(self, params: nnx.State, batch: dict):
+    """The compiled eval step for `batch`'s shape; with several processes, they all wait for each other's
+    compile before its first run, as for the train step (gloo gives a late peer 30 s)."""
+    shape = batch["inputs"].shape
+    if shape not in self._eval_steps:
+      t0 = time.monotonic()
+      self._eval_steps[shape] = self.program.eval_step.lower(params, batch).compile()
+      log.info("compiled eval step in %.1fs", time.monotonic() - t0)
+      if self.kv is not None:
+        self.kv.barrier(f"compiled-eval/{len(self._eval_steps)}", self.cfg.runtime.init_timeout_s)
+    return self._eval_steps[shape]
+
   def _evaluate(self, state: state_lib.TrainState, step: int) -> float:
     with jax.set_mesh(self.program.mesh), self.metrics.eval(step) as result:
       total, count, per_source = 0.0, 0.0, {}
       for name, batches in self.data.eval_sets.items():
         source_total, source_count = 0.0, 0.0
         for batch in batches:
-          loss_sum, n = self.program.eval_step(state.params, batch)
+          loss_sum, n = self._eval_step_for(state.params, batch)(state.params, batch)
           source_total, source_count = source_total + loss_sum, source_count + n
         total, count = total + source_total, count + source_count
         loss = float(source_total) / max(float(source_count), 1.0)
