@@ -100,8 +100,8 @@ def preemption_plan(remaining_s: float | None, costs: dict[str, float | None]) -
   tier's measured save time (None: not measured yet). Fastest first, each while its cost fits in what
   is left after the ones before it: a save the kill would cut short is time lost (both tiers rename a step
   into place only once it is complete, so it would never be restored). When none fits, the fastest is
-  still tried: nothing else can keep the step. A tier not measured yet is tried when time is left (and
-  counted as the fastest when local, the slowest when durable)."""
+  still tried: nothing else can keep the step. A tier not measured yet is tried when time is left and no
+  faster tier was skipped (it is counted as the fastest when local, the slowest when durable)."""
   unmeasured = {LOCAL: 0.0, DURABLE: float("inf")}  # the local tier (a node-local write) is the faster one
   order = sorted(costs, key=lambda t: (unmeasured[t] if costs[t] is None else costs[t], t != LOCAL))
   if remaining_s is None:
@@ -111,7 +111,7 @@ def preemption_plan(remaining_s: float | None, costs: dict[str, float | None]) -
   for tier in order:
     cost = costs[tier]
     if cost is None:
-      fits = left > 0
+      fits = left > 0 and not skipped  # a tier assumed slower than one that did not fit does not fit either
       notes.append(f"{tier} not measured yet, {'tried' if fits else 'skipped'} with {left:.2f}s left")
     else:
       fits = cost <= left
