@@ -36,7 +36,13 @@ def test_cudnn_call_masks_packed_documents_like_the_reference():
 
 def test_selection_and_refusals():
   assert {"cudnn", "nki"} <= set(CHOICES)
-  assert {resolve_kernel("auto", t) for t in (1, 256, 1024, 8192, 131072)} == {"blocked", "flash"}  # never a vendor kernel
+  lengths = (1, 256, 1024, 8192, 131072)
+  assert {resolve_kernel("auto", t, backend="cpu", dtype=jnp.bfloat16) for t in lengths} == {"blocked", "flash"}
+  # A GPU runs cuDNN in bf16/fp16 only: fp32 there keeps the pure-JAX kernels; Trainium never gets nki from auto.
+  assert {resolve_kernel("auto", t, backend="gpu", dtype=jnp.bfloat16) for t in lengths} == {"cudnn"}
+  assert {resolve_kernel("auto", t, backend="gpu", dtype=jnp.float32) for t in lengths} == {"blocked", "flash"}
+  assert resolve_kernel("auto", 8192, backend="gpu", dtype=jnp.bfloat16, head_dim=12) == "flash"  # not a multiple of 8
+  assert {resolve_kernel("auto", t, backend="neuron", dtype=jnp.bfloat16) for t in lengths} == {"blocked", "flash"}
   x = jnp.zeros((1, 8, 2, 4))
   seg = jnp.ones((1, 8), jnp.int32)
   with pytest.raises(UserError, match="cudnn runs on NVIDIA GPUs only.*'cpu'.*model.attention=flash"):

@@ -43,7 +43,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.scan_layers = True  # Stack layers and lax.scan them: compile time independent of depth.
   m.scan_unroll = 1  # Layers per scan iteration (scan_layers): > 1 stacks fewer residuals (faster on CPU) but compiles k layer bodies.
   m.remat = "none"  # Activation checkpointing per layer: none | full | dots (save matmul outputs).
-  m.attention = "auto"  # Attention kernel: auto (blocked for seq_len <= 1024, else flash) | dot (einsum reference, T x T scores) | flash (blockwise, linear memory) | blocked (query blocks, kept probabilities, T x T memory) | cudnn (NVIDIA) | nki (Trainium); the last two not run here.
+  m.attention = "auto"  # Attention kernel: auto (cudnn on a GPU in bf16; else blocked for seq_len <= 1024, else flash) | dot (einsum reference, T x T scores) | flash (blockwise, linear memory) | blocked (query blocks, kept probabilities, T x T memory) | cudnn (NVIDIA, bf16/fp16) | nki (Trainium, not run here).
   m.attention_block_q = 128  # flash: query rows per block (measured on CPU: 128 best of 64-512).
   m.attention_block_kv = 128  # flash: key columns per block.
   m.param_dtype = "float32"  # Storage dtype of parameters.

@@ -12,9 +12,10 @@ Kernels behind one signature (q, k, v, segment ids), chosen by `model.attention`
   blocked `blocked_attention.blocked_attention`: a few query blocks over their key prefix, exact
          softmax, probabilities kept for the backward; memory O(T^2). 1.3-1.5x flash on CPU for
          T <= 1024, so `auto` picks it for those lengths.
-  cudnn  `vendor_attention.cudnn_attention`: jax.nn.dot_product_attention on cuDNN (NVIDIA GPUs).
-  nki    `vendor_attention.nki_attention`: the Neuron NKI flash kernels (Trainium, jax-neuronx).
-         Neither vendor kernel has run on this project's machines (see that module).
+  cudnn  `vendor_attention.cudnn_attention`: jax.nn.dot_product_attention on cuDNN (NVIDIA GPUs, bf16/fp16).
+         `auto` picks it when a GPU runs the program in bf16 (3.5x flash on one H200; BENCHMARKS.md).
+  nki    `vendor_attention.nki_attention`: the Neuron NKI flash kernels (Trainium, jax-neuronx); it has not
+         run on this project's machines (see that module).
 When the active sharding rules split the sequence over devices (mesh.context > 1), attention runs
 as `sharding/context_attention.py` (flash on each shard against all-gathered keys) whatever the
 kernel: it needs per-token positions and a block-pair list, which only the flash core takes.
@@ -51,13 +52,18 @@ CHOICES = ("auto",) + KERNELS
 BLOCKED_MAX_LEN = 1024
 
 
-def resolve_kernel(name: str, seq_len: int) -> str:
-  """`auto` -> the kernel measured best for sequences of `seq_len`: `blocked` up to BLOCKED_MAX_LEN, else
-  flash. Measured on CPU only (no GPU or Trainium here); by sequence length alone, so an ahead-of-time
-  compile for another platform traces the kernel that platform will run. The vendor kernels
-  (`vendor_attention.py`: cudnn, nki) have not run here, so `auto` never picks them."""
+def resolve_kernel(name: str, seq_len: int, *, backend: str = "", dtype=None, head_dim: int = 128) -> str:
+  """`auto` -> the kernel measured best: on a GPU backend in bf16/fp16, `cudnn` (one H200, LLaMA 3 8B widths at
+  8192 tokens: 3.5x the step rate of `flash`, whose 128 x 128 blocks are thousands of small launches there;
+  BENCHMARKS.md); elsewhere `blocked` up to BLOCKED_MAX_LEN, else flash (measured on CPU). cuDNN has no fp32
+  attention and wants head dims in multiples of 8 (128 is what ran). `backend` is the backend that runs the program (jax.default_backend()), so an ahead-of-time
+  compile on XLA:CPU for a GPU target traces flash, whose memory is linear in T as cuDNN's is; `nki` has
+  not run, so `auto` never picks it."""
   if name != "auto":
     return name
+  half = dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+  if backend == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128:
+    return "cudnn"
   return "blocked" if seq_len <= BLOCKED_MAX_LEN else "flash"
 
 
@@ -155,7 +161,8 @@ class Attention(nnx.Module):
     # No positions: a prefill's prompt, in natural (not zigzag) order, attends whole on every device.
     if context_parallel is not None and positions_BT is not None:  # the sequence is split over devices
       return context_parallel(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
-    kernel = resolve_kernel(self.kernel, q_BTNH.shape[1])
+    kernel = resolve_kernel(self.kernel, q_BTNH.shape[1], backend=jax.default_backend(), dtype=q_BTNH.dtype,
+                            head_dim=q_BTNH.shape[3])
     if kernel == "flash":
       return flash_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, block_q=self.block_q, block_kv=self.block_kv)
     if kernel == "blocked":

@@ -1,7 +1,8 @@
 """Vendor attention kernels behind the reference's signature (q, k, v, segment ids): `cudnn` (NVIDIA
-GPUs) and `nki` (AWS Trainium). NEITHER HAS RUN HERE: this machine has no GPU and no Neuron device.
-They are written against the documented APIs; what is tested is selection, the refusals, and (for
-cudnn) the mask it passes, through JAX's XLA implementation of the same call.
+GPUs) and `nki` (AWS Trainium). `cudnn` ran on one H200 (jax 0.11.2): its masking matches the einsum
+kernel to bf16's own error there (`tools/gpu_attention_check.py`), and it is 3.5x the flash kernel's step rate
+(BENCHMARKS.md). `nki` has never run: it is written against the documented API. The CPU tests check selection,
+the refusals, and (for cudnn) the mask it passes, through JAX's XLA implementation of the same call.
 
 Shape legend: B batch, T query length, S key length, N query heads, K kv heads, H head dim.
 
