@@ -245,6 +245,21 @@ def test_estimate_reports_per_stage_memory():
   assert f"held {2 * its - 1} iterations" in table and "max over stages" in table
 
 
+def _tanh_stack_grad_float64(w, x):
+  """d/dw of sum(y^2), y = layers of tanh(x @ w[l]), in float64 NumPy (forward, then the chain rule by hand)."""
+  import numpy as np
+
+  w, xs = w.astype(np.float64), [x.astype(np.float64)]
+  for layer_w in w:
+    xs.append(np.tanh(xs[-1] @ layer_w))
+  delta, grad = 2 * xs[-1], np.zeros_like(w)
+  for layer in reversed(range(len(w))):
+    delta_a = delta * (1 - xs[layer + 1] ** 2)
+    grad[layer] = np.einsum("btd,bte->de", xs[layer], delta_a)
+    delta = delta_a @ w[layer].T
+  return grad
+
+
 def test_stage_remat_gives_the_same_gradients_in_less_memory():
   """`pipeline.stage_remat` (sharding/pipeline.py) recomputes each stage's layers in the backward from the
   stage input: the same loss and gradients as saving every layer's activations, and smaller compiled
@@ -290,6 +305,15 @@ def test_stage_remat_gives_the_same_gradients_in_less_memory():
   value_ref, grad_ref = reference(np.asarray(w), np.asarray(x))  # no pipeline, one device
   print(f"compiled temporaries: {temp / 2**10:.0f} KiB, with stage remat {temp_r / 2**10:.0f} KiB")
   np.testing.assert_allclose([value, value_r], float(value_ref), rtol=1e-5)
-  np.testing.assert_allclose(grad, grad_ref, rtol=1e-4, atol=1e-6)
+  # The bound on the pipelined gradients: what fp32 itself shows on this computation. The gradient entries are
+  # sums of 512 products through 8 layers; entries that cancel to ~1e-2 carry absolute errors set by the terms
+  # (~1e1), not by themselves, so no elementwise rtol fits them (jax 0.12: 4 of 32768 entries off by 7e-6, 7e-4
+  # relative). The one-device fp32 program's distance from a float64 NumPy gradient is the floor; the pipelined
+  # programs (other reduction orders) must stay within 4x of it.
+  grad_64 = _tanh_stack_grad_float64(np.asarray(w), np.asarray(x))
+  floor = np.abs(np.asarray(grad_ref) - grad_64).max()
+  print(f"max |grad - float64|: one device {floor:.2e}, pipelined {np.abs(grad - grad_64).max():.2e}, "
+        f"with stage remat {np.abs(grad_r - grad_64).max():.2e}")
+  assert np.abs(grad - grad_64).max() <= 4 * floor
   np.testing.assert_allclose(grad_r, grad, rtol=1e-6, atol=1e-7)
   assert temp_r < temp
