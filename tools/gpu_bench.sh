@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GPU throughput check: LLaMA 3 8B widths at reduced depth, bf16, the default (flash) attention and
-# the chunked loss, on every GPU of this machine; prints tokens/s and MFU against the GPU's bf16
-# dense peak (maxtrain/monitor/mfu.py: 989 TFLOP/s for an H100/H200 SXM). Meant to finish in under
-# 5 minutes on one H200 (4 layers, 2 x 8192 tokens per GPU, 10 timed steps) per precision.
+# GPU throughput check: LLaMA 3 8B widths at reduced depth, bf16, the default attention (`auto`: cuDNN on a
+# GPU) and the chunked loss, on every GPU of this machine; prints tokens/s and MFU against the GPU's bf16
+# dense peak (maxtrain/monitor/mfu.py: 989 TFLOP/s for an H100/H200 SXM). On one H200 (2026-12-04) it took
+# 70 s for both precisions: 38.8% MFU bf16, 44.1% FP8 (BENCHMARKS.md, "First GPU run"). Check cuDNN's masking
+# on the same machine with `python3 tools/gpu_attention_check.py`.
 # Precisions: QUANT lists model.quantization values, each run in turn (default "none fp8": bf16, then
 # FP8 matmuls for attention, MLP and experts: docs/low_precision.md); ROUNDS > 1 alternates them again, so
 # the machine's drift shows as a spread rather than as a ratio.
