@@ -1,0 +1,90 @@
+"""Trust, third round (issue 37), the config and the side systems: numeric ranges and strict config
+files, the evaluation CLI's arguments and tasks, the sidecar's record of every checkpoint it started,
+MLflow and OTLP failing to a warning, and the quiet CPU peak behind MFU.
+
+Each case goes through the real entry point and asserts the exit code, that no traceback was printed,
+that the message names the culprit, and what is left on disk.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from maxtrain.cli import train
+from maxtrain.config import base_config, ranges
+from maxtrain.errors import EXIT_BAD_INPUT
+from tiny import TINY_MODEL, cpu_env
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def assert_exit(code, output, expected, *names):
+  assert code == expected, output[-3000:]
+  assert "Traceback" not in output, output[-3000:]
+  for name in names:
+    assert name in output, (name, output[-3000:])
+
+
+def run_train(args, capsys):
+  code = train.main(args)
+  captured = capsys.readouterr()
+  return code, captured.out + captured.err
+
+
+def base(store, out, steps=2):
+  return TINY_MODEL + [f"--config.data.path={store}", f"--config.output_dir={out}", f"--config.steps={steps}",
+                       "--config.eval.every_steps=0"]
+
+
+# ---- numeric ranges and strict config files (cases 6, 11, 12) ---------------------------------
+
+def test_every_numeric_key_has_a_range():
+  """The table covers every declared number, and each default lies inside its own range."""
+  cfg = base_config()
+  numeric = ranges.numeric_keys(cfg)
+  assert sorted(set(numeric) - set(ranges.RANGES)) == []
+  assert sorted(set(ranges.RANGES) - set(numeric)) == []  # no stale entries
+  ranges.check(cfg)
+
+
+@pytest.mark.parametrize("overrides,names", [
+    (["--config.model.quantization=fp8", "--config.model.quant_margin=100"], ["config.model.quant_margin=100", "[-1, 4]"]),
+    (["--config.model.quantization=fp8", "--config.model.quant_margin=-3"], ["config.model.quant_margin=-3"]),
+    (["--config.tracking.otel_interval_s=nan"], ["config.tracking.otel_interval_s=nan", "finite"]),
+    (["--config.watchdog.timeout_s=-5"], ["config.watchdog.timeout_s=-5.0", "0 = off"]),
+    (["--config.fleet.exchange_timeout_s=0"], ["config.fleet.exchange_timeout_s=0.0"]),
+    (["--config.checkpoint.s3_connect_timeout_s=inf"], ["config.checkpoint.s3_connect_timeout_s=inf"]),
+    (["--config.model.moe.aux_loss_weight=-0.1"], ["config.model.moe.aux_loss_weight=-0.1", ">= 0"]),
+    (["--config.post.kl_coef=-1"], ["config.post.kl_coef=-1.0"]),
+    (["--config.mesh.tensor=0"], ["config.mesh.tensor=0", "-1 or an integer >= 1"]),
+])
+def test_numeric_key_out_of_range_exit_2_before_anything(store, tmp_path, capsys, overrides, names):
+  out = tmp_path / "run"
+  code, output = run_train(base(store, out) + overrides, capsys)
+  assert_exit(code, output, EXIT_BAD_INPUT, *names, "out of range")
+  assert not out.exists()  # refused at load: no output dir, nothing compiled
+
+
+@pytest.mark.parametrize("body,names", [
+    ("import ml_collections\ndef get_config():\n  c = ml_collections.ConfigDict()\n  c.steps = 3\n  return c\n",
+     ["get_config() returned a config without", "declared keys (in ", "hardware", "model", "base_config()"]),
+    ("from maxtrain.config import base_config\ndef get_config():\n  c = base_config()\n  c.model.not_a_key = 3\n"
+     "  return c\n", ["unknown config key config.model.not_a_key"]),
+    ("from maxtrain.config import base_config\ndef get_config():\n  c = base_config()\n  c.optimizer.lr_peak = 1e-3\n"
+     "  return c\n", ["unknown config key config.optimizer.lr_peak", "Did you mean config.optimizer.lr"]),
+    ("from maxtrain.config import base_config\ndef get_config():\n  c = base_config()\n  c.model.quant_margin = 100\n"
+     "  return c\n", ["config.model.quant_margin=100"]),
+])
+def test_config_file_is_as_strict_as_the_command_line(tmp_path, capsys, body, names):
+  path = tmp_path / "cfg.py"
+  path.write_text(body)
+  out = tmp_path / "run"
+  code, output = run_train([f"--config={path}", f"--config.output_dir={out}"], capsys)
+  assert_exit(code, output, EXIT_BAD_INPUT, *names, "maxtrain: error:")
+  assert len(output.strip().splitlines()) == 1 and not out.exists()
