@@ -88,3 +88,52 @@ def test_config_file_is_as_strict_as_the_command_line(tmp_path, capsys, body, na
   code, output = run_train([f"--config={path}", f"--config.output_dir={out}"], capsys)
   assert_exit(code, output, EXIT_BAD_INPUT, *names, "maxtrain: error:")
   assert len(output.strip().splitlines()) == 1 and not out.exists()
+
+
+# ---- maxtrain.eval arguments and tasks (case 13) ------------------------------------------------
+
+def run_eval(args, capsys):
+  from maxtrain.cli import eval as eval_cli
+
+  code = eval_cli.main(args)
+  captured = capsys.readouterr()
+  return code, captured.out + captured.err
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "0", "inf"])
+def test_eval_poll_seconds_out_of_range_exit_2(tmp_path, capsys, value):
+  pytest.importorskip("lm_eval")
+  code, output = run_eval(["--watch", str(tmp_path), "--tasks", "pycode_mc", "--poll-seconds", value], capsys)
+  assert_exit(code, output, EXIT_BAD_INPUT, f"--poll-seconds={float(value)}", "(0, 3600]")
+  assert list(tmp_path.iterdir()) == []  # no eval/ folder, no lock file
+
+
+@pytest.mark.parametrize("case", ["folder/", "existing folder", "under a file"])
+def test_eval_output_that_cannot_be_a_file_exit_2_before_evaluating(tmp_path, capsys, case):
+  """Refused before the checkpoint is even opened (it does not exist here): no temp file, nothing new."""
+  pytest.importorskip("lm_eval")
+  (tmp_path / "dir").mkdir()
+  (tmp_path / "file").write_text("x")
+  output = {"folder/": f"{tmp_path / 'new'}/", "existing folder": str(tmp_path / "dir"),
+            "under a file": str(tmp_path / "file" / "r.json")}[case]
+  before = sorted(tmp_path.rglob("*"))
+  code, out = run_eval(["--checkpoint", str(tmp_path / "no-such-ckpt"), "--tasks", "pycode_mc", "--output", output],
+                       capsys)
+  assert_exit(code, out, EXIT_BAD_INPUT, f"--output={output}", "a folder" if case != "under a file" else "is a file")
+  assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_eval_include_path_task_with_a_missing_data_file_exit_2(tmp_path, capsys, monkeypatch):
+  pytest.importorskip("lm_eval")
+  tasks = tmp_path / "tasks"
+  tasks.mkdir()
+  (tasks / "mine.yaml").write_text("task: my_task\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                   "    test: data/missing.jsonl\noutput_type: loglikelihood_rolling\n"
+                                   "test_split: test\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+                                   "metric_list:\n  - metric: word_perplexity\n")
+  monkeypatch.chdir(tmp_path)
+  code, output = run_eval(["--checkpoint", str(tmp_path / "no-such-ckpt"), "--tasks", "my_task", "--include-path",
+                           str(tasks)], capsys)
+  assert_exit(code, output, EXIT_BAD_INPUT, "'my_task'", str(tasks / "mine.yaml"), "data/missing.jsonl",
+              str(tmp_path))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["tasks"]
