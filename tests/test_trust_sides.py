@@ -137,3 +137,60 @@ def test_eval_include_path_task_with_a_missing_data_file_exit_2(tmp_path, capsys
   assert_exit(code, output, EXIT_BAD_INPUT, "'my_task'", str(tasks / "mine.yaml"), "data/missing.jsonl",
               str(tmp_path))
   assert sorted(p.name for p in tmp_path.iterdir()) == ["tasks"]
+
+
+# ---- the evaluation sidecar records every step it started (case 7) -------------------------------
+
+def _killed_sidecar_run(tmp_path, finished: bool) -> Path:
+  """A run as a SIGKILLed sidecar leaves it (tests/test_eval_watch.py shows the kill leaves exactly a
+  `checkpoint_eval_start` for the step): step 5 started, never finished; step 7 a corrupt checkpoint."""
+  from maxtrain.evaluation import watch
+  from maxtrain.monitor import events as ev
+
+  run = tmp_path / "run"
+  (run / "checkpoints" / "7" / "state").mkdir(parents=True)
+  (run / "checkpoints" / "7" / "maxtrain_manifest.json").write_text("{not json")
+  (run / "eval").mkdir()
+  with ev.EventLog(run / "eval" / ev.FILENAME) as log:
+    log.emit(watch.EVAL_START, 5, tasks=["pycode_mc"])
+  with ev.EventLog(run / ev.FILENAME) as log:
+    log.emit(ev.JOB_START, hosts=1)
+    if finished:
+      log.emit(ev.EXIT, 7, code=0)
+  return run
+
+
+def test_sidecar_restarted_after_its_step_was_rotated_away_records_it_skipped(tmp_path, capsys):
+  pytest.importorskip("lm_eval")
+  from maxtrain.evaluation import watch
+  from maxtrain.monitor import events as ev
+
+  run = _killed_sidecar_run(tmp_path, finished=True)  # checkpoint 5 is gone: the trainer rotated it away
+  code, output = run_eval(["--watch", str(run), "--tasks", "pycode_mc", "--poll-seconds", "0.05"], capsys)
+  assert code == 0 and "Traceback" not in output, output[-3000:]
+  records = [(r["kind"], r["step"]) for r in ev.read_events(run / "eval" / ev.FILENAME)]
+  assert records == [(watch.EVAL_START, 5), (watch.EVAL_SKIPPED, 5), (watch.EVAL_START, 7), (watch.EVAL_SKIPPED, 7)]
+  reasons = {r["step"]: r["reason"] for r in ev.read_events(run / "eval" / ev.FILENAME) if "reason" in r}
+  assert "rotated it away" in reasons[5] and "mid-evaluation" in reasons[5]
+  assert "CorruptCheckpoint" in reasons[7]
+  assert not list((run / "eval").glob("[0-9]*"))  # no results for either
+
+
+def test_sidecar_records_a_started_step_rotated_away_while_it_runs(tmp_path):
+  pytest.importorskip("lm_eval")
+  import shutil
+
+  from maxtrain.evaluation import run as run_lib
+  from maxtrain.evaluation import watch
+  from maxtrain.monitor import events as ev
+
+  run = _killed_sidecar_run(tmp_path, finished=False)
+  (run / "checkpoints" / "5").mkdir()  # still there when the sidecar restarts (no manifest: not pending now)
+  sidecar = watch.Sidecar(run, ["pycode_mc"], run_lib.task_manager(), [], 2)
+  assert sidecar.unfinished == {5}
+  shutil.rmtree(run / "checkpoints" / "5")  # the trainer rotates it away
+  sidecar.close_vanished()
+  sidecar.close_vanished()  # recorded once
+  records = [(r["kind"], r["step"]) for r in ev.read_events(run / "eval" / ev.FILENAME)]
+  assert records == [(watch.EVAL_START, 5), (watch.EVAL_SKIPPED, 5)]
+  sidecar.events.close()
