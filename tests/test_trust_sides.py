@@ -194,3 +194,100 @@ def test_sidecar_records_a_started_step_rotated_away_while_it_runs(tmp_path):
   records = [(r["kind"], r["step"]) for r in ev.read_events(run / "eval" / ev.FILENAME)]
   assert records == [(watch.EVAL_START, 5), (watch.EVAL_SKIPPED, 5)]
   sidecar.events.close()
+
+
+# ---- side systems never cost the run: MLflow and OTLP (case 8) -----------------------------------
+
+class OtlpReceiver:
+  """A local OTLP/HTTP metrics receiver: decodes each ExportMetricsServiceRequest (protobuf) into
+  {metric name: (value, attributes)} of its gauge points, newest export last."""
+
+  def __init__(self):
+    import http.server
+    import threading
+
+    from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
+
+    self.exports: list[dict] = []
+    receiver = self
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        request = metrics_service_pb2.ExportMetricsServiceRequest()
+        request.ParseFromString(body)
+        points = {}
+        for rm in request.resource_metrics:
+          for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+              for p in metric.gauge.data_points:
+                points[metric.name] = (p.as_double, {a.key: a.value.string_value for a in p.attributes})
+        receiver.exports.append(points)
+        reply = metrics_service_pb2.ExportMetricsServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+      def log_message(self, *args):
+        pass
+
+    self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/metrics"
+    threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+  def close(self):
+    self.server.shutdown()
+    self.server.server_close()
+
+
+def _free_port() -> int:
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_otlp_export_over_http_carries_the_fixed_labels_and_prometheus_values(tmp_path):
+  """The real exporter (OTLP/HTTP, protobuf) to a local receiver: every exported point has exactly the
+  labels run, process, host, and each value equals what Prometheus serves for the same gauge."""
+  pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+  import urllib.request
+
+  import numpy as np
+
+  from maxtrain.monitor import events as ev
+  from maxtrain.monitor import otel
+  from maxtrain.monitor.metrics import MetricsLogger
+
+  receiver = OtlpReceiver()
+  try:
+    with ev.EventLog(tmp_path / ev.FILENAME) as events:
+      logger = MetricsLogger(tmp_path / "run", events, total_steps=30, tokens_per_step=256, flops_per_token=1e6,
+                             peak_flops=1e12, prometheus_port=_free_port())
+      gauges = otel.otlp_gauges(receiver.url, 3600.0, "myrun", 0)  # exported at close only: one known export
+      logger.gauge_sinks.append(gauges)
+      for step in range(1, 31):
+        logger.train(step, {"loss": 5.0 / step, "grad_norm": 1.0 + step, "lr": 1e-3, "per_layer": np.arange(3.0) * step})
+      port = logger.prometheus._httpd.server_address[1]
+      prom = {}
+      for line in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode().splitlines():
+        if line and not line.startswith("#"):
+          name_labels, value = line.rsplit(" ", 1)
+          prom[name_labels.split("{")[0]] = float(value)
+      gauges.close()  # the final export
+      logger.close()
+  finally:
+    receiver.close()
+  assert len(receiver.exports) == 1
+  points = receiver.exports[0]
+  assert "maxtrain_train_loss" in points and "maxtrain_train_per_layer_layer_2" in points
+  import socket
+
+  assert {tuple(sorted(a.items())) for _, a in points.values()} == {
+      (("host", socket.gethostname()), ("process", "0"), ("run", "myrun"))}
+  assert set(points) <= set(prom)
+  assert {k: v for k, (v, _) in points.items()} == {k: prom[k] for k in points}
+  assert points["maxtrain_train_loss"][0] == pytest.approx(5.0 / 30)
