@@ -291,3 +291,70 @@ def test_otlp_export_over_http_carries_the_fixed_labels_and_prometheus_values(tm
   assert set(points) <= set(prom)
   assert {k: v for k, (v, _) in points.items()} == {k: prom[k] for k in points}
   assert points["maxtrain_train_loss"][0] == pytest.approx(5.0 / 30)
+
+
+def _events(run: Path, kind: str) -> list[dict]:
+  from maxtrain.monitor import events as ev
+
+  return [r for r in ev.read_events(run / ev.FILENAME) if r["kind"] == kind]
+
+
+def test_broken_or_stale_mlflow_run_file_starts_a_linked_run_and_resumes(store, tmp_path, capsys, caplog):
+  """A garbage mlflow_run.json, then one naming a run deleted from the store: each resume exits 0 (not
+  2: a supervisor would never restart it), names the file, and continues in a new MLflow run whose tags
+  link it to the old one; the checkpoint resume itself is untouched (the new run logs only new steps)."""
+  pytest.importorskip("mlflow")
+  from mlflow.tracking import MlflowClient
+
+  from maxtrain.monitor import tracking
+
+  run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
+  args = base(store, run) + [f"--config.tracking.mlflow_uri={uri}", "--config.log_every=1",
+                             "--config.checkpoint.every_steps=1"]
+  record = run / tracking.RUN_FILE
+  client = MlflowClient(tracking_uri=uri)
+  code, output = run_train(args, capsys)
+  assert code == 0, output[-3000:]
+  first = json.loads(record.read_text())["run_id"]
+  record.write_text("garbage{")
+  with caplog.at_level("WARNING", logger="maxtrain"):
+    code, output = run_train(args + ["--config.steps=3"], capsys)
+  assert_exit(code, output + caplog.text, 0, str(record), "does not hold a run id", "linked to it")
+  second = json.loads(record.read_text())["run_id"]
+  tags = client.get_run(second).data.tags
+  assert second != first and tags["maxtrain.previous_run"] == "unreadable"
+  assert tags["maxtrain.previous_run_file"] == str(record)
+  assert [m.step for m in client.get_metric_history(second, "train/loss")] == [3]  # resumed from step 2
+  client.delete_run(second)  # someone cleans the store up
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="maxtrain"):
+    code, output = run_train(args + ["--config.steps=4"], capsys)
+  assert_exit(code, output + caplog.text, 0, str(record), f"names run {second}, which was deleted")
+  third = json.loads(record.read_text())["run_id"]
+  assert client.get_run(third).data.tags["maxtrain.previous_run"] == second
+  assert [m.step for m in client.get_metric_history(third, "train/loss")] == [4]
+  new_runs = _events(run, tracking.TRACKING_NEW_RUN)
+  assert [(r["previous_run"], r["run_id"]) for r in new_runs] == [(None, second), (second, third)]
+  assert client.get_run(third).info.status == "FINISHED"
+
+
+def test_unreachable_mlflow_and_otlp_cost_a_warning_not_the_run(store, tmp_path, capsys, caplog):
+  """Refused connections for both (nothing listens on the port): exit 0 in seconds (MLflow's own
+  client retried a refused connection for about 4 minutes), a warning and a side_system_failed event
+  each, and the run's own outputs as without them."""
+  pytest.importorskip("mlflow")
+  pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+  from maxtrain.monitor import tracking
+
+  run, port = tmp_path / "run", _free_port()  # bound and released: refused
+  t0 = time.monotonic()
+  with caplog.at_level("WARNING", logger="maxtrain"):
+    code, output = run_train(base(store, run) + [f"--config.tracking.mlflow_uri=http://127.0.0.1:{port}",
+                                                 f"--config.tracking.otel_endpoint=http://127.0.0.1:{port}/v1/metrics"],
+                             capsys)
+  seconds = time.monotonic() - t0
+  assert_exit(code, output + caplog.text, 0, f"127.0.0.1:{port} did not accept a connection", "training goes on")
+  failed = _events(run, tracking.SIDE_SYSTEM_FAILED)
+  assert sorted(r["system"].split(" ")[0] for r in failed) == ["MLflow", "OpenTelemetry"]
+  assert not (run / tracking.RUN_FILE).exists() and (run / "checkpoints" / "2").is_dir()
+  assert seconds < 120, seconds  # a trainer start; the side systems add under a second each
