@@ -16,7 +16,7 @@ from typing import Any
 
 import ml_collections
 
-from maxtrain.config.keys import flat_keys, key_docs
+from maxtrain.config.keys import base_config, flat_keys, key_docs
 from maxtrain.errors import UserError
 
 INF = math.inf
@@ -94,8 +94,7 @@ RANGES: dict[str, Range] = {
     "model.moe.router_z_loss_weight": WEIGHT, "model.moe.bias_update_rate": WEIGHT,
     "model.moe.collapse_entropy": FRACTION, "model.moe.collapse_steps": COUNT0,
     # mesh and pipeline
-    **{f"mesh.{axis}": MESH for axis in ("data", "fsdp", "context", "tensor", "expert", "pipeline", "dcn_pipeline",
-                                         "dcn_data", "dcn_fsdp")},
+    **{f"mesh.{axis}": MESH for axis, size in base_config().mesh.items() if isinstance(size, int)},  # every axis
     "pipeline.microbatches": COUNT, "pipeline.repeats": COUNT,
     # data
     "data.seq_len": COUNT, "data.batch_size": COUNT, "data.max_epochs": at_least(0), "data.read_ahead": COUNT0,

@@ -94,14 +94,12 @@ class _CountingExporter:
 
 
 def otlp_gauges(endpoint: str, interval_s: float, run: str, process_index: int,
-                on_failure: Callable[[str], None] | None = None) -> OtelGauges | None:
-  """Gauges exported to an OTLP/HTTP endpoint every `interval_s` (the `otel` extra); None, after
-  `on_failure(reason)`, when the endpoint does not accept a connection at start (probed once, with a
-  short timeout): the run goes on without it."""
+                on_failure: Callable[[str], None] | None = None) -> OtelGauges:
+  """Gauges exported to an OTLP/HTTP endpoint every `interval_s` (the `otel` extra); a failed export is
+  a warning and `on_failure(reason)` once (the trainer probes the endpoint first: tracking.attach)."""
   from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
   from maxtrain.errors import UserError
-  from maxtrain.monitor.tracking import Unreachable, probe
 
   try:
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
@@ -112,12 +110,6 @@ def otlp_gauges(endpoint: str, interval_s: float, run: str, process_index: int,
   if scheme not in ("http", "https"):
     raise UserError(f"config.tracking.otel_endpoint={endpoint}: not an OTLP/HTTP URL; use "
                     "http://HOST:4318/v1/metrics (or '' to turn it off)")
-  try:
-    probe(endpoint)
-  except Unreachable as e:
-    if on_failure is not None:
-      on_failure(f"{endpoint}: {e}")
-    return None
   exporter = _CountingExporter(OTLPMetricExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S), on_failure)
   reader = PeriodicExportingMetricReader(exporter, export_interval_millis=interval_s * 1e3,
                                          export_timeout_millis=EXPORT_TIMEOUT_S * 1e3)

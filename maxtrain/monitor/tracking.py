@@ -256,9 +256,14 @@ def attach(cfg: Any, out_dir: Path, metrics: Any, stack: Any, exit_code: Any) ->
   if cfg.tracking.otel_endpoint:
     from maxtrain.monitor import otel
 
-    gauges = otel.otlp_gauges(cfg.tracking.otel_endpoint, cfg.tracking.otel_interval_s, out_dir.name,
-                              jax.process_index(), on_failure=lambda reason: failed("OpenTelemetry export", reason))
-    if gauges is not None:
+    endpoint = cfg.tracking.otel_endpoint
+    try:
+      probe(endpoint)
+    except Unreachable as e:  # checked once, at start: the collector is off for this attempt
+      failed(f"OpenTelemetry export to {endpoint}", str(e))
+    else:
+      gauges = otel.otlp_gauges(endpoint, cfg.tracking.otel_interval_s, out_dir.name, jax.process_index(),
+                                on_failure=lambda reason: failed("OpenTelemetry export", reason))
       metrics.gauge_sinks.append(gauges)
       stack.callback(gauges.close)
   if not cfg.tracking.mlflow_uri or jax.process_index() != 0:
