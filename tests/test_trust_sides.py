@@ -299,18 +299,23 @@ def _events(run: Path, kind: str) -> list[dict]:
   return [r for r in ev.read_events(run / ev.FILENAME) if r["kind"] == kind]
 
 
-def test_broken_or_stale_mlflow_run_file_starts_a_linked_run_and_resumes(store, tmp_path, capsys, caplog):
+def test_broken_or_stale_mlflow_run_file_starts_a_linked_run_and_resumes(store, tmp_path, capsys, caplog, request):
   """A garbage mlflow_run.json, then one naming a run deleted from the store: each resume exits 0 (not
   2: a supervisor would never restart it), names the file, and continues in a new MLflow run whose tags
-  link it to the old one; the checkpoint resume itself is untouched (the new run logs only new steps)."""
+  link it to the old one; the checkpoint resume itself is untouched (the new run logs only new steps).
+  The trainers also export to a local OTLP receiver: the fixed labels, and the last export's loss equal
+  to the one MLflow got."""
   pytest.importorskip("mlflow")
+  pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
   from mlflow.tracking import MlflowClient
 
   from maxtrain.monitor import tracking
 
   run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
+  receiver = OtlpReceiver()
+  request.addfinalizer(receiver.close)
   args = base(store, run) + [f"--config.tracking.mlflow_uri={uri}", "--config.log_every=1",
-                             "--config.checkpoint.every_steps=1"]
+                             "--config.checkpoint.every_steps=1", f"--config.tracking.otel_endpoint={receiver.url}"]
   record = run / tracking.RUN_FILE
   client = MlflowClient(tracking_uri=uri)
   code, output = run_train(args, capsys)
@@ -336,6 +341,13 @@ def test_broken_or_stale_mlflow_run_file_starts_a_linked_run_and_resumes(store, 
   new_runs = _events(run, tracking.TRACKING_NEW_RUN)
   assert [(r["previous_run"], r["run_id"]) for r in new_runs] == [(None, second), (second, third)]
   assert client.get_run(third).info.status == "FINISHED"
+  import socket
+
+  assert len(receiver.exports) >= 3  # at least each trainer's last export, at its exit
+  assert {tuple(sorted(a.items())) for export in receiver.exports for _, a in export.values()} == {
+      (("host", socket.gethostname()), ("process", "0"), ("run", "run"))}
+  last_loss = receiver.exports[-1]["maxtrain_train_loss"][0]
+  assert last_loss == client.get_metric_history(third, "train/loss")[-1].value  # the step-4 loss, both ways
 
 
 def test_unreachable_mlflow_and_otlp_cost_a_warning_not_the_run(store, tmp_path, capsys, caplog):
