@@ -202,7 +202,7 @@ class OtlpReceiver:
   """A local OTLP/HTTP metrics receiver: decodes each ExportMetricsServiceRequest (protobuf) into
   {metric name: (value, attributes)} of its gauge points, newest export last."""
 
-  def __init__(self):
+  def __init__(self, status: int = 200):
     import http.server
     import threading
 
@@ -224,7 +224,7 @@ class OtlpReceiver:
                 points[metric.name] = (p.as_double, {a.key: a.value.string_value for a in p.attributes})
         receiver.exports.append(points)
         reply = metrics_service_pb2.ExportMetricsServiceResponse().SerializeToString()
-        self.send_response(200)
+        self.send_response(status)
         self.send_header("Content-Type", "application/x-protobuf")
         self.send_header("Content-Length", str(len(reply)))
         self.end_headers()
@@ -291,6 +291,26 @@ def test_otlp_export_over_http_carries_the_fixed_labels_and_prometheus_values(tm
   assert set(points) <= set(prom)
   assert {k: v for k, (v, _) in points.items()} == {k: prom[k] for k in points}
   assert points["maxtrain_train_loss"][0] == pytest.approx(5.0 / 30)
+
+
+def test_otlp_collector_that_refuses_exports_costs_a_warning(tmp_path, caplog):
+  """A collector that answers 400 to every export: the gauges keep working, the failure is one warning
+  and one on_failure call (the trainer's event), and closing does not raise."""
+  pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+  from maxtrain.monitor import otel
+
+  receiver, failures = OtlpReceiver(status=400), []
+  try:
+    gauges = otel.otlp_gauges(receiver.url, 3600.0, "r", 0, on_failure=failures.append)
+    with caplog.at_level("WARNING", logger="maxtrain"):
+      for step in range(3):
+        gauges.update({"train/loss": 1.0 / (step + 1)})
+        gauges.provider.force_flush()
+      gauges.close()
+  finally:
+    receiver.close()
+  assert len(receiver.exports) >= 3 and len(failures) == 1 and "OTLP export failed" in failures[0]
+  assert caplog.text.count("opentelemetry: export to") == 1 and "training goes on" in caplog.text
 
 
 def _events(run: Path, kind: str) -> list[dict]:

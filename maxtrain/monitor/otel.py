@@ -83,7 +83,10 @@ class _CountingExporter:
         log.warning("opentelemetry: export to %s failed (%s; %d failures so far); training goes on",
                     getattr(self.inner, "_endpoint", "?"), reason[:300], self.failures)
       if self.failures == 1 and self.on_failure is not None:
-        self.on_failure(f"OTLP export failed: {reason[:300]}")
+        try:
+          self.on_failure(f"OTLP export failed: {reason[:300]}")
+        except Exception as e:  # noqa: BLE001 - e.g. the event log closed before the exit's last export
+          log.warning("opentelemetry: could not record the failure (%s)", e)
     return result
 
   def force_flush(self, *args: Any, **kwargs: Any) -> bool:
