@@ -313,13 +313,21 @@ def test_otlp_collector_that_refuses_exports_costs_a_warning(tmp_path, caplog):
   assert caplog.text.count("opentelemetry: export to") == 1 and "training goes on" in caplog.text
 
 
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory) -> str:
+  """One SQLite MLflow store for the module's tests (creating its tables costs seconds)."""
+  pytest.importorskip("mlflow")
+  return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
 def _events(run: Path, kind: str) -> list[dict]:
   from maxtrain.monitor import events as ev
 
   return [r for r in ev.read_events(run / ev.FILENAME) if r["kind"] == kind]
 
 
-def test_broken_or_stale_mlflow_run_file_starts_a_linked_run_and_resumes(store, tmp_path, capsys, caplog, request):
+def test_broken_or_stale_mlflow_run_file_starts_a_linked_run_and_resumes(store, mlflow_uri, tmp_path, capsys, caplog,
+                                                                         request):
   """A garbage mlflow_run.json, then one naming a run deleted from the store: each resume exits 0 (not
   2: a supervisor would never restart it), names the file, and continues in a new MLflow run whose tags
   link it to the old one; the checkpoint resume itself is untouched (the new run logs only new steps).
@@ -331,7 +339,7 @@ def test_broken_or_stale_mlflow_run_file_starts_a_linked_run_and_resumes(store, 
 
   from maxtrain.monitor import tracking
 
-  run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
+  run, uri = tmp_path / "run", mlflow_uri
   receiver = OtlpReceiver()
   request.addfinalizer(receiver.close)
   args = base(store, run) + [f"--config.tracking.mlflow_uri={uri}", "--config.log_every=1",
@@ -368,6 +376,25 @@ def test_broken_or_stale_mlflow_run_file_starts_a_linked_run_and_resumes(store, 
       (("host", socket.gethostname()), ("process", "0"), ("run", "run"))}
   last_loss = receiver.exports[-1]["maxtrain_train_loss"][0]
   assert last_loss == client.get_metric_history(third, "train/loss")[-1].value  # the step-4 loss, both ways
+
+
+def test_mlflow_run_file_naming_a_run_the_store_never_had_starts_a_linked_run(mlflow_uri, tmp_path):
+  """A run id the store does not have (purged, or the file came from another store): a new run, linked."""
+  pytest.importorskip("mlflow")
+  from maxtrain.monitor import events as ev
+  from maxtrain.monitor import tracking
+
+  out = tmp_path / "run"
+  out.mkdir()
+  (out / tracking.RUN_FILE).write_text(json.dumps({"run_id": "0123456789abcdef0123456789abcdef"}))
+  with ev.EventLog(out / ev.FILENAME) as events:
+    tracker = tracking.MlflowTracker(mlflow_uri, "maxtrain", out, {"steps": 2}, emit=events.emit)
+    tracker.close(0)
+  run = tracker.client.get_run(tracker.run_id)
+  assert run.data.tags["maxtrain.previous_run"] == "0123456789abcdef0123456789abcdef"
+  assert json.loads((out / tracking.RUN_FILE).read_text())["run_id"] == tracker.run_id
+  assert "does not have" in _events(out, tracking.TRACKING_NEW_RUN)[0]["reason"]
+  assert run.info.status == "FINISHED"
 
 
 def test_unreachable_mlflow_and_otlp_cost_a_warning_not_the_run(store, tmp_path, capsys, caplog):

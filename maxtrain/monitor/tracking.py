@@ -130,11 +130,11 @@ class MlflowTracker:
       return None, (None, f"does not hold a run id ({type(e).__name__}: {str(e)[:200]})")
     try:
       stage = self.client.get_run(run_id).info.lifecycle_stage
-    except Exception as e:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST, or another store than the file's
-      if _unreachable(e):
-        raise
+    except Exception as e:  # noqa: BLE001 - MlflowException; only "no such run" starts a new one
+      if getattr(e, "error_code", None) not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+        raise  # a store that fails: tracking is off for this attempt, the next one continues the run
       return None, (run_id, f"names run {run_id}, which the store at this tracking URI does not have "
-                            f"({type(e).__name__})")
+                            f"(deleted for good, or another store)")
     if stage != "active":
       return None, (run_id, f"names run {run_id}, which was deleted from the store (lifecycle stage {stage})")
     return run_id, None
@@ -231,13 +231,6 @@ class MlflowTracker:
     if self._thread.is_alive():
       log.warning("MLflow: the store did not take the last points within %g s; the trainer exits without them",
                   CLOSE_TIMEOUT_S)
-
-
-def _unreachable(error: BaseException) -> bool:
-  """Whether an MLflow error is a connection failure (a server down), not an answer from the store."""
-  text = f"{type(error).__name__}: {error}"
-  return isinstance(error, (Unreachable, ConnectionError, TimeoutError)) or any(
-      s in text for s in ("Max retries exceeded", "Connection refused", "ConnectionError", "timed out"))
 
 
 def attach(cfg: Any, out_dir: Path, metrics: Any, stack: Any, exit_code: Any) -> None:
