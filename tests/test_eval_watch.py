@@ -73,12 +73,14 @@ def test_sidecar_survives_sigkill_and_trainer_restart(store, tmp_path):
 
 def test_in_loop_tasks_and_a_failing_task(store, tmp_path, caplog):
   """`eval.tasks` runs at each eval inside the trainer: a good task's scalars reach TensorBoard and the
-  event log; a task that fails (its data file is gone) is an event and a warning, and the run ends 0."""
+  event log; a task that fails (its data file does not parse) is an event and a warning, and the run
+  ends 0. A task whose data file does not exist is refused before compiling (exit 2, the file named)."""
   from maxtrain.cli import train
 
   tasks, run = tmp_path / "tasks", tmp_path / "run"
   tasks.mkdir()
-  (tasks / "tiny_code.yaml").write_text(TASK.format(data=tasks / "rows.jsonl"))  # rows.jsonl never written
+  (tasks / "tiny_code.yaml").write_text(TASK.format(data=tasks / "rows.jsonl"))
+  (tasks / "rows.jsonl").write_text("{not json\n")  # exists (the start-up check passes), fails to load
   args = [*TINY_MODEL, f"--config.data.path={store}", "--config.steps=2", f"--config.output_dir={run}",
           "--config.eval.every_steps=0", "--config.eval.tasks=pycode_mc,tiny_code",
           f"--config.eval.tasks_include_path={tasks}"]
@@ -91,6 +93,8 @@ def test_in_loop_tasks_and_a_failing_task(store, tmp_path, caplog):
   assert len(done) == 1 and 0 <= done[0]["scalars"]["eval/pycode_mc/acc"] <= 1
   assert "eval task tiny_code failed" in caplog.text
   assert train.main([*args[:-2], "--config.eval.tasks=no_such_task"]) == 2  # checked before compiling
+  (tasks / "rows.jsonl").unlink()
+  assert train.main(args) == 2  # its data file is missing: refused before compiling
 
 
 def test_sidecar_skips_a_corrupt_checkpoint_and_exits_when_the_run_finished(tmp_path):

@@ -71,4 +71,5 @@ def test_crash_loop_gives_up_with_a_summary(tmp_path):
 def test_bad_config_is_not_restarted(tmp_path):
   result = launch([], [f"--config.output_dir={tmp_path}", "--config.steps=0"], timeout=300)
   assert result.returncode == 2
-  assert result.stderr.count("maxtrain.launch: attempt") == 1 and "config.steps=0: must be > 0" in result.stderr
+  # The supervisor loads the config as the trainer does (ranges included): refused before any attempt.
+  assert result.stderr.count("maxtrain.launch: attempt") == 0 and "config.steps=0: out of range" in result.stderr

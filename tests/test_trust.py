@@ -122,9 +122,9 @@ def test_non_numeric_attempt_exits_2(store, tmp_path, capsys, caplog, monkeypatc
 
 
 @pytest.mark.parametrize("args, names", [
-    (["--config.monitor.prometheus_port=70000"], ["config.monitor.prometheus_port=70000", "0..65535"]),
+    (["--config.monitor.prometheus_port=70000"], ["config.monitor.prometheus_port=70000", "[0, 65535]"]),
     (["--config.monitor.prometheus_port=-1"], ["config.monitor.prometheus_port=-1"]),
-    (["--config.runtime.coordinator_port=65536"], ["config.runtime.coordinator_port=65536", "1..65535"]),
+    (["--config.runtime.coordinator_port=65536"], ["config.runtime.coordinator_port=65536", "[0, 65535]"]),
     (["--config.optimizer.lr=inf"], ["config.optimizer.lr=inf", "finite"]),
     (["--config.guards.spike_zscore=nan"], ["config.guards.spike_zscore=nan", "finite"]),  # any float key
     (["--config.checkpoint.s3_read_timeout_s=0"], ["config.checkpoint.s3_read_timeout_s=0"]),

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Sequence
 
 from maxtrain.cli import parse_with_overrides
-from maxtrain.errors import EXIT_BAD_INPUT, UserError
+from maxtrain.errors import EXIT_BAD_INPUT, EXIT_CRASH, UserError
+
+MAX_POLL_SECONDS = 3600.0  # --watch polls at least hourly: a run's checkpoints are minutes apart
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,8 +54,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     if args.batch_size < 1:
       raise UserError(f"--batch-size={args.batch_size}: must be >= 1")
+    if not 0 < args.poll_seconds <= MAX_POLL_SECONDS:  # NaN fails this too
+      raise UserError(f"--poll-seconds={args.poll_seconds}: must be a number in (0, {MAX_POLL_SECONDS:g}] "
+                      "(how often --watch looks for new checkpoints)")
+    if args.output is not None and args.watch:
+      raise UserError(f"--output={args.output}: --watch writes each step's results to RUN_DIR/eval/STEP/results.json; "
+                      "--output is for --checkpoint only")
     from maxtrain.evaluation import run
 
+    if args.checkpoint:
+      output = run.check_output(args.output or str(default_output(args.checkpoint)),
+                                "--output" if args.output else "the default --output")
     manager = run.task_manager(args.include_path)
     names = run.check_tasks(args.tasks.split(","), manager)
     if args.watch:
@@ -65,8 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   except UserError as e:
     print(f"maxtrain.eval: error: {e}", file=sys.stderr)
     return EXIT_BAD_INPUT
-  output = Path(args.output) if args.output else default_output(args.checkpoint)
-  run.write_json(output, results)
+  try:
+    run.write_json(output, results)
+  except OSError as e:  # checked before the evaluation; the disk can still fill up or the folder vanish
+    print(f"maxtrain.eval: error: --output={output}: cannot write the results ({e.strerror or e})", file=sys.stderr)
+    return EXIT_CRASH  # not bad input: a full disk may have room on the next try
   from maxtrain.monitor.tensorboard import MetricWriter
 
   writer = MetricWriter(output.parent / "tensorboard")

@@ -12,8 +12,8 @@ from typing import Any, Sequence
 
 import ml_collections
 
-from maxtrain.config import hardware
-from maxtrain.config.keys import flat_keys
+from maxtrain.config import hardware, ranges
+from maxtrain.config.keys import base_config, flat_keys
 from maxtrain.errors import UserError
 
 log = logging.getLogger("maxtrain")
@@ -21,10 +21,29 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.py"
 
 
-def _unknown_key(key: str, cfg: ml_collections.ConfigDict) -> UserError:
+def _unknown_key(key: str, cfg: ml_collections.ConfigDict, where: str = "") -> UserError:
   close = difflib.get_close_matches(key, flat_keys(cfg), n=3, cutoff=0.5)
   hint = f" Did you mean {' or '.join('config.' + c for c in close)}?" if close else ""
-  return UserError(f"unknown config key config.{key}.{hint} See the config keys in docs/config.md.")
+  return UserError(f"{where}unknown config key config.{key}.{hint} See the config keys in docs/config.md.")
+
+
+def _check_keys(path: Path, cfg: ml_collections.ConfigDict) -> None:
+  """A config file is as strict as the command line: every key it sets is a declared key (a misspelt
+  `c.optimizer.lr_peak = ...` would otherwise be ignored), and it declares them all (a bare
+  `ConfigDict()` would fail later as an AttributeError deep in the trainer)."""
+  declared = base_config()
+  known, have = set(flat_keys(declared)), set(flat_keys(cfg))
+  for key in sorted(have - known):
+    raise _unknown_key(key, declared, f"--config={path}: ")
+  missing = [k for k in flat_keys(declared) if k not in have]
+  if missing:
+    # Named by top-level key or section first (a bare ConfigDict lacks whole sections), then the keys.
+    sections = list(dict.fromkeys(k.split(".")[0] for k in missing))
+    shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+    raise UserError(f"--config={path}: get_config() returned a config without {len(missing)} of the "
+                    f"{len(known)} declared keys (in {', '.join(sections)}: {shown}). Start from the declared keys "
+                    "and change a few: "
+                    "`from maxtrain.config import base_config; c = base_config(); c.steps = ...` (configs/*.py).")
 
 
 def _parse_value(key: str, text: str, current: Any) -> Any:
@@ -81,6 +100,7 @@ def load_file(path: str | Path) -> tuple[ml_collections.ConfigDict, dict[str, di
     raise UserError(f"--config={path}: loading it failed{where}: {type(e).__name__}: {e}. Fix the file.") from None
   if not isinstance(cfg, ml_collections.ConfigDict):
     raise UserError(f"--config={path}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
+  _check_keys(path, cfg)
   return cfg, getattr(module, "HARDWARE", {})
 
 
@@ -143,6 +163,7 @@ def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
   for key, value in overrides:
     if key != "hardware":
       set_override(cfg, key, value)
+  ranges.check(cfg)  # before the warmup check, which compares numbers it assumes are in range
   _check_asked_warmup(cfg, {key for key, _ in overrides})
   # Checked at load, not in plan.validate: the supervisor writes its events there before any trainer runs.
   if not str(cfg.output_dir).strip():

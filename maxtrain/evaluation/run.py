@@ -36,7 +36,47 @@ def check_tasks(names: Sequence[str], manager: Any, key: str = "--tasks") -> lis
     if name not in known:
       raise UserError(f"{key}: unknown task {name!r}; the known tasks are {sorted(known)[:12]} (add your own "
                       "YAML tasks with an include path)")
+  check_data_files(names, manager, key)
   return names
+
+
+def _data_files(value: Any) -> list[str]:
+  """The paths of a `dataset_kwargs.data_files` (a path, a list, or a split -> path(s) mapping)."""
+  if isinstance(value, str):
+    return [value]
+  if isinstance(value, dict):
+    return [p for v in value.values() for p in _data_files(v)]
+  if isinstance(value, (list, tuple)):
+    return [p for v in value for p in _data_files(v)]
+  return []
+
+
+def check_data_files(names: Sequence[str], manager: Any, key: str = "--tasks") -> None:
+  """UserError naming the task, its YAML and the file when a task's local `dataset_kwargs.data_files`
+  does not exist (before the model loads, instead of a `datasets` traceback after). Relative paths are
+  relative to the current directory, as `datasets.load_dataset` reads them."""
+  import glob
+
+  from lm_eval.tasks._yaml_loader import load_yaml
+
+  for name in names:
+    entry = manager.task_index.get(name)
+    yaml_path = getattr(entry, "yaml_path", None)
+    if not yaml_path:
+      continue  # a group or a tag: its tasks are checked by lm-eval as they load
+    try:
+      config = load_yaml(yaml_path, resolve_func=False, recursive=True)
+    except Exception as e:  # noqa: BLE001 - a task file that does not parse is bad input
+      raise UserError(f"{key}: task {name!r}: its file {yaml_path} does not load ({type(e).__name__}: {e})") from None
+    kwargs = config.get("dataset_kwargs") or {}
+    for path in _data_files(kwargs.get("data_files") if isinstance(kwargs, dict) else None):
+      if "://" in path:
+        continue  # a URL: datasets downloads it (or says why not)
+      found = glob.glob(path) if glob.has_magic(path) else [path] if Path(path).is_file() else []
+      if not found:
+        raise UserError(f"{key}: task {name!r} ({yaml_path}): dataset_kwargs.data_files {path!r} does not exist "
+                        f"(relative paths are read from the current directory, {Path.cwd()}): fix the path in the "
+                        "task's YAML, or give an absolute one")
 
 
 def scalars(results: dict) -> dict[str, float]:
@@ -56,10 +96,29 @@ def write_json(path: Path, payload: dict) -> None:
 
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-  tmp.write_text(json.dumps(payload, indent=2, default=handle_non_serializable))
-  with open(tmp, "rb") as f:
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  try:
+    tmp.write_text(json.dumps(payload, indent=2, default=handle_non_serializable))
+    with open(tmp, "rb") as f:
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    tmp.unlink(missing_ok=True)  # only left when the rename did not happen: never leave it behind
+
+
+def check_output(text: str, key: str = "--output") -> Path:
+  """The results file's path; UserError, before any evaluation, when `text` cannot become it: a folder
+  (or a name ending in /), under a regular file, or in a folder that cannot be written."""
+  path = Path(text)
+  if text.endswith(os.sep) or path.is_dir():
+    raise UserError(f"{key}={text}: a folder; give the results file's path, e.g. {key}={path / 'results.json'}")
+  parent = path.absolute().parent
+  while not parent.exists():
+    parent = parent.parent
+  if not parent.is_dir():
+    raise UserError(f"{key}={text}: {parent} is a file, not a folder: choose another path for the results")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise UserError(f"{key}={text}: {parent} is not writable: choose another path for the results")
+  return path
 
 
 def evaluate(lm: Any, names: Sequence[str], manager: Any, *, log_samples: bool = False) -> dict:

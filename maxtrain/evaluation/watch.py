@@ -5,6 +5,9 @@ Exactly once, by construction: a step is done iff RUN/eval/STEP/results.json exi
 appears whole or not at all (written aside, fsynced, renamed). A sidecar killed mid-evaluation left no
 file, so the step is evaluated again (its one completed evaluation); one killed between the rename and
 its `checkpoint_eval` event gets the event on restart (`reconcile`), so events count results exactly.
+Every step the sidecar started ends recorded, evaluated or skipped with the reason: a started step whose
+checkpoint is gone (the trainer's `checkpoint.max_to_keep` rotated it away while the sidecar was down
+or busy) gets a `checkpoint_eval_skipped` record once the sidecar sees it missing.
 One sidecar per run (a lock the kernel drops with its holder, SIGKILL included). It exits 0 once the
 trainer's last attempt has exited 0 in every process and no checkpoint is left: the trainer's exit
 event is written after its last checkpoint is durable, so reading it before listing the checkpoints
@@ -77,21 +80,43 @@ class Sidecar:
                       "one per run") from None
     self.events = ev.EventLog(run_dir / "eval" / ev.FILENAME)
     self.lm: Any = None
-    self.skipped: set[int] = set()  # steps whose checkpoint failed verification (an event each)
+    self.skipped: set[int] = set()  # steps recorded as skipped (an event each), never tried again
+    self.unfinished: set[int] = set()  # steps started without a done or skipped record yet
     self.reconcile()
 
-  def _event_steps(self) -> set[int]:
+  def _event_steps(self, kind: str) -> set[int]:
     from maxtrain.monitor import events as ev
 
     path = self.run_dir / "eval" / ev.FILENAME
-    return {r["step"] for r in ev.read_events(path) if r.get("kind") == EVAL_DONE} if path.exists() else set()
+    return {r["step"] for r in ev.read_events(path) if r.get("kind") == kind} if path.exists() else set()
 
   def reconcile(self) -> None:
-    """An event for every results file (a sidecar killed between its rename and its event)."""
-    logged = self._event_steps()
+    """An event for every results file (a sidecar killed between its rename and its event); the steps
+    earlier sidecars started and never finished or skipped (killed mid-evaluation) are tracked, and
+    recorded as skipped once their checkpoint is gone."""
+    logged = self._event_steps(EVAL_DONE)
     for step in checkpoint_steps(self.run_dir):
       if step not in logged and results_path(self.run_dir, step).exists():
         self.events.emit(EVAL_DONE, step, results=str(results_path(self.run_dir, step)), recovered=True)
+        logged.add(step)
+    self.skipped = self._event_steps(EVAL_SKIPPED)
+    self.unfinished = self._event_steps(EVAL_START) - logged - self.skipped
+    self.close_vanished()
+
+  def close_vanished(self) -> None:
+    """A `checkpoint_eval_skipped` record for each started, unfinished step whose checkpoint is gone."""
+    for step in sorted(self.unfinished):
+      if results_path(self.run_dir, step).exists():
+        continue  # finished by this sidecar after all (its done event follows)
+      if not (self.run_dir / "checkpoints" / str(step)).is_dir():
+        self._skip(step, "the checkpoint was deleted (the trainer's checkpoint.max_to_keep rotated it away) before "
+                   "its evaluation finished (the sidecar stopped or was killed mid-evaluation)")
+
+  def _skip(self, step: int, reason: str) -> None:
+    self.skipped.add(step)
+    self.unfinished.discard(step)
+    self.events.emit(EVAL_SKIPPED, step, reason=reason[:1000])
+    log.warning("checkpoint %d not evaluated: %s", step, reason[:300])
 
   def pending(self) -> list[int]:
     """Checkpoint steps not evaluated yet whose manifest is written (the trainer writes it last, after
@@ -108,6 +133,7 @@ class Sidecar:
 
     path = str(self.run_dir / "checkpoints" / str(step))
     self.events.emit(EVAL_START, step, tasks=self.names)
+    self.unfinished.add(step)
     t0 = time.monotonic()
     from maxtrain.checkpoint.manifest import CorruptCheckpoint
 
@@ -121,9 +147,7 @@ class Sidecar:
       # read: skipped, with a record. Anything else is the sidecar's own failure.
       if not isinstance(e, CorruptCheckpoint) and Path(path).is_dir():
         raise
-      self.skipped.add(step)
-      self.events.emit(EVAL_SKIPPED, step, reason=f"{type(e).__name__}: {e}"[:1000])
-      log.warning("checkpoint %d cannot be read (%s): not evaluated", step, e)
+      self._skip(step, f"{type(e).__name__}: {e}")
       return
     self.lm.after_batch = self._fault_seam(step)
     results = run.evaluate(self.lm, self.names, self.manager)
@@ -132,6 +156,7 @@ class Sidecar:
     writer.scalars(step, run.scalars(results))
     writer.close()
     self.events.emit(EVAL_DONE, step, seconds=time.monotonic() - t0, results=str(results_path(self.run_dir, step)))
+    self.unfinished.discard(step)
 
   def _fault_seam(self, step: int) -> Any:
     """The drill's SIGKILL after the first scored batch of `step` (once per run dir), else None."""
@@ -150,6 +175,7 @@ class Sidecar:
   def loop(self, poll_s: float) -> int:
     while True:
       finished = run_finished(self.run_dir)  # read before listing: see the module docstring
+      self.close_vanished()
       todo = self.pending()
       if todo:
         self.evaluate(todo[0])
