@@ -21,6 +21,16 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def pytest_configure(config):
+  """The controller measures the CPU peak once before any worker starts, while the machine is as quiet as it
+  gets: trainers read MFU's peak from that cache. Measured under the workers' own load, it would read
+  contended and every trainer start would measure again (~1 s each; monitor/mfu.py)."""
+  if not hasattr(config, "workerinput"):
+    from maxtrain.monitor import mfu
+
+    mfu.cpu_peak()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
   assert jax.device_count() == 8, "tests expect 8 fake CPU devices (XLA_FLAGS set too late?)"
