@@ -106,6 +106,8 @@ class Checkpoints:
     self.store.check_step_dirs()
     if step in self.store.steps():
       return None  # the durable tier's step N: resolved there
+    if not self.cfg.checkpoint.branch:
+      self._branch_local(step)  # newer local steps: exit 2 before anything is read or moved
     choice = self._choose(None, before=step + 1)
     if choice.step != step:
       raise UserError(f"checkpoint.resume={step}: local step {step} is not usable on every process ({choice.reason}) "
@@ -173,6 +175,8 @@ class Checkpoints:
     anywhere = [(i, s) for i, p in enumerate(lists) for s in below(p["corrupt"])]
     intact = [s for p in lists for s in below(p["intact"])]
     if choice.tier is None and anywhere and not intact and not ck.start_over_if_corrupt:
+      for step, error in sorted(corrupt.items(), reverse=True):
+        log.error("local %s", error)
       first = corrupt[max(corrupt)] if corrupt else None
       raise UserError(f"checkpoint.local_dir={ck.local_dir}: no local step verifies (steps "
                       f"{sorted({s for _, s in anywhere}, reverse=True)}"
