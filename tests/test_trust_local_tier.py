@@ -97,7 +97,8 @@ def test_another_run_never_restores_nor_promotes_a_local_step(store, run_a, tmp_
   leftover = local / "process_0" / "5.orbax-checkpoint-tmp-1764806400"
   leftover.mkdir()
   b = tmp_path / "b"
-  code, output = run(args(store, b, local, 3, "--config.optimizer.lr=3e-3", "--config.checkpoint.local_every_steps=100"))
+  code, output = run(args(store, b, local, 3, "--config.optimizer.lr=3e-3",
+                          "--config.checkpoint.local_every_steps=100"))  # no local save of b's: a's steps as they were
   assert_exit(code, output, 0, f"process_0/4 not used: another run's (output_dir {a.resolve()}",
               "resume: the local tier holds no usable step")
   assert restores(b) == [] and listing(b / "checkpoints") == ["3"]  # its own final step; nothing promoted
@@ -146,7 +147,8 @@ def test_a_local_step_without_its_manifest_is_moved_aside_and_never_promoted(sto
   moved = [n for n in listing(local / "process_0") if n.startswith("4.corrupt-")]
   assert len(moved) == 1 and fingerprint(local / "process_0" / moved[0]) == damaged
   assert restores(a) == [("local", 3)] and listing(a / "checkpoints") == ["3", "6"]  # 3 promoted, never 4
-  corrupt = [(r["step"], r["tier"], r["file"]) for r in read_events(a / "events.jsonl") if r["kind"] == "checkpoint_corrupt"]
+  corrupt = [(r["step"], r["tier"], r["file"]) for r in read_events(a / "events.jsonl")
+             if r["kind"] == "checkpoint_corrupt"]
   assert corrupt == [(4, "local", manifest.MANIFEST_NAME)]
 
 
@@ -166,7 +168,8 @@ def test_all_local_steps_corrupt_and_no_durable_step_is_exit_2_unless_told_to_st
   damaged = steps_of(local)
   code, output = run(args(store, a, local, 6))
   assert_exit(code, output, 2, "no local step verifies (steps [4, 3, 2, 1]", "checkpoint.start_over_if_corrupt",
-              "process_0/4 is corrupt: maxtrain_manifest.json: missing", "process_0/3 is corrupt: maxtrain_manifest.json",
+              "process_0/4 is corrupt: maxtrain_manifest.json: missing",
+              "process_0/3 is corrupt: maxtrain_manifest.json",
               "process_0/2 is corrupt: state.bin: size", "process_0/1 is corrupt: index.json")
   assert steps_of(local) == damaged and listing(a / "checkpoints") == []
   code, output = run(args(store, a, local, 2, "--config.checkpoint.start_over_if_corrupt=True"))

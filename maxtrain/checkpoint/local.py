@@ -105,7 +105,11 @@ class LocalTier:
     self._run_lock = RunLock(self.root, "checkpoint.local_dir").acquire()  # before the first write into it
     self.keep, self.identity = keep, dict(identity)
     self._owners: dict[int, str] = {}  # step -> OWN / FOREIGN / UNKNOWN, read from its meta once
-    self._clean_leftovers()
+    try:
+      self._clean_leftovers()
+    except BaseException:
+      self._run_lock.release()
+      raise
     # One long-lived writer: a thread started per save costs the loop its start-up handshake (tens of ms
     # measured on a loaded 2-core machine, where the new thread waits for the GIL and a core).
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-local")
@@ -133,7 +137,8 @@ class LocalTier:
     """Temporary folders of a save cut short (ours, `.tmp-<step>`, or an Orbax-style `*.orbax-checkpoint-tmp*`)
     are never steps: deleted, as Orbax does in the durable tier (this directory is ours now: we hold its lock)."""
     for path in self.root.iterdir():
-      if path.is_dir() and not path.is_symlink() and (path.name.startswith(_TMP) or ".orbax-checkpoint-tmp" in path.name):
+      temporary = path.name.startswith(_TMP) or ".orbax-checkpoint-tmp" in path.name
+      if temporary and path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
         log.info("local checkpoint tier: removed %s, a save that never completed", path)
 
@@ -182,7 +187,8 @@ class LocalTier:
       self._done.append(save)
 
   def _rotate(self) -> None:
-    """This run's newest `keep` steps stay (0: all, as checkpoint.max_to_keep=0); another run's are not ours to delete."""
+    """This run's newest `keep` steps stay (0: all, as checkpoint.max_to_keep=0); another run's are not ours
+    to delete."""
     if self.keep <= 0:
       return
     for step in self.own_steps()[:-self.keep]:

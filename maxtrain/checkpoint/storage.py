@@ -349,7 +349,9 @@ class Checkpointer:
     to be checked against: it is restored now, onto this run's devices, and kept for `restore`. A step that does
     not restore is corrupt like one that fails its manifest: resume=auto moves it aside and tries an older one,
     an explicit resume of it is exit 2 naming it."""
-    hook = sys.unraisablehook  # Orbax's other reads of a failed restore end unawaited: the error is reported once, below
+    # Orbax's other reads of a failed restore end unawaited (each an "Exception ignored" traceback on stderr):
+    # the error is reported once, below.
+    hook = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: None
     try:
       self._prefetched[path] = self._restore_unchecked(path, *self.target)
