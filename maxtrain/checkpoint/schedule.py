@@ -28,6 +28,11 @@ from maxtrain.monitor import events as ev
 from maxtrain.runtime.kv import KeyValue
 
 log = logging.getLogger("maxtrain")
+# Config keys a restarted run may change and still be the same run (its length, where it logs, its process layout,
+# monitoring, drills, the checkpoint keys themselves); every other section (seed, model, data, optimizer, guards,
+# post-training, pipeline) is hashed into a local step's identity.
+_NOT_IDENTITY = frozenset({"hardware", "steps", "output_dir", "log_every", "mesh", "checkpoint", "runtime", "mfu",
+                           "profile", "monitor", "tracking", "faults", "watchdog", "fleet", "eval"})
 
 
 class Checkpoints:
@@ -75,7 +80,7 @@ class Checkpoints:
     change)."""
     location = self.store.location
     redacted = config_lib.redacted(self.cfg)
-    shaping = {k: redacted.get(k) for k in ("seed", "model", "data", "optimizer", "guards", "post", "pipeline")}
+    shaping = {k: v for k, v in redacted.items() if k not in _NOT_IDENTITY}
     return {"output_dir": str(Path(output_dir).absolute().resolve()),
             "checkpoint_dir": location if "://" in location else str(Path(location).absolute().resolve()),
             "config_hash": ev.config_hash(shaping)}
