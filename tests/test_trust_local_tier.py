@@ -180,8 +180,9 @@ def test_all_local_steps_corrupt_and_no_durable_step_is_exit_2_unless_told_to_st
 
 
 def test_resume_n_and_symlinked_local_steps_follow_the_durable_rules(store, run_a, capsys, caplog):
-  """resume=N while this run's local tier holds newer steps: exit 2 naming them (checkpoint.branch moves
-  them aside); a symlinked local step: exit 2 (rotation would delete through it). Nothing moved."""
+  """resume=N while this run's local tier holds newer steps: exit 2 naming them, nothing moved; a symlinked
+  local step: exit 2 (rotation would delete through it); resume=N with checkpoint.branch: the newer local steps
+  moved aside (an event) and local step N, which the durable tier does not hold, restored (and promoted)."""
   a, local = run_a
   before = steps_of(local)
   code, output = run_main(args(store, a, local, 6, "--config.checkpoint.resume=2"), capsys, caplog)
@@ -191,6 +192,16 @@ def test_resume_n_and_symlinked_local_steps_follow_the_durable_rules(store, run_
   code, output = run_main(args(store, a, local, 6), capsys, caplog)
   assert_exit(code, output, 2, f"checkpoint.local_dir={local}", "process_0/7 is a symlink")
   assert listing(local / "process_0") == ["1", "2", "3", "4", "7"] and listing(a / "checkpoints") == []
+  (local / "process_0" / "7").unlink()
+  code, output = run(args(store, a, local, 4, "--config.checkpoint.resume=2", "--config.checkpoint.branch=True"))
+  assert_exit(code, output, 0, "newer local steps [3, 4] moved aside")
+  assert restores(a) == [("local", 2)] and listing(a / "checkpoints") == ["2", "4"]  # 2 held only locally
+  names = listing(local / "process_0")
+  assert [n for n in names if "." not in n] == ["1", "2", "3"]  # the branch's own 3 (4 went to the durable tier)
+  assert sorted(n.split(".")[0] for n in names if ".branched-" in n) == ["3", "4"]
+  branch = [(r["step"], r["newer_steps"], r["tier"]) for r in read_events(a / "events.jsonl")
+            if r["kind"] == "checkpoint_branch"]
+  assert branch == [(2, [3, 4], "local")]
 
 
 def test_an_unusable_local_dir_exits_2_naming_it(store, tmp_path, capsys, caplog):

@@ -96,7 +96,7 @@ class Checkpoints:
       raise UserError(f"checkpoint.resume=never but checkpoint.local_dir={self.cfg.checkpoint.local_dir} holds this "
                       f"run's local steps {own}; a fresh run must not overwrite them. Use another output_dir, or "
                       "resume=auto.")
-    if resume.isdigit() and int(resume) in own:
+    if resume.isdigit() and self.local is not None:  # every process takes this path: the search is agreed
       local_path = self._resolve_local_explicit(int(resume))
       if local_path is not None:
         return local_path
@@ -106,8 +106,8 @@ class Checkpoints:
     return path
 
   def _resolve_local_explicit(self, step: int) -> Path | None:
-    """resume=N with N among this run's local steps, as in the durable tier: the durable tier's step N when it
-    has one, else the local step N if it is usable on every process (exit 2 if not)."""
+    """resume=N with a local tier, as in the durable tier: the durable tier's step N when it has one (None: resolved
+    there), else this run's local step N if it is usable on every process (exit 2 if not)."""
     self.store.check_step_dirs()
     if step in self.store.steps():
       return None  # the durable tier's step N: resolved there
@@ -115,8 +115,9 @@ class Checkpoints:
       self._branch_local(step)  # newer local steps: exit 2 before anything is read or moved
     choice = self._choose(None, before=step + 1)
     if choice.step != step:
-      raise UserError(f"checkpoint.resume={step}: local step {step} is not usable on every process ({choice.reason}) "
-                      f"and {self.location} does not hold it; found durable steps {self.store.steps() or 'none'}")
+      raise UserError(f"checkpoint.resume={step}: no complete checkpoint at step {step} in {self.location} (found "
+                      f"steps {self.store.steps() or 'none'}), nor a local step {step} of this run usable on every "
+                      f"process ({choice.reason})")
     self._branch_local(step)
     self.store._branch(step, [s for s in self.store.steps() if s > step], self._on_branch)
     self.resume_tier, self.resume_reason = tiers.LOCAL, f"checkpoint.resume={step}: {choice.reason}"
