@@ -117,7 +117,9 @@ def test_two_live_trainers_on_one_local_dir_the_second_exits_2(store, tmp_path, 
   try:
     lock, deadline = local / "process_0" / ".maxtrain.lock", time.monotonic() + 300
     while not (lock.exists() and f'"pid": {first.pid}' in lock.read_text()):
-      assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+      if first.poll() is not None or time.monotonic() > deadline:
+        first.kill()
+        pytest.fail(f"the first trainer did not take the local tier's lock: {first.communicate()[1][-3000:]}")
       time.sleep(0.2)
     code, output = run_main(args(store, tmp_path / "second", local, 2), capsys, caplog)
     assert_exit(code, output, 2, f"checkpoint.local_dir={local / 'process_0'} is in use by another trainer",
