@@ -21,7 +21,7 @@ import pytest
 
 from maxtrain.checkpoint import manifest
 from maxtrain.monitor.events import read_events
-from test_trust import TINY, assert_exit, run_main, run_process, trainer_process
+from test_trust import REPO, TINY, assert_exit, run_main, run_process, trainer_process
 
 LOCAL_EVERY_STEP = ["--config.checkpoint.local_every_steps=1", "--config.checkpoint.every_steps=100",
                     "--config.checkpoint.local_max_to_keep=0"]  # 0: keeps all, as checkpoint.max_to_keep=0
@@ -65,11 +65,25 @@ def run(argv) -> tuple[int, str]:
   return code, out + err
 
 
+def copy_store(store: str, prefix: str) -> None:
+  for name in Path(store).parent.iterdir():
+    if name.name.startswith(Path(store).name + "."):
+      shutil.copyfile(name, prefix + name.name[len(Path(store).name):])
+
+
 @pytest.fixture(scope="module")
-def killed_run(store, tmp_path_factory) -> tuple[Path, Path, Path]:
+def data(store, tmp_path_factory) -> str:
+  """This module's copy of the token store (a case replaces its tokens; `run_a` puts them back)."""
+  prefix = str(tmp_path_factory.mktemp("data") / "code")
+  copy_store(store, prefix)
+  return prefix
+
+
+@pytest.fixture(scope="module")
+def killed_run(data, tmp_path_factory) -> tuple[Path, Path, Path]:
   root = tmp_path_factory.mktemp("local_tier")
   a, local = root / "a", root / "L"
-  code, output = run(args(store, a, local, 6, "--config.faults.kill_at_step=5"))
+  code, output = run(args(data, a, local, 6, "--config.faults.kill_at_step=5"))
   assert code == -9, output[-3000:]
   assert listing(local / "process_0") == ["1", "2", "3", "4"] and listing(a / "checkpoints") == []
   pristine = root / "pristine"
@@ -79,16 +93,17 @@ def killed_run(store, tmp_path_factory) -> tuple[Path, Path, Path]:
 
 
 @pytest.fixture
-def run_a(killed_run) -> tuple[Path, Path]:
-  """Run a, killed after step 5 (local steps 1-4), in place as it was left."""
+def run_a(killed_run, store, data) -> tuple[Path, Path]:
+  """Run a, killed after step 5 (local steps 1-4), in place as it was left, on its data."""
   a, local, pristine = killed_run
+  copy_store(store, data)
   for d in (a, local):
     shutil.rmtree(d, ignore_errors=True)
     shutil.copytree(pristine / d.name, d, symlinks=True)
   return a, local
 
 
-def test_another_run_never_restores_nor_promotes_a_local_step(store, run_a, tmp_path):
+def test_another_run_never_restores_nor_promotes_a_local_step(data, run_a, tmp_path):
   """Case 1: run b (another output_dir, another lr) on run a's local_dir starts fresh and leaves a's steps alone;
   run a restarted as it was resumes its own newest local step and promotes it. A leftover temporary folder
   of a save cut short is removed, never a step."""
@@ -97,13 +112,13 @@ def test_another_run_never_restores_nor_promotes_a_local_step(store, run_a, tmp_
   leftover = local / "process_0" / "5.orbax-checkpoint-tmp-1764806400"
   leftover.mkdir()
   b = tmp_path / "b"
-  code, output = run(args(store, b, local, 3, "--config.optimizer.lr=3e-3",
+  code, output = run(args(data, b, local, 3, "--config.optimizer.lr=3e-3",
                           "--config.checkpoint.local_every_steps=100"))  # no local save of b's: a's steps as they were
   assert_exit(code, output, 0, f"process_0/4 not used: another run's (output_dir {a.resolve()}",
               "resume: the local tier holds no usable step")
   assert restores(b) == [] and listing(b / "checkpoints") == ["3"]  # its own final step; nothing promoted
   assert steps_of(local) == before and not leftover.exists()  # a's steps untouched
-  code, output = run(args(store, a, local, 6))
+  code, output = run(args(data, a, local, 6))
   assert_exit(code, output, 0, "resume: local step 4 is complete and verified on all 1 processes")
   assert restores(a) == [("local", 4)] and listing(a / "checkpoints") == ["4", "6"]
   assert manifest.verify(a / "checkpoints" / "4").verified
@@ -133,7 +148,7 @@ def test_two_live_trainers_on_one_local_dir_the_second_exits_2(store, tmp_path, 
     first.wait()
 
 
-def test_a_local_step_without_its_manifest_is_moved_aside_and_never_promoted(store, run_a):
+def test_a_local_step_without_its_manifest_is_moved_aside_and_never_promoted(data, run_a):
   """Case 3: the newest local step's manifest deleted and a byte of its state flipped: before, restored,
   logged "complete and verified" and promoted with a fresh manifest. Now corrupt: moved aside (an event),
   the next older step restored and promoted."""
@@ -142,7 +157,7 @@ def test_a_local_step_without_its_manifest_is_moved_aside_and_never_promoted(sto
   (newest / manifest.MANIFEST_NAME).unlink()
   flip(newest / "state.bin")
   damaged = fingerprint(newest)
-  code, output = run(args(store, a, local, 6))
+  code, output = run(args(data, a, local, 6))
   assert_exit(code, output, 0, "process_0/4 is corrupt: maxtrain_manifest.json: missing",
               "resume: local step 3 is complete and verified")
   assert "local step 4 is complete" not in output
@@ -154,7 +169,21 @@ def test_a_local_step_without_its_manifest_is_moved_aside_and_never_promoted(sto
   assert corrupt == [(4, "local", manifest.MANIFEST_NAME)]
 
 
-def test_all_local_steps_corrupt_and_no_durable_step_is_exit_2_unless_told_to_start_over(store, run_a):
+def test_a_local_step_is_promoted_only_once_the_run_accepted_it(data, run_a):
+  """Run a's data store now holds other tokens (rebuilt at the same path): the restored local step's data
+  state is refused (exit 2). Before, the step had already been promoted into the durable tier by then."""
+  from maxtrain.data.indexing import index_files
+
+  a, local = run_a
+  before = steps_of(local)
+  index_files([str(REPO / "maxtrain" / "checkpoint")], data, val_fraction=0.2, workers=1, progress=False)
+  code, output = run(args(data, a, local, 6))
+  assert_exit(code, output, 2, data, "tokens, the checkpoint's store held")
+  assert restores(a) == [("local", 4)] and listing(a / "checkpoints") == []  # restored, refused, never promoted
+  assert steps_of(local) == before
+
+
+def test_all_local_steps_corrupt_and_no_durable_step_is_exit_2_unless_told_to_start_over(data, run_a):
   """Case 3: every local step damaged (a manifest deleted and a byte flipped, a manifest deleted and the state
   cut in half, the state cut in half, the index changed) and no durable step: before, a silent fresh start
   (and a cut file without its manifest a traceback). Now exit 2 naming each, nothing moved; with
@@ -168,34 +197,34 @@ def test_all_local_steps_corrupt_and_no_durable_step_is_exit_2_unless_told_to_st
   cut_in_half(p0 / "2" / "state.bin")
   flip(p0 / "1" / "index.json")
   damaged = steps_of(local)
-  code, output = run(args(store, a, local, 6))
+  code, output = run(args(data, a, local, 6))
   assert_exit(code, output, 2, "no local step verifies (steps [4, 3, 2, 1]", "checkpoint.start_over_if_corrupt",
               "process_0/4 is corrupt: maxtrain_manifest.json: missing",
               "process_0/3 is corrupt: maxtrain_manifest.json",
               "process_0/2 is corrupt: state.bin: size", "process_0/1 is corrupt: index.json")
   assert steps_of(local) == damaged and listing(a / "checkpoints") == []
-  code, output = run(args(store, a, local, 2, "--config.checkpoint.start_over_if_corrupt=True"))
+  code, output = run(args(data, a, local, 2, "--config.checkpoint.start_over_if_corrupt=True"))
   assert_exit(code, output, 0, "a fresh start")
   names = listing(p0)
   assert sorted(n.split(".")[0] for n in names if ".corrupt-" in n) == ["1", "2", "3", "4"]
   assert [n for n in names if "." not in n] == ["1"] and restores(a) == [] and listing(a / "checkpoints") == ["2"]
 
 
-def test_resume_n_and_symlinked_local_steps_follow_the_durable_rules(store, run_a, capsys, caplog):
+def test_resume_n_and_symlinked_local_steps_follow_the_durable_rules(data, run_a, capsys, caplog):
   """resume=N while this run's local tier holds newer steps: exit 2 naming them, nothing moved; a symlinked
   local step: exit 2 (rotation would delete through it); resume=N with checkpoint.branch: the newer local steps
   moved aside (an event) and local step N, which the durable tier does not hold, restored (and promoted)."""
   a, local = run_a
   before = steps_of(local)
-  code, output = run_main(args(store, a, local, 6, "--config.checkpoint.resume=2"), capsys, caplog)
+  code, output = run_main(args(data, a, local, 6, "--config.checkpoint.resume=2"), capsys, caplog)
   assert_exit(code, output, 2, "checkpoint.resume=2", "newer local steps [3, 4]", "checkpoint.branch=True")
   assert steps_of(local) == before
   (local / "process_0" / "7").symlink_to(local / "process_0" / "4")
-  code, output = run_main(args(store, a, local, 6), capsys, caplog)
+  code, output = run_main(args(data, a, local, 6), capsys, caplog)
   assert_exit(code, output, 2, f"checkpoint.local_dir={local}", "process_0/7 is a symlink")
   assert listing(local / "process_0") == ["1", "2", "3", "4", "7"] and listing(a / "checkpoints") == []
   (local / "process_0" / "7").unlink()
-  code, output = run(args(store, a, local, 4, "--config.checkpoint.resume=2", "--config.checkpoint.branch=True"))
+  code, output = run(args(data, a, local, 4, "--config.checkpoint.resume=2", "--config.checkpoint.branch=True"))
   assert_exit(code, output, 0, "newer local steps [3, 4] moved aside")
   assert restores(a) == [("local", 2)] and listing(a / "checkpoints") == ["2", "4"]  # 2 held only locally
   names = listing(local / "process_0")
