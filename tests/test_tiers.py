@@ -182,7 +182,7 @@ def test_two_processes_agree_when_one_local_step_is_half_written(store, tmp_path
   result = launch(["--processes=2", "--max-restarts=0", "--peer-grace=60"], args, devices=4)
   assert result.returncode == 0, result.stderr[-3000:]
   assert sorted(restores(tmp_path)) == [(0, "local", 2), (1, "local", 2)]
-  assert "process_1/4 not usable: corrupt (state.bin: size" in result.stderr
+  assert "process_1/4 is corrupt: state.bin: size" in result.stderr
   # Process 0's whole step 4 belonged to the abandoned run: deleted, then saved anew at 4.
   assert "local checkpoint steps [4] are newer than the restored step 2" in result.stderr
   for step in (2, 6):  # local step 2 promoted by both processes' collective save; the run finished
@@ -409,20 +409,29 @@ def test_preemption_saves_the_tiers_the_grace_period_fits_and_resume_promotes(st
 
 
 def test_local_tier_round_trip_rotation_and_abandoned_steps(tmp_path):
+  """Also: a run rotates, abandons and verifies only its own steps; another run's in the same folder are left
+  alone (a step number it saves again moves theirs aside); local_max_to_keep=0 keeps all."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
 
+  from maxtrain.checkpoint import manifest
   from maxtrain.checkpoint.local import LocalTier, LocalUnusable
 
   mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   shardings = {"w": NamedSharding(mesh, PartitionSpec("a", None)), "s": NamedSharding(mesh, PartitionSpec())}
-  tier = LocalTier(str(tmp_path), 0, keep=3)
-  for step in (2, 4, 6, 8):
-    state = {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4) * step, shardings["w"]),
-             "s": jax.device_put(jnp.int32(step), shardings["s"])}
-    tier.save(step, state, {"next": step}, {"mesh": {"a": 4, "b": 2}, "process_count": 1})
-  tier.wait()
+  ours = {"output_dir": "/runs/a", "checkpoint_dir": "/runs/a/checkpoints", "config_hash": "h"}
+
+  def save(tier, steps):
+    for step in steps:
+      state = {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4) * step, shardings["w"]),
+               "s": jax.device_put(jnp.int32(step), shardings["s"])}
+      tier.save(step, state, {"next": step}, {"mesh": {"a": 4, "b": 2}, "process_count": 1, "identity": tier.identity})
+    tier.wait()
+    return state
+
+  tier = LocalTier(str(tmp_path), 0, keep=3, identity=ours)
+  state = save(tier, (2, 4, 6, 8))
   assert tier.steps() == [4, 6, 8]  # keep=3
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
   restored, data = tier.restore(tier.path(6), abstract, shardings)
@@ -432,6 +441,23 @@ def test_local_tier_round_trip_rotation_and_abandoned_steps(tmp_path):
   with pytest.raises(LocalUnusable):  # another layout: these shards were not saved
     tier.restore(tier.path(6), abstract, other)
   assert tier.drop_after(4) == [6, 8] and tier.steps() == [4]  # a resume to 4 abandoned them
-  assert tier.usable_steps({"a": 4, "b": 2}, 1, verify=True) == ([4], {})
-  assert tier.usable_steps({"a": 8, "b": 1}, 1, verify=True)[0] == []
+  scan = tier.scan({"a": 4, "b": 2}, 1, verify=True)
+  assert (scan.usable, scan.corrupt, scan.skipped) == ([4], {}, {})
+  assert tier.scan({"a": 8, "b": 1}, 1, verify=True).usable == []
+  tier.close()
+  # Another run on the same folder (the first one is gone): keeps all its own steps, never touches step 4's
+  # owner's files but step 4's number, which it saves too (the other run's step moved aside, never deleted).
+  theirs = {**ours, "output_dir": "/runs/b", "checkpoint_dir": "/runs/b/checkpoints"}
+  tier = LocalTier(str(tmp_path), 0, keep=0, identity=theirs)
+  scan = tier.scan({"a": 4, "b": 2}, 1, verify=True)
+  assert scan.usable == [] and "another run's (output_dir /runs/a" in scan.skipped[4]
+  save(tier, (1, 2, 3))
+  assert tier.own_steps() == [1, 2, 3] and tier.steps() == [1, 2, 3, 4]  # keep=0: all kept; 4 is the other run's
+  save(tier, (4,))
+  assert tier.own_steps() == [1, 2, 3, 4] and len(list((tmp_path / "process_0").glob("4.other-run-*"))) == 1
+  state_file = tier.path(4) / "state.bin"  # checkpoint.verify=False restores unchecked: a cut file is still exit 2
+  os.truncate(state_file, state_file.stat().st_size // 2)
+  with pytest.raises(manifest.CorruptCheckpoint, match="state.bin: .* bytes, but its index needs .* [(]truncated[)]"):
+    tier.restore(tier.path(4), abstract, shardings)
+  assert tier.drop_after(1) == [2, 3, 4]
   tier.close()

@@ -132,6 +132,27 @@ def test_a_same_size_file_swapped_in_from_another_step_is_caught(store, run, cap
   assert manifest.verify(ckpt / "4").verified and fingerprint(ckpt / "4") != swapped
 
 
+def test_a_manifestless_step_that_does_not_restore_is_moved_aside_and_an_older_one_restored(store, run, capsys,
+                                                                                            caplog):
+  """Issue 37, case 10: a step without a manifest (saved before manifests, or its process died before writing
+  it) with its largest data file removed: before, a traceback and step 2 never tried. Now it is restored
+  once, onto the run's devices, to check it: corrupt like a step that fails its manifest (resume=auto's rule)."""
+  ckpt = run / "checkpoints"
+  (ckpt / "4" / manifest.MANIFEST_NAME).unlink()
+  largest = largest_data_file(ckpt / "4")
+  largest.unlink()
+  damaged = fingerprint(ckpt / "4")
+  code, out = run_main(args(store, run, 4), capsys, caplog)
+  assert_exit(code, out, 0, f"checkpoint {ckpt / '4'} is corrupt: state/", "no manifest, and it does not restore",
+              "restored step 2")
+  moved = [n for n in entries(ckpt) if n.startswith("4.corrupt-")]
+  assert len(moved) == 1 and fingerprint(ckpt / moved[0]) == damaged
+  assert manifest.verify(ckpt / "4").verified  # saved again from step 2
+  corrupt = [e for e in read_events(run / "events.jsonl") if e["kind"] == "checkpoint_corrupt"]
+  assert [(e["step"], e["file"].split("/")[0]) for e in corrupt] == [(4, "state")]
+  assert [e["step"] for e in read_events(run / "events.jsonl") if e["kind"] == "restore"][-1] == 2
+
+
 def test_incomplete_step_directories_are_skipped(store, run, capsys, caplog):
   ckpt = run / "checkpoints"
   (ckpt / "6").mkdir()  # empty

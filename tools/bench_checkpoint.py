@@ -68,7 +68,8 @@ class Bench:
     self.stores = {"durable": Checkpointer(cfg.checkpoint, str(workdir / "durable"))}
     if s3:
       self.stores["s3"] = Checkpointer(cfg.checkpoint, "s3://bench/run", workdir / "staging")
-    self.local = LocalTier(str(workdir / "local"), jax.process_index(), 2)
+    identity = {"output_dir": str(workdir), "checkpoint_dir": str(workdir / "durable"), "config_hash": "bench"}
+    self.local = LocalTier(str(workdir / "local"), jax.process_index(), 2, identity)
     self.step = 0
     self.phases: dict[str, dict[str, list[float]]] = {}
 
@@ -95,7 +96,8 @@ class Bench:
 
   def local_tier(self) -> None:
     self.step += 1
-    self.local.save(self.step, self.state, {"next": 0}, {"mesh": self.mesh, "process_count": 1})
+    self.local.save(self.step, self.state, {"next": 0}, {"mesh": self.mesh, "process_count": 1,
+                                                         "identity": self.local.identity})
     done = self.local.wait()[0]
     self._record("local", device_to_host_s=done.blocking_s, **done.phases, save_s=done.save_s, mb=done.num_bytes / 1e6)
     path = self.local.path(self.step)

@@ -12,6 +12,13 @@ the local tier unusable, and resume falls back to the durable tier).
 
 Per save, the loop blocks only for the device-to-host copy; serialisation, the write (fsynced), the
 manifest and the rotation run on one background thread, each phase timed (`LocalSave.phases`).
+
+The tier follows the durable tier's rules, although one folder may outlive many runs (one fixed folder per
+node): each step's meta carries the identity of the run that saved it (output and checkpoint dirs, a hash of
+the config that shapes its state), and a run uses, rotates and deletes only its own steps (another run's are
+left alone, and a step number this run saves again is moved aside from under them); each process directory
+has one writer (`.maxtrain.lock`, taken before the first write); a step without a manifest was never
+complete (the manifest is written before the rename) and counts as corrupt.
 """
 
 from __future__ import annotations
@@ -31,14 +38,26 @@ import jax
 import numpy as np
 
 from maxtrain.checkpoint import manifest
+from maxtrain.errors import UserError, require_writable_dir
 
 log = logging.getLogger("maxtrain")
 STATE_FILE, INDEX_FILE, META_FILE, DATA_FILE = "state.bin", "index.json", "meta.json", "data.json"
 _TMP = ".tmp-"
+IDENTITY_DIRS = ("output_dir", "checkpoint_dir")  # which run a step belongs to; config_hash: under which config
+OWN, FOREIGN, UNKNOWN = "own", "foreign", "unknown"
 
 
 class LocalUnusable(Exception):
   """A local step that this run cannot restore (another layout, a missing shard): not corrupt, just not ours."""
+
+
+@dataclasses.dataclass
+class Scan:
+  """This process's local steps, sorted out for a resume."""
+  usable: list[int]  # this run's, verified (or not checked: verify=False), on this layout
+  corrupt: dict[int, manifest.CorruptCheckpoint]  # this run's (or of no readable owner) and damaged: nothing moved yet
+  skipped: dict[int, str]  # why not: another run's, another config, another layout
+  intact: list[int]  # this run's steps that verified (usable or not here): not a case of all-corrupt
 
 
 @dataclasses.dataclass
@@ -72,12 +91,25 @@ def _host_shards(state: Any) -> list[tuple[str, list[list[int]], np.ndarray]]:
 
 
 class LocalTier:
-  """This process's node-local checkpoints: `<local_dir>/process_<i>/<step>`, the newest `keep` kept."""
+  """This process's node-local checkpoints: `<local_dir>/process_<i>/<step>`, the newest `keep` of this run's
+  kept (0: all). `identity`: this run's output_dir, checkpoint_dir and config_hash, saved in every step's meta."""
 
-  def __init__(self, local_dir: str, process_index: int, keep: int):
+  def __init__(self, local_dir: str, process_index: int, keep: int, identity: dict[str, str]):
+    from maxtrain.runtime.lock import RunLock
+
+    self.key = f"checkpoint.local_dir={local_dir}"
     self.root = Path(local_dir).absolute() / f"process_{process_index}"
-    self.root.mkdir(parents=True, exist_ok=True)
-    self.keep = max(1, keep)
+    # Exit 2 naming the key (under a regular file, in /proc, read-only), before any compute.
+    require_writable_dir(self.root, self.key, "choose a node-local directory this process can create and write, "
+                         "e.g. --config.checkpoint.local_dir=/tmp/maxtrain-local")
+    self._run_lock = RunLock(self.root, "checkpoint.local_dir").acquire()  # before the first write into it
+    self.keep, self.identity = keep, dict(identity)
+    self._owners: dict[int, str] = {}  # step -> OWN / FOREIGN / UNKNOWN, read from its meta once
+    try:
+      self._clean_leftovers()
+    except BaseException:
+      self._run_lock.release()
+      raise
     # One long-lived writer: a thread started per save costs the loop its start-up handshake (tens of ms
     # measured on a loaded 2-core machine, where the new thread waits for the GIL and a core).
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-local")
@@ -100,6 +132,15 @@ class LocalTier:
     self._pending = save
     self._future = self._pool.submit(self._write, save, shards, data_state, meta, t0)
     return save
+
+  def _clean_leftovers(self) -> None:
+    """Temporary folders of a save cut short (ours, `.tmp-<step>`, or an Orbax-style `*.orbax-checkpoint-tmp*`)
+    are never steps: deleted, as Orbax does in the durable tier (this directory is ours now: we hold its lock)."""
+    for path in self.root.iterdir():
+      temporary = path.name.startswith(_TMP) or ".orbax-checkpoint-tmp" in path.name
+      if temporary and path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("local checkpoint tier: removed %s, a save that never completed", path)
 
   def _write(self, save: LocalSave, shards: list, data_state: dict, meta: dict, t0: float) -> None:
     final = self.root / str(save.step)
@@ -127,9 +168,15 @@ class LocalTier:
       save.phases["write_s"] = time.monotonic() - t
       t = time.monotonic()
       manifest.write(tmp)
-      if final.exists():
-        shutil.rmtree(final)  # a step saved again (after a restart): the new one replaces it
+      if final.exists() or final.is_symlink():
+        if self.owner(save.step) == OWN and not final.is_symlink():
+          shutil.rmtree(final)  # a step saved again (after a restart): the new one replaces it
+        else:  # never deleted: another run's step (it may come back for it)
+          moved = manifest.move_aside(final, "other-run")
+          log.warning("local checkpoint %s is not this run's: moved aside to %s to save step %d", final, moved,
+                      save.step)
       os.rename(tmp, final)  # the step exists only once it is complete
+      self._owners[save.step] = OWN
       save.phases["manifest_s"] = time.monotonic() - t
       self._rotate()
       save.save_s = time.monotonic() - t0
@@ -140,8 +187,16 @@ class LocalTier:
       self._done.append(save)
 
   def _rotate(self) -> None:
-    for step in self.steps()[:-self.keep]:
-      shutil.rmtree(self.root / str(step), ignore_errors=True)
+    """This run's newest `keep` steps stay (0: all, as checkpoint.max_to_keep=0); another run's are not ours
+    to delete."""
+    if self.keep <= 0:
+      return
+    for step in self.own_steps()[:-self.keep]:
+      self._remove(step)
+
+  def _remove(self, step: int) -> None:
+    shutil.rmtree(self.path(step), ignore_errors=True)
+    self._owners.pop(step, None)
 
   def wait(self) -> list[LocalSave]:
     if self._future is not None:
@@ -150,8 +205,11 @@ class LocalTier:
     return self.poll()
 
   def close(self) -> None:
-    self.wait()
-    self._pool.shutdown()
+    try:
+      self.wait()
+      self._pool.shutdown()
+    finally:
+      self._run_lock.release()
 
   def poll(self) -> list[LocalSave]:
     with self._lock:
@@ -166,42 +224,97 @@ class LocalTier:
     """Deletes this process's local steps newer than `step`, which a resume or a rollback to `step` abandoned:
     a later resume must not take a step of the abandoned run. Returns them."""
     self.wait()
-    stale = [s for s in self.steps() if s > step]
+    stale = [s for s in self.own_steps() if s > step]
     for s in stale:
-      shutil.rmtree(self.path(s), ignore_errors=True)
+      self._remove(s)
     return stale
 
   def steps(self) -> list[int]:
-    """Steps renamed into place (complete on this process; not yet verified)."""
+    """Steps renamed into place in this process's directory (complete; not yet verified; any run's)."""
     if not self.root.is_dir():
       return []
-    return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit() and p.is_dir())
+    return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit() and (p.is_dir() or p.is_symlink()))
+
+  def own_steps(self) -> list[int]:
+    """This run's steps: the ones it may rotate, abandon, branch from."""
+    return [s for s in self.steps() if self.owner(s) == OWN]
 
   def path(self, step: int) -> Path:
     return self.root / str(step)
 
-  def usable_steps(self, mesh_shape: dict, process_count: int, verify: bool) -> tuple[list[int], dict[int, str]]:
-    """(steps this process could restore, {step: why not} for the others): verified against the manifest
-    and saved on this layout. A corrupt step is moved aside (this tier is the process's own)."""
-    good, why = [], {}
+  def owner(self, step: int) -> str:
+    """OWN (this run's output and checkpoint dirs), FOREIGN (another run's, or saved before steps carried an
+    identity), UNKNOWN (no readable meta: damaged)."""
+    if step not in self._owners:
+      try:
+        identity = self.read_meta(self.path(step)).get("identity")
+      except (OSError, ValueError, AttributeError):
+        return UNKNOWN  # not cached: a step being written reads the same
+      mine = isinstance(identity, dict) and all(identity.get(k) == self.identity[k] for k in IDENTITY_DIRS)
+      self._owners[step] = OWN if mine else FOREIGN
+    return self._owners[step]
+
+  def describe_owner(self, step: int) -> str:
+    try:
+      identity = self.read_meta(self.path(step)).get("identity")
+    except (OSError, ValueError, AttributeError):
+      return "no readable meta"
+    if not isinstance(identity, dict):
+      return "saved before local steps carried their run's identity"
+    return f"output_dir {identity.get('output_dir')}, checkpoint.dir {identity.get('checkpoint_dir')}"
+
+  def check_step_dirs(self) -> None:
+    """A symlinked step directory is refused, as in the durable tier: rotation would delete through it."""
     for step in self.steps():
       path = self.path(step)
+      if path.is_symlink():
+        raise UserError(f"{self.key}: local step directory {path} is a symlink (to {os.readlink(path)}); rotation "
+                        "and manifests need real step directories: replace it with a copy (cp -r) or remove it")
+
+  def scan(self, mesh_shape: dict, process_count: int, verify: bool) -> Scan:
+    """This process's steps sorted into usable, corrupt and skipped (nothing is moved: the caller decides,
+    the same on every process). Another run's steps are not even verified: they are not ours to judge."""
+    self.check_step_dirs()
+    usable, corrupt, skipped, intact = [], {}, {}, []
+    for step in self.steps():
+      path, owner = self.path(step), self.owner(step)
+      if owner == FOREIGN:
+        skipped[step] = f"another run's ({self.describe_owner(step)}): left alone"
+        continue
       try:
         if verify:
-          manifest.check(path)
+          result = manifest.verify(path)
+          if not result.verified:  # the manifest is written before the rename: it was removed since
+            raise manifest.CorruptCheckpoint(path, manifest.MANIFEST_NAME, "missing (every local step is saved with "
+                                             "one; an unverified step is never restored nor promoted)")
+          log.info("local checkpoint %s verified: %d files, %.1f MB in %.2fs", path, result.num_files,
+                   result.num_bytes / 1e6, result.seconds)
         meta = self.read_meta(path)
+        if owner == UNKNOWN or not isinstance(meta, dict):
+          raise ValueError("not a JSON object")
       except manifest.CorruptCheckpoint as e:
-        why[step] = f"corrupt ({e.first_bad_file}: {e.reason}); moved aside to {manifest.move_aside(path)}"
+        corrupt[step] = e
         continue
       except (OSError, ValueError) as e:
-        why[step] = f"unreadable ({e})"
+        corrupt[step] = manifest.CorruptCheckpoint(path, META_FILE, f"unreadable ({e})")
         continue
-      if meta.get("mesh") != mesh_shape or meta.get("process_count") != process_count:
-        why[step] = (f"saved on mesh {meta.get('mesh')} x {meta.get('process_count')} processes, this run is "
-                     f"{mesh_shape} x {process_count}")
-        continue
-      good.append(step)
-    return good, why
+      intact.append(step)
+      saved_hash = meta.get("identity", {}).get("config_hash")
+      if saved_hash != self.identity["config_hash"]:
+        skipped[step] = (f"saved under another config (hash {saved_hash}, this run's {self.identity['config_hash']}): "
+                         "the local tier resumes only the run that saved it, unchanged; the durable tier restores "
+                         "across config changes")
+      elif meta.get("mesh") != mesh_shape or meta.get("process_count") != process_count:
+        skipped[step] = (f"saved on mesh {meta.get('mesh')} x {meta.get('process_count')} processes, this run is "
+                         f"{mesh_shape} x {process_count}")
+      else:
+        usable.append(step)
+    return Scan(usable, corrupt, skipped, intact)
+
+  def move_aside(self, step: int, why: str = "corrupt") -> Path:
+    moved = manifest.move_aside(self.path(step), why)
+    self._owners.pop(step, None)
+    return moved
 
   @staticmethod
   def read_meta(path: Path) -> dict:
@@ -212,9 +325,21 @@ class LocalTier:
     """(state on this run's devices, data-iterator state). LocalUnusable when a slice this process's
     devices hold under `shardings` was not saved here."""
     path = Path(path)
-    index = json.loads((path / INDEX_FILE).read_text())["shards"]
-    blob = np.memmap(path / STATE_FILE, dtype=np.uint8, mode="r")
-    saved: dict[tuple[str, str], dict] = {(e["leaf"], str(e["slice"])): e for e in index}
+    culprit = INDEX_FILE
+    try:  # the manifest was checked (checkpoint.verify); without it, damage is still exit 2, never a traceback
+      index = json.loads((path / INDEX_FILE).read_text())["shards"]
+      saved: dict[tuple[str, str], dict] = {(e["leaf"], str(e["slice"])): e for e in index}
+      culprit = STATE_FILE
+      size = (path / STATE_FILE).stat().st_size
+      short = [e for e in index if e["offset"] + e["nbytes"] > size]
+      if short:
+        raise manifest.CorruptCheckpoint(path, STATE_FILE, f"{size} bytes, but its index needs "
+                                         f"{max(e['offset'] + e['nbytes'] for e in index)} (truncated)")
+      blob = np.memmap(path / STATE_FILE, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+      culprit = DATA_FILE
+      data_state = json.loads((path / DATA_FILE).read_text())
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise manifest.CorruptCheckpoint(path, culprit, f"unreadable ({type(e).__name__}: {e})") from None
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
     leaves = []
     for (key_path, leaf), sharding in zip(flat, jax.tree_util.tree_leaves(shardings)):
@@ -223,8 +348,12 @@ class LocalTier:
         entry = saved.get((name, str(_slices(where, leaf.shape))))
         if entry is None:
           raise LocalUnusable(f"{path}: no saved shard of {name} at {_slices(where, leaf.shape)}")
-        data = blob[entry["offset"]: entry["offset"] + entry["nbytes"]].view(jax.numpy.dtype(entry["dtype"]))
-        arrays.append(jax.device_put(np.array(data.reshape(entry["shape"])), device))  # a copy: never alias the file
+        try:
+          data = blob[entry["offset"]: entry["offset"] + entry["nbytes"]].view(jax.numpy.dtype(entry["dtype"]))
+          data = np.array(data.reshape(entry["shape"]))  # a copy: never alias the file
+        except (ValueError, TypeError, KeyError) as e:  # an index that does not fit its data
+          raise manifest.CorruptCheckpoint(path, INDEX_FILE, f"entry of {name} unusable ({e})") from None
+        arrays.append(jax.device_put(data, device))
       leaves.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays))
     state = jax.tree_util.tree_unflatten(treedef, leaves)
-    return state, json.loads((path / DATA_FILE).read_text())
+    return state, data_state

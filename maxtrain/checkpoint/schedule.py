@@ -22,11 +22,17 @@ from maxtrain.checkpoint import manifest, tiers
 from maxtrain.checkpoint.cadence import Cadence
 from maxtrain.checkpoint.local import LocalSave, LocalTier
 from maxtrain.checkpoint.storage import Checkpointer, Restored, SaveTiming, _param_shapes, validate_tiers
+from maxtrain.errors import UserError
 from maxtrain.models import quant
 from maxtrain.monitor import events as ev
 from maxtrain.runtime.kv import KeyValue
 
 log = logging.getLogger("maxtrain")
+# Config keys a restarted run may change and still be the same run (its length, where it logs, its process layout,
+# monitoring, drills, the checkpoint keys themselves); every other section (seed, model, data, optimizer, guards,
+# post-training, pipeline) is hashed into a local step's identity.
+_NOT_IDENTITY = frozenset({"hardware", "steps", "output_dir", "log_every", "mesh", "checkpoint", "runtime", "mfu",
+                           "profile", "monitor", "tracking", "faults", "watchdog", "fleet", "eval"})
 
 
 class Checkpoints:
@@ -43,7 +49,13 @@ class Checkpoints:
     self.store = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(local), local, on_progress,
                               lock=jax.process_index() == 0)
     ck, kv = cfg.checkpoint, KeyValue.current()
-    self.local = LocalTier(ck.local_dir, jax.process_index(), ck.local_max_to_keep) if ck.local_dir else None
+    self.local = None
+    if ck.local_dir:
+      try:
+        self.local = LocalTier(ck.local_dir, jax.process_index(), ck.local_max_to_keep, self._identity(output_dir))
+      except BaseException:
+        self.store.release_locks()  # exit 2 (in use, unwritable): the durable tier's lock goes with it
+        raise
     self.agreement = tiers.Agreement(kv, jax.process_index(), jax.process_count())
     self.cadence = Cadence(ck, events, kv, jax.process_index(), output_dir / ev.FILENAME)
     self.resume_tier: str | None = None
@@ -62,16 +74,82 @@ class Checkpoints:
   def location(self) -> str:
     return self.store.location
 
-  def resolve_resume(self) -> Path | None:
+  def _identity(self, output_dir: Path) -> dict[str, str]:
+    """Which run a local step belongs to: its output and checkpoint dirs, and a hash of the config sections that
+    shape its state (a run restarted as it was keeps it; its length, the process layout, monitoring and drills may
+    change)."""
+    location = self.store.location
+    redacted = config_lib.redacted(self.cfg)
+    shaping = {k: v for k, v in redacted.items() if k not in _NOT_IDENTITY}
+    return {"output_dir": str(Path(output_dir).absolute().resolve()),
+            "checkpoint_dir": location if "://" in location else str(Path(location).absolute().resolve()),
+            "config_hash": ev.config_hash(shaping)}
+
+  def resolve_resume(self, state_spec: Any = None) -> Path | None:
+    """The step to restore, or None for a fresh start. `state_spec`: the run's state; a durable step without a
+    manifest is checked by restoring onto it (storage.Checkpointer.verify)."""
+    if state_spec is not None:
+      self.store.target = (state_spec.abstract, state_spec.shardings)
+    resume = str(self.cfg.checkpoint.resume)
+    own = self.local.own_steps() if self.local is not None else []
+    if own and resume == "never":
+      raise UserError(f"checkpoint.resume=never but checkpoint.local_dir={self.cfg.checkpoint.local_dir} holds this "
+                      f"run's local steps {own}; a fresh run must not overwrite them. Use another output_dir, or "
+                      "resume=auto.")
+    if resume.isdigit() and self.local is not None:  # every process takes this path: the search is agreed
+      local_path = self._resolve_local_explicit(int(resume))
+      if local_path is not None:
+        return local_path
+    path = self._resolve_resume()
+    if self.local is not None and resume.isdigit():
+      self._branch_local(int(resume))
+    return path
+
+  def _resolve_local_explicit(self, step: int) -> Path | None:
+    """resume=N with a local tier, as in the durable tier: the durable tier's step N when it has one (None: resolved
+    there), else this run's local step N if it is usable on every process (exit 2 if not)."""
+    self.store.check_step_dirs()
+    if step in self.store.steps():
+      return None  # the durable tier's step N: resolved there
+    if not self.cfg.checkpoint.branch:
+      self._branch_local(step)  # newer local steps: exit 2 before anything is read or moved
+    choice = self._choose(None, before=step + 1)
+    if choice.step != step:
+      raise UserError(f"checkpoint.resume={step}: no complete checkpoint at step {step} in {self.location} (found "
+                      f"steps {self.store.steps() or 'none'}), nor a local step {step} of this run usable on every "
+                      f"process ({choice.reason})")
+    self._branch_local(step)
+    self.store._branch(step, [s for s in self.store.steps() if s > step], self._on_branch)
+    self.resume_tier, self.resume_reason = tiers.LOCAL, f"checkpoint.resume={step}: {choice.reason}"
+    self.resume_verify_s = 0.0
+    return self.local.path(step)
+
+  def _branch_local(self, step: int) -> None:
+    """resume=N while this run's local tier holds newer steps: exit 2 unless checkpoint.branch (then moved
+    aside, an event), as in the durable tier."""
+    newer = [s for s in self.local.own_steps() if s > step]
+    if not newer:
+      return
+    if not self.cfg.checkpoint.branch:
+      raise UserError(f"checkpoint.resume={step} but checkpoint.local_dir={self.cfg.checkpoint.local_dir} holds this "
+                      f"run's newer local steps {newer}: continuing from step {step} would train over them. Use "
+                      f"resume=auto, or set checkpoint.branch=True to move the newer steps aside and continue from "
+                      f"step {step}.")
+    moved = [self.local.move_aside(s, "branched") for s in newer]
+    log.warning("checkpoint.branch: resuming step %d; newer local steps %s moved aside to %s", step, newer,
+                [str(m) for m in moved])
+    self._on_branch(step, newer, moved, tiers.LOCAL)
+
+  def _on_branch(self, step: int, newer: list[int], moved: list[Path], tier: str = tiers.DURABLE) -> None:
+    self.events.emit(ev.CHECKPOINT_BRANCH, step, newer_steps=newer, moved_to=[str(m) for m in moved], tier=tier)
+
+  def _resolve_resume(self) -> Path | None:
     def corrupt(step: int, error: manifest.CorruptCheckpoint, moved: Path) -> None:
       self.events.emit(ev.CHECKPOINT_CORRUPT, step, file=error.first_bad_file, reason=error.reason,
                        moved_to=str(moved))
 
-    def branch(step: int, newer: list[int], moved: list[Path]) -> None:
-      self.events.emit(ev.CHECKPOINT_BRANCH, step, newer_steps=newer, moved_to=[str(m) for m in moved])
-
     t0 = time.monotonic()
-    path = self.store.resolve_resume(on_corrupt=corrupt, on_branch=branch)
+    path = self.store.resolve_resume(on_corrupt=corrupt, on_branch=self._on_branch)
     self.resume_tier = tiers.DURABLE if path is not None else None
     if self.local is not None and str(self.cfg.checkpoint.resume) == "auto":
       durable = int(path.name) if path is not None and path.name.isdigit() else None
@@ -80,15 +158,44 @@ class Checkpoints:
       self.resume_reason = choice.reason
       if choice.tier == tiers.LOCAL:
         path, self.resume_tier = self.local.path(choice.step), tiers.LOCAL
+        self.store.forget_prefetched()
     self.resume_verify_s = time.monotonic() - t0  # listing and verifying the candidates
     return path
 
   def _choose(self, durable: int | None, before: int | None = None) -> tiers.Choice:
-    """The tier and step to restore, the same on every process (the local steps are agreed)."""
-    mine, why = self.local.usable_steps(self.mesh_shape, jax.process_count(), self.cfg.checkpoint.verify)
-    for step, reason in why.items():
-      log.warning("local checkpoint %s not usable: %s", self.local.path(step), reason)
-    return tiers.choose(self.agreement.gather(mine), durable, before)
+    """The tier and step to restore, the same on every process (the local steps and the corrupt ones are
+    agreed). As in the durable tier: corrupt local steps are moved aside (an event each) once a good step is
+    chosen; when local steps exist but none is usable anywhere and the durable tier has no step either, exit 2
+    with nothing moved, unless checkpoint.start_over_if_corrupt."""
+    ck = self.cfg.checkpoint
+    scan = self.local.scan(self.mesh_shape, jax.process_count(), ck.verify)
+    for step, reason in scan.skipped.items():
+      log.warning("local checkpoint %s not used: %s", self.local.path(step), reason)
+    lists = self.agreement.gather({"usable": scan.usable, "corrupt": sorted(scan.corrupt), "intact": scan.intact})
+    choice = tiers.choose([p["usable"] for p in lists], durable, before, verified=bool(ck.verify))
+
+    def below(steps):
+      return [s for s in steps if before is None or s < before]
+
+    corrupt = {step: e for step, e in scan.corrupt.items() if step in below(scan.corrupt)}
+    anywhere = [(i, s) for i, p in enumerate(lists) for s in below(p["corrupt"])]
+    intact = [s for p in lists for s in below(p["intact"])]
+    if choice.tier is None and anywhere and not intact and not ck.start_over_if_corrupt:
+      for step, error in sorted(corrupt.items(), reverse=True):
+        log.error("local %s", error)
+      first = corrupt[max(corrupt)] if corrupt else None
+      raise UserError(f"checkpoint.local_dir={ck.local_dir}: no local step verifies (steps "
+                      f"{sorted({s for _, s in anywhere}, reverse=True)}"
+                      f"{'; newest here: ' + str(first) if first is not None else ''}) and the durable tier "
+                      f"{self.location} holds no good step. Nothing was moved or trained. Restore the files, or set "
+                      "checkpoint.start_over_if_corrupt=True to move them aside and train from step 0.")
+    for step, error in sorted(corrupt.items(), reverse=True):
+      moved = self.local.move_aside(step)
+      log.error("local %s; moved aside to %s%s", error, moved,
+                " (checkpoint.start_over_if_corrupt)" if choice.tier is None and not intact else "")
+      self.events.emit(ev.CHECKPOINT_CORRUPT, step, file=error.first_bad_file, reason=error.reason,
+                       moved_to=str(moved), tier=tiers.LOCAL)
+    return choice
 
   def read_meta(self, path: Path) -> dict:
     if self.local is not None and Path(path).parent == self.local.root:
@@ -114,16 +221,20 @@ class Checkpoints:
     if note:
       log.warning("%s", note)
     self._abandon_after(restored.step, f"resumed from step {restored.step}")
-    if tier == tiers.LOCAL and self.cfg.checkpoint.promote_local:
-      self._promote(restored)
     return restored
 
-  def _promote(self, restored: Restored) -> None:
-    """Resumed from a local step (newer than the durable tier's): the same state, now on the devices, saved
-    to the durable tier, so the step survives the node. The formats differ (each process's raw shards vs one
-    Orbax checkpoint), so this is a save, not a copy; like every durable save the loop blocks only for the
-    device-to-host copy, the write and the manifest happen in the background."""
-    if restored.step in self.store.steps():
+  def promote(self, restored: Restored) -> None:
+    """Called once the restored state was accepted (its data state set: every check passed). Resumed from a
+    local step (newer than the durable tier's): the same state, now on the devices, saved to the durable tier,
+    so the step survives the node. Only a verified step: promotion writes a fresh manifest, which would make an
+    unchecked one look verified. The formats differ (each process's raw shards vs one Orbax checkpoint), so
+    this is a save, not a copy; like every durable save the loop blocks only for the device-to-host copy, the
+    write and the manifest happen in the background."""
+    if self.resume_tier != tiers.LOCAL or not self.cfg.checkpoint.promote_local or restored.step in self.store.steps():
+      return
+    if not self.cfg.checkpoint.verify:
+      log.warning("local step %d not promoted to the durable tier: it was not verified (checkpoint.verify=False)",
+                  restored.step)
       return
     log.info("promoting local step %d to the durable tier %s in the background", restored.step, self.location)
     self.events.emit(ev.CHECKPOINT_SAVE_START, restored.step, tier=tiers.DURABLE, promoted_from=tiers.LOCAL)
@@ -229,7 +340,8 @@ class Checkpoints:
     with self.metrics.outside(step):
       self.events.emit(ev.CHECKPOINT_SAVE_START, step, tier=tiers.LOCAL)
       t0 = time.monotonic()
-      meta = {"config": config_lib.redacted(self.cfg), "mesh": mesh_shape, "process_count": jax.process_count(),
+      meta = {"config": config_lib.redacted(self.cfg), "identity": self.local.identity, "mesh": mesh_shape,
+              "process_count": jax.process_count(),
               "process_index": jax.process_index(), "param_shapes": _param_shapes(state), "step": step,
               "wall_time": time.time(), "rollbacks": self.rollbacks, "tokenizer_identity": self.tokenizer_identity}
       self.local.save(step, state, data_state, meta)

@@ -16,9 +16,12 @@ complete, so a save interrupted at any point (even SIGKILL) is never listed or r
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
+import re
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -163,6 +166,10 @@ class Checkpointer:
     self.last_error: Exception | None = None
     self.failed_step: int | None = None
     self._verified: set[Path] = set()
+    # (abstract state, shardings) of the run: a step without a manifest is checked by restoring it onto them
+    # (`verify`), and that restore is kept for `restore` (read once).
+    self.target: tuple[Any, Any] | None = None
+    self._prefetched: dict[Path, Restored] = {}
 
   def _take_locks(self) -> None:
     from maxtrain.runtime.lock import RunLock
@@ -333,8 +340,41 @@ class Checkpointer:
     (resume, rollback, the tools through interop/sources.py) goes through `manifest.check`."""
     if not self.cfg.verify or Path(path) in self._verified:
       return
-    manifest.check(path)
+    if not manifest.check(path).verified and self.target is not None:
+      self._read_unverified(Path(path))
     self._verified.add(Path(path))
+
+  def _read_unverified(self, path: Path) -> None:
+    """A step without a manifest (saved before manifests, or its process died before writing one) has nothing
+    to be checked against: it is restored now, onto this run's devices, and kept for `restore`. A step that does
+    not restore is corrupt like one that fails its manifest: resume=auto moves it aside and tries an older one,
+    an explicit resume of it is exit 2 naming it."""
+    # Orbax's other reads of a failed restore end unawaited (each an "Exception ignored" traceback on stderr):
+    # the error is reported once, below.
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+      self._prefetched[path] = self._restore_unchecked(path, *self.target)
+    except UserError:
+      raise
+    except Exception as e:  # noqa: BLE001 - whatever the damage (a missing, truncated or changed file), it is corrupt
+      chain, cause = [], e  # Orbax wraps TensorStore's error, which names the array that did not read
+      while cause is not None and len(chain) < 8:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+      e = next((c for c in chain if re.search(r'Error reading "([^"]+)"', str(c))), e)
+      text = str(e).strip()
+      culprit = re.search(r'Error reading "([^"]+)"', text)
+      name = f"state/{culprit.group(1)}" if culprit else "state"
+      raise manifest.CorruptCheckpoint(path, name, "no manifest, and it does not restore: "
+                                       f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}") from None
+    finally:
+      gc.collect()
+      sys.unraisablehook = hook
+
+  def forget_prefetched(self) -> None:
+    """Another step is restored instead (the local tier's): its device memory is released."""
+    self._prefetched.clear()
 
   @staticmethod
   def read_meta(path: Path) -> dict:
@@ -344,6 +384,10 @@ class Checkpointer:
   def restore(self, path: Path, abstract_state: Any, shardings: Any) -> Restored:
     """Verifies (once), then restores onto the current mesh (resharding if it was saved on another)."""
     self.verify(path)
+    prefetched = self._prefetched.pop(Path(path), None)
+    return prefetched if prefetched is not None else self._restore_unchecked(path, abstract_state, shardings)
+
+  def _restore_unchecked(self, path: Path, abstract_state: Any, shardings: Any) -> Restored:
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
     meta = self.read_meta(path)
     self._check_compatible(path, meta, abstract_state)

@@ -38,9 +38,11 @@ def common_steps(per_process: Sequence[Sequence[int]]) -> list[int]:
   return sorted(common)
 
 
-def choose(per_process: Sequence[Sequence[int]], durable_step: int | None, before: int | None = None) -> Choice:
+def choose(per_process: Sequence[Sequence[int]], durable_step: int | None, before: int | None = None,
+           verified: bool = True) -> Choice:
   """The step to restore (below `before` if given): the newest of the local steps every process holds
-  and the durable tier's newest good step; the durable one on a tie."""
+  and the durable tier's newest good step; the durable one on a tie. `verified`: the local steps were checked
+  against their manifests (checkpoint.verify), which the reason says only then."""
   def below(steps):
     return [s for s in steps if before is None or s < before]
 
@@ -49,7 +51,8 @@ def choose(per_process: Sequence[Sequence[int]], durable_step: int | None, befor
   newest_local = local[-1] if local else None
   missing = [i for i, steps in enumerate(per_process) if not below(steps)]
   if newest_local is not None and (durable is None or newest_local > durable):
-    return Choice(LOCAL, newest_local, f"local step {newest_local} is complete and verified on all "
+    checked = "complete and verified" if verified else "complete (not verified: checkpoint.verify=False)"
+    return Choice(LOCAL, newest_local, f"local step {newest_local} is {checked} on all "
                   f"{len(per_process)} processes and newer than the durable tier's "
                   f"{'step ' + str(durable) if durable is not None else 'none'}")
   if newest_local is None:
@@ -74,9 +77,10 @@ class Agreement:
     self.kv, self.process_index, self.process_count = kv, process_index, process_count
     self._round = 0
 
-  def gather(self, mine: list[int]) -> list[list[int]]:
+  def gather(self, mine):
+    """Every process's `mine` (any JSON value), in process order."""
     if self.kv is None:
-      return [list(mine)]
+      return [json.loads(json.dumps(mine))]
     self._round += 1
     self.kv.set(f"ckpt-local/{self._round}/{self.process_index}", json.dumps(mine))
     lists = []

@@ -143,7 +143,7 @@ def base_config() -> ml_collections.ConfigDict:
   k.init_from = ""  # Start a fresh run (step 0, new optimizer) from these parameters: a converted checkpoint or a Hugging Face dir.
   k.local_dir = ""  # The local tier: node-local disk or RAM disk, each process its own shards (<local_dir>/process_<i>); "" = off.
   k.local_every_steps = 0  # Save to the local tier every N steps (a step due in both tiers goes to the durable one); 0: never.
-  k.local_max_to_keep = 2  # Newest local checkpoints kept per process (short retention).
+  k.local_max_to_keep = 2  # Newest local checkpoints of this run kept per process (short retention); 0 keeps all.
   k.every_minutes = 0.0  # The durable tier also saves when this many minutes have passed (converted to steps by the measured step time); 0: off.
   k.cadence = "fixed"  # fixed (the intervals above) | auto (each tier every sqrt(2 x save cost x mean time between failures), Young/Daly).
   k.mtbf_prior_minutes = 1440.0  # cadence=auto: the mean time between failures assumed before any is observed (counts as one interval).

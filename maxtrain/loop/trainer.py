@@ -107,7 +107,7 @@ class Trainer:
                                    mesh_shape=dict(program.mesh.shape))
     self.faults.before_kill = self.checkpoints.settle
     stack.callback(self.checkpoints.close)  # waits for the last save (and its upload)
-    self.resume_path = self.checkpoints.resolve_resume()
+    self.resume_path = self.checkpoints.resolve_resume(program.state)
     if jax.process_index() == 0:
       config_lib.save(cfg, self.out_dir / "config.json")
     self.data = make_data(cfg, program.batch_shardings)  # post.mode=sft: prompt/response rows (loop/sft.py)
@@ -223,6 +223,7 @@ class Trainer:
       restored = self.checkpoints.restore(self.resume_path, spec)
       state = restored.state
       self.data.set_state(restored.data_state)
+      self.checkpoints.promote(restored)  # a local step, once every check passed
     log.info("model: %.2fM parameters; optimizer %s: %s", param_count(state.params) / 1e6, self.cfg.optimizer.name,
              optim.describe_groups(state.params, self.program.optimizer.labels(state.params)))
     return state
