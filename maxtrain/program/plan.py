@@ -1,5 +1,5 @@
 """Validation of a loaded config, once, before data is touched or anything compiles. Each component
-checks its own section (`models/llama.py`, `optim.py`, `guards.py`, `checkpoint.py`); the mesh and
+checks its own section (`models/registry.py`, `optim.py`, `guards.py`, `checkpoint.py`); the mesh and
 the batch are laid out here, as values, and returned as a `Plan` (the config is never changed).
 
 Errors are UserErrors (exit 2) that name the key, the values, the arithmetic and the fix.
@@ -21,7 +21,7 @@ from maxtrain.program import guards
 from maxtrain.optim import optimizer as optim
 from maxtrain.program.batch import BatchLayout
 from maxtrain.errors import UserError, choice, require
-from maxtrain.models import llama
+from maxtrain.models import registry
 from maxtrain.monitor import prometheus
 from maxtrain.sharding import mesh as mesh_lib
 from maxtrain.sharding import pipeline as pipeline_lib
@@ -56,7 +56,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   require(not bad, f"{', '.join(bad)}: must be a finite number")
   for key in ("steps", "log_every"):
     require(cfg[key] > 0, f"config.{key}={cfg[key]}: must be > 0")
-  llama.validate(cfg.model)
+  registry.validate(cfg.model)
   for kernel, platform in (("cudnn", "gpu"), ("nki", "neuron")):
     require(cfg.model.attention != kernel or cfg.runtime.platform in (platform, "auto"),
             f"config.model.attention={kernel} runs only on runtime.platform={platform}, not "
@@ -103,6 +103,9 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           f"config.model.attention={cfg.model.attention} with a sequence split over {layout.describe('act_length')}: "
           "context-parallel attention runs the flash kernel on each shard. Set model.attention=flash (or auto), "
           "or mesh.context=1.")
+  require(layout.shards("act_length") == 1 or not cfg.model.sliding_window,
+          f"config.model.sliding_window={cfg.model.sliding_window} with a sequence split over "
+          f"{layout.describe('act_length')}: context-parallel attention has no sliding window yet. Set mesh.context=1.")
   schedule = _validate_pipeline(cfg, layout, batch, f"mesh {mesh_layout.describe()}")
   return Plan(mesh=mesh_layout, layout=layout, batch=batch, pipeline=schedule)
 
