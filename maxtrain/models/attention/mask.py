@@ -49,8 +49,8 @@ def visible(*, q_segment_ids_BT: jax.Array | None = None, kv_segment_ids_BS: jax
 
 def in_window(q_positions_BT: jax.Array, kv_positions_BS: jax.Array, window: int) -> jax.Array:
   """[B, T, S]: the key is less than `window` positions before the query (keys after it pass: causality
-  is its own test). The difference is taken in int64-safe order: kv - q never overflows int32 for the
-  kernels' padding positions (int32 max), q - kv could."""
+  is its own test). Compared as kv > q - window: no int32 overflow at the kernels' padding positions
+  (int32 max), where kv - q or q - kv could overflow."""
   return kv_positions_BS[:, None, :] > q_positions_BT[:, :, None] - window
 
 
