@@ -4,6 +4,8 @@ flash and blocked kernels skip the key blocks a window leaves out."""
 
 import ast
 import dataclasses
+import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -145,3 +147,175 @@ def test_flash_equals_dot_with_a_window_shorter_than_the_sequence():
   np.testing.assert_allclose(float(losses["flash"]), float(losses["dot"]), rtol=1e-5)
   for a, b in zip(jax.tree.leaves(grads["flash"]), jax.tree.leaves(grads["dot"])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * np.abs(np.asarray(b)).max() + 1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Each family against transformers: a tiny random model built from its config class (nothing downloaded),
+# converted with from-hf; greedy generation equals transformers' greedy generate, and to-hf gives back its
+# logits within 1e-4.
+
+TOL = 1e-4
+VOCAB = 299
+HF_FAMILIES = {  # family: (config class, model class, config kwargs)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    # head_dim 16 != hidden_size / heads = 8: Qwen3's own head width
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
+    # a window of 6 tokens, shorter than the prompts below
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6, tie_word_embeddings=False)),
+}
+
+
+def make_family_model(directory: Path, family: str):
+  import torch
+  import transformers
+
+  config_cls, model_cls, kwargs = HF_FAMILIES[family]
+  torch.manual_seed(1)
+  cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, **kwargs)
+  model = getattr(transformers, model_cls)(cfg).eval()
+  with torch.no_grad():  # norms away from 1 and biases away from 0, so that a swapped or dropped one shows
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(1 + 0.1 * torch.randn_like(p))
+      elif name.endswith("bias"):
+        p.copy_(0.5 * torch.randn_like(p))
+  model.save_pretrained(directory)
+  return model
+
+
+@pytest.fixture(scope="module", params=sorted(HF_FAMILIES))
+def converted(request, tmp_path_factory):
+  from maxtrain.interop import hf_export, hf_import
+
+  root = tmp_path_factory.mktemp(request.param)
+  hf = make_family_model(root / "hf", request.param)
+  hf_import.from_hf(root / "hf", root / "mt", block_bytes=200)
+  hf_export.to_hf(root / "mt", root / "hf2", max_shard_bytes=30_000, block_bytes=200)
+  return request.param, root, hf
+
+
+def test_from_hf_picks_the_family_and_its_pieces(converted):
+  from maxtrain.interop.sources import open_source
+
+  family, root, _ = converted
+  model = open_source(root / "mt").model
+  assert model["family"] == family
+  assert (model.get("head_dim"), model.get("sliding_window", 0)) == {"qwen2": (0, 0), "qwen3": (16, 0),
+                                                                       "mistral": (0, 6)}[family]
+  cfg = registry.model_config(model)
+  assert (cfg.qkv_bias, cfg.qk_norm, cfg.head_dim) == {"qwen2": (True, False, 8), "qwen3": (False, True, 16),
+                                                       "mistral": (False, False, 8)}[family]
+
+
+def test_greedy_generate_equals_transformers(converted):
+  """Prompts of 9 and 13 tokens (longer than Mistral's 6-token window), 10 new tokens each."""
+  import torch
+
+  from maxtrain.inference import sampling
+
+  family, root, hf = converted
+  generator, _, _ = sampling.load(str(root / "mt"))
+  prompts = [[0, 5, 77, 123, 9, 31, 250, 4, 18], [0, 42, 7, 99, 3, 3, 181, 64, 12, 7, 200, 15, 8]]
+  ours, _ = generator.generate(prompts, 10, sampling.Sampling(), vocab_limit=VOCAB)
+  for prompt, got in zip(prompts, ours):
+    with torch.no_grad():
+      x = torch.tensor([prompt])
+      ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                        pad_token_id=VOCAB - 1)[0, len(prompt):].tolist()
+    assert got == ref, family
+
+
+def test_to_hf_gives_back_the_logits(converted):
+  import torch
+  import transformers
+
+  family, root, hf = converted
+  model, info = transformers.AutoModelForCausalLM.from_pretrained(root / "hf2", output_loading_info=True)
+  assert type(model).__name__ == HF_FAMILIES[family][1]
+  assert all(not v for v in info.values()), info  # no missing, unexpected or mismatched keys
+  x = torch.tensor(np.random.default_rng(0).integers(0, VOCAB, (2, 24)))
+  with torch.no_grad():
+    assert np.abs(model.eval()(x).logits.numpy() - hf(x).logits.numpy()).max() <= TOL
+
+
+def test_converted_logits_equal_transformers(converted):
+  """The full forward pass (24 tokens: 4x Mistral's window) against transformers' own; for Mistral, also
+  that the window matters here (the logits without it differ), so the equality tests the window."""
+  import torch
+  from flax import nnx
+
+  from maxtrain.interop.sources import open_source
+  from test_interop import maxtrain_logits, maxtrain_model
+
+  family, root, hf = converted
+  model = maxtrain_model(open_source(root / "mt"))
+  x = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+  with torch.no_grad():
+    want = hf(torch.tensor(x)).logits.numpy()
+  assert np.abs(maxtrain_logits(model, x)[..., :VOCAB] - want).max() <= TOL
+  if family == "mistral":
+    graphdef, params = nnx.split(model)
+    unwindowed = registry.abstract(dataclasses.replace(model.cfg, sliding_window=0))[0]
+    assert np.abs(maxtrain_logits(nnx.merge(unwindowed, params), x)[..., :VOCAB] - want).max() > 100 * TOL
+
+
+def test_transformers_4_and_5_spellings_read_alike(converted):
+  """config.json as transformers 5.x writes it (rope_parameters, layer_types) and as 4.x did (rope_theta at the
+  top, no layer_types, Qwen's use_sliding_window=false beside an unused sliding_window): the same model keys."""
+  from maxtrain.interop import hf_config
+
+  family, root, _ = converted
+  v5 = json.loads((root / "hf" / "config.json").read_text())
+  assert "rope_parameters" in v5
+  v4 = {k: v for k, v in v5.items() if k not in ("rope_parameters", "layer_types")}
+  v4.update(rope_theta=v5["rope_parameters"]["rope_theta"], rope_scaling=None, transformers_version="4.51.3")
+  if family != "mistral":
+    v4.update(use_sliding_window=False, sliding_window=4096, max_window_layers=28)
+  assert hf_config.to_model_keys(v4, "v4") == hf_config.to_model_keys(v5, "v5")
+
+
+REFUSED = [  # (family, field changed, value, the field the one-line error names)
+    ("qwen2", "use_sliding_window", True, "use_sliding_window"),
+    ("qwen2", "layer_types", ["sliding_attention", "full_attention"], "layer_types"),
+    ("qwen3", "attention_bias", True, "attention_bias"),
+    ("qwen3", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}, "rope_parameters.rope_type"),
+    ("mistral", "layer_types", ["sliding_attention", "full_attention"], "layer_types"),
+    ("mistral", "attention_bias", True, "attention_bias"),
+    ("mistral", "hidden_act", "gelu", "hidden_act"),
+]
+
+
+@pytest.mark.parametrize("converted,field,value,named", REFUSED, indirect=["converted"])
+def test_what_would_change_the_math_is_exit_2_naming_the_field(converted, tmp_path, capsys, field, value, named):
+  from maxtrain.cli import convert
+
+  hf_dir = tmp_path / "hf"
+  shutil.copytree(converted[1] / "hf", hf_dir)
+  config = json.loads((hf_dir / "config.json").read_text())
+  config[field] = value
+  (hf_dir / "config.json").write_text(json.dumps(config))
+  capsys.readouterr()
+  assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "out")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and f"{named}=" in err, err
+  assert not (tmp_path / "out").exists()
+
+
+def test_to_hf_refuses_a_piece_the_class_cannot_express():
+  """A piece the family's HF class has no place for (LLaMA with qk-norm, Qwen2 with a window, Mistral with
+  q/k/v biases) is a UserError naming the key, before any file is written; the family's own pieces pass."""
+  from maxtrain import config as config_lib
+  from maxtrain.errors import UserError
+  from maxtrain.interop import hf_config
+
+  keys = config_lib.base_config().model.to_dict()
+  write = lambda **m: hf_config.from_model_keys({**keys, **m}, vocab_size=VOCAB, dtype="float32", bos_id=0, eos_id=1)
+  for family, key, value in (("llama", "qk_norm", True), ("qwen2", "sliding_window", 8), ("mistral", "qkv_bias", True),
+                             ("qwen3", "qkv_bias", True)):
+    with pytest.raises(UserError, match=f"model.{key}={value!r}: {HF_FAMILIES.get(family, ('', 'LlamaForCausalLM'))[1]}"):
+      write(family=family, **{key: value})
+  assert write(family="qwen2")["architectures"] == ["Qwen2ForCausalLM"]
+  assert write(family="mistral", sliding_window=8)["sliding_window"] == 8
+  assert write(family="qwen3", head_dim=128)["head_dim"] == 128

@@ -37,7 +37,11 @@ def to_model_keys(hf: dict, where: str, vocab_multiple: int = 128) -> dict[str, 
 
 def from_model_keys(m: dict, *, vocab_size: int, dtype: str, bos_id: int | None, eos_id: int | None,
                     where: str = "the checkpoint") -> dict:
-  """The `config.json` of a maxtrain model, as its family's HF class reads it."""
+  """The `config.json` of a maxtrain model, as its family's HF class reads it. The adapter sees the pieces in
+  effect (the family's own on), so one the class cannot express is refused by key."""
+  cfg = registry.model_config(m)
+  m = {**m, "qkv_bias": cfg.qkv_bias, "qk_norm": cfg.qk_norm, "sliding_window": cfg.sliding_window,
+       "head_dim": cfg.head_dim_setting}
   return registry.of_keys(m).hf.from_model_keys(m, vocab_size=vocab_size, dtype=dtype, bos_id=bos_id, eos_id=eos_id, where=where)
 
 
