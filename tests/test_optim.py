@@ -169,7 +169,7 @@ def test_newton_schulz_in_bfloat16_is_close_to_float32():
   coeffs = optim.parse_ns_coeffs(opt_config().muon_ns_coeffs)
   x = np.random.default_rng(0).normal(size=(1, D, F)).astype(np.float32)  # one layer of mlp/gate
   want = newton_schulz_np(x[0].astype(np.float64), coeffs, 5)
-  ns = jax.jit(lambda x, dtype: muon.newton_schulz(x, optim.matrix_dimension_numbers("blocks/mlp/gate"), coeffs, 5,
+  ns = jax.jit(lambda x, dtype: muon.newton_schulz(x, optim.matrix_dimension_numbers(("embed", "mlp")), coeffs, 5,
                                                    dtype), static_argnums=1)
   error = {dt: np.linalg.norm(np.asarray(ns(x, dt))[0] - want) / np.linalg.norm(want) for dt in ("float32", "bfloat16")}
   assert error["float32"] < 1e-5

@@ -166,10 +166,11 @@ def _attention_bytes(m: ModelConfig, b: int, seq: int, h_t: int, kv_t: int, c_by
   kernel = resolve_kernel(m.attention, seq)
   if kernel == "dot" and context == 1:
     return b * h_t * seq * seq * (4 + c_bytes), b * h_t * seq * seq * ATTENTION_BYTES_PER_SCORE
-  if kernel == "blocked" and context == 1:
-    bq = default_block_q(seq)
-    kept = b * h_t * sum(min(r0 + bq, seq) * (min(r0 + bq, seq) - r0) for r0 in range(0, seq, bq)) * 4
-    return kept, b * h_t * bq * seq * ATTENTION_BYTES_PER_SCORE
+  if kernel == "blocked" and context == 1:  # each query block keeps P over its keys (from the window's start)
+    bq, w = default_block_q(seq), m.sliding_window
+    keys = [min(r0 + bq, seq) - (max(0, r0 - w + 1) if w else 0) for r0 in range(0, seq, bq)]
+    kept = b * h_t * sum(k * (min(r0 + bq, seq) - r0) for k, r0 in zip(keys, range(0, seq, bq))) * 4
+    return kept, b * h_t * bq * max(keys) * ATTENTION_BYTES_PER_SCORE
   local = seq // context
   rows = b * (local * h_t + seq * 2 * kv_t) * m.head_dim  # q, gathered k, v (and their gradients)
   block_scores = 3 * b * h_t * min(m.attention_block_q, local) * min(m.attention_block_kv, seq) * 4

@@ -93,6 +93,8 @@ def matrix_dimension_numbers(axes: tuple[str | None, ...]) -> MuonDimensionNumbe
   """How Muon sees a hidden matrix with these logical axes as [fan_in, fan_out]: the embed axis on one
   side, the rest of its non-batch axes on the other. Axes are negative, so the same numbers hold with and
   without the leading batch axes (`layers`, `experts`)."""
+  if isinstance(axes, str):
+    raise TypeError(f"matrix_dimension_numbers takes a parameter's logical axes, not a name ({axes!r})")
   n = len(_core(axes))
   rest = tuple(range(-n + 1, 0)) if _core(axes)[0] in _EMBED_AXES else tuple(range(-n, -1))
   rest = rest[0] if len(rest) == 1 else rest
