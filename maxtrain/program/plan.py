@@ -103,9 +103,6 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           f"config.model.attention={cfg.model.attention} with a sequence split over {layout.describe('act_length')}: "
           "context-parallel attention runs the flash kernel on each shard. Set model.attention=flash (or auto), "
           "or mesh.context=1.")
-  require(layout.shards("act_length") == 1 or not cfg.model.sliding_window,
-          f"config.model.sliding_window={cfg.model.sliding_window} with a sequence split over "
-          f"{layout.describe('act_length')}: context-parallel attention has no sliding window yet. Set mesh.context=1.")
   schedule = _validate_pipeline(cfg, layout, batch, f"mesh {mesh_layout.describe()}")
   return Plan(mesh=mesh_layout, layout=layout, batch=batch, pipeline=schedule)
 

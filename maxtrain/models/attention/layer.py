@@ -29,6 +29,7 @@ valid slots only): one query row needs no blocking.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -180,8 +181,10 @@ class Attention(nnx.Module):
                          visible_BTS), cache
 
   def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT) -> jax.Array:
-    context_parallel = context_attention.for_active_rules(flash_attention_qkv, block_q=self.block_q,
-                                                          block_kv=self.block_kv)
+    # Under context parallelism the window is a mask on explicit per-document positions (every causal block
+    # pair is visited: correct, but the work does not shrink with the window there).
+    context_parallel = context_attention.for_active_rules(functools.partial(flash_attention_qkv, window=self.window),
+                                                          block_q=self.block_q, block_kv=self.block_kv)
     # No positions: a prefill's prompt, in natural (not zigzag) order, attends whole on every device.
     if context_parallel is not None and positions_BT is not None:  # the sequence is split over devices
       return context_parallel(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
