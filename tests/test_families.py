@@ -343,3 +343,15 @@ def test_a_family_with_every_piece_trains_through_the_entry_point(store, tmp_pat
   losses = [e.value for e in events.Scalars("train/loss")]
   assert len(losses) == 4 and losses[-1] < losses[0] - 0.3, losses
   assert json.loads((out / "config.json").read_text())["model"]["family"] == "qwen3"
+
+
+def test_decode_memory_of_a_window_layer_is_window_sized(converted):
+  """Mistral's cache (window 6) for 40 slots holds 6 per layer; the others hold all 40. Greedy generation
+  past the window (test_greedy_generate_equals_transformers) runs through this ring."""
+  from maxtrain.interop.sources import open_source
+  from test_interop import maxtrain_model
+
+  family, root, _ = converted
+  cache = maxtrain_model(open_source(root / "mt")).init_cache(2, 40)
+  assert cache.kv["blocks"].k_BSKH.shape == (2, 2, 6 if family == "mistral" else 40, 2, {"qwen3": 16}.get(family, 8))
+  assert cache.valid_BS.shape == (2, 40)

@@ -262,8 +262,11 @@ class Decoder(nnx.Module):
     """An empty cache of `length` slots per row, in the compute dtype, laid out like the stacks."""
     cfg = self.cfg
 
+    # A window layer keeps a ring of window-many slots (models/attention/layer.py _attend_ring).
+    slots = min(length, cfg.layer_window(0)) if cfg.layer_window(0) else length
+
     def kv(layers: int | None) -> KVCache:
-      shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+      shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
       logical = ("act_batch", None, "act_kv_heads", None)
       if layers is not None:
         shape, logical = (layers,) + shape, (None,) + logical

@@ -163,6 +163,8 @@ class Attention(nnx.Module):
 
   def _attend_cached(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache: KVCache,
                      write: CacheWrite) -> tuple[jax.Array, KVCache]:
+    if cache.k_BSKH.shape[1] < write.valid_BS.shape[1]:  # a window layer's ring of window-many slots
+      return self._attend_ring(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache, write)
     kv_logical = ("act_batch", None, "act_kv_heads", None)
     put = lambda c_BSKH, x_BTKH: sharding_rules.constrain(
         jax.lax.dynamic_update_slice_in_dim(c_BSKH, x_BTKH.astype(c_BSKH.dtype), write.start, axis=1), kv_logical)
@@ -179,6 +181,33 @@ class Attention(nnx.Module):
       visible_BTS = visible_BTS & mask_lib.in_window(q_tokens_BT, tokens_BS, self.window)
     return dot_attention(q_BTNH, cache.k_BSKH.astype(q_BTNH.dtype), cache.v_BSKH.astype(q_BTNH.dtype),
                          visible_BTS), cache
+
+  def _attend_ring(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache: KVCache,
+                   write: CacheWrite) -> tuple[jax.Array, KVCache]:
+    """A window layer's cache as a ring of R = window slots (decode memory window-sized, not sequence-sized):
+    slot i of the sequence lives in ring entry i mod R. A call keeps only its last R tokens (the only ones a
+    later query can see); after the prefill, one token per call (older keys a second one would need are gone)."""
+    kv_logical = ("act_batch", None, "act_kv_heads", None)
+    r, s, t = cache.k_BSKH.shape[1], write.valid_BS.shape[1], q_BTNH.shape[1]
+    keep = min(t, r)
+    entries = (write.start + t - keep + jnp.arange(keep, dtype=jnp.int32)) % r
+    put = lambda c_BRKH, x_BTKH: sharding_rules.constrain(
+        c_BRKH.at[:, entries].set(x_BTKH[:, t - keep:].astype(c_BRKH.dtype)), kv_logical)
+    cache = KVCache(put(cache.k_BSKH, k_BTKH), put(cache.v_BSKH, v_BTKH))
+    if write.fresh:
+      return self._attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, None), cache
+    assert t == 1, f"a ring cache takes one token per call after the prefill, got {t}"
+    end = write.start + t
+    slot_R = end - 1 - (end - 1 - jnp.arange(r, dtype=jnp.int32)) % r  # the newest slot each entry holds (< 0: none)
+    index_R = jnp.clip(slot_R, 0, s - 1)
+    tokens_BS = jnp.cumsum(write.valid_BS, axis=1, dtype=jnp.int32)
+    visible_BTR = mask_lib.visible(q_positions_BT=(write.start + jnp.arange(t, dtype=jnp.int32))[None],
+                                   kv_positions_BS=slot_R[None],
+                                   kv_valid_BS=jnp.take(write.valid_BS, index_R, axis=1) & (slot_R >= 0)[None])
+    q_tokens_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, write.start, t, axis=1)
+    visible_BTR = visible_BTR & mask_lib.in_window(q_tokens_BT, jnp.take(tokens_BS, index_R, axis=1), self.window)
+    return dot_attention(q_BTNH, cache.k_BSKH.astype(q_BTNH.dtype), cache.v_BSKH.astype(q_BTNH.dtype),
+                         visible_BTR), cache
 
   def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT) -> jax.Array:
     # Under context parallelism the window is a mask on explicit per-document positions (every causal block
