@@ -5,7 +5,6 @@ flash and blocked kernels skip the key blocks a window leaves out."""
 import ast
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import jax
@@ -287,15 +286,24 @@ REFUSED = [  # (family, field changed, value, the field the one-line error names
 ]
 
 
-@pytest.mark.parametrize("converted,field,value,named", REFUSED, indirect=["converted"])
-def test_what_would_change_the_math_is_exit_2_naming_the_field(converted, tmp_path, capsys, field, value, named):
+def hf_config_json(family: str) -> dict:
+  """config.json as transformers writes it for the tiny model of `family` (no weights)."""
+  import transformers
+
+  config_cls, model_cls, kwargs = HF_FAMILIES[family]
+  cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, **kwargs)
+  return {**cfg.to_dict(), "architectures": [model_cls]}
+
+
+@pytest.mark.parametrize("family,field,value,named", REFUSED)
+def test_what_would_change_the_math_is_exit_2_naming_the_field(tmp_path, capsys, family, field, value, named):
+  """Refused from config.json alone, before any tensor is read: one line naming the field, nothing written."""
   from maxtrain.cli import convert
 
   hf_dir = tmp_path / "hf"
-  shutil.copytree(converted[1] / "hf", hf_dir)
-  config = json.loads((hf_dir / "config.json").read_text())
-  config[field] = value
-  (hf_dir / "config.json").write_text(json.dumps(config))
+  hf_dir.mkdir()
+  (hf_dir / "config.json").write_text(json.dumps({**hf_config_json(family), field: value}))
   capsys.readouterr()
   assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "out")]) == 2
   err = capsys.readouterr().err.strip()
