@@ -367,3 +367,24 @@ def test_decode_memory_of_a_window_layer_is_window_sized(converted):
   cache = maxtrain_model(open_source(root / "mt")).init_cache(2, 40)
   assert cache.kv["blocks"].k_BSKH.shape == (2, 2, 6 if family == "mistral" else 40, 2, {"qwen3": 16}.get(family, 8))
   assert cache.valid_BS.shape == (2, 40)
+
+
+@pytest.mark.slow
+def test_a_windowed_family_resumes_bitwise_after_sigkill(store, tmp_path):
+  """Mistral-family (window 8 < seq_len 32, flash): a run SIGKILLed after step 5 (checkpoints every 2 steps)
+  and restarted ends bitwise where the run that never stopped does, with the same loss at every step."""
+  from test_checkpoint import assert_bitwise_equal, losses, restore_raw, trainer
+  from tiny import TINY_MODEL
+
+  base = TINY_MODEL + [f"--config.data.path={store}", "--config.model.family=mistral", "--config.model.sliding_window=8",
+                       "--config.model.attention=flash", "--config.model.attention_block_q=8",
+                       "--config.model.attention_block_kv=8", "--config.checkpoint.every_steps=2", "--config.log_every=1",
+                       "--config.steps=6"]
+  a = trainer(base + [f"--config.output_dir={tmp_path / 'a'}"], devices=1)
+  assert a.returncode == 0, a.stderr[-3000:]
+  b1 = trainer(base + [f"--config.output_dir={tmp_path / 'b'}", "--config.faults.kill_at_step=5"], devices=1)
+  assert b1.returncode == -9, b1.stderr[-3000:]
+  b2 = trainer(base + [f"--config.output_dir={tmp_path / 'b'}"], devices=1)
+  assert b2.returncode == 0 and "restored step 4" in b2.stderr, b2.stderr[-3000:]
+  assert_bitwise_equal(restore_raw(tmp_path / "a/checkpoints", 6), restore_raw(tmp_path / "b/checkpoints", 6))
+  assert losses(tmp_path / "b") == losses(tmp_path / "a")
