@@ -1,8 +1,9 @@
 """The registry of model families: the one place the rest of maxtrain asks for a model.
 
 A family bundles its typed config defaults (the pieces it turns on over the `model.*` keys), its module,
-its Hugging Face adapter (`models/hf_adapter.py`: tensor names and config.json, both ways), its FLOPs
-per token and its memory-estimate terms. `model.family` selects one; nothing outside `models/` names a
+its Hugging Face adapter (`models/hf_adapter.py`: tensor names and config.json, both ways) and its FLOPs
+per token. The memory estimate (`aot/estimate.py`) reads the family's typed config and abstract parameters
+from here (head_dim, the window and the parameter table are all it needs so far). `model.family` selects one; nothing outside `models/` names a
 family (tests/test_families.py checks it). Adding a family is a module in `models/` with one `FAMILY`
 and its line in `_MODULES` below (docs/models.md).
 """
