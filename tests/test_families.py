@@ -168,7 +168,7 @@ HF_FAMILIES = {  # family: (config class, model class, config kwargs)
 }
 
 
-def make_family_model(directory: Path, family: str):
+def make_family_model(directory: Path, family: str, **overrides):
   import torch
   import transformers
 
@@ -176,7 +176,7 @@ def make_family_model(directory: Path, family: str):
   torch.manual_seed(1)
   cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, **kwargs)
+                                          rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, **{**kwargs, **overrides})
   model = getattr(transformers, model_cls)(cfg).eval()
   with torch.no_grad():  # norms away from 1 and biases away from 0, so that a swapped or dropped one shows
     for name, p in model.named_parameters():
@@ -388,3 +388,28 @@ def test_a_windowed_family_resumes_bitwise_after_sigkill(store, tmp_path):
   assert b2.returncode == 0 and "restored step 4" in b2.stderr, b2.stderr[-3000:]
   assert_bitwise_equal(restore_raw(tmp_path / "a/checkpoints", 6), restore_raw(tmp_path / "b/checkpoints", 6))
   assert losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
+def test_linear_rope_scaling_matches_transformers(tmp_path):
+  """rope_type `linear` (position interpolation, factor 4) read, computed and written back: logits within 1e-4
+  of transformers' both ways (written in the 4.x spelling, which transformers 5 reads)."""
+  import torch
+  import transformers
+
+  from maxtrain.interop import hf_export, hf_import
+  from maxtrain.interop.sources import open_source
+  from test_interop import maxtrain_logits, maxtrain_model
+
+  rope = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+  hf = make_family_model(tmp_path / "hf", "qwen2", rope_parameters=rope)
+  hf_import.from_hf(tmp_path / "hf", tmp_path / "mt")
+  source = open_source(tmp_path / "mt")
+  assert (source.model["rope_scaling"], source.model["rope_scaling_factor"]) == ("linear", 4.0)
+  x = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+  with torch.no_grad():
+    want = hf(torch.tensor(x)).logits.numpy()
+  assert np.abs(maxtrain_logits(maxtrain_model(source), x)[..., :VOCAB] - want).max() <= TOL
+  hf_export.to_hf(tmp_path / "mt", tmp_path / "hf2")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+  with torch.no_grad():
+    assert np.abs(back(torch.tensor(x)).logits.numpy() - want).max() <= TOL

@@ -38,8 +38,8 @@ def base_config() -> ml_collections.ConfigDict:
   m.vocab_size = 384  # Embedding rows; >= the tokenizer's vocab (byte tokenizer: 259), padded for sharding.
   m.max_seq_len = 1024  # Longest sequence the model accepts (RoPE positions).
   m.rope_theta = 10000.0  # RoPE base frequency.
-  m.rope_scaling = "none"  # RoPE frequency rescaling for long context: none | llama3 (LLaMA 3.1's rope_type).
-  m.rope_scaling_factor = 8.0  # llama3: divisor of the low frequencies (context extension factor).
+  m.rope_scaling = "none"  # RoPE frequency rescaling for long context: none | llama3 (LLaMA 3.1's rope_type) | linear (position interpolation: every frequency / rope_scaling_factor).
+  m.rope_scaling_factor = 8.0  # llama3: divisor of the low frequencies; linear: of every frequency (context extension factor).
   m.rope_low_freq_factor = 1.0  # llama3: wavelengths above original_max_len / this are fully rescaled.
   m.rope_high_freq_factor = 4.0  # llama3: wavelengths below original_max_len / this are kept.
   m.rope_original_max_len = 8192  # llama3: the context length the frequencies were first trained at.

@@ -51,7 +51,7 @@ _LAYOUT_OPS = frozenset({"dynamic_slice", "slice", "squeeze", "reshape", "expand
 
 def _save_all_but_layout_ops(prim: Any, *_, **__) -> bool:
   return prim.name not in _LAYOUT_OPS
-ROPE_SCALINGS = ("none", "llama3")
+ROPE_SCALINGS = ("none", "llama3", "linear")
 DTYPES = ("float32", "bfloat16", "float16")
 # The config key that sets each logical parameter dim: what a layout error tells the user to change.
 CONFIG_KEYS = {"heads": "model.num_heads", "kv_heads": "model.num_kv_heads", "mlp": "model.d_ff",
@@ -172,6 +172,9 @@ def validate(m: Any) -> None:
   choice("model.remat", m.remat, REMAT_CHOICES)
   choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
   require(m.norm_eps > 0, f"config.model.norm_eps={m.norm_eps}: must be > 0")
+  if m.rope_scaling == "linear":
+    require(m.rope_scaling_factor > 0, f"config.model.rope_scaling_factor={m.rope_scaling_factor}: linear RoPE "
+            "scaling divides every frequency by it; must be > 0")
   if m.rope_scaling == "llama3":
     require(m.rope_high_freq_factor > m.rope_low_freq_factor > 0 and m.rope_scaling_factor > 0
             and m.rope_original_max_len > 0,

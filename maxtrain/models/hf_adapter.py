@@ -49,7 +49,7 @@ TENSORS = {
     "blocks/mlp/down": Mapping("model.layers.{}.mlp.down_proj.weight", 1),
 }
 
-ROPE_TYPES = {"default": "none", "llama3": "llama3"}  # HF rope_type -> model.rope_scaling
+ROPE_TYPES = {"default": "none", "llama3": "llama3", "linear": "linear"}  # HF rope_type -> model.rope_scaling
 # model.rope_* key <- HF llama3 rope field
 LLAMA3_FIELDS = {"rope_scaling_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                  "rope_high_freq_factor": "high_freq_factor",
@@ -83,6 +83,10 @@ def rope(hf: dict, where: str) -> dict[str, Any]:
   if kind not in ROPE_TYPES:
     raise refuse(where, field, kind, f"unsupported RoPE type (supported: {', '.join(ROPE_TYPES)})")
   out = {"rope_theta": number(theta, float, where, "rope_theta"), "rope_scaling": ROPE_TYPES[kind]}
+  if kind == "linear":
+    if "factor" not in spec:
+      raise refuse(where, f"{field.split('.')[0]}.factor", None, "missing: linear RoPE scaling needs it")
+    out["rope_scaling_factor"] = number(spec["factor"], float, where, f"{field.split('.')[0]}.factor")
   if kind == "llama3":
     for key, hf_key in LLAMA3_FIELDS.items():
       if hf_key not in spec:
@@ -159,6 +163,8 @@ class HFAdapter:
     scaling = None
     if m.get("rope_scaling", "none") == "llama3":
       scaling = {"rope_type": "llama3", **{hf_key: m[key] for key, hf_key in LLAMA3_FIELDS.items()}}
+    elif m.get("rope_scaling", "none") == "linear":
+      scaling = {"rope_type": "linear", "factor": m["rope_scaling_factor"]}
     out = {"architectures": [self.architecture], "model_type": self.model_type, "hidden_act": "silu",
            "hidden_size": m["d_model"], "intermediate_size": m["d_ff"], "num_hidden_layers": m["num_layers"],
            "num_attention_heads": m["num_heads"], "num_key_value_heads": m["num_kv_heads"],
