@@ -7,6 +7,7 @@ Shape legend: B batch, T length, N heads, K kv heads, H head dim.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -49,20 +50,22 @@ def _packed(seed: int, b: int, t: int, n: int, k: int, h: int, num_docs: int = 4
   return q, kk, v, dout, seg, pos
 
 
-@pytest.mark.parametrize("sizes,block", [
-    ({"data": 1, "fsdp": 1, "context": 1, "tensor": 1}, 8),  # 1 device: shard_map over a size-1 axis
-    ({"data": 1, "fsdp": 2, "context": 4, "tensor": 1}, 4),  # the must-show mesh, 2 blocks per chunk
-    ({"data": 2, "fsdp": 1, "context": 2, "tensor": 2}, 16),  # heads over tensor, blocks clamped to the chunk
+@pytest.mark.parametrize("sizes,block,window", [
+    ({"data": 1, "fsdp": 1, "context": 1, "tensor": 1}, 8, 0),  # 1 device: shard_map over a size-1 axis
+    ({"data": 1, "fsdp": 2, "context": 4, "tensor": 1}, 4, 0),  # the must-show mesh, 2 blocks per chunk
+    ({"data": 2, "fsdp": 1, "context": 2, "tensor": 2}, 16, 0),  # heads over tensor, blocks clamped to the chunk
+    ({"data": 1, "fsdp": 2, "context": 4, "tensor": 1}, 4, 6),  # a sliding window shorter than a document
 ])
-def test_context_attention_matches_reference(sizes, block):
+def test_context_attention_matches_reference(sizes, block, window):
   num = int(np.prod(list(sizes.values())))
   mesh = make_mesh(sizes, jax.devices()[:num])
   q, k, v, dout, seg, pos = _packed(0, 4, 64, 4, 2, 8)  # GQA: 2 query heads per kv head
-  out_ref, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, jnp.asarray(seg)), q, k, v)
+  out_ref, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, jnp.asarray(seg), window=window), q, k, v)
   grads_ref = vjp(dout)
 
   order = ca.zigzag_order(64, sizes["context"])
-  attend = ca.sharded(mesh, DEFAULT_RULES, flash_attention_qkv, block_q=block, block_kv=block)
+  attend = ca.sharded(mesh, DEFAULT_RULES, functools.partial(flash_attention_qkv, window=window), block_q=block,
+                      block_kv=block)
   with jax.set_mesh(mesh):
     @jax.jit
     def run(q, k, v, seg, pos, dout):

@@ -15,7 +15,8 @@ pytest.importorskip("transformers", reason="interop tests need the test extra: p
 from hf_models import VARIANTS, hf_logits, make_hf_model  # noqa: E402
 from maxtrain.interop import hf_export, hf_import, names as names_lib  # noqa: E402
 from maxtrain.interop.sources import open_source  # noqa: E402
-from maxtrain.models.llama import Llama, ModelConfig  # noqa: E402
+from maxtrain.models import registry  # noqa: E402
+from maxtrain.models.llama import Llama  # noqa: E402
 from maxtrain.sharding.layout import param_name  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,8 +26,7 @@ BLOCK = 200  # bytes: every tensor of the tiny models moves in several row block
 
 def maxtrain_model(source) -> Llama:
   """The maxtrain model with the source's parameters, on one device."""
-  cfg = ModelConfig.from_config({**source.model, "attention": "dot"})
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(params=0))))
+  graphdef, abstract = registry.abstract(registry.model_config({**source.model, "attention": "dot"}))
   params = jax.tree_util.tree_map_with_path(lambda p, leaf: jax.numpy.asarray(source.read(param_name(p))), abstract)
   return nnx.merge(graphdef, params)
 
@@ -277,10 +277,11 @@ def test_init_from_with_other_model_math_exits_2(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("field,value,named", [
-    ("architectures", ["MistralForCausalLM"], "architectures"),
+    ("architectures", ["GPTNeoXForCausalLM"], "architectures"),
+    ("architectures", ["MistralForCausalLM"], "model_type"),  # a llama config.json under another class
     ("attention_bias", True, "attention_bias"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type"),
-    ("head_dim", 16, "head_dim"),
+    ("sliding_window", 16, "sliding_window"),
     ("hidden_act", "gelu", "hidden_act"),
 ])
 def test_unsupported_hf_models_exit_2_naming_the_field(tmp_path, capsys, field, value, named):

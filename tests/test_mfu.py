@@ -5,6 +5,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -19,7 +20,12 @@ def cost_flops(compiled) -> float:
   return float(cost["flops"])
 
 
-def test_flops_formula_matches_compiled_step():
+PIECES = {"llama": {}, "qkv_bias": {"qkv_bias": True}, "qk_norm_head_dim": {"qk_norm": True, "head_dim_setting": 96},
+          "window": {"sliding_window": 24}}
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_flops_formula_matches_compiled_step(piece):
   """XLA's flop count of the compiled forward + backward pass (the optimizer update is not model
   FLOPs) against `train_flops_per_token` with attention converted from causal to full: XLA computes every
   entry of the T x T score matrix, the formula counts the causal half (T + 1) / 2 keys per query.
@@ -30,7 +36,7 @@ def test_flops_formula_matches_compiled_step():
   XLA's cost analysis counts a `lax.scan` (while loop) body once, not per iteration.
   """
   cfg = ModelConfig(num_layers=2, d_model=256, num_heads=4, num_kv_heads=2, d_ff=1024, vocab_size=256,
-                    max_seq_len=64, scan_layers=False)
+                    max_seq_len=64, scan_layers=False, **PIECES[piece])
   batch_size, seq_len = 4, 64
   graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(params=0))))
   tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
@@ -41,7 +47,9 @@ def test_flops_formula_matches_compiled_step():
   grad_fn = jax.value_and_grad(lambda p, b: step_lib.loss_sums(graphdef, p, b)[0])
   step_flops = cost_flops(jax.jit(grad_fn).lower(params, batch).compile())
   n, h, layers = cfg.num_heads, cfg.head_dim, cfg.num_layers
-  full_attention_extra = layers * 3 * 2 * 2 * n * h * (seq_len - (seq_len + 1) / 2)
+  # The formula's mean keys per query: (T + 1) / 2 causal, mean(min(t + 1, W)) with a window W.
+  mean_keys = np.mean(np.minimum(np.arange(1, seq_len + 1), cfg.sliding_window or seq_len))
+  full_attention_extra = layers * 3 * 2 * 2 * n * h * (seq_len - mean_keys)
   expected = batch_size * seq_len * (cfg.train_flops_per_token(seq_len) + full_attention_extra)
   excess = step_flops / expected - 1.0
   print(f"XLA forward+backward {step_flops:.4g} FLOPs, formula (full attention) {expected:.4g}: excess {excess:+.2%}")

@@ -255,20 +255,31 @@ def test_muon_orthogonalises_each_expert_on_its_own():
   cfg = config_lib.base_config().optimizer
   cfg.name, cfg.weight_decay, cfg.clip_norm, cfg.warmup_steps = "muon", 0.0, 0.0, 0
   tx = optim.make(cfg, 10).tx
+  from flax import nnx
+
+  from maxtrain.models.moe import RouterBias
+
+  def var(x, axes, kind=nnx.Param):  # routing reads the logical axes the model gives its variables
+    with nnx.use_eager_sharding(False):
+      return kind(jnp.asarray(x), out_sharding=axes)
+
   rng = np.random.default_rng(6)
-  grads = {"moe_blocks": {"moe": {"gate": rng.standard_normal((2, 3, 8, 5)).astype(np.float32),
-                                  "router": rng.standard_normal((2, 8, 3)).astype(np.float32),
-                                  "router_bias": rng.standard_normal((2, 3)).astype(np.float32)}}}
+  raw = {"gate": rng.standard_normal((2, 3, 8, 5)).astype(np.float32),
+         "router": rng.standard_normal((2, 8, 3)).astype(np.float32), "router_bias": rng.standard_normal((2, 3))}
+  grads = {"moe_blocks": {"moe": {"gate": var(raw["gate"], ("layers", "experts", "expert_embed", "expert_mlp")),
+                                  "router": var(raw["router"], ("layers", "embed", "router_experts")),
+                                  "router_bias": var(raw["router_bias"].astype(np.float32), ("layers", "router_experts"),
+                                                     RouterBias)}}}
   params = jax.tree.map(jnp.zeros_like, grads)
   updates, _ = tx.update(grads, tx.init(params), params)
-  gate = np.asarray(updates["moe_blocks"]["moe"]["gate"])
+  gate = np.asarray(updates["moe_blocks"]["moe"]["gate"][...])
   for layer in range(2):
     for e in range(3):
-      alone = {"blocks": {"mlp": {"gate": grads["moe_blocks"]["moe"]["gate"][layer, e]}}}
+      alone = {"blocks": {"mlp": {"gate": var(raw["gate"][layer, e], ("embed", "mlp"))}}}
       ref, _ = tx.update(alone, tx.init(jax.tree.map(jnp.zeros_like, alone)), alone)
-      np.testing.assert_allclose(gate[layer, e], np.asarray(ref["blocks"]["mlp"]["gate"]), rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(np.asarray(updates["moe_blocks"]["moe"]["router_bias"]), 0.0)  # never trained
-  assert np.all(np.asarray(updates["moe_blocks"]["moe"]["router"]) != 0)  # AdamW
+      np.testing.assert_allclose(gate[layer, e], np.asarray(ref["blocks"]["mlp"]["gate"][...]), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(updates["moe_blocks"]["moe"]["router_bias"][...]), 0.0)  # never trained
+  assert np.all(np.asarray(updates["moe_blocks"]["moe"]["router"][...]) != 0)  # AdamW
 
 
 def test_flops_and_estimate_count_active_parameters():

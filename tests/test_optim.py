@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxtrain import config as config_lib
 from maxtrain.optim import muon, optimizer as optim
+from maxtrain.optim.muon import logical_names
 from maxtrain.program import state as state_lib
 from maxtrain.aot import collectives
 from maxtrain.models.llama import Llama, ModelConfig
@@ -78,9 +79,26 @@ def test_weight_decay_mask_by_kind():
 
 
 def test_an_unknown_parameter_is_an_error_not_a_silent_adam_fallback():
-  params = {"blocks": {"attn": {"w_new": jnp.zeros((L, D, D))}}}
-  with pytest.raises(ValueError, match="blocks/attn/w_new .* has no optimizer routing"):
-    optim.param_labels(params, "muon")
+  """Routing reads logical axes: a parameter without them, or with an embed axis in the middle (neither
+  reading nor writing the residual stream), is an error, not a silent Adam fallback."""
+  with pytest.raises(ValueError, match="blocks/attn/w_new has no logical axes"):
+    optim.param_labels({"blocks": {"attn": {"w_new": jnp.zeros((L, D, D))}}}, "muon")
+  with nnx.use_eager_sharding(False):
+    odd = nnx.Param(jnp.zeros((L, N, D, H)), out_sharding=("layers", "heads", "embed", "head_dim"))
+  with pytest.raises(ValueError, match="blocks/attn/w_odd has logical axes .* route to no optimizer group"):
+    optim.param_labels({"blocks": {"attn": {"w_odd": odd}}}, "muon")
+
+
+def test_routing_follows_logical_axes_for_every_family_piece():
+  """q/k/v biases (Qwen2) and qk-norm scales (Qwen3) stay on Adam; a head_dim of its own changes no route."""
+  from maxtrain.models import registry
+
+  cfg = dataclasses.replace(MODEL, qkv_bias=True, qk_norm=True, head_dim_setting=12)
+  labels = named(optim.param_labels(registry.abstract(cfg)[1], "muon"))
+  assert labels == {**MUON_ROUTING, "blocks/attn/bq": "adam", "blocks/attn/bk": "adam", "blocks/attn/bv": "adam",
+                    "blocks/attn/q_norm/scale": "adam", "blocks/attn/k_norm/scale": "adam"}
+  decay = named(optim.decay_mask("embed,norm,bias")(registry.abstract(cfg)[1]))
+  assert not any(decay[f"blocks/attn/{n}"] for n in ("bq", "bk", "bv", "q_norm/scale", "k_norm/scale"))
 
 
 def newton_schulz_np(x, coeffs, steps):
@@ -151,7 +169,7 @@ def test_newton_schulz_in_bfloat16_is_close_to_float32():
   coeffs = optim.parse_ns_coeffs(opt_config().muon_ns_coeffs)
   x = np.random.default_rng(0).normal(size=(1, D, F)).astype(np.float32)  # one layer of mlp/gate
   want = newton_schulz_np(x[0].astype(np.float64), coeffs, 5)
-  ns = jax.jit(lambda x, dtype: muon.newton_schulz(x, optim.matrix_dimension_numbers("blocks/mlp/gate"), coeffs, 5,
+  ns = jax.jit(lambda x, dtype: muon.newton_schulz(x, optim.matrix_dimension_numbers(("embed", "mlp")), coeffs, 5,
                                                    dtype), static_argnums=1)
   error = {dt: np.linalg.norm(np.asarray(ns(x, dt))[0] - want) / np.linalg.norm(want) for dt in ("float32", "bfloat16")}
   assert error["float32"] < 1e-5
@@ -226,8 +244,10 @@ def test_optimizer_state_dtype_holds_across_updates(param_dtype, state_dtype):
 def optax_muon(cfg, total_steps):
   """optim.make's Muon optimizer with optax.contrib.scale_by_muon (the transform maxtrain.muon replaced)
   in place of maxtrain.muon's: the reference for its values and its state tree."""
-  dims = lambda tree: jax.tree_util.tree_map_with_path(
-      lambda path, leaf: optim.matrix_dimension_numbers(param_name(path)), tree)
+  def dims(tree):
+    axes = logical_names(tree)
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: optim.matrix_dimension_numbers(axes[param_name(path)]),
+                                            tree)
   multiplier = optim.lr_multiplier(cfg, total_steps)
   mask, state_dtype = optim.decay_mask(cfg.no_decay), jnp.dtype(cfg.state_dtype)
   muon = optax.chain(
@@ -292,7 +312,7 @@ def test_sharded_newton_schulz_orthogonalises_whole_layers_per_device():
   def lowered(active, dtype=jnp.float32):
     def run(x):
       with sharding_rules.activate(active):
-        return {name: muon.orthogonalize(v, optim.matrix_dimension_numbers(name), weights[name][1], coeffs, steps,
+        return {name: muon.orthogonalize(v, optim.matrix_dimension_numbers(weights[name][1]), weights[name][1], coeffs, steps,
                                          dtype) for name, v in x.items()}
     return jax.jit(run, in_shardings=(shardings,), out_shardings=shardings).lower(x)
 

@@ -264,7 +264,7 @@ def test_muon_under_the_pipeline_orthogonalises_each_stages_own_layers():
 
   def run(x, rules):
     with rules_lib.activate(rules):
-      return {k: muon.orthogonalize(v, optim.matrix_dimension_numbers(k), names[k], coeffs, steps, jnp.float32)
+      return {k: muon.orthogonalize(v, optim.matrix_dimension_numbers(names[k]), names[k], coeffs, steps, jnp.float32)
               for k, v in x.items()}
 
   want = jax.jit(functools.partial(run, rules=None))(x)  # one device, no rules: the plain iteration

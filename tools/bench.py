@@ -17,7 +17,7 @@ import jax
 
 from maxtrain import config as config_lib
 from maxtrain.loop.data import Data
-from maxtrain.models.llama import param_count
+from maxtrain.models.registry import param_count
 from maxtrain.monitor import mfu, profiler, timing
 from maxtrain.program import build as program_lib, state as state_lib
 from maxtrain.runtime import platform as platform_env

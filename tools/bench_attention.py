@@ -3,7 +3,7 @@ kernel): time and compiled memory.
 
   python tools/bench_attention.py [--tokens=16384] [--block-q=128 --block-kv=128] [--runs=5]
                                   [--time-lengths=256,1024,4096] [--memory-lengths=4096,8192,16384,32768]
-                                  [--sweep-blocks=128x128,256x256,...]
+                                  [--sweep-blocks=128x128,256x256,...] [--window=W]
 
 Time: jitted forward + backward (value and vjp with a random cotangent) at each T with the same
 tokens per call (B = tokens / T), N=8, K=4, H=64, fp32, packed documents; median of --runs after
@@ -80,6 +80,8 @@ def main() -> None:
   parser.add_argument("--time-lengths", default="256,1024,4096")
   parser.add_argument("--memory-lengths", default="4096,8192,16384,32768")
   parser.add_argument("--sweep-blocks", default="", help="QxKV,... block sizes to time flash with (no dot)")
+  parser.add_argument("--window", type=int, default=0, help="W: time flash with a sliding window W against causal "
+                      "flash at each --time-lengths, B=1 (no dot)")
   args = parser.parse_args()
   ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
   n, k, h = ints(args.heads)
@@ -95,6 +97,21 @@ def main() -> None:
       x = inputs(args.tokens // t, t, n, k, h, jnp.float32)
       cells = time_calls([fwd_bwd(flash(bq, bkv)) for bq, bkv in sweeps], x, args.runs)
       print(f"| {t} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
+    return
+
+  if args.window:
+    print(f"\n## flash fwd+bwd, fp32, B=1, N={n} K={k} H={h}, blocks {args.block_q}x{args.block_kv}: a sliding window "
+          f"of {args.window} vs causal; median of {args.runs} (s); pairs = key blocks visited")
+    print("| T | pairs, window | pairs, causal | window (s) | causal (s) |")
+    print("|---|---|---|---|---|")
+    for t in ints(args.time_lengths):
+      blocks = [-(-t // args.block_q), -(-t // args.block_kv), args.block_q, args.block_kv, t, True]
+      pairs = [len(fa._block_pairs(*blocks, w)) for w in (args.window, 0)]
+      windowed = lambda q, kk, v, seg: fa.flash_attention(q, kk, v, seg, block_q=args.block_q, block_kv=args.block_kv,
+                                                          window=args.window)
+      times = time_calls([fwd_bwd(windowed), fwd_bwd(flash(args.block_q, args.block_kv))],
+                         inputs(1, t, n, k, h, jnp.float32), args.runs)
+      print(f"| {t} | {pairs[0]} | {pairs[1]} | {times[0]:.3f} | {times[1]:.3f} |", flush=True)
     return
 
   if args.time_lengths:

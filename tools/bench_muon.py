@@ -47,6 +47,7 @@ def accuracy(rest: list[str], steps: int) -> None:
   from maxtrain import config as config_lib
   from maxtrain.loop.data import Data
   from maxtrain.optim import optimizer as optim
+  from maxtrain.optim import muon as muon_lib
   from maxtrain.optim.muon import nesterov_input, newton_schulz
   from maxtrain.program import build as program_lib, state as state_lib, step as step_lib
   from maxtrain.sharding.layout import param_name
@@ -75,8 +76,9 @@ def accuracy(rest: list[str], steps: int) -> None:
   print("| matrix | fan_in x fan_out | rel. Frobenius error bf16 vs fp32 | fp32 vs exact U V^T | "
         "singular values fp32: min-max | bf16: min-max |")
   print("| --- | --- | --- | --- | --- | --- |")
+  axes = muon_lib.logical_names(program.state.abstract.params)
   for name in sorted(inputs):
-    dims = optim.matrix_dimension_numbers(name)
+    dims = optim.matrix_dimension_numbers(axes[name])
     ortho = {dt: np.asarray(jax.jit(lambda x, dt=dt: newton_schulz(x, dims, coeffs, o.muon_ns_steps, dt))(inputs[name]),
                             np.float64) for dt in ("float32", "bfloat16")}
     fan_in = _fan_in(inputs[name].shape, dims)
@@ -92,7 +94,7 @@ def accuracy(rest: list[str], steps: int) -> None:
         spreads[dt].append((sv.min(), sv.max()))
     fan_out = int(np.prod(inputs[name].shape[1:])) // fan_in
     sv = {dt: f"{min(a for a, _ in v):.3f}-{max(b for _, b in v):.3f}" for dt, v in spreads.items()}
-    print(f"| {optim._matrix_key(name)} | {fan_in} x {fan_out} | {np.mean(errors):.4f} ({np.max(errors):.4f}) | "
+    print(f"| {'/'.join(name.split('/')[-2:])} | {fan_in} x {fan_out} | {np.mean(errors):.4f} ({np.max(errors):.4f}) | "
           f"{np.mean(polar_errors):.3f} ({np.max(polar_errors):.3f}) | {sv['float32']} | {sv['bfloat16']} |")
 
 

@@ -27,7 +27,8 @@ from maxtrain.errors import UserError
 from maxtrain.optim import optimizer as optim
 from maxtrain.models.attention.layer import resolve_kernel
 from maxtrain.models.attention.blocked import default_block_q
-from maxtrain.models.llama import Llama, ModelConfig
+from maxtrain.models import registry
+from maxtrain.models.decoder import ModelConfig
 from maxtrain.monitor import memory
 from maxtrain.program.build import loss_chunk_tokens
 from maxtrain.sharding.layout import Layout, named_leaves
@@ -61,7 +62,7 @@ class Param:
 
 def param_table(model_cfg: ModelConfig, layout: Layout, optimizer_name: str) -> list[Param]:
   """Every parameter with its per-device shape and optimizer group, from the abstract model."""
-  _, params = nnx.split(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(params=0))))
+  _, params = registry.abstract(model_cfg)
   labels = jax.tree.leaves(optim.param_labels(params, optimizer_name))
   return [Param(name, tuple(leaf.shape), leaf.dtype, layout.local_shape(tuple(leaf.shape), logical), label)
           for (name, leaf, logical), label in zip(named_leaves(params), labels, strict=True)]
@@ -165,10 +166,11 @@ def _attention_bytes(m: ModelConfig, b: int, seq: int, h_t: int, kv_t: int, c_by
   kernel = resolve_kernel(m.attention, seq)
   if kernel == "dot" and context == 1:
     return b * h_t * seq * seq * (4 + c_bytes), b * h_t * seq * seq * ATTENTION_BYTES_PER_SCORE
-  if kernel == "blocked" and context == 1:
-    bq = default_block_q(seq)
-    kept = b * h_t * sum(min(r0 + bq, seq) * (min(r0 + bq, seq) - r0) for r0 in range(0, seq, bq)) * 4
-    return kept, b * h_t * bq * seq * ATTENTION_BYTES_PER_SCORE
+  if kernel == "blocked" and context == 1:  # each query block keeps P over its keys (from the window's start)
+    bq, w = default_block_q(seq), m.sliding_window
+    keys = [min(r0 + bq, seq) - (max(0, r0 - w + 1) if w else 0) for r0 in range(0, seq, bq)]
+    kept = b * h_t * sum(k * (min(r0 + bq, seq) - r0) for k, r0 in zip(keys, range(0, seq, bq))) * 4
+    return kept, b * h_t * bq * max(keys) * ATTENTION_BYTES_PER_SCORE
   local = seq // context
   rows = b * (local * h_t + seq * 2 * kv_t) * m.head_dim  # q, gathered k, v (and their gradients)
   block_scores = 3 * b * h_t * min(m.attention_block_q, local) * min(m.attention_block_kv, seq) * 4
@@ -277,7 +279,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   """Per-device memory and FLOPs of `cfg`'s train step on `num_devices` devices (over `num_processes`)."""
   plan = validate(cfg, num_devices, num_processes, require_data=False)
   layout = plan.layout
-  model_cfg = ModelConfig.from_config(cfg.model)
+  model_cfg = registry.model_config(cfg.model)
   o, m = cfg.optimizer, model_cfg
   table = param_table(model_cfg, layout, o.name)
 
@@ -343,7 +345,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
       f"fp32 where a GPU/Neuron compiler keeps them in {jnp.dtype(m.compute_dtype).name}, so its figures can exceed "
       "this estimate"]
   return Estimate(num_devices=num_devices, mesh_shape=dict(plan.mesh.sizes), params=params,
-                  flops_per_token=model_cfg.train_flops_per_token(seq), microbatch=b, memory=memory, notes=notes,
+                  flops_per_token=registry.flops_per_token(model_cfg, seq), microbatch=b, memory=memory, notes=notes,
                   pipeline=pipeline)
 
 

@@ -1,4 +1,4 @@
-"""Entry point: Hugging Face LLaMA checkpoints in and out (maxtrain/interop/).
+"""Entry point: Hugging Face checkpoints in and out (maxtrain/interop/; the families of docs/models.md).
 
   python -m maxtrain.convert from-hf HF_DIR OUT [--config=BASE.py] [--vocab-multiple=128] [--dtype=keep]
                                   [--block-size=8MB]
@@ -32,7 +32,7 @@ def parse_size(text: str) -> int:
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m maxtrain.convert", description=__doc__.split("\n\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
-  a = sub.add_parser("from-hf", help="a LlamaForCausalLM directory -> converted checkpoint + config.py")
+  a = sub.add_parser("from-hf", help="a Hugging Face directory of a registered family (docs/models.md) -> converted checkpoint + config.py")
   a.add_argument("hf_dir")
   a.add_argument("out")
   a.add_argument("--config", default=None, help="base maxtrain config preset for the written config.py")

@@ -25,16 +25,21 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_every = 10  # Console line and TensorBoard scalars every N steps.
 
   c.model = m = ml_collections.ConfigDict()
+  m.family = "llama"  # Model family (docs/models.md): llama | qwen2 (q/k/v biases) | qwen3 (qk-norm) | mistral (sliding window on every layer); a family's pieces are on whatever the keys below say.
   m.num_layers = 4  # Decoder blocks.
   m.d_model = 256  # Residual stream width.
-  m.num_heads = 4  # Query heads; head_dim = d_model / num_heads.
+  m.num_heads = 4  # Query heads; head_dim = d_model / num_heads unless model.head_dim is set.
+  m.head_dim = 0  # Width of one attention head, independent of d_model / num_heads (Qwen3: 128); 0 = d_model / num_heads.
+  m.qkv_bias = False  # Biases on the q, k and v projections (Qwen2); any family.
+  m.qk_norm = False  # Per-head RMSNorm of q and k before RoPE (Qwen3); any family.
+  m.sliding_window = 0  # Sliding-window attention: a query sees this many latest tokens (itself included) on the family's window layers (all layers so far; Mistral); 0 = off. Kernels dot, flash, blocked skip keys outside it.
   m.num_kv_heads = 2  # Key/value heads (grouped-query attention); divides num_heads.
   m.d_ff = 768  # SwiGLU hidden width.
   m.vocab_size = 384  # Embedding rows; >= the tokenizer's vocab (byte tokenizer: 259), padded for sharding.
   m.max_seq_len = 1024  # Longest sequence the model accepts (RoPE positions).
   m.rope_theta = 10000.0  # RoPE base frequency.
-  m.rope_scaling = "none"  # RoPE frequency rescaling for long context: none | llama3 (LLaMA 3.1's rope_type).
-  m.rope_scaling_factor = 8.0  # llama3: divisor of the low frequencies (context extension factor).
+  m.rope_scaling = "none"  # RoPE frequency rescaling for long context: none | llama3 (LLaMA 3.1's rope_type) | linear (position interpolation: every frequency / rope_scaling_factor).
+  m.rope_scaling_factor = 8.0  # llama3: divisor of the low frequencies; linear: of every frequency (context extension factor).
   m.rope_low_freq_factor = 1.0  # llama3: wavelengths above original_max_len / this are fully rescaled.
   m.rope_high_freq_factor = 4.0  # llama3: wavelengths below original_max_len / this are kept.
   m.rope_original_max_len = 8192  # llama3: the context length the frequencies were first trained at.

@@ -1,5 +1,5 @@
 """Text generation: a model loaded from any checkpoint onto the training mesh, a jitted prefill and a
-jitted on-device decode loop over the training model's own KV-cache path (`Llama.decode`), and the
+jitted on-device decode loop over the training model's own KV-cache path (`Decoder.decode`), and the
 sampling rule (temperature 0 = greedy; else temperature, then top-k, then top-p). Randomness: key = fold_in(seed, token index), so a
 seed gives the same text on any mesh.
 
@@ -54,7 +54,7 @@ def scores(logits_BV: jax.Array, token_B: jax.Array) -> jax.Array:
 
 class Generator:
   """Batched generation with one model on one mesh (params already placed by the rules): the training
-  model's own cache path (`Llama.init_cache` / `Llama.decode`), jitted twice: the prefill (and the first
+  model's own cache path (`Decoder.init_cache` / `Decoder.decode`), jitted twice: the prefill (and the first
   token), then every later token in one on-device loop. The host reads the tokens once, at the end."""
 
   def __init__(self, model: Any, mesh: Any, rules: Any, *, batch_multiple: int = 1):

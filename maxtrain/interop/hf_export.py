@@ -1,4 +1,4 @@
-"""`convert to-hf`: a converted or training checkpoint -> a Hugging Face `LlamaForCausalLM` directory
+"""`convert to-hf`: a converted or training checkpoint -> a Hugging Face directory of its family's class
 (size-capped safetensors files with an index, config.json, generation_config.json, the tokenizer).
 
 Streams: the files are planned from shapes alone, and each HF tensor is written as row blocks
@@ -26,14 +26,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def _pieces(source, dtype: str) -> list[tuple[names_lib.Piece, safetensors_io.TensorInfo]]:
-  """(piece, HF tensor) in writing order: parameter kind by kind (MAPPINGS order), layers in order."""
-  out = []
+  """(piece, HF tensor) in writing order: parameter kind by kind (the family's tensor order), layers in order."""
+  out, tensors = [], hf_config.tensors(source.model)
   for name in source.names():
     shape, stored = source.info(name)
     target = stored if dtype == "keep" else dtype
-    for piece in names_lib.pieces(name, shape, source.vocab_size):
+    for piece in names_lib.pieces(name, shape, source.vocab_size, tensors):
       out.append((piece, safetensors_io.TensorInfo(piece.hf_name, piece.hf_shape, target)))
-  kinds = list(names_lib.MAPPINGS)
+  kinds = list(tensors)
   return sorted(out, key=lambda p: (kinds.index(p[0].base), p[0].prefix, names_lib.split_layer(p[0].param)[1] or 0))
 
 
@@ -72,6 +72,9 @@ def to_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 <
   if source.model.get("moe", {}).get("num_experts"):
     raise UserError(f"{checkpoint}: a mixture-of-experts model (model.moe.num_experts="
                     f"{source.model['moe']['num_experts']}); the Hugging Face export maps dense LLaMA layers only")
+  # The family's config.json first: a piece its HF class cannot express is refused before any file is written.
+  hf_config.from_model_keys(source.model, vocab_size=source.vocab_size, dtype="float32", bos_id=None, eos_id=None,
+                            where=str(checkpoint))
   pieces = _pieces(source, dtype)
   plan = safetensors_io.plan([t for _, t in pieces], max_shard_bytes)
   mine = [i for i in range(len(plan)) if i % process_count == process_index]
@@ -97,7 +100,7 @@ def to_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 <
 
 def _write_configs(source, out: Path, stored: str) -> bool:
   config = hf_config.from_model_keys(source.model, vocab_size=source.vocab_size, dtype=stored,
-                                     bos_id=source.bos_id, eos_id=source.eos_id)
+                                     bos_id=source.bos_id, eos_id=source.eos_id, where=str(source.dir))
   (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
   (out / "generation_config.json").write_text(
       json.dumps(hf_config.generation_config(source.bos_id, source.eos_id), indent=2) + "\n")

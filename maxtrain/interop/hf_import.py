@@ -1,4 +1,4 @@
-"""`convert from-hf`: a Hugging Face LLaMA directory -> a converted checkpoint (`params_store` format)
+"""`convert from-hf`: a Hugging Face directory of a registered family -> a converted checkpoint (`params_store` format)
 plus a maxtrain config preset for it, one block of one tensor in host memory at a time: each HF
 tensor's row blocks are read from its file, laid out (`names.Piece`) and written into their box of
 the (stacked) parameter, whose chunks are those blocks."""

@@ -1,4 +1,5 @@
-"""maxtrain parameter <-> Hugging Face LLaMA tensor: names and layouts.
+"""maxtrain parameter <-> Hugging Face tensor: names and layouts (the names are the family's adapter's,
+`models/hf_adapter.py`; every function takes them as `tensors`, LLaMA-like names by default).
 
 Shape legend: L layers, D model, N heads, K kv heads, H head dim, F ffn, V vocab.
 
@@ -23,40 +24,20 @@ import math
 
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class Mapping:
-  hf: str  # HF name; "{}" is the layer index for per-layer tensors
-  in_dims: int  # leading maxtrain dims forming HF's `in` axis (0: no transpose, e.g. norms, embedding)
-  per_layer: bool = True
-
-
-MAPPINGS = {
-    "embed": Mapping("model.embed_tokens.weight", 0, per_layer=False),
-    "final_norm/scale": Mapping("model.norm.weight", 0, per_layer=False),
-    "head": Mapping("lm_head.weight", 1, per_layer=False),
-    "blocks/attn_norm/scale": Mapping("model.layers.{}.input_layernorm.weight", 0),
-    "blocks/attn/wq": Mapping("model.layers.{}.self_attn.q_proj.weight", 1),
-    "blocks/attn/wk": Mapping("model.layers.{}.self_attn.k_proj.weight", 1),
-    "blocks/attn/wv": Mapping("model.layers.{}.self_attn.v_proj.weight", 1),
-    "blocks/attn/wo": Mapping("model.layers.{}.self_attn.o_proj.weight", 2),
-    "blocks/mlp_norm/scale": Mapping("model.layers.{}.post_attention_layernorm.weight", 0),
-    "blocks/mlp/gate": Mapping("model.layers.{}.mlp.gate_proj.weight", 1),
-    "blocks/mlp/up": Mapping("model.layers.{}.mlp.up_proj.weight", 1),
-    "blocks/mlp/down": Mapping("model.layers.{}.mlp.down_proj.weight", 1),
-}
+from maxtrain.models.hf_adapter import TENSORS as MAPPINGS, Mapping
 VOCAB_DIM = {"embed": 0, "head": 1}  # the maxtrain dim padded to model.vocab_size
 BLOCK_BYTES = 8 << 20  # default block, counted at 4 bytes per element (a bf16 block holds 4 MiB)
 
 
-def mapping(name: str) -> Mapping:
-  if name not in MAPPINGS:
-    raise KeyError(f"parameter {name!r} has no Hugging Face name; add it to MAPPINGS in interop/names.py")
-  return MAPPINGS[name]
+def mapping(name: str, tensors: dict[str, Mapping] = MAPPINGS) -> Mapping:
+  if name not in tensors:
+    raise KeyError(f"parameter {name!r} has no Hugging Face name; add it to its family's adapter "
+                   "(models/hf_adapter.py TENSORS or the family's own)")
+  return tensors[name]
 
 
-def hf_names(name: str, num_layers: int) -> list[str]:
-  m = mapping(name)
+def hf_names(name: str, num_layers: int, tensors: dict[str, Mapping] = MAPPINGS) -> list[str]:
+  m = mapping(name, tensors)
   return [m.hf.format(i) for i in range(num_layers)] if m.per_layer else [m.hf]
 
 
@@ -68,25 +49,25 @@ def split_layer(name: str) -> tuple[str, int | None]:
   return name, None
 
 
-def to_hf(name: str, w: np.ndarray) -> np.ndarray:
+def to_hf(m: Mapping, w: np.ndarray) -> np.ndarray:
   """One layer's maxtrain tensor (or a block of it) -> the HF tensor (or those rows of it)."""
-  in_dims = mapping(name).in_dims
+  in_dims = m.in_dims
   if in_dims == 0:
-    return w
+    return w.reshape(-1) if m.flat else w
   return np.ascontiguousarray(w.reshape(math.prod(w.shape[:in_dims]), -1).T)
 
 
-def from_hf(name: str, w: np.ndarray, layer_shape: tuple[int, ...]) -> np.ndarray:
+def from_hf(m: Mapping, w: np.ndarray, layer_shape: tuple[int, ...]) -> np.ndarray:
   """The HF tensor (or some rows of it) -> one layer's maxtrain tensor (or that block) of `layer_shape`."""
-  if mapping(name).in_dims == 0:
+  if m.in_dims == 0:
     return w.reshape(layer_shape)
   return np.ascontiguousarray(w.T).reshape(layer_shape)
 
 
-def hf_shape(name: str, layer_shape: tuple[int, ...]) -> tuple[int, ...]:
-  in_dims = mapping(name).in_dims
+def hf_shape(m: Mapping, layer_shape: tuple[int, ...]) -> tuple[int, ...]:
+  in_dims = m.in_dims
   if in_dims == 0:
-    return tuple(layer_shape)
+    return (math.prod(layer_shape),) if m.flat else tuple(layer_shape)
   return (math.prod(layer_shape[in_dims:]), math.prod(layer_shape[:in_dims]))
 
 
@@ -94,15 +75,16 @@ def hf_shape(name: str, layer_shape: tuple[int, ...]) -> tuple[int, ...]:
 class Piece:
   """One HF tensor inside a maxtrain parameter."""
   param: str  # the maxtrain parameter: 'blocks/attn/wq' (stacked) or 'blocks/3/attn/wq'
-  base: str  # its MAPPINGS key
+  base: str  # its key in the family's tensor names
   prefix: tuple[int, ...]  # the layer's index into the parameter: (i,) when stacked, else ()
   layer_shape: tuple[int, ...]  # one layer's maxtrain shape (vocabulary padded)
   hf_name: str
   units: int  # length of the row dim that HF holds (the unpadded vocabulary for embed and head)
+  m: Mapping
 
   @property
   def row_dim(self) -> int:
-    return mapping(self.base).in_dims
+    return self.m.in_dims
 
   def block_shape(self, start: int, stop: int) -> tuple[int, ...]:
     k = self.row_dim
@@ -110,7 +92,7 @@ class Piece:
 
   @property
   def hf_shape(self) -> tuple[int, ...]:
-    return hf_shape(self.base, self.block_shape(0, self.units))
+    return hf_shape(self.m, self.block_shape(0, self.units))
 
   def blocks(self, block_bytes: int) -> list[tuple[int, int]]:
     """[start, stop) ranges of the row dim, each about `block_bytes` (at least one unit)."""
@@ -122,14 +104,15 @@ class Piece:
     return (*self.prefix, *(slice(None),) * self.row_dim, slice(start, stop))
 
   def hf_rows(self, start: int, stop: int) -> tuple[int, int]:
-    rows_per_unit = math.prod(self.layer_shape[self.row_dim + 1:]) if self.row_dim else 1
+    # a flat tensor's rows are its elements; otherwise one unit of the row dim is one HF row per trailing element
+    rows_per_unit = math.prod(self.layer_shape[self.row_dim + 1:]) if self.row_dim or self.m.flat else 1
     return start * rows_per_unit, stop * rows_per_unit
 
   def to_hf(self, block: np.ndarray) -> np.ndarray:
-    return to_hf(self.base, block)
+    return to_hf(self.m, block)
 
   def from_hf(self, rows: np.ndarray, start: int, stop: int) -> np.ndarray:
-    return from_hf(self.base, rows, self.block_shape(start, stop))
+    return from_hf(self.m, rows, self.block_shape(start, stop))
 
 
 def block_units(layer_shape: tuple[int, ...], row_dim: int, block_bytes: int) -> int:
@@ -138,15 +121,15 @@ def block_units(layer_shape: tuple[int, ...], row_dim: int, block_bytes: int) ->
   return max(1, block_bytes // unit_bytes)
 
 
-def pieces(param: str, shape: tuple[int, ...], vocab_size: int) -> list[Piece]:
+def pieces(param: str, shape: tuple[int, ...], vocab_size: int, tensors: dict[str, Mapping] = MAPPINGS) -> list[Piece]:
   """The HF tensors of a maxtrain parameter of this shape, in layer order."""
   base, layer = split_layer(param)
-  m = mapping(base)
+  m = mapping(base, tensors)
   stacked = m.per_layer and layer is None
   layer_shape = tuple(shape[1:] if stacked else shape)
   units = vocab_size if base in VOCAB_DIM else layer_shape[m.in_dims]
   if base in VOCAB_DIM:
     assert VOCAB_DIM[base] == m.in_dims, base  # the vocabulary is the row dim (padding = its tail)
   if stacked:
-    return [Piece(param, base, (i,), layer_shape, m.hf.format(i), units) for i in range(shape[0])]
-  return [Piece(param, base, (), layer_shape, m.hf.format(layer) if m.per_layer else m.hf, units)]
+    return [Piece(param, base, (i,), layer_shape, m.hf.format(i), units, m) for i in range(shape[0])]
+  return [Piece(param, base, (), layer_shape, m.hf.format(layer) if m.per_layer else m.hf, units, m)]

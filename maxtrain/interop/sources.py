@@ -18,11 +18,10 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-from flax import nnx
 
 from maxtrain.errors import UserError
 from maxtrain.interop import hf_config, names as names_lib, params_store, safetensors_io
-from maxtrain.models.llama import Llama, ModelConfig
+from maxtrain.models import registry
 from maxtrain.sharding.layout import param_name
 
 IGNORED_HF = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed, never read
@@ -31,13 +30,12 @@ IGNORED_HF = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; rec
 def param_shapes(model: dict[str, Any], dtype: str = "float32") -> dict[str, tuple[int, ...]]:
   """Every parameter's shape for these config.model keys (no array allocated)."""
   fields = {k: v for k, v in model.items() if k not in ("param_dtype", "compute_dtype")}
-  cfg = ModelConfig.from_config({**fields, "param_dtype": dtype})
-  _, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(params=0))))
+  _, state = registry.abstract(registry.model_config({**fields, "param_dtype": dtype}))
   return {param_name(p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(state)}
 
 
 class HFSource:
-  """A `LlamaForCausalLM` directory, mapped to maxtrain's layout one HF tensor (or a block of it) at a time."""
+  """A Hugging Face directory of a registered family (by `architectures` in config.json: docs/models.md), mapped to maxtrain's layout one HF tensor (or a block of it) at a time."""
 
   def __init__(self, hf_dir: Path, vocab_multiple: int = 128):
     self.dir = Path(hf_dir)
@@ -48,22 +46,23 @@ class HFSource:
     self.bos_id, self.eos_id = self.hf.get("bos_token_id"), self.hf.get("eos_token_id")
     self.tokenizer = str(self.dir / "tokenizer.json") if (self.dir / "tokenizer.json").is_file() else ""
     self.shapes = param_shapes(self.model)
-    expected = {h for n in self.shapes for h in names_lib.hf_names(n, self.model["num_layers"])}
+    self.tensors = hf_config.tensors(self.model)
+    expected = {h for n in self.shapes for h in names_lib.hf_names(n, self.model["num_layers"], self.tensors)}
     extra = [n for n in self.reader.names() if n not in expected and not n.endswith(IGNORED_HF)
              and not (n == "lm_head.weight" and self.model["tie_embeddings"])]
     if extra:
-      raise UserError(f"{self.dir}: tensor {extra[0]} ({len(extra)} unexpected in all) has no place in a "
-                      "LLaMA without biases; only LlamaForCausalLM weights are supported")
+      raise UserError(f"{self.dir}: tensor {extra[0]} ({len(extra)} unexpected in all) has no place in the "
+                      f"maxtrain model of {self.hf.get('architectures')} that config.json describes")
 
   def names(self) -> list[str]:
     return list(self.shapes)
 
   def info(self, name: str) -> tuple[tuple[int, ...], str]:
-    return self.shapes[name], self.reader.info(names_lib.hf_names(name, self.model["num_layers"])[0]).dtype
+    return self.shapes[name], self.reader.info(names_lib.hf_names(name, self.model["num_layers"], self.tensors)[0]).dtype
 
   def pieces(self, name: str) -> list[names_lib.Piece]:
     """The parameter's HF tensors, each checked against the shape config.json implies."""
-    out = names_lib.pieces(name, self.shapes[name], self.vocab_size)
+    out = names_lib.pieces(name, self.shapes[name], self.vocab_size, self.tensors)
     for piece in out:
       found = self.reader.info(piece.hf_name).shape
       if tuple(found) != piece.hf_shape:

@@ -30,7 +30,7 @@ from maxtrain.loop.data import check_checkpoint_tokenizer
 from maxtrain.loop.post_data import make_data
 from maxtrain.errors import EXIT_CRASH, Aborted, Preempted, UserError, exit_code, require_writable_dir
 from maxtrain.loop.rollback import Rollback, Rollbacks
-from maxtrain.models.llama import param_count
+from maxtrain.models import registry
 from maxtrain.evaluation.in_loop import TaskEval  # noqa: I001 (lm-eval itself is imported only when eval.tasks is set)
 from maxtrain.monitor import events as ev
 from maxtrain.monitor import mfu as mfu_lib, tracking
@@ -224,7 +224,7 @@ class Trainer:
       state = restored.state
       self.data.set_state(restored.data_state)
       self.checkpoints.promote(restored)  # a local step, once every check passed
-    log.info("model: %.2fM parameters; optimizer %s: %s", param_count(state.params) / 1e6, self.cfg.optimizer.name,
+    log.info("model: %.2fM parameters; optimizer %s: %s", registry.param_count(state.params) / 1e6, self.cfg.optimizer.name,
              optim.describe_groups(state.params, self.program.optimizer.labels(state.params)))
     return state
 
@@ -246,7 +246,7 @@ class Trainer:
                  program.plan.batch.num_microbatches)
       self._steps[shape] = self._compile(program, state, batch)
     self.metrics.tokens_per_step = math.prod(shape)
-    self.metrics.flops_per_token = self.program.model_cfg.train_flops_per_token(shape[1])  # attention grows with seq_len
+    self.metrics.flops_per_token = registry.flops_per_token(self.program.model_cfg, shape[1])  # attention grows with seq_len
     return self._steps[shape]
 
   def _compile(self, program: program_lib.Program, state: state_lib.TrainState, batch: dict):

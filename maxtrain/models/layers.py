@@ -61,7 +61,7 @@ class Rope:
   those longer than original_max_len / low_freq_factor are divided by `factor`, and the band in
   between interpolates smoothly. Set by the `model.rope_*` config keys."""
   theta: float = 10000.0
-  scaling: str = "none"  # none | llama3
+  scaling: str = "none"  # none | llama3 | linear (every frequency / factor)
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
@@ -72,6 +72,8 @@ class Rope:
     inv_freq = 1.0 / (self.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if self.scaling == "none":
       return inv_freq
+    if self.scaling == "linear":  # position interpolation: every position divided by `factor`
+      return inv_freq / self.factor
     wavelen = 2 * math.pi / inv_freq
     ratio = self.original_max_len / wavelen  # how many wavelengths fit in the original context
     # 0 at the long-wavelength edge of the band, 1 at the short one (clipped outside it).

@@ -1,6 +1,6 @@
 """Mixture-of-experts feed-forward block (`model.moe.*`): a router sends each token to
 `experts_per_token` of `num_experts` SwiGLU experts and mixes their outputs; optional shared experts
-see every token. `models/llama.py` uses it in place of the dense MLP in every layer after the first
+see every token. `models/decoder.py` uses it in place of the dense MLP in every layer after the first
 `first_dense_layers`.
 
 Shape legend: B batch, T length, D model, E routed experts, K experts per token, F expert hidden width,

@@ -14,7 +14,7 @@ restore unchanged), written here for three things optax's cannot do:
     the parameter's layout.
 
 Shape legend: L layers (a stacked weight's leading dim), M the matrices of a leaf (L, or 1),
-I fan_in, O fan_out (the products of the reduction and output dims, optim.HIDDEN_MATRICES).
+I fan_in, O fan_out (the products of the reduction and output dims, optim.matrix_dimension_numbers).
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ def logical_names(tree: Any) -> dict[str, tuple[str | None, ...]]:
 
 
 def scale_by_muon_guarded(*, ns_coeffs: tuple[float, float, float], ns_steps: int, beta: float, mu_dtype: Any,
-                          ns_dtype: str, matrix_dims: Callable[[str], MuonDimensionNumbers]
+                          ns_dtype: str, matrix_dims: Callable[[tuple], MuonDimensionNumbers]
                           ) -> optax.GradientTransformationExtraArgs:
-  """Muon's orthogonalised update of each leaf (`matrix_dims(name)`: how it is a matrix) from its
+  """Muon's orthogonalised update of each leaf (`matrix_dims(logical axes)`: how it is a matrix) from its
   Nesterov momentum; `skip` (a bool scalar) keeps momentum and count as they were."""
   dtype = jnp.dtype(ns_dtype)
 
@@ -128,7 +128,7 @@ def scale_by_muon_guarded(*, ns_coeffs: tuple[float, float, float], ns_steps: in
       mu, kept_count = keep_if(skip, state.mu, mu), jnp.where(skip, state.count, count)
     names = logical_names(updates)
     ortho = jax.tree_util.tree_map_with_path(
-        lambda path, x: orthogonalize(x, matrix_dims(param_name(path)), names.get(param_name(path)),
+        lambda path, x: orthogonalize(x, matrix_dims(names[param_name(path)]), names[param_name(path)],
                                       state.ns_coeffs, ns_steps, dtype),
         nesterov_input(mu, updates, beta, count))
     return ortho, MuonState(count=kept_count, mu=optax.tree.cast(mu, mu_dtype), ns_coeffs=state.ns_coeffs)

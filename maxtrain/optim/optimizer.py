@@ -3,8 +3,8 @@
 Routing is decided by one function, `param_labels`: every parameter leaf is labelled `muon` or
 `adam`, and `optax.partition` applies one transformation per label. Muon (momentum orthogonalised
 by Newton-Schulz, maxtrain/optim/muon.py: optax.contrib.scale_by_muon's math) is for hidden weight matrices only; embeddings,
-the output head, norm scales and biases stay on AdamW. Parameters are classified by name
-(`param_kind`), and a parameter the table does not know is an error rather than a silent fallback
+the output head, norm scales and biases stay on AdamW. Parameters are classified by their logical axes
+(`param_kind`), never by name, and a parameter no rule classifies is an error rather than a silent fallback
 to Adam: with scanned layers every hidden matrix is 3-D or 4-D, and optax's default (Muon for 2-D
 leaves only) would send all of them to Adam and the 2-D embedding and head to Muon.
 
@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
 from maxtrain.errors import choice, require
@@ -48,54 +49,65 @@ STATE_DTYPES = ("float32", "bfloat16")
 # sets itself (the MoE router bias), left alone by the optimizer (no moments, no decay).
 PARAM_KINDS = ("embed", "head", "norm", "bias", "matrix", "router", "state")
 
-# How Muon sees a hidden weight as a matrix [fan_in, fan_out], with the weight's rank without the
-# layers dim. Axes are negative so the same numbers hold with and without a leading scanned `layers`
-# dim, which Muon then treats as a batch axis: each layer's slice is orthogonalised on its own.
-_IN_TO_HEADS = (3, MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1)))  # [D, N, H]: D -> N*H
-_HEADS_TO_OUT = (3, MuonDimensionNumbers(reduction_axis=(-3, -2), output_axis=-1))  # [N, H, D]: N*H -> D
-_IN_TO_OUT = (2, MuonDimensionNumbers(reduction_axis=-2, output_axis=-1))  # [D, F] or [F, D]
-# Stacked MoE experts [E, D, F] / [E, F, D]: the experts dim is a batch axis like `layers`, so each
-# expert (of each layer) is orthogonalised on its own.
-_EXPERTS = (3, MuonDimensionNumbers(reduction_axis=-2, output_axis=-1))
-HIDDEN_MATRICES: dict[str, tuple[int, MuonDimensionNumbers]] = {
-    "attn/wq": _IN_TO_HEADS, "attn/wk": _IN_TO_HEADS, "attn/wv": _IN_TO_HEADS, "attn/wo": _HEADS_TO_OUT,
-    "mlp/gate": _IN_TO_OUT, "mlp/up": _IN_TO_OUT, "mlp/down": _IN_TO_OUT,
-    "moe/gate": _EXPERTS, "moe/up": _EXPERTS, "moe/down": _EXPERTS,
-    "shared/gate": _IN_TO_OUT, "shared/up": _IN_TO_OUT, "shared/down": _IN_TO_OUT,  # MoE shared experts
-}
-# Non-matrix parameters by their last name (rank without the layers dim).
-_NAMED_KINDS = {"router": ("router", 2), "router_bias": ("state", 1)}
+# Routing follows each parameter's logical axes (its annotations in models/), never its name, so a new
+# family or piece needs no edit here. Leading axes Muon treats as batch axes: each layer's (each expert's)
+# matrix is orthogonalised on its own.
+_BATCH_AXES = ("layers", "experts")
+_EMBED_AXES = ("embed", "expert_embed")  # the residual stream: a hidden matrix reads or writes it
 
 
-def _matrix_key(name: str) -> str:
-  """'blocks/3/attn/wq' or 'blocks/attn/wq' -> 'attn/wq'."""
-  return "/".join(name.split("/")[-2:])
+def _core(axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
+  """The axes without the leading batch axes: ('layers', 'embed', 'heads', 'head_dim') -> the last three."""
+  i = 0
+  while i < len(axes) - 1 and axes[i] in _BATCH_AXES:
+    i += 1
+  return axes[i:]
 
 
-def param_kind(name: str, ndim: int) -> str:
-  """One of PARAM_KINDS for the parameter `name` ('blocks/attn/wq', 'final_norm/scale', ...)."""
-  leaf = name.split("/")[-1]
-  if name in ("embed", "head"):
-    return name
-  if leaf == "scale":
+def param_kind(name: str, axes: tuple[str | None, ...] | None, is_param: bool = True) -> str:
+  """One of PARAM_KINDS for the parameter `name` from its logical axes: a variable that is not an
+  nnx.Param is `state`; a `vocab` axis makes the embedding (first) or the head (last); `norm` a norm
+  scale; `router_experts` a MoE router; a matrix reading or writing the residual stream (`embed` first
+  or last, with other axes) a Muon `matrix`; anything else without `embed` (q/k/v biases) a `bias`."""
+  if not is_param:
+    return "state"
+  if not axes:
+    raise ValueError(f"parameter {name} has no logical axes (models/layers.param gives every parameter its "
+                     "names): the optimizer routes by them")
+  core = _core(axes)
+  if "vocab" in core:
+    return "embed" if core[0] == "vocab" else "head"
+  if "norm" in core:
     return "norm"
-  if leaf == "bias":
-    return "bias"
-  if leaf in _NAMED_KINDS:
-    kind, rank = _NAMED_KINDS[leaf]
-    if ndim not in (rank, rank + 1):
-      raise ValueError(f"parameter {name} has rank {ndim}; maxtrain/optim/optimizer.py expects {rank} (or {rank + 1} with "
-                       "scanned layers)")
-    return kind
-  key = _matrix_key(name)
-  if key in HIDDEN_MATRICES:
-    rank = HIDDEN_MATRICES[key][0]
-    if ndim not in (rank, rank + 1):
-      raise ValueError(f"parameter {name} has rank {ndim}; maxtrain/optim/optimizer.py HIDDEN_MATRICES expects "
-                       f"{rank} (or {rank + 1} with scanned layers)")
+  if "router_experts" in core:
+    return "router"
+  if len(core) >= 2 and (core[0] in _EMBED_AXES or core[-1] in _EMBED_AXES):
     return "matrix"
-  raise ValueError(f"parameter {name} (rank {ndim}) has no optimizer routing: add it to HIDDEN_MATRICES in "
-                   "maxtrain/optim/optimizer.py with its Muon dimension numbers, or name it so param_kind classifies it")
+  if not any(a in _EMBED_AXES for a in core):
+    return "bias"
+  raise ValueError(f"parameter {name} has logical axes {axes}, which route to no optimizer group: a hidden "
+                   "matrix has an embed axis first (it reads the residual stream) or last (it writes it)")
+
+
+def matrix_dimension_numbers(axes: tuple[str | None, ...]) -> MuonDimensionNumbers:
+  """How Muon sees a hidden matrix with these logical axes as [fan_in, fan_out]: the embed axis on one
+  side, the rest of its non-batch axes on the other. Axes are negative, so the same numbers hold with and
+  without the leading batch axes (`layers`, `experts`)."""
+  if isinstance(axes, str):
+    raise TypeError(f"matrix_dimension_numbers takes a parameter's logical axes, not a name ({axes!r})")
+  n = len(_core(axes))
+  rest = tuple(range(-n + 1, 0)) if _core(axes)[0] in _EMBED_AXES else tuple(range(-n, -1))
+  rest = rest[0] if len(rest) == 1 else rest
+  if _core(axes)[0] in _EMBED_AXES:
+    return MuonDimensionNumbers(reduction_axis=-n, output_axis=rest)
+  return MuonDimensionNumbers(reduction_axis=rest, output_axis=-1)
+
+
+def _variables(tree: Any) -> dict[str, tuple[tuple[str | None, ...] | None, bool]]:
+  """Parameter name -> (its logical axes, whether it is an nnx.Param), for the nnx Variables of `tree`."""
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  return {param_name(path): (tuple(v.get_metadata().get("out_sharding") or ()) or None, isinstance(v, nnx.Param))
+          for path, v in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_var) if is_var(v)}
 
 
 def _map_named(fn: Callable[[str, Any], Any], tree: Any) -> Any:
@@ -104,27 +116,27 @@ def _map_named(fn: Callable[[str, Any], Any], tree: Any) -> Any:
   return jax.tree_util.tree_map_with_path(lambda path, leaf: fn(param_name(path), leaf), tree)
 
 
+def _map_kinds(fn: Callable[[str, Any], Any], tree: Any) -> Any:
+  """Maps fn(kind, leaf) over parameter leaves (param_kind from each leaf's Variable)."""
+  variables = _variables(tree)
+  return _map_named(lambda name, leaf: fn(param_kind(name, *variables.get(name, (None, True))), leaf), tree)
+
+
 def param_labels(params: Any, optimizer_name: str) -> Any:
   """The routing: a tree like `params` of 'muon' (hidden matrices, when optimizer_name is muon),
   'none' (non-gradient state, never updated by the optimizer) or 'adam' (everything else)."""
-  def label(name: str, leaf) -> str:
-    kind = param_kind(name, leaf.ndim)
+  def label(kind: str, leaf) -> str:
     if kind == "state":
       return "none"
     return "muon" if optimizer_name == "muon" and kind == "matrix" else "adam"
 
-  return _map_named(label, params)
-
-
-def matrix_dimension_numbers(name: str) -> MuonDimensionNumbers:
-  """How Muon sees the hidden matrix `name` ('blocks/attn/wq') as [fan_in, fan_out]."""
-  return HIDDEN_MATRICES[_matrix_key(name)][1]
+  return _map_kinds(label, params)
 
 
 def decay_mask(no_decay: str) -> Callable[[Any], Any]:
   """Weight decay on every parameter whose kind is not listed in `no_decay` ('embed,norm,bias')."""
   excluded = {kind.strip() for kind in no_decay.split(",") if kind.strip()}
-  return lambda params: _map_named(lambda name, leaf: param_kind(name, leaf.ndim) not in excluded, params)
+  return lambda params: _map_kinds(lambda kind, leaf: kind not in excluded, params)
 
 
 def lr_multiplier(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -164,8 +176,7 @@ def _scale_by_shape(consistent_rms: float) -> optax.GradientTransformation:
   reduction dims, fan_out of the output dims): sqrt(max(1, fan_out / fan_in)) (Jordan's Muon), or
   consistent_rms * sqrt(max(fan_in, fan_out)) when consistent_rms > 0 (update RMS ~ AdamW's; Liu
   et al. 2025). Written here because optax exports scale_by_muon but not its scaling step."""
-  def scale(name: str, u: jax.Array) -> jax.Array:
-    dims = HIDDEN_MATRICES[_matrix_key(name)][1]
+  def scale(dims: MuonDimensionNumbers, u: jax.Array) -> jax.Array:
     axes = lambda a: (a,) if isinstance(a, int) else a
     fan_in = math.prod(u.shape[a] for a in axes(dims.reduction_axis))
     fan_out = math.prod(u.shape[a] for a in axes(dims.output_axis))
@@ -175,7 +186,8 @@ def _scale_by_shape(consistent_rms: float) -> optax.GradientTransformation:
 
   def update(updates, state, params=None):
     del params
-    return _map_named(scale, updates), state
+    variables = _variables(updates)
+    return _map_named(lambda name, u: scale(matrix_dimension_numbers(variables[name][0]), u), updates), state
 
   return optax.GradientTransformation(optax.init_empty_state, update)
 

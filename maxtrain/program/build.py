@@ -19,7 +19,8 @@ from maxtrain.optim import optimizer as optim
 from maxtrain.program import state as state_lib
 from maxtrain.program import step as step_lib
 from maxtrain.models import quant
-from maxtrain.models.llama import ModelConfig
+from maxtrain.models import registry
+from maxtrain.models.decoder import ModelConfig
 from maxtrain.runtime import faults
 from maxtrain.sharding.layout import with_shardings
 from maxtrain.sharding.mesh import make_mesh
@@ -40,7 +41,7 @@ class Program:
 
   @property
   def flops_per_token(self) -> float:
-    return self.model_cfg.train_flops_per_token(self.plan.batch.seq_len)
+    return registry.flops_per_token(self.model_cfg, self.plan.batch.seq_len)
 
   def abstract_state(self) -> state_lib.TrainState:
     """ShapeDtypeStructs carrying their shardings: inputs of an ahead-of-time lowering or a restore."""
@@ -66,7 +67,7 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) 
   divide the model or would replicate most of it."""
   mesh = make_mesh(plan.mesh) if mesh is None else mesh
   rules = plan.layout.rules
-  model_cfg = ModelConfig.from_config(cfg.model)
+  model_cfg = registry.model_config(cfg.model)
   optimizer = optim.make(cfg.optimizer, total_steps(cfg))
   state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window)
   batch_shardings = batch_lib.shardings(mesh, plan.layout)

@@ -58,7 +58,7 @@ DEFAULT_CHUNK_TOKENS = 2048
 # From V=4096 up the chunked path was 0.70-0.76x the plain path's time (and half its memory or
 # less); at V=384 the plain path was 13-18% faster than chunks of 512-2048 and its logits are 6 MiB.
 CHUNK_MIN_VOCAB = 4096
-# Logical axes of `head_DV` (the head, or the tied embedding transposed: models/llama.py).
+# Logical axes of `head_DV` (the head, or the tied embedding transposed: models/decoder.py).
 HEAD_AXES = ("embed", "vocab")
 
 

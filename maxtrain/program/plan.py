@@ -1,5 +1,5 @@
 """Validation of a loaded config, once, before data is touched or anything compiles. Each component
-checks its own section (`models/llama.py`, `optim.py`, `guards.py`, `checkpoint.py`); the mesh and
+checks its own section (`models/registry.py`, `optim.py`, `guards.py`, `checkpoint.py`); the mesh and
 the batch are laid out here, as values, and returned as a `Plan` (the config is never changed).
 
 Errors are UserErrors (exit 2) that name the key, the values, the arithmetic and the fix.
@@ -21,7 +21,7 @@ from maxtrain.program import guards
 from maxtrain.optim import optimizer as optim
 from maxtrain.program.batch import BatchLayout
 from maxtrain.errors import UserError, choice, require
-from maxtrain.models import llama
+from maxtrain.models import registry
 from maxtrain.monitor import prometheus
 from maxtrain.sharding import mesh as mesh_lib
 from maxtrain.sharding import pipeline as pipeline_lib
@@ -56,7 +56,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   require(not bad, f"{', '.join(bad)}: must be a finite number")
   for key in ("steps", "log_every"):
     require(cfg[key] > 0, f"config.{key}={cfg[key]}: must be > 0")
-  llama.validate(cfg.model)
+  registry.validate(cfg.model)
   for kernel, platform in (("cudnn", "gpu"), ("nki", "neuron")):
     require(cfg.model.attention != kernel or cfg.runtime.platform in (platform, "auto"),
             f"config.model.attention={kernel} runs only on runtime.platform={platform}, not "

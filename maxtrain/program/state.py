@@ -16,7 +16,8 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtrain.program import guards
-from maxtrain.models.llama import CONFIG_KEYS, Llama, ModelConfig
+from maxtrain.models import registry
+from maxtrain.models.decoder import ModelConfig
 from maxtrain.sharding import rules as sharding_rules
 from maxtrain.sharding.layout import Layout, check_divisible, check_replication
 
@@ -31,7 +32,7 @@ class TrainState:
 
 def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, guard_window: int):
   def init() -> TrainState:
-    _, params = nnx.split(Llama(model_cfg, rngs=nnx.Rngs(params=seed)))
+    _, params = nnx.split(registry.build(model_cfg, rngs=nnx.Rngs(params=seed)))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       guard=guards.init(guard_window))
 
@@ -51,11 +52,11 @@ def spec(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, s
          rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES, guard_window: int = 32) -> StateSpec:
   """Shapes and placement of the state, without allocating it. Fails (UserError) on a layout that
   does not divide the parameters or replicates most of them."""
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(params=seed))))
+  graphdef, _ = registry.abstract(model_cfg, seed)
   init = _init_fn(model_cfg, tx, seed, guard_window)
   abstract = jax.eval_shape(init)
   layout = Layout(dict(mesh.shape), rules)
-  check_divisible(abstract.params, layout, CONFIG_KEYS)
+  check_divisible(abstract.params, layout, registry.CONFIG_KEYS)
   # Optimizer moments carry their parameters' logical axes (optax builds them with tree maps over
   # the params), so they are sharded like them.
   shardings = sharding_rules.named_shardings(nnx.get_partition_spec(abstract), mesh, rules)

@@ -94,7 +94,7 @@ def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Ar
   Why the group is indexed inside `layers` (in its per-layer scan, under its remat): a weight slice taken here
   by the loop's repeat index would be a per-iteration value, and autodiff would keep a copy of the stage's
   weights for every one of the R M + S - 1 iterations; indexed inside a checkpointed layer (without remat:
-  one that recomputes only slices and reshapes, models/llama.py), the residual is the loop-invariant stage
+  one that recomputes only slices and reshapes, models/decoder.py), the residual is the loop-invariant stage
   weights, kept once. With R = 1 the index is the constant 0 (tests: the saved residuals; compiled temp
   memory: tools/pipeline_memory.py, docs/sharding.md)."""
   s_, m_, r_ = schedule.stages, schedule.microbatches, schedule.repeats

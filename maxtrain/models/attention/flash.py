@@ -44,6 +44,7 @@ per-iteration cost of the scan stays small at 128. GPUs will want other sizes (b
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -59,20 +60,21 @@ _PAD_POSITION = np.iinfo(np.int32).max
 
 
 def flash_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array, *,
-                    block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV) -> jax.Array:
+                    block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV, window: int = 0) -> jax.Array:
   """Causal self-attention with document masking; same inputs and result as `dot_product_attention`.
 
-  Positions are implicit (0..T-1), so key blocks wholly above the causal diagonal are skipped.
+  Positions are implicit (0..T-1), so key blocks wholly above the causal diagonal are skipped, and with a
+  sliding `window` (0: none) also those wholly before it: the work grows with the window, not with T.
   """
   return flash_attention_qkv(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, segment_ids_BT,
-                             block_q=block_q, block_kv=block_kv)
+                             block_q=block_q, block_kv=block_kv, window=window)
 
 
 def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                         q_segment_ids_BT: jax.Array, kv_segment_ids_BS: jax.Array,
                         q_positions_BT: jax.Array | None = None, kv_positions_BS: jax.Array | None = None, *,
                         block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV,
-                        block_pairs: jax.Array | None = None) -> jax.Array:
+                        block_pairs: jax.Array | None = None, window: int = 0) -> jax.Array:
   """Attention of queries to keys where key s is visible from query t iff their segment ids are
   equal and kv_position[s] <= q_position[t].
 
@@ -86,6 +88,7 @@ def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
   `block_pairs` (int32 [P, 2], may be traced): the (query block, key block) pairs to visit, replacing
   the static list, for a caller that knows which blocks are wholly masked only at run time (a
   context shard's index); pairs left out must be wholly masked, and every query block must appear.
+  `window` (static; 0: none): a key is visible only if q_position - kv_position < window as well.
   """
   b, t, n, h = q_BTNH.shape
   _, s, k, _ = k_BSKH.shape
@@ -118,8 +121,8 @@ def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
   kvpos_CBs = _blocks(pad(kv_positions_BS.astype(jnp.int32), sp, _PAD_POSITION), bkv)
 
   if block_pairs is None:
-    block_pairs = _block_pairs(num_q, num_kv, bq, bkv, s, causal_skip)
-  out_QBKqGH = _flash(jnp.asarray(block_pairs, jnp.int32), q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)
+    block_pairs = _block_pairs(num_q, num_kv, bq, bkv, s, causal_skip, window)
+  out_QBKqGH = _flash(window, jnp.asarray(block_pairs, jnp.int32), q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)
   return out_QBKqGH.transpose(1, 0, 3, 2, 4, 5).reshape(b, tp, n, h)[:, :t]
 
 
@@ -128,24 +131,27 @@ def _blocks(ids_BT: jax.Array, block: int) -> jax.Array:
   return ids_BT.reshape(ids_BT.shape[0], -1, block).transpose(1, 0, 2)
 
 
-def _block_pairs(num_q: int, num_kv: int, bq: int, bkv: int, s: int, causal_skip: bool) -> tuple:
+def _block_pairs(num_q: int, num_kv: int, bq: int, bkv: int, s: int, causal_skip: bool, window: int = 0) -> tuple:
   """The static (query block, key block) visiting order, row-major. With implicit positions, key
-  block j is visible from query block i iff its first key j * bkv <= the block's last query."""
+  block j is visible from query block i iff its first key j * bkv <= the block's last query, and (a
+  window) its last key (j + 1) * bkv - 1 > the block's first query i * bq - window."""
   pairs = []
   for i in range(num_q):
     last = min(num_kv, -(-min((i + 1) * bq, s) // bkv)) if causal_skip else num_kv
-    pairs.extend((i, j) for j in range(max(last, 1)))
+    first = max(0, (i * bq - window + 1) // bkv) if causal_skip and window else 0
+    first = min(first, max(last, 1) - 1)  # every query block is visited at least once
+    pairs.extend((i, j) for j in range(first, max(last, 1)))
   return tuple(pairs)
 
 
-def _block_mask(qseg_Bq, kvseg_Bs, qpos_Bq, kvpos_Bs) -> jax.Array:
+def _block_mask(qseg_Bq, kvseg_Bs, qpos_Bq, kvpos_Bs, window: int = 0) -> jax.Array:
   """[B, 1, q, 1, s] visibility of one block, from its rows' and columns' ids only."""
   mask_Bqs = mask_lib.visible(q_segment_ids_BT=qseg_Bq, kv_segment_ids_BS=kvseg_Bs, q_positions_BT=qpos_Bq,
-                              kv_positions_BS=kvpos_Bs)
+                              kv_positions_BS=kvpos_Bs, window=window)
   return mask_Bqs[:, None, :, None, :]
 
 
-def _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j) -> jax.Array:
+def _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j, window: int = 0) -> jax.Array:
   """`_block_mask` of pair (i, j), its ids tied to the query block by an optimization barrier.
 
   Why: the ids are not differentiated. Inside an enclosing scan that is differentiated (the model's
@@ -156,7 +162,7 @@ def _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j) -> jax.A
   """
   ids, _ = jax.lax.optimization_barrier(((_take(qseg_QBq, i), _take(kvseg_CBs, j), _take(qpos_QBq, i),
                                           _take(kvpos_CBs, j)), q_BKqGH))
-  return _block_mask(*ids)
+  return _block_mask(*ids, window)
 
 
 def _scores(q_BKqGH, k_BKsH, mask_B1q1s) -> jax.Array:
@@ -173,14 +179,14 @@ def _put(x, update, i):
   return jax.lax.dynamic_update_index_in_dim(x, update, i, axis=0)
 
 
-def _forward(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs):
+def _forward(window, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs):
   """Online softmax over the pair list. Returns out (q's dtype) and the row logsumexp (fp32)."""
 
   def step(carry, ij):
     acc_QBKqGH, m_QBKqG, l_QBKqG = carry
     i, j = ij[0], ij[1]
     k_BKsH, v_BKsH, q_BKqGH = _take(k_CBKsH, j), _take(v_CBKsH, j), _take(q_QBKqGH, i)
-    mask = _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j)
+    mask = _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j, window)
     s_BKqGs = _scores(q_BKqGH, k_BKsH, mask)
     m_prev, l_prev = _take(m_QBKqG, i), _take(l_QBKqG, i)
     m_new = jnp.maximum(m_prev, s_BKqGs.max(axis=-1))
@@ -232,18 +238,18 @@ def _accurate_row_dot(x_QH: jax.Array, y_QH: jax.Array) -> jax.Array:
   return (prod + err)[..., 0]
 
 
-@jax.custom_vjp
-def _flash(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs):
-  return _forward(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(window, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs):
+  return _forward(window, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)[0]
 
 
-def _flash_fwd(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs):
+def _flash_fwd(window, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs):
   ids = (qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)
-  out, lse_QBKqG = _forward(pairs, q_QBKqGH, k_CBKsH, v_CBKsH, *ids)
+  out, lse_QBKqG = _forward(window, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, *ids)
   return out, (pairs, q_QBKqGH, k_CBKsH, v_CBKsH, ids, out, lse_QBKqG)
 
 
-def _flash_bwd(residuals, dout_QBKqGH):
+def _flash_bwd(window, residuals, dout_QBKqGH):
   pairs, q_QBKqGH, k_CBKsH, v_CBKsH, ids, out_QBKqGH, lse_QBKqG = residuals
   qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs = ids
   scale = q_QBKqGH.shape[-1] ** -0.5
@@ -255,7 +261,7 @@ def _flash_bwd(residuals, dout_QBKqGH):
     i, j = ij[0], ij[1]
     q_BKqGH, k_BKsH, v_BKsH = _take(q_QBKqGH, i), _take(k_CBKsH, j), _take(v_CBKsH, j)
     dout_BKqGH = _take(dout_QBKqGH, i)
-    mask = _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j)
+    mask = _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j, window)
     p_BKqGs = jnp.exp(_scores(q_BKqGH, k_BKsH, mask) - _take(lse_QBKqG, i)[..., None])
     dv_BKsH = jnp.einsum("bkqgs,bkqgh->bksh", p_BKqGs.astype(dout_BKqGH.dtype), dout_BKqGH,
                          preferred_element_type=jnp.float32)

@@ -21,7 +21,7 @@ as `sharding/context_attention.py` (flash on each shard against all-gathered key
 kernel: it needs per-token positions and a block-pair list, which only the flash core takes.
 Every kernel asks `mask.py` which keys a query sees and fills the rest with its one MASK_VALUE.
 
-With a KV cache (generation: `Llama.decode`) the same module writes this call's keys and values into
+With a KV cache (generation: `Decoder.decode`) the same module writes this call's keys and values into
 the cache's slots; a prefill (nothing cached yet) runs the kernel above on the prompt alone, later
 calls (one token each) the dot path against the whole cache under `mask.visible` (slot order,
 valid slots only): one query row needs no blocking.
@@ -30,6 +30,7 @@ valid slots only): one query row needs no blocking.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -40,7 +41,7 @@ from maxtrain.models.attention import mask as mask_lib
 from maxtrain.models.attention import vendor as vendor_attention
 from maxtrain.models.attention.blocked import blocked_attention
 from maxtrain.models.attention.flash import flash_attention, flash_attention_qkv
-from maxtrain.models.layers import apply_rope, param, project
+from maxtrain.models.layers import RMSNorm, apply_rope, param, project
 from maxtrain.sharding import context_attention
 from maxtrain.sharding import rules as sharding_rules
 
@@ -52,17 +53,19 @@ CHOICES = ("auto",) + KERNELS
 BLOCKED_MAX_LEN = 1024
 
 
-def resolve_kernel(name: str, seq_len: int, *, backend: str = "", dtype=None, head_dim: int = 128) -> str:
+def resolve_kernel(name: str, seq_len: int, *, backend: str = "", dtype=None, head_dim: int = 128,
+                   window: int = 0) -> str:
   """`auto` -> the kernel measured best: on a GPU backend in bf16/fp16, `cudnn` (one H200, LLaMA 3 8B widths at
   8192 tokens: 3.5x the step rate of `flash`, whose 128 x 128 blocks are thousands of small launches there;
   BENCHMARKS.md); elsewhere `blocked` up to BLOCKED_MAX_LEN, else flash (measured on CPU). cuDNN has no fp32
-  attention and wants head dims in multiples of 8 (128 is what ran). `backend` is the backend that runs the program (jax.default_backend()), so an ahead-of-time
-  compile on XLA:CPU for a GPU target traces flash, whose memory is linear in T as cuDNN's is; `nki` has
-  not run, so `auto` never picks it."""
+  attention and wants head dims in multiples of 8 (128 is what ran); a sliding window stays on flash (the
+  cuDNN call here passes no window). `backend` is the backend that runs the program (jax.default_backend()),
+  so an ahead-of-time compile on XLA:CPU for a GPU target traces flash, whose memory is linear in T as
+  cuDNN's is; `nki` has not run, so `auto` never picks it."""
   if name != "auto":
     return name
   half = dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-  if backend == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128:
+  if backend == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128 and not window:
     return "cudnn"
   return "blocked" if seq_len <= BLOCKED_MAX_LEN else "flash"
 
@@ -85,9 +88,9 @@ def dot_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, visib
 
 
 def dot_product_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                          segment_ids_BT: jax.Array) -> jax.Array:
-  """The reference kernel: causal self-attention with document masking."""
-  return dot_attention(q_BTNH, k_BSKH, v_BSKH, mask_lib.causal_self(segment_ids_BT))
+                          segment_ids_BT: jax.Array, window: int = 0) -> jax.Array:
+  """The reference kernel: causal self-attention with document masking (and a sliding window: 0 off)."""
+  return dot_attention(q_BTNH, k_BSKH, v_BSKH, mask_lib.causal_self(segment_ids_BT, window))
 
 
 class KVCache(NamedTuple):
@@ -107,28 +110,54 @@ class CacheWrite:
 
 
 class Attention(nnx.Module):
+  """Pieces (each optional, any family): `head_dim` (default d_model / num_heads), q/k/v biases
+  (`qkv_bias`, Qwen2), per-head RMSNorm of q and k before RoPE (`qk_norm_eps` not None, Qwen3), and a
+  sliding `window` (a query sees the `window` latest keys, itself included; 0: all, Mistral)."""
+
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, *, rope_theta: float,
                init_std: float, out_std: float, param_dtype, compute_dtype, kernel: str = "dot",
-               block_q: int = 128, block_kv: int = 128, rngs: nnx.Rngs, quant=None):
-    head_dim = d_model // num_heads
+               block_q: int = 128, block_kv: int = 128, rngs: nnx.Rngs, quant=None, head_dim: int | None = None,
+               qkv_bias: bool = False, qk_norm_eps: float | None = None, window: int = 0):
+    head_dim = head_dim or d_model // num_heads
     init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
     self.wq = param(rngs, init, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
     self.wk = param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
     self.wv = param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
     self.wo = param(rngs, out_init, (num_heads, head_dim, d_model), ("heads", "head_dim", "embed"), param_dtype)
+    self.qkv_bias = qkv_bias
+    if qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.bq = param(rngs, zeros, (num_heads, head_dim), ("heads", "head_dim"), param_dtype)
+      self.bk = param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), param_dtype)
+      self.bv = param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), param_dtype)
+    self.qk_norm = qk_norm_eps is not None
+    if self.qk_norm:
+      self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps, param_dtype=param_dtype, rngs=rngs)
+      self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.rope_theta = rope_theta
     self.compute_dtype = compute_dtype
     self.quant = quant  # models/quant.py Quant of the projections, or None
-    self.kernel, self.block_q, self.block_kv = kernel, block_q, block_kv
+    self.kernel, self.block_q, self.block_kv, self.window = kernel, block_q, block_kv, window
+
+  def _project_qkv(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B, T, N, H], k and v [B, T, K, H], with their biases and qk-norm (before RoPE)."""
+    dt = self.compute_dtype
+    q_BTNH = project(x_BTD, self.wq[...].astype(dt), quant=self.quant)
+    k_BTKH = project(x_BTD, self.wk[...].astype(dt), quant=self.quant)
+    v_BTKH = project(x_BTD, self.wv[...].astype(dt), quant=self.quant)
+    if self.qkv_bias:
+      q_BTNH, k_BTKH, v_BTKH = (x + b[...].astype(dt) for x, b in ((q_BTNH, self.bq), (k_BTKH, self.bk),
+                                                                   (v_BTKH, self.bv)))
+    if self.qk_norm:
+      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+    return q_BTNH, k_BTKH, v_BTKH
 
   def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array,
                cache: KVCache | None = None, write: CacheWrite | None = None) -> tuple[jax.Array, KVCache | None]:
     """(output [B, T, D], this layer's cache with the call's keys and values written, or None without one).
     Training passes no cache; generation (inference/sampling.py) a prefill, then one token per call."""
     dt = self.compute_dtype
-    q_BTNH = project(x_BTD, self.wq[...].astype(dt), quant=self.quant)
-    k_BTKH = project(x_BTD, self.wk[...].astype(dt), quant=self.quant)
-    v_BTKH = project(x_BTD, self.wv[...].astype(dt), quant=self.quant)
+    q_BTNH, k_BTKH, v_BTKH = self._project_qkv(x_BTD)
     q_BTNH = sharding_rules.constrain(apply_rope(q_BTNH, positions_BT, self.rope_theta),
                                       ("act_batch", "act_length", "act_heads", None))
     k_BTKH = sharding_rules.constrain(apply_rope(k_BTKH, positions_BT, self.rope_theta),
@@ -142,6 +171,8 @@ class Attention(nnx.Module):
 
   def _attend_cached(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache: KVCache,
                      write: CacheWrite) -> tuple[jax.Array, KVCache]:
+    if cache.k_BSKH.shape[1] < write.valid_BS.shape[1]:  # a window layer's ring of window-many slots
+      return self._attend_ring(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache, write)
     kv_logical = ("act_batch", None, "act_kv_heads", None)
     put = lambda c_BSKH, x_BTKH: sharding_rules.constrain(
         jax.lax.dynamic_update_slice_in_dim(c_BSKH, x_BTKH.astype(c_BSKH.dtype), write.start, axis=1), kv_logical)
@@ -152,23 +183,57 @@ class Attention(nnx.Module):
     t, s = q_BTNH.shape[1], cache.k_BSKH.shape[1]
     visible_BTS = mask_lib.visible(q_positions_BT=(write.start + jnp.arange(t, dtype=jnp.int32))[None],
                                    kv_positions_BS=jnp.arange(s, dtype=jnp.int32)[None], kv_valid_BS=write.valid_BS)
+    if self.window:  # by token positions (real tokens before), not slots: left padding is not in the window
+      tokens_BS = jnp.cumsum(write.valid_BS, axis=1, dtype=jnp.int32)
+      q_tokens_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, write.start, t, axis=1)
+      visible_BTS = visible_BTS & mask_lib.in_window(q_tokens_BT, tokens_BS, self.window)
     return dot_attention(q_BTNH, cache.k_BSKH.astype(q_BTNH.dtype), cache.v_BSKH.astype(q_BTNH.dtype),
                          visible_BTS), cache
 
+  def _attend_ring(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache: KVCache,
+                   write: CacheWrite) -> tuple[jax.Array, KVCache]:
+    """A window layer's cache as a ring of R = window slots (decode memory window-sized, not sequence-sized):
+    slot i of the sequence lives in ring entry i mod R. A call keeps only its last R tokens (the only ones a
+    later query can see); after the prefill, one token per call (older keys a second one would need are gone)."""
+    kv_logical = ("act_batch", None, "act_kv_heads", None)
+    r, s, t = cache.k_BSKH.shape[1], write.valid_BS.shape[1], q_BTNH.shape[1]
+    keep = min(t, r)
+    entries = (write.start + t - keep + jnp.arange(keep, dtype=jnp.int32)) % r
+    put = lambda c_BRKH, x_BTKH: sharding_rules.constrain(
+        c_BRKH.at[:, entries].set(x_BTKH[:, t - keep:].astype(c_BRKH.dtype)), kv_logical)
+    cache = KVCache(put(cache.k_BSKH, k_BTKH), put(cache.v_BSKH, v_BTKH))
+    if write.fresh:
+      return self._attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, None), cache
+    assert t == 1, f"a ring cache takes one token per call after the prefill, got {t}"
+    end = write.start + t
+    slot_R = end - 1 - (end - 1 - jnp.arange(r, dtype=jnp.int32)) % r  # the newest slot each entry holds (< 0: none)
+    index_R = jnp.clip(slot_R, 0, s - 1)
+    tokens_BS = jnp.cumsum(write.valid_BS, axis=1, dtype=jnp.int32)
+    visible_BTR = mask_lib.visible(q_positions_BT=(write.start + jnp.arange(t, dtype=jnp.int32))[None],
+                                   kv_positions_BS=slot_R[None],
+                                   kv_valid_BS=jnp.take(write.valid_BS, index_R, axis=1) & (slot_R >= 0)[None])
+    q_tokens_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, write.start, t, axis=1)
+    visible_BTR = visible_BTR & mask_lib.in_window(q_tokens_BT, jnp.take(tokens_BS, index_R, axis=1), self.window)
+    return dot_attention(q_BTNH, cache.k_BSKH.astype(q_BTNH.dtype), cache.v_BSKH.astype(q_BTNH.dtype),
+                         visible_BTR), cache
+
   def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT) -> jax.Array:
-    context_parallel = context_attention.for_active_rules(flash_attention_qkv, block_q=self.block_q,
-                                                          block_kv=self.block_kv)
+    # Under context parallelism the window is a mask on explicit per-document positions (every causal block
+    # pair is visited: correct, but the work does not shrink with the window there).
+    context_parallel = context_attention.for_active_rules(functools.partial(flash_attention_qkv, window=self.window),
+                                                          block_q=self.block_q, block_kv=self.block_kv)
     # No positions: a prefill's prompt, in natural (not zigzag) order, attends whole on every device.
     if context_parallel is not None and positions_BT is not None:  # the sequence is split over devices
       return context_parallel(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
-    kernel = resolve_kernel(self.kernel, q_BTNH.shape[1], backend=jax.default_backend(), dtype=q_BTNH.dtype,
-                            head_dim=q_BTNH.shape[3])
+    kernel, w = resolve_kernel(self.kernel, q_BTNH.shape[1], backend=jax.default_backend(), dtype=q_BTNH.dtype,
+                               head_dim=q_BTNH.shape[3], window=self.window), self.window
     if kernel == "flash":
-      return flash_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, block_q=self.block_q, block_kv=self.block_kv)
+      return flash_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, block_q=self.block_q, block_kv=self.block_kv,
+                             window=w)
     if kernel == "blocked":
-      return blocked_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+      return blocked_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=w)
     if kernel == "cudnn":
       return vendor_attention.cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
     if kernel == "nki":
       return vendor_attention.nki_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
-    return dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+    return dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=w)

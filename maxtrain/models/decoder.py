@@ -1,0 +1,397 @@
+"""The shared decoder of every family: embed -> [RMSNorm -> GQA -> RMSNorm -> SwiGLU or MoE] x L -> RMSNorm -> head.
+
+A family (`models/registry.py`) is this decoder with some of its pieces on, each a `model.*` key any family
+may set: q/k/v biases (`qkv_bias`), per-head RMS qk-norm (`qk_norm`), a head_dim independent of d_model /
+num_heads (`head_dim`), sliding-window attention (`sliding_window`, on the layers of the family's pattern).
+
+The layers form up to two stacks: `blocks` (dense SwiGLU: all layers of a dense model, the first
+`model.moe.first_dense_layers` of a MoE one) then `moe_blocks` (mixture of experts, `models/moe.py`).
+Each stack is scanned on its own (`model.scan_layers`), so compile time stays independent of depth.
+
+One model, several modes: training and evaluation call the model on whole sequences; generation
+(`inference/sampling.py`) calls `decode` with a KV cache (`init_cache`): a prefill of the prompts, then
+one token per call, through the same Blocks and Attention (`models/attention/layer.py`).
+
+Shape legend: B batch, T length, S cache slots, D model, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtrain.errors import choice, require
+from maxtrain.models.attention import layer as attention
+from maxtrain.models import moe as moe_lib
+from maxtrain.models import quant as quant_lib
+from maxtrain.models.attention.layer import Attention, CacheWrite, KVCache
+from maxtrain.models.layers import MLP, RMSNorm, Rope, param, project
+from maxtrain.models.moe import MoE, MoEConfig
+from maxtrain.sharding import pipeline as pipeline_lib
+from maxtrain.sharding import rules as sharding_rules
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Keep matmul outputs, recompute the cheap elementwise work in the backward pass.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+REMAT_CHOICES = tuple(REMAT_POLICIES)
+# Under the pipeline without remat: keep every activation, but recompute slices and reshapes, so that a layer's
+# weights picked from its stage's repeats are not kept per loop iteration (sharding/pipeline.py). Casts are
+# kept: recomputing them would keep an fp32 source in place of its bf16 cast.
+_LAYOUT_OPS = frozenset({"dynamic_slice", "slice", "squeeze", "reshape", "expand_dims", "broadcast_in_dim",
+                         "transpose"})
+
+
+def _save_all_but_layout_ops(prim: Any, *_, **__) -> bool:
+  return prim.name not in _LAYOUT_OPS
+ROPE_SCALINGS = ("none", "llama3", "linear")
+DTYPES = ("float32", "bfloat16", "float16")
+# The config key that sets each logical parameter dim: what a layout error tells the user to change.
+CONFIG_KEYS = {"heads": "model.num_heads", "kv_heads": "model.num_kv_heads", "mlp": "model.d_ff",
+               "vocab": "model.vocab_size", "embed": "model.d_model", "layers": "model.num_layers",
+               "experts": "model.moe.num_experts", "expert_embed": "model.d_model", "expert_mlp": "model.moe.expert_d_ff"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  num_layers: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  d_ff: int
+  vocab_size: int
+  max_seq_len: int
+  rope_theta: float = 10000.0
+  rope_scaling: str = "none"
+  rope_scaling_factor: float = 8.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
+  family: str = "llama"  # the registry entry (models/registry.py) whose pieces and HF adapter this is
+  head_dim_setting: int = 0  # model.head_dim; 0: d_model / num_heads
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  sliding_window: int = 0  # tokens a query sees (itself included) on window layers; 0: off
+  window_layers: str = "all"  # which layers use the window: the family's pattern (registry.Family)
+  tie_embeddings: bool = False
+  scan_layers: bool = True
+  scan_unroll: int = 1
+  remat: str = "none"
+  attention: str = "dot"  # a kernel of models/attention/layer.py (the config's "auto" is resolved there)
+  attention_block_q: int = 128
+  attention_block_kv: int = 128
+  norm_eps: float = 1e-5
+  init_std: float = 0.02
+  param_dtype: Any = jnp.float32
+  compute_dtype: Any = jnp.float32
+  moe: MoEConfig = MoEConfig()
+  quant: quant_lib.QuantConfig = quant_lib.QuantConfig()  # model.quantization and model.quant_*
+
+  @property
+  def head_dim(self) -> int:
+    return self.head_dim_setting or self.d_model // self.num_heads
+
+  def layer_window(self, layer: int) -> int:
+    """The sliding window of layer `layer` (0: full causal attention)."""
+    del layer  # every pattern so far is "all" (registry.Family.window_layers)
+    return self.sliding_window
+
+  @property
+  def rope(self) -> Rope:
+    return Rope(theta=self.rope_theta, scaling=self.rope_scaling, factor=self.rope_scaling_factor,
+                low_freq_factor=self.rope_low_freq_factor, high_freq_factor=self.rope_high_freq_factor,
+                original_max_len=self.rope_original_max_len)
+
+  def train_flops_per_token(self, seq_len: int) -> float:
+    """Model FLOPs of one training token (forward + backward = 3 x forward).
+
+    Matmuls: 6 x (matmul parameters), the embedding lookup excluded, the output head included.
+    Attention scores and values: causal, so each query attends to (T + 1) / 2 keys on average:
+    2 matmuls x 2 FLOPs x N x H x (T + 1) / 2 forward, x 3 for training. Norms, RoPE and softmax
+    are not counted (they are not matmuls; the convention of PaLM's MFU).
+    MoE layers count their active parameters: the router, experts_per_token routed experts and the
+    shared experts (what one token is multiplied by), not all experts.
+    """
+    n, k, h, d = self.num_heads, self.num_kv_heads, self.head_dim, self.d_model
+    attention_params = d * n * h * 2 + d * k * h * 2
+    # A window layer's query sees min(t + 1, W) keys: the mean over t = 0..T-1 replaces (T + 1) / 2.
+    w = self.sliding_window if 0 < self.sliding_window < seq_len else 0
+    mean_keys_x2 = (seq_len + 1) if not w else (w * (w + 1) + 2 * w * (seq_len - w)) / seq_len
+    moe, num_moe = self.moe, self.moe.num_moe_layers(self.num_layers)
+    active_experts = moe.experts_per_token + moe.num_shared_experts
+    moe_ffn = d * moe.num_experts + 3 * d * moe.expert_d_ff * active_experts
+    matmul_params = (self.num_layers * attention_params + (self.num_layers - num_moe) * 3 * d * self.d_ff
+                     + num_moe * moe_ffn + d * self.vocab_size)
+    attention = self.num_layers * 3 * 2 * n * h * mean_keys_x2
+    return 6.0 * matmul_params + attention
+
+  @classmethod
+  def from_config(cls, model_cfg) -> "ModelConfig":
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in model_cfg.items() if k in fields}
+    if "head_dim" in model_cfg:
+      kwargs["head_dim_setting"] = model_cfg["head_dim"]
+    for key in ("param_dtype", "compute_dtype"):
+      if key in kwargs:
+        kwargs[key] = jnp.dtype(kwargs[key])
+    if "moe" in kwargs:
+      kwargs["moe"] = MoEConfig.from_config(kwargs["moe"])
+    if "quantization" in model_cfg:
+      kwargs["quant"] = quant_lib.QuantConfig.from_config(model_cfg)
+    return cls(**kwargs)
+
+
+def validate(m: Any) -> None:
+  """UserError naming the key for a bad `config.model`."""
+  for key in ("num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
+    require(m[key] > 0, f"config.model.{key}={m[key]}: must be > 0")
+  require(m.head_dim >= 0, f"config.model.head_dim={m.head_dim}: must be >= 0 (0: d_model / num_heads)")
+  if m.head_dim:
+    require(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim} must be even for RoPE")
+  else:
+    require(m.d_model % m.num_heads == 0,
+            f"config.model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
+    require((m.d_model // m.num_heads) % 2 == 0,
+            f"head_dim = model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even for RoPE")
+  require(m.sliding_window >= 0, f"config.model.sliding_window={m.sliding_window}: must be >= 0 (0: off)")
+  require(m.sliding_window == 0 or m.attention not in ("cudnn", "nki"),
+          f"config.model.attention={m.attention} has no sliding window: use model.attention=flash, blocked or dot "
+          f"with model.sliding_window={m.sliding_window}")
+  require(m.num_heads % m.num_kv_heads == 0,
+          f"config.model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+  require(m.loss_chunk_tokens >= -1, f"config.model.loss_chunk_tokens={m.loss_chunk_tokens}: use a chunk size > 0, "
+          "0 (off) or -1 (auto)")
+  require(m.scan_unroll >= 1, f"config.model.scan_unroll={m.scan_unroll}: must be >= 1 (1 = a rolled loop)")
+  choice("model.remat", m.remat, REMAT_CHOICES)
+  choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
+  require(m.norm_eps > 0, f"config.model.norm_eps={m.norm_eps}: must be > 0")
+  if m.rope_scaling == "linear":
+    require(m.rope_scaling_factor > 0, f"config.model.rope_scaling_factor={m.rope_scaling_factor}: linear RoPE "
+            "scaling divides every frequency by it; must be > 0")
+  if m.rope_scaling == "llama3":
+    require(m.rope_high_freq_factor > m.rope_low_freq_factor > 0 and m.rope_scaling_factor > 0
+            and m.rope_original_max_len > 0,
+            f"config.model.rope_*: llama3 scaling needs rope_high_freq_factor={m.rope_high_freq_factor} > "
+            f"rope_low_freq_factor={m.rope_low_freq_factor} > 0, rope_scaling_factor={m.rope_scaling_factor} > 0 "
+            f"and rope_original_max_len={m.rope_original_max_len} > 0")
+  choice("model.attention", m.attention, attention.CHOICES)
+  for key in ("attention_block_q", "attention_block_kv"):
+    require(m[key] > 0, f"config.model.{key}={m[key]}: must be > 0")
+  for key in ("param_dtype", "compute_dtype"):
+    choice(f"model.{key}", m[key], DTYPES)
+  moe_lib.validate(m)
+  # The chunked loss runs by default from CHUNK_MIN_VOCAB (program/loss.py) up: the head check needs the resolved size.
+  quant_lib.validate(m, m.loss_chunk_tokens if m.loss_chunk_tokens >= 0 else int(m.vocab_size >= 4096))
+
+
+class Block(nnx.Module):
+  """One decoder layer; its feed-forward part is a dense SwiGLU (`mlp`) or a mixture of experts (`moe`)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, moe: bool = False):
+    # GPT-2/LLaMA practice: shrink residual-branch outputs with depth so activations stay O(1).
+    out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+    common = dict(init_std=cfg.init_std, out_std=out_std, param_dtype=cfg.param_dtype,
+                  compute_dtype=cfg.compute_dtype, rngs=rngs)
+    self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
+    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope,
+                          kernel=cfg.attention, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
+                          quant=cfg.quant.for_kind("attention"), head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
+                          qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, window=cfg.layer_window(0), **common)
+    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
+    self.is_moe = moe
+    if moe:
+      self.moe = MoE(cfg.d_model, cfg.moe, quant=cfg.quant.for_kind("experts"),
+                     shared_quant=cfg.quant.for_kind("mlp"), **common)
+    else:
+      self.mlp = MLP(cfg.d_model, cfg.d_ff, quant=cfg.quant.for_kind("mlp"), **common)
+
+  def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array,
+               cache: KVCache | None = None, write: CacheWrite | None = None,
+               ) -> tuple[jax.Array, dict[str, jax.Array], KVCache | None]:
+    """(the layer's output, its MoE statistics: models/moe.py STATS, empty for a dense layer, its KV
+    cache updated: None without one)."""
+    y_BTD, cache = self.attn(self.attn_norm(x_BTD), segment_ids_BT, positions_BT, cache, write)
+    x_BTD = x_BTD + y_BTD
+    if self.is_moe:
+      y_BTD, stats = self.moe(self.mlp_norm(x_BTD))
+    else:
+      y_BTD, stats = self.mlp(self.mlp_norm(x_BTD)), {}
+    x_BTD = x_BTD + y_BTD
+    return sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed")), stats, cache
+
+
+class Decoder(nnx.Module):
+  """The model of every family (models/registry.py): `Decoder(cfg, rngs=...)`."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    # Parameters and activations carry logical names only; placement is decided by the rules the
+    # step activates (`sharding/rules.py`) and the jit that creates the sharded train state.
+    with nnx.use_eager_sharding(False):
+      self._build(cfg, rngs)
+
+  def _build(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+    self.cfg = cfg
+    self.embed = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
+                       ("vocab", "embed"), cfg.param_dtype)
+    num_moe = cfg.moe.num_moe_layers(cfg.num_layers)
+    if cfg.num_layers - num_moe:
+      self.blocks = _stack(cfg, rngs, cfg.num_layers - num_moe, moe=False)
+    if num_moe:
+      self.moe_blocks = _stack(cfg, rngs, num_moe, moe=True)
+    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.head = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
+                        ("embed", "vocab"), cfg.param_dtype)
+
+  def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    """Returns fp32 logits [B, T, V] (training computes the loss from `features` and `head_weights`
+    instead, in chunks when the vocabulary is large: maxtrain/program/loss.py)."""
+    x_BTD, _ = self.features(tokens_BT, segment_ids_BT, positions_BT)
+    return self._logits(x_BTD)
+
+  def _logits(self, x_BTD: jax.Array) -> jax.Array:
+    logits_BTV = project(x_BTD, self.head_weights().astype(self.cfg.compute_dtype), preferred_element_type=jnp.float32,
+                         quant=self.cfg.quant.for_kind("head"))
+    return sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
+
+  def init_cache(self, batch: int, length: int) -> "Cache":
+    """An empty cache of `length` slots per row, in the compute dtype, laid out like the stacks."""
+    cfg = self.cfg
+
+    # A window layer keeps a ring of window-many slots (models/attention/layer.py _attend_ring).
+    slots = min(length, cfg.layer_window(0)) if cfg.layer_window(0) else length
+
+    def kv(layers: int | None) -> KVCache:
+      shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+      logical = ("act_batch", None, "act_kv_heads", None)
+      if layers is not None:
+        shape, logical = (layers,) + shape, (None,) + logical
+      zeros = sharding_rules.constrain(jnp.zeros(shape, cfg.compute_dtype), logical)
+      return KVCache(zeros, zeros)
+
+    stacks = {}
+    for name in ("blocks", "moe_blocks"):
+      if hasattr(self, name):
+        blocks = getattr(self, name)
+        stacks[name] = kv(_stack_length(blocks)) if cfg.scan_layers else [kv(None) for _ in blocks]
+    return Cache(stacks, jnp.zeros((batch, length), jnp.bool_), jnp.zeros((), jnp.int32), fresh=True)
+
+  def decode(self, tokens_BT: jax.Array, valid_BT: jax.Array, cache: "Cache") -> tuple[jax.Array, "Cache"]:
+    """fp32 logits [B, T, V] of `tokens_BT` written at the cache's next T slots, and the new cache.
+
+    Left-padded prompts: a slot holds a real token iff `valid`; a token's RoPE position counts only the
+    real tokens before it, so every row computes what it would alone (the full forward pass of its
+    tokens: tests/test_generate.py). Remat is off (nothing is differentiated)."""
+    t = tokens_BT.shape[1]
+    valid_BS = jax.lax.dynamic_update_slice_in_dim(cache.valid_BS, valid_BT.astype(jnp.bool_), cache.length, axis=1)
+    positions_BT = jax.lax.dynamic_slice_in_dim(jnp.cumsum(valid_BS, axis=1, dtype=jnp.int32) - 1, cache.length, t,
+                                                axis=1)
+    write = CacheWrite(valid_BS=valid_BS, start=cache.length, fresh=cache.fresh)
+    # A prefill's padding is its own segment (0): real tokens never see it.
+    x_BTD, _, kv = self._forward(tokens_BT, valid_BT.astype(jnp.int32), positions_BT, cache.kv, write)
+    return self._logits(x_BTD), Cache(kv, valid_BS, cache.length + t, fresh=False)
+
+  def head_weights(self) -> jax.Array:
+    """The output head [D, V] at the parameter dtype (the embedding transposed when tied)."""
+    return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+
+  def features(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array,
+               positions_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(the final-norm hidden states [B, T, D] in the compute dtype: the output head's input, the MoE
+    layers' statistics stacked over them: models/moe.py STATS, {} for a dense model)."""
+    x_BTD, moe_stats, _ = self._forward(tokens_BT, segment_ids_BT, positions_BT, None, None)
+    return x_BTD, moe_stats
+
+  def _forward(self, tokens_BT, segment_ids_BT, positions_BT, kv: dict | None, write: CacheWrite | None):
+    cfg = self.cfg
+    x_BTD = self.embed[...].astype(cfg.compute_dtype)[tokens_BT]
+    x_BTD = sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
+    moe_stats: dict[str, jax.Array] = {}
+    new_kv = None if kv is None else {}
+    for name in ("blocks", "moe_blocks"):
+      if hasattr(self, name):
+        x_BTD, moe_stats, stack_kv = _run_stack(cfg, getattr(self, name), x_BTD, segment_ids_BT, positions_BT,
+                                                None if kv is None else kv[name], write)
+        if kv is not None:
+          new_kv[name] = stack_kv
+    return self.final_norm(x_BTD), moe_stats, new_kv
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "valid_BS", "length"], meta_fields=["fresh"])
+@dataclasses.dataclass(frozen=True)
+class Cache:
+  """The model's KV cache: per stack (`blocks`, `moe_blocks`) a KVCache stacked over its layers [L, B, S, K, H]
+  (scan_layers) or a list of them; which slots hold real tokens; how many slots are written."""
+  kv: dict[str, Any]
+  valid_BS: jax.Array
+  length: jax.Array  # int32 []
+  fresh: bool  # nothing written yet: the next call is a prefill (static: it picks the attention path)
+
+
+def _stack(cfg: ModelConfig, rngs: nnx.Rngs, num: int, *, moe: bool) -> nnx.Module:
+  """`num` Blocks: one stacked Block whose parameters have a leading `layers` dim (scan_layers: the
+  step compiles one layer body and scans it), or a list."""
+  if not cfg.scan_layers:
+    return nnx.List([Block(cfg, rngs, moe=moe) for _ in range(num)])
+
+  @nnx.split_rngs(splits=num)
+  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def make_blocks(rngs: nnx.Rngs) -> Block:
+    return Block(cfg, rngs, moe=moe)
+
+  return make_blocks(rngs)
+
+
+def _stack_length(blocks: nnx.Module) -> int:
+  return jax.tree.leaves(nnx.state(blocks))[0].shape[0]
+
+
+def _run_stack(cfg: ModelConfig, blocks: nnx.Module, x_BTD: jax.Array, segment_ids_BT: jax.Array,
+               positions_BT: jax.Array, kv: Any = None, write: CacheWrite | None = None,
+               ) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+  """The stack's output, its layers' statistics, stacked: each [layers, ...], and its KV cache updated
+  (None without one)."""
+  def apply_block(x_BTD, block_state, graphdef, kv):
+    x_BTD, stats, kv = nnx.merge(graphdef, block_state)(x_BTD, segment_ids_BT, positions_BT, kv, write)
+    return x_BTD, (stats, kv)
+
+  policy = REMAT_POLICIES[cfg.remat]
+  if policy is not None and kv is None:  # decoding differentiates nothing: no remat
+    apply_block = jax.checkpoint(apply_block, policy=policy, static_argnums=(2,))
+  schedule = pipeline_lib.active()
+  if cfg.scan_layers and kv is None and schedule is not None:  # training / evaluation under the pipeline
+    graphdef, stacked = nnx.split(blocks)
+
+    def group(stage, r, x_BTD, segment_ids_BT, positions_BT):  # a stage's layers [n, R, ...] of repeat r, scanned
+      def body(x, layer_repeats):  # the repeat picked inside the remat: pipeline.run says why
+        layer_state = jax.tree.map(lambda w: w[r], layer_repeats)
+        return nnx.merge(graphdef, layer_state)(x, segment_ids_BT, positions_BT)[0], None
+      body = jax.checkpoint(body, policy=policy or _save_all_but_layout_ops)
+      return jax.lax.scan(body, x_BTD, stage)[0]
+
+    return pipeline_lib.run(group, stacked, x_BTD, segment_ids_BT, positions_BT, schedule), {}, None
+  if cfg.scan_layers:
+    graphdef, stacked = nnx.split(blocks)
+    length = jax.tree.leaves(stacked)[0].shape[0]
+    x_BTD, (stats, kv) = jax.lax.scan(lambda x, xs: apply_block(x, xs[0], graphdef, xs[1]), x_BTD, (stacked, kv),
+                                      unroll=min(cfg.scan_unroll, length))
+    return x_BTD, stats, kv
+  stats, new_kv = [], []
+  for i, block in enumerate(blocks):
+    graphdef, state = nnx.split(block)
+    x_BTD, (layer_stats, layer_kv) = apply_block(x_BTD, state, graphdef, None if kv is None else kv[i])
+    stats.append(layer_stats)
+    new_kv.append(layer_kv)
+  stacked_stats = jax.tree.map(lambda *s: jnp.stack(s), *stats) if stats[0] else {}
+  return x_BTD, stacked_stats, None if kv is None else new_kv
+
+
+def param_count(state: nnx.State) -> int:
+  return sum(x.size for x in jax.tree.leaves(state))

@@ -1,0 +1,184 @@
+"""A family's Hugging Face adapter: tensor names and config.json, both ways.
+
+The shared part is what every LLaMA-like `*ForCausalLM` writes the same way (the decoder's widths, RMSNorm
+epsilon, RoPE in both transformers spellings, tied embeddings, the tensor names of `TENSORS`); a family
+adds its own fields with two small functions (`pieces_in`: its config.json fields -> `model.*` keys,
+refusing what it cannot express; `pieces_out`: the reverse). A field that changes the math and is not
+understood is a UserError (exit 2) that names it: never a silent drop.
+
+RoPE is read in both spellings: `rope_theta` + `rope_scaling` (transformers 4.x, most published
+checkpoints) and `rope_parameters` (transformers 5.x); the legacy one is written, which both read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable
+
+from maxtrain.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+  """One maxtrain parameter kind <-> a Hugging Face tensor name."""
+  hf: str  # HF name; "{}" is the layer index for per-layer tensors
+  in_dims: int  # leading maxtrain dims forming HF's `in` axis (0: no transpose, e.g. norms, embedding)
+  per_layer: bool = True
+  flat: bool = False  # HF holds the tensor flattened to 1-D (a bias [N, H] as [N * H])
+
+
+# The decoder's parameters under the names every LLaMA-like HF class uses (a family adds its own).
+TENSORS = {
+    "embed": Mapping("model.embed_tokens.weight", 0, per_layer=False),
+    "final_norm/scale": Mapping("model.norm.weight", 0, per_layer=False),
+    "head": Mapping("lm_head.weight", 1, per_layer=False),
+    "blocks/attn_norm/scale": Mapping("model.layers.{}.input_layernorm.weight", 0),
+    "blocks/attn/wq": Mapping("model.layers.{}.self_attn.q_proj.weight", 1),
+    "blocks/attn/wk": Mapping("model.layers.{}.self_attn.k_proj.weight", 1),
+    "blocks/attn/wv": Mapping("model.layers.{}.self_attn.v_proj.weight", 1),
+    "blocks/attn/wo": Mapping("model.layers.{}.self_attn.o_proj.weight", 2),
+    "blocks/attn/bq": Mapping("model.layers.{}.self_attn.q_proj.bias", 0, flat=True),
+    "blocks/attn/bk": Mapping("model.layers.{}.self_attn.k_proj.bias", 0, flat=True),
+    "blocks/attn/bv": Mapping("model.layers.{}.self_attn.v_proj.bias", 0, flat=True),
+    "blocks/attn/q_norm/scale": Mapping("model.layers.{}.self_attn.q_norm.weight", 0),
+    "blocks/attn/k_norm/scale": Mapping("model.layers.{}.self_attn.k_norm.weight", 0),
+    "blocks/mlp_norm/scale": Mapping("model.layers.{}.post_attention_layernorm.weight", 0),
+    "blocks/mlp/gate": Mapping("model.layers.{}.mlp.gate_proj.weight", 1),
+    "blocks/mlp/up": Mapping("model.layers.{}.mlp.up_proj.weight", 1),
+    "blocks/mlp/down": Mapping("model.layers.{}.mlp.down_proj.weight", 1),
+}
+
+ROPE_TYPES = {"default": "none", "llama3": "llama3", "linear": "linear"}  # HF rope_type -> model.rope_scaling
+# model.rope_* key <- HF llama3 rope field
+LLAMA3_FIELDS = {"rope_scaling_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+                 "rope_high_freq_factor": "high_freq_factor",
+                 "rope_original_max_len": "original_max_position_embeddings"}
+_DEFAULTS = {"rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+             "rope_original_max_len": 8192}
+# Fields read as numbers: a JSON string ("4096") or a bool there is refused by name, not a TypeError later.
+INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+              "vocab_size", "max_position_embeddings", "head_dim", "sliding_window")
+FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def refuse(where: str, field: str, value: Any, why: str) -> UserError:
+  return UserError(f"{where}: {field}={json.dumps(value)}: {why}")
+
+
+def number(value: Any, kind: type, where: str, field: str) -> Any:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise refuse(where, field, value, "must be a number (a JSON number, not a string)")
+  return kind(value)
+
+
+def rope(hf: dict, where: str) -> dict[str, Any]:
+  params = hf.get("rope_parameters") or {}
+  scaling = hf.get("rope_scaling") or {}
+  theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+  spec = {**params, **scaling}
+  kind = spec.get("rope_type", spec.get("type", "default"))
+  field = "rope_scaling.rope_type" if scaling else "rope_parameters.rope_type"
+  if kind not in ROPE_TYPES:
+    raise refuse(where, field, kind, f"unsupported RoPE type (supported: {', '.join(ROPE_TYPES)})")
+  out = {"rope_theta": number(theta, float, where, "rope_theta"), "rope_scaling": ROPE_TYPES[kind]}
+  if kind == "linear":
+    if "factor" not in spec:
+      raise refuse(where, f"{field.split('.')[0]}.factor", None, "missing: linear RoPE scaling needs it")
+    out["rope_scaling_factor"] = number(spec["factor"], float, where, f"{field.split('.')[0]}.factor")
+  if kind == "llama3":
+    for key, hf_key in LLAMA3_FIELDS.items():
+      if hf_key not in spec:
+        raise refuse(where, f"rope_scaling.{hf_key}", None, "missing: llama3 RoPE scaling needs it")
+      out[key] = number(spec[hf_key], type(_DEFAULTS[key]), where, f"rope_scaling.{hf_key}")
+  return out
+
+
+def _check_types(hf: dict, where: str, architecture: str) -> None:
+  for field in REQUIRED:
+    if field not in hf:
+      raise refuse(where, field, None, f"missing: a {architecture} config.json needs it")
+  for field in INT_FIELDS:
+    value = hf.get(field)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+      raise refuse(where, field, value, "must be a positive integer (a JSON number, not a string)")
+  for field in FLOAT_FIELDS:
+    value = hf.get(field)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+      raise refuse(where, field, value, "must be a positive number (a JSON number, not a string)")
+
+
+def no_window(hf: dict, where: str) -> None:
+  """Refuses the sliding-window fields of a family whose maxtrain pattern has no window from HF (Qwen)."""
+  if hf.get("use_sliding_window"):
+    raise refuse(where, "use_sliding_window", True, "Qwen's per-layer sliding window (max_window_layers) is not "
+                 "supported")
+  sliding = [t for t in hf.get("layer_types") or () if t != "full_attention"]
+  if sliding:
+    raise refuse(where, "layer_types", sliding[0], "only full_attention layers are supported for this family")
+
+
+def refuse_bias(hf: dict, where: str, fields: tuple[str, ...] = ("attention_bias", "mlp_bias")) -> None:
+  for field in fields:
+    if hf.get(field, False):
+      raise refuse(where, field, hf[field], "this family has no such biases in maxtrain")
+
+
+@dataclasses.dataclass(frozen=True)
+class HFAdapter:
+  architecture: str  # config.json `architectures` ("Qwen3ForCausalLM")
+  model_type: str  # config.json `model_type` ("qwen3")
+  pieces_in: Callable[[dict, str], dict]  # (config.json, where) -> the family's model.* keys; refuses by field
+  pieces_out: Callable[[dict, str], dict]  # (model keys, where) -> the family's config.json fields; refuses
+  tensors: dict[str, Mapping] = dataclasses.field(default_factory=lambda: TENSORS)
+
+  def to_model_keys(self, hf: dict, where: str, vocab_multiple: int) -> dict[str, Any]:
+    """`config.model` keys equal to this HF model; the vocabulary padded up to a multiple of `vocab_multiple`."""
+    if not isinstance(hf, dict):
+      raise UserError(f"{where}: expected a JSON object, found {type(hf).__name__}")
+    _check_types(hf, where, self.architecture)
+    if hf.get("model_type", self.model_type) != self.model_type:
+      raise refuse(where, "model_type", hf["model_type"], f"{self.architecture} needs {self.model_type}")
+    if hf.get("hidden_act", "silu") != "silu":
+      raise refuse(where, "hidden_act", hf["hidden_act"], "only silu (SwiGLU) is supported")
+    heads, width = hf["num_attention_heads"], hf["hidden_size"]
+    head_dim = hf.get("head_dim") or width // heads
+    vocab = hf["vocab_size"]
+    keys = {"num_layers": hf["num_hidden_layers"], "d_model": width, "num_heads": heads,
+            "num_kv_heads": hf.get("num_key_value_heads") or heads, "d_ff": hf["intermediate_size"],
+            "vocab_size": -(-vocab // vocab_multiple) * vocab_multiple,
+            "max_seq_len": hf.get("max_position_embeddings", 2048),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "scan_layers": True,
+            # 0 (d_model / num_heads) when it is that: the default run's keys stay as they were
+            "head_dim": 0 if head_dim * heads == width else head_dim}
+    keys.update(rope(hf, where))
+    keys.update(self.pieces_in(hf, where))
+    return keys
+
+  def from_model_keys(self, m: dict, *, vocab_size: int, dtype: str, bos_id: int | None, eos_id: int | None,
+                      where: str) -> dict:
+    """The `config.json` of a maxtrain model (the legacy RoPE spelling, which transformers 4 and 5 read)."""
+    scaling = None
+    if m.get("rope_scaling", "none") == "llama3":
+      scaling = {"rope_type": "llama3", **{hf_key: m[key] for key, hf_key in LLAMA3_FIELDS.items()}}
+    elif m.get("rope_scaling", "none") == "linear":
+      scaling = {"rope_type": "linear", "factor": m["rope_scaling_factor"]}
+    out = {"architectures": [self.architecture], "model_type": self.model_type, "hidden_act": "silu",
+           "hidden_size": m["d_model"], "intermediate_size": m["d_ff"], "num_hidden_layers": m["num_layers"],
+           "num_attention_heads": m["num_heads"], "num_key_value_heads": m["num_kv_heads"],
+           "head_dim": m.get("head_dim") or m["d_model"] // m["num_heads"], "vocab_size": vocab_size,
+           "max_position_embeddings": m["max_seq_len"], "rms_norm_eps": m.get("norm_eps", 1e-5),
+           "rope_theta": m["rope_theta"], "rope_scaling": scaling, "tie_word_embeddings": m["tie_embeddings"],
+           "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype, "use_cache": True}
+    out.update(self.pieces_out(m, where))
+    return out
+
+
+def require_off(m: dict, where: str, architecture: str, *keys: str) -> None:
+  """UserError when a maxtrain piece `architecture` cannot express is on (to-hf of llama + qk_norm...)."""
+  for key in keys:
+    if m.get(key):
+      raise UserError(f"{where}: model.{key}={m[key]!r}: {architecture} has no such piece; export a family "
+                      "that has it (docs/models.md)")

@@ -1,0 +1,117 @@
+"""The registry of model families: the one place the rest of maxtrain asks for a model.
+
+A family bundles its typed config defaults (the pieces it turns on over the `model.*` keys), its module,
+its Hugging Face adapter (`models/hf_adapter.py`: tensor names and config.json, both ways) and its FLOPs
+per token. The memory estimate (`aot/estimate.py`) reads the family's typed config and abstract parameters
+from here (head_dim, the window and the parameter table are all it needs so far). `model.family` selects one; nothing outside `models/` names a
+family (tests/test_families.py checks it). Adding a family is a module in `models/` with one `FAMILY`
+and its line in `_MODULES` below (docs/models.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from maxtrain.errors import UserError, choice
+from maxtrain.models import decoder
+from maxtrain.models.decoder import ModelConfig
+from maxtrain.models.hf_adapter import HFAdapter
+
+# The families, each a module of models/ holding FAMILY (the order of --help and docs/models.md).
+_MODULES = ("llama", "qwen2", "qwen3", "mistral")
+DEFAULT = "llama"  # config.model.family's default (config/keys.py), and the family of keys without one
+WINDOW_PATTERNS = ("all",)  # which layers a family's sliding window covers: "all" (Mistral)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  name: str
+  pieces: dict[str, Any]  # model.* values the family sets whatever the keys say (qwen2: qkv_bias=True)
+  hf: HFAdapter
+  module: Callable[..., nnx.Module] = decoder.Decoder  # (ModelConfig, *, rngs) -> the model
+  window_layers: str = "all"  # WINDOW_PATTERNS: the layers model.sliding_window applies to
+  validate: Callable[[Any], None] = lambda m: None  # family-specific UserErrors on config.model
+
+  def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of one training token (ModelConfig.train_flops_per_token's convention)."""
+    return cfg.train_flops_per_token(seq_len)
+
+
+@functools.cache
+def families() -> dict[str, Family]:
+  """name -> Family, in _MODULES order (imported on first use: the family modules import this one)."""
+  out = {}
+  for module in _MODULES:
+    family = importlib.import_module(f"maxtrain.models.{module}").FAMILY
+    assert family.name == module and family.window_layers in WINDOW_PATTERNS, family
+    out[family.name] = family
+  return out
+
+
+def names() -> tuple[str, ...]:
+  return tuple(families())
+
+
+def get(name: str) -> Family:
+  choice("model.family", name, names())
+  return families()[name]
+
+
+def of_keys(model_cfg: Any) -> Family:
+  """The family of these `config.model` keys (a checkpoint saved before families existed: LLaMA's)."""
+  return get(model_cfg.get("family", DEFAULT))
+
+
+def model_config(model_cfg: Any) -> ModelConfig:
+  """The typed config of `config.model` (a ConfigDict or dict of its keys): the keys, then the family's
+  pieces over them (a family's pieces are on whatever the keys say)."""
+  family = of_keys(model_cfg)
+  cfg = ModelConfig.from_config(model_cfg)
+  return dataclasses.replace(cfg, family=family.name, window_layers=family.window_layers, **family.pieces)
+
+
+def validate(m: Any) -> None:
+  """UserError naming the key for a bad `config.model` (the decoder's checks, then the family's)."""
+  family = of_keys(m)
+  decoder.validate(m)
+  family.validate(m)
+
+
+def build(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+  """The model of `cfg`'s family."""
+  return get(cfg.family).module(cfg, rngs=rngs)
+
+
+def abstract(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graph definition, parameters as ShapeDtypeStructs with their logical axes): nothing allocated."""
+  return nnx.split(nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(params=seed))))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  return get(cfg.family).flops_per_token(cfg, seq_len)
+
+
+def for_architecture(hf: dict, where: str) -> Family:
+  """The family of a Hugging Face config.json, by its `architectures`; UserError naming the field."""
+  if not isinstance(hf, dict):
+    raise UserError(f"{where}: expected a JSON object, found {type(hf).__name__}")
+  by_arch = {f.hf.architecture: f for f in families().values()}
+  by_type = {f.hf.model_type: f.hf.architecture for f in families().values()}
+  arch = hf.get("architectures") or [by_type.get(hf.get("model_type", "llama"), hf.get("model_type"))]
+  if not isinstance(arch, list) or len(arch) != 1 or arch[0] not in by_arch:
+    raise UserError(f"{where}: architectures={arch}: supported: {', '.join(by_arch)}")
+  return by_arch[arch[0]]
+
+
+def param_count(state: nnx.State) -> int:
+  return sum(x.size for x in jax.tree.leaves(state))
+
+
+# The config key that sets each logical parameter dim: what a layout error tells the user to change.
+CONFIG_KEYS = {**decoder.CONFIG_KEYS, "head_dim": "model.head_dim"}

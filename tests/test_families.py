@@ -1,0 +1,415 @@
+"""Model families through one registry (models/registry.py): nothing outside models/ names a family, the
+pieces (q/k/v biases, qk-norm, head_dim, sliding windows) against a NumPy/plain-JAX reference, and the
+flash and blocked kernels skip the key blocks a window leaves out."""
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtrain.models import registry
+from maxtrain.models.attention import flash as fa
+from maxtrain.models.attention.blocked import blocked_attention
+from maxtrain.models.attention.layer import dot_product_attention
+
+REPO = Path(__file__).resolve().parent.parent
+# The declaration of model.family's default (config/ sits below models/ and cannot ask the registry).
+ALLOWED = {("maxtrain/config/keys.py", registry.DEFAULT)}
+
+
+def _family_words() -> set[str]:
+  words = set()
+  for family in registry.families().values():
+    words |= {family.name, family.hf.architecture, family.hf.model_type, family.name.capitalize()}
+    words.add(type(family.module).__name__ if not isinstance(family.module, type) else "")
+  return words - {""} | {"Llama", "Qwen2", "Qwen3", "Mistral"}
+
+
+def test_no_module_outside_models_names_a_family():
+  """A family is its module in models/ plus a registry line: elsewhere no string literal is a family's name,
+  HF architecture or model_type, no identifier is a family's class, and no import reaches a family module
+  (prose in docstrings and comments may mention them)."""
+  words = _family_words()
+  modules = {f"maxtrain.models.{name}" for name in registry.names()}
+  found = []
+  for path in sorted((REPO / "maxtrain").rglob("*.py")):
+    if path.is_relative_to(REPO / "maxtrain" / "models"):
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      where = str(path.relative_to(REPO))
+      if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in words and (
+          where, node.value) not in ALLOWED:
+        found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
+      elif isinstance(node, (ast.Name, ast.Attribute)) and (getattr(node, "id", None) or node.attr) in words:
+        found.append(f"{path.relative_to(REPO)}:{node.lineno}: {getattr(node, 'id', None) or node.attr}")
+      elif isinstance(node, ast.ImportFrom) and (node.module in modules or any(
+          f"{node.module}.{a.name}" in modules for a in node.names)):
+        found.append(f"{path.relative_to(REPO)}:{node.lineno}: import {node.module}")
+      elif isinstance(node, ast.Import) and any(a.name in modules for a in node.names):
+        found.append(f"{path.relative_to(REPO)}:{node.lineno}: import")
+  assert not found, "\n".join(found)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sliding windows in every kernel: the dot kernel against NumPy, flash and blocked against the dot kernel
+# (values and gradients), and the key blocks flash visits.
+
+def _window_reference(q, k, v, segments, window):
+  """NumPy attention: key j visible from query i iff same document, j <= i and i - j < window."""
+  b, t, n, h = q.shape
+  g = n // k.shape[2]
+  kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+  scores = np.einsum("bqnh,bknh->bnqk", q, kk) / np.sqrt(h)
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  visible = (j <= i) & (i - j < window) & (segments[:, :, None] == segments[:, None, :])[:, None]
+  scores = np.where(visible, scores, -np.inf)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("bnqk,bknh->bqnh", p, vv)
+
+
+def test_window_kernels_match_the_reference():
+  """T = 72 (not a multiple of the 16-blocks: padding), a window of 21 spanning two to three key blocks."""
+  t, window = 72, 21
+  rng = np.random.default_rng(t)
+  b, n, kv, h = 2, 4, 2, 8
+  q, k, v = (rng.standard_normal((b, t, m, h)).astype(np.float32) for m in (n, kv, kv))
+  segments = np.ones((b, t), np.int32)
+  segments[1, t // 3:] = 2  # a second document in row 1
+  want = _window_reference(q, k, v, segments, window)
+  kernels = {"dot": lambda *a: dot_product_attention(*a, window=window),
+             "flash": lambda *a: fa.flash_attention(*a, block_q=16, block_kv=16, window=window),
+             "blocked": lambda *a: blocked_attention(*a, block_q=16, window=window)}
+  cotangent = rng.standard_normal(q.shape).astype(np.float32)
+  grads = {}
+  for name, kernel in kernels.items():
+    @jax.jit
+    def run(q, k, v, kernel=kernel):
+      out, vjp = jax.vjp(lambda q, k, v: kernel(q, k, v, jnp.asarray(segments)), q, k, v)
+      return out, vjp(jnp.asarray(cotangent))
+
+    out, grads[name] = run(q, k, v)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=2e-5, err_msg=name)
+  for name in ("flash", "blocked"):
+    for a, b_ in zip(grads[name], grads["dot"]):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=0, atol=1e-4 * np.abs(np.asarray(b_)).max(),
+                                 err_msg=name)
+
+
+def test_flash_visits_the_key_blocks_of_the_window_only():
+  """Pairs per query block: at most ceil((W - 1) / block) + 1 key blocks whatever T, so the work grows with
+  the window, not with the sequence; every pair left out is wholly outside the window or after the diagonal."""
+  block, window = 32, 48
+  for t in (256, 1024):
+    pairs = fa._block_pairs(t // block, t // block, block, block, t, True, window)
+    per_q = np.bincount([i for i, _ in pairs])
+    assert per_q.max() == -(-(window - 1) // block) + 1 and len(pairs) <= (t // block) * per_q.max()
+    for i in range(t // block):
+      for j in range(t // block):
+        needed = j * block <= (i + 1) * block - 1 and (j + 1) * block - 1 > i * block - window
+        assert ((i, j) in pairs) == needed, (t, i, j)
+  assert len(fa._block_pairs(32, 32, 32, 32, 1024, True, 48)) * 4 < len(fa._block_pairs(32, 32, 32, 32, 1024, True))
+
+
+def _model(family: str, **keys):
+  from maxtrain import config as config_lib
+
+  m = config_lib.base_config().model
+  m.update(dict(family=family, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96, vocab_size=128,
+                max_seq_len=64, **keys))
+  return registry.model_config(m)
+
+
+def test_flash_equals_dot_with_a_window_shorter_than_the_sequence():
+  """The same random Mistral-family model (window 12 < T = 64, two documents) under the dot and flash kernels:
+  the same loss (rtol 1e-5) and gradients."""
+  from flax import nnx
+
+  losses, grads = {}, {}
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 128, (2, 64))
+  segments = np.ones((2, 64), np.int32)
+  segments[0, 40:] = 2
+  positions = np.where(segments == 2, np.arange(64) - 40, np.arange(64))
+  _, params = registry.abstract(_model("mistral", sliding_window=12))
+  params = jax.tree.map(lambda a: jnp.asarray(0.1 * rng.standard_normal(a.shape), a.dtype), params)
+  for kernel in ("dot", "flash"):
+    cfg = _model("mistral", sliding_window=12, attention=kernel, attention_block_q=16, attention_block_kv=16)
+    graphdef, _ = registry.abstract(cfg)
+
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(tokens[:, :-1], segments[:, :-1], positions[:, :-1])
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+    losses[kernel], grads[kernel] = jax.jit(jax.value_and_grad(loss))(params)
+  np.testing.assert_allclose(float(losses["flash"]), float(losses["dot"]), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads["flash"]), jax.tree.leaves(grads["dot"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * np.abs(np.asarray(b)).max() + 1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Each family against transformers: a tiny random model built from its config class (nothing downloaded),
+# converted with from-hf; greedy generation equals transformers' greedy generate, and to-hf gives back its
+# logits within 1e-4.
+
+TOL = 1e-4
+VOCAB = 299
+HF_FAMILIES = {  # family: (config class, model class, config kwargs)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    # head_dim 16 != hidden_size / heads = 8: Qwen3's own head width
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
+    # a window of 6 tokens, shorter than the prompts below
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6, tie_word_embeddings=False)),
+}
+
+
+def make_family_model(directory: Path, family: str, **overrides):
+  import torch
+  import transformers
+
+  config_cls, model_cls, kwargs = HF_FAMILIES[family]
+  torch.manual_seed(1)
+  cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, **{**kwargs, **overrides})
+  model = getattr(transformers, model_cls)(cfg).eval()
+  with torch.no_grad():  # norms away from 1 and biases away from 0, so that a swapped or dropped one shows
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(1 + 0.1 * torch.randn_like(p))
+      elif name.endswith("bias"):
+        p.copy_(0.5 * torch.randn_like(p))
+  model.save_pretrained(directory)
+  return model
+
+
+@pytest.fixture(scope="module", params=sorted(HF_FAMILIES))
+def converted(request, tmp_path_factory):
+  from maxtrain.interop import hf_export, hf_import
+
+  root = tmp_path_factory.mktemp(request.param)
+  hf = make_family_model(root / "hf", request.param)
+  hf_import.from_hf(root / "hf", root / "mt", block_bytes=200)
+  hf_export.to_hf(root / "mt", root / "hf2", max_shard_bytes=30_000, block_bytes=200)
+  return request.param, root, hf
+
+
+def test_from_hf_picks_the_family_and_its_pieces(converted):
+  from maxtrain.interop.sources import open_source
+
+  family, root, _ = converted
+  model = open_source(root / "mt").model
+  assert model["family"] == family
+  assert (model.get("head_dim"), model.get("sliding_window", 0)) == {"qwen2": (0, 0), "qwen3": (16, 0),
+                                                                       "mistral": (0, 6)}[family]
+  cfg = registry.model_config(model)
+  assert (cfg.qkv_bias, cfg.qk_norm, cfg.head_dim) == {"qwen2": (True, False, 8), "qwen3": (False, True, 16),
+                                                       "mistral": (False, False, 8)}[family]
+
+
+def test_greedy_generate_equals_transformers(converted):
+  """Prompts of 9 and 13 tokens (longer than Mistral's 6-token window), 10 new tokens each."""
+  import torch
+
+  from maxtrain.inference import sampling
+
+  family, root, hf = converted
+  generator, _, _ = sampling.load(str(root / "mt"))
+  prompts = [[0, 5, 77, 123, 9, 31, 250, 4, 18], [0, 42, 7, 99, 3, 3, 181, 64, 12, 7, 200, 15, 8]]
+  ours, _ = generator.generate(prompts, 10, sampling.Sampling(), vocab_limit=VOCAB)
+  for prompt, got in zip(prompts, ours):
+    with torch.no_grad():
+      x = torch.tensor([prompt])
+      ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                        pad_token_id=VOCAB - 1)[0, len(prompt):].tolist()
+    assert got == ref, family
+
+
+def test_to_hf_gives_back_the_logits(converted):
+  import torch
+  import transformers
+
+  family, root, hf = converted
+  model, info = transformers.AutoModelForCausalLM.from_pretrained(root / "hf2", output_loading_info=True)
+  assert type(model).__name__ == HF_FAMILIES[family][1]
+  assert all(not v for v in info.values()), info  # no missing, unexpected or mismatched keys
+  x = torch.tensor(np.random.default_rng(0).integers(0, VOCAB, (2, 24)))
+  with torch.no_grad():
+    assert np.abs(model.eval()(x).logits.numpy() - hf(x).logits.numpy()).max() <= TOL
+
+
+def test_converted_logits_equal_transformers(converted):
+  """The full forward pass (24 tokens: 4x Mistral's window) against transformers' own; for Mistral, also
+  that the window matters here (the logits without it differ), so the equality tests the window."""
+  import torch
+  from flax import nnx
+
+  from maxtrain.interop.sources import open_source
+  from test_interop import maxtrain_logits, maxtrain_model
+
+  family, root, hf = converted
+  model = maxtrain_model(open_source(root / "mt"))
+  x = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+  with torch.no_grad():
+    want = hf(torch.tensor(x)).logits.numpy()
+  assert np.abs(maxtrain_logits(model, x)[..., :VOCAB] - want).max() <= TOL
+  if family == "mistral":
+    graphdef, params = nnx.split(model)
+    unwindowed = registry.abstract(dataclasses.replace(model.cfg, sliding_window=0))[0]
+    assert np.abs(maxtrain_logits(nnx.merge(unwindowed, params), x)[..., :VOCAB] - want).max() > 100 * TOL
+
+
+def test_transformers_4_and_5_spellings_read_alike(converted):
+  """config.json as transformers 5.x writes it (rope_parameters, layer_types) and as 4.x did (rope_theta at the
+  top, no layer_types, Qwen's use_sliding_window=false beside an unused sliding_window): the same model keys."""
+  from maxtrain.interop import hf_config
+
+  family, root, _ = converted
+  v5 = json.loads((root / "hf" / "config.json").read_text())
+  assert "rope_parameters" in v5
+  v4 = {k: v for k, v in v5.items() if k not in ("rope_parameters", "layer_types")}
+  v4.update(rope_theta=v5["rope_parameters"]["rope_theta"], rope_scaling=None, transformers_version="4.51.3")
+  if family != "mistral":
+    v4.update(use_sliding_window=False, sliding_window=4096, max_window_layers=28)
+  assert hf_config.to_model_keys(v4, "v4") == hf_config.to_model_keys(v5, "v5")
+
+
+REFUSED = [  # (family, field changed, value, the field the one-line error names)
+    ("qwen2", "use_sliding_window", True, "use_sliding_window"),
+    ("qwen2", "layer_types", ["sliding_attention", "full_attention"], "layer_types"),
+    ("qwen3", "attention_bias", True, "attention_bias"),
+    ("qwen3", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}, "rope_parameters.rope_type"),
+    ("mistral", "layer_types", ["sliding_attention", "full_attention"], "layer_types"),
+    ("mistral", "attention_bias", True, "attention_bias"),
+    ("mistral", "hidden_act", "gelu", "hidden_act"),
+]
+
+
+def hf_config_json(family: str) -> dict:
+  """config.json as transformers writes it for the tiny model of `family` (no weights)."""
+  import transformers
+
+  config_cls, model_cls, kwargs = HF_FAMILIES[family]
+  cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, **kwargs)
+  return {**cfg.to_dict(), "architectures": [model_cls]}
+
+
+@pytest.mark.parametrize("family,field,value,named", REFUSED)
+def test_what_would_change_the_math_is_exit_2_naming_the_field(tmp_path, capsys, family, field, value, named):
+  """Refused from config.json alone, before any tensor is read: one line naming the field, nothing written."""
+  from maxtrain.cli import convert
+
+  hf_dir = tmp_path / "hf"
+  hf_dir.mkdir()
+  (hf_dir / "config.json").write_text(json.dumps({**hf_config_json(family), field: value}))
+  capsys.readouterr()
+  assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "out")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and f"{named}=" in err, err
+  assert not (tmp_path / "out").exists()
+
+
+def test_to_hf_refuses_a_piece_the_class_cannot_express():
+  """A piece the family's HF class has no place for (LLaMA with qk-norm, Qwen2 with a window, Mistral with
+  q/k/v biases) is a UserError naming the key, before any file is written; the family's own pieces pass."""
+  from maxtrain import config as config_lib
+  from maxtrain.errors import UserError
+  from maxtrain.interop import hf_config
+
+  keys = config_lib.base_config().model.to_dict()
+  write = lambda **m: hf_config.from_model_keys({**keys, **m}, vocab_size=VOCAB, dtype="float32", bos_id=0, eos_id=1)
+  for family, key, value in (("llama", "qk_norm", True), ("qwen2", "sliding_window", 8), ("mistral", "qkv_bias", True),
+                             ("qwen3", "qkv_bias", True)):
+    with pytest.raises(UserError, match=f"model.{key}={value!r}: {HF_FAMILIES.get(family, ('', 'LlamaForCausalLM'))[1]}"):
+      write(family=family, **{key: value})
+  assert write(family="qwen2")["architectures"] == ["Qwen2ForCausalLM"]
+  assert write(family="mistral", sliding_window=8)["sliding_window"] == 8
+  assert write(family="qwen3", head_dim=128)["head_dim"] == 128
+
+
+def test_a_family_with_every_piece_trains_through_the_entry_point(store, tmp_path, capsys):
+  """qwen3 (qk-norm) with q/k/v biases, a head_dim of its own and a window shorter than the sequence under
+  the flash kernel, Muon: the real entry point trains it (state, routing, step, eval, checkpoint) and the
+  loss falls; biases and norm scales are on Adam."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  from maxtrain.cli import train
+  from tiny import TINY_MODEL
+
+  out = tmp_path / "run"
+  args = TINY_MODEL + [f"--config.data.path={store}", "--config.steps=8", f"--config.output_dir={out}",
+                       "--config.log_every=2", "--config.model.family=qwen3", "--config.model.qkv_bias=True",
+                       "--config.model.head_dim=16", "--config.model.sliding_window=8", "--config.model.attention=flash",
+                       "--config.model.attention_block_q=8", "--config.model.attention_block_kv=8",
+                       "--config.optimizer.name=muon", "--config.optimizer.lr=0.02", "--config.optimizer.adam_lr=0.01",
+                       "--config.optimizer.warmup_steps=1"]
+  assert train.main(args) == 0, capsys.readouterr().err[-2000:]
+  events = EventAccumulator(str(out / "tensorboard"))
+  events.Reload()
+  losses = [e.value for e in events.Scalars("train/loss")]
+  assert len(losses) == 4 and losses[-1] < losses[0] - 0.3, losses
+  assert json.loads((out / "config.json").read_text())["model"]["family"] == "qwen3"
+
+
+def test_decode_memory_of_a_window_layer_is_window_sized(converted):
+  """Mistral's cache (window 6) for 40 slots holds 6 per layer; the others hold all 40. Greedy generation
+  past the window (test_greedy_generate_equals_transformers) runs through this ring."""
+  from maxtrain.interop.sources import open_source
+  from test_interop import maxtrain_model
+
+  family, root, _ = converted
+  cache = maxtrain_model(open_source(root / "mt")).init_cache(2, 40)
+  assert cache.kv["blocks"].k_BSKH.shape == (2, 2, 6 if family == "mistral" else 40, 2, {"qwen3": 16}.get(family, 8))
+  assert cache.valid_BS.shape == (2, 40)
+
+
+@pytest.mark.slow
+def test_a_windowed_family_resumes_bitwise_after_sigkill(store, tmp_path):
+  """Mistral-family (window 8 < seq_len 32, flash): a run SIGKILLed after step 5 (checkpoints every 2 steps)
+  and restarted ends bitwise where the run that never stopped does, with the same loss at every step."""
+  from test_checkpoint import assert_bitwise_equal, losses, restore_raw, trainer
+  from tiny import TINY_MODEL
+
+  base = TINY_MODEL + [f"--config.data.path={store}", "--config.model.family=mistral", "--config.model.sliding_window=8",
+                       "--config.model.attention=flash", "--config.model.attention_block_q=8",
+                       "--config.model.attention_block_kv=8", "--config.checkpoint.every_steps=2", "--config.log_every=1",
+                       "--config.steps=6"]
+  a = trainer(base + [f"--config.output_dir={tmp_path / 'a'}"], devices=1)
+  assert a.returncode == 0, a.stderr[-3000:]
+  b1 = trainer(base + [f"--config.output_dir={tmp_path / 'b'}", "--config.faults.kill_at_step=5"], devices=1)
+  assert b1.returncode == -9, b1.stderr[-3000:]
+  b2 = trainer(base + [f"--config.output_dir={tmp_path / 'b'}"], devices=1)
+  assert b2.returncode == 0 and "restored step 4" in b2.stderr, b2.stderr[-3000:]
+  assert_bitwise_equal(restore_raw(tmp_path / "a/checkpoints", 6), restore_raw(tmp_path / "b/checkpoints", 6))
+  assert losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
+def test_linear_rope_scaling_matches_transformers(tmp_path):
+  """rope_type `linear` (position interpolation, factor 4) read, computed and written back: logits within 1e-4
+  of transformers' both ways (written in the 4.x spelling, which transformers 5 reads)."""
+  import torch
+  import transformers
+
+  from maxtrain.interop import hf_export, hf_import
+  from maxtrain.interop.sources import open_source
+  from test_interop import maxtrain_logits, maxtrain_model
+
+  rope = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+  hf = make_family_model(tmp_path / "hf", "qwen2", rope_parameters=rope)
+  hf_import.from_hf(tmp_path / "hf", tmp_path / "mt")
+  source = open_source(tmp_path / "mt")
+  assert (source.model["rope_scaling"], source.model["rope_scaling_factor"]) == ("linear", 4.0)
+  x = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+  with torch.no_grad():
+    want = hf(torch.tensor(x)).logits.numpy()
+  assert np.abs(maxtrain_logits(maxtrain_model(source), x)[..., :VOCAB] - want).max() <= TOL
+  hf_export.to_hf(tmp_path / "mt", tmp_path / "hf2")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+  with torch.no_grad():
+    assert np.abs(back(torch.tensor(x)).logits.numpy() - want).max() <= TOL
