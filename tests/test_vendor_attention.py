@@ -42,6 +42,7 @@ def test_selection_and_refusals():
   assert {resolve_kernel("auto", t, backend="gpu", dtype=jnp.bfloat16) for t in lengths} == {"cudnn"}
   assert {resolve_kernel("auto", t, backend="gpu", dtype=jnp.float32) for t in lengths} == {"blocked", "flash"}
   assert resolve_kernel("auto", 8192, backend="gpu", dtype=jnp.bfloat16, head_dim=12) == "flash"  # not a multiple of 8
+  assert resolve_kernel("auto", 8192, backend="gpu", dtype=jnp.bfloat16, window=4096) == "flash"  # cuDNN gets no window
   assert {resolve_kernel("auto", t, backend="neuron", dtype=jnp.bfloat16) for t in lengths} == {"blocked", "flash"}
   x = jnp.zeros((1, 8, 2, 4))
   seg = jnp.ones((1, 8), jnp.int32)
