@@ -24,6 +24,7 @@ import ml_collections
 from flax import nnx
 
 from maxtrain.errors import UserError
+from maxtrain.optim import offload
 from maxtrain.optim import optimizer as optim
 from maxtrain.models.attention.layer import resolve_kernel
 from maxtrain.models.attention.blocked import default_block_q
@@ -81,12 +82,18 @@ class Estimate:
 
   @property
   def arguments(self) -> int:
-    """What the compiled step takes as arguments: the train state (and the batch)."""
+    """What the compiled step takes as arguments in device memory: the train state (and the batch)."""
     return sum(self.memory[k] for k in ARGUMENTS)
 
   @property
   def temporaries(self) -> int:
-    return sum(v for k, v in self.memory.items() if k not in ARGUMENTS)
+    return sum(v for k, v in self.memory.items() if k not in ARGUMENTS and k not in HOST)
+
+  @property
+  def host(self) -> int:
+    """Host memory per device: the optimizer state under optimizer.offload=host, the activations offloaded by
+    model.remat=offload."""
+    return sum(self.memory.get(k, 0) for k in HOST)
 
   @property
   def peak(self) -> int:
@@ -96,7 +103,7 @@ class Estimate:
     return {"num_devices": self.num_devices, "mesh": self.mesh_shape, "params": self.params,
             "flops_per_token": self.flops_per_token, "microbatch_sequences_per_device": self.microbatch,
             "memory_bytes_per_device": {**self.memory, "arguments": self.arguments, "temporaries": self.temporaries,
-                                        "peak": self.peak}, "notes": self.notes, "pipeline_schedule": self.pipeline}
+                                        "peak": self.peak, "host": self.host}, "notes": self.notes, "pipeline_schedule": self.pipeline}
 
   def table(self) -> str:
     p = self.params
@@ -125,11 +132,14 @@ class Estimate:
       lines.insert(3 + len(q["per_stage"]), f"  max over stages: {q['max_stage_saved_bytes'] / GiB:.3f} GiB saved "
                    f"activations, peak {self.peak / GiB:.3f} GiB")
     for key, (label, _) in COMPONENTS.items():
-      if self.memory.get(key):
+      if self.memory.get(key) and key not in HOST:
         lines.append(f"  {label:<34s} {self.memory[key] / GiB:9.3f} GiB")
     lines += [f"  {'= arguments (train state + batch)':<34s} {self.arguments / GiB:9.3f} GiB",
               f"  {'+ temporaries':<34s} {self.temporaries / GiB:9.3f} GiB",
               f"  {'= peak':<34s} {self.peak / GiB:9.3f} GiB"]
+    if self.host:
+      lines.append("host memory per device (pinned_host):")
+      lines += [f"  {COMPONENTS[k][0]:<34s} {self.memory[k] / GiB:9.3f} GiB" for k in HOST if self.memory.get(k)]
     lines += [f"note: {n}" for n in self.notes]
     return "\n".join(lines)
 
@@ -148,8 +158,13 @@ COMPONENTS: dict[str, tuple[str, str]] = {
     "working_set": ("working set (peak phase)", "the larger of: the loss phase (gathered head, its full "
                     "gradient, fp32 logits) and one layer's recompute + backward (attention scores, "
                     "gathered layer weights and their full gradients)"),
+    "host_optimizer_state": ("optimizer state (host)", "optimizer.offload=host: the moments in host memory, on "
+                             "the device only for the update"),
+    "host_activations": ("offloaded activations (host)", "model.remat=offload: the named activations each layer "
+                         "saves to host memory for the backward pass"),
 }
 ARGUMENTS = ("weights", "optimizer_state", "other_state")
+HOST = ("host_optimizer_state", "host_activations")
 
 
 def _itemsize(dtype: Any) -> int:
@@ -334,8 +349,14 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   # them). The moments are updated in place: the guard's select sits inside Adam's and Muon's updates
   # (maxtrain.optim.scale_by_adam_guarded, maxtrain.muon).
   state_copy = weights
+  # optimizer.offload=host: the moments are arguments in host memory (optim/offload.py). The device holds them
+  # only while the update runs, after the backward pass has freed the activations: not at the peak.
+  host_optimizer_state = 0
+  if offload.enabled(o):
+    host_optimizer_state, optimizer_state = optimizer_state, 0
   memory = {
       "weights": weights, "optimizer_state": optimizer_state, "other_state": other_state,
+      "host_optimizer_state": host_optimizer_state,
       "state_copy": state_copy, "gradients": gradients, "grad_accumulators": grad_accumulators,
       "saved_activations": saved, "working_set": max(loss_phase, layer_phase),
   }

@@ -224,7 +224,9 @@ class LocalTier:
         if entry is None:
           raise LocalUnusable(f"{path}: no saved shard of {name} at {_slices(where, leaf.shape)}")
         data = blob[entry["offset"]: entry["offset"] + entry["nbytes"]].view(jax.numpy.dtype(entry["dtype"]))
-        arrays.append(jax.device_put(np.array(data.reshape(entry["shape"])), device))  # a copy: never alias the file
+        # a copy: never alias the file; in the sharding's memory (host for an offloaded optimizer state)
+        where_to = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
+        arrays.append(jax.device_put(np.array(data.reshape(entry["shape"])), where_to))
       leaves.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays))
     state = jax.tree_util.tree_unflatten(treedef, leaves)
     return state, json.loads((path / DATA_FILE).read_text())

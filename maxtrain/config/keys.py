@@ -123,6 +123,7 @@ def base_config() -> ml_collections.ConfigDict:
   o.grad_accum_steps = 1  # Microbatches per step (scanned in the one jitted step): activation memory / k.
   o.microbatch_size = 0  # > 0: sequences per batch shard in each microbatch; sets grad_accum_steps for any node count.
   o.state_dtype = "float32"  # Dtype of optimizer moments (Adam mu and nu, Muon momentum).
+  o.offload = "none"  # none | host: keep the optimizer moments in host memory (pinned_host) between steps, on the device only for the update (docs/optimizers.md).
   o.b1 = 0.9  # Adam first-moment decay.
   o.b2 = 0.95  # Adam second-moment decay.
   o.eps = 1e-8  # Adam epsilon.

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtrain.program import batch as batch_lib
 from maxtrain.program import loss
+from maxtrain.optim import offload
 from maxtrain.optim import optimizer as optim
 from maxtrain.program import state as state_lib
 from maxtrain.program import step as step_lib
@@ -69,7 +70,8 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) 
   rules = plan.layout.rules
   model_cfg = registry.model_config(cfg.model)
   optimizer = optim.make(cfg.optimizer, total_steps(cfg))
-  state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window)
+  state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window,
+                              offload_optimizer=offload.enabled(cfg.optimizer))
   batch_shardings = batch_lib.shardings(mesh, plan.layout)
   replicated = NamedSharding(mesh, P())
   # Each batch shard keeps its own partial head gradient across loss chunks (maxtrain/program/loss.py).
@@ -97,4 +99,5 @@ def program_for(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], *
   num_processes = len({d.process_index for d in devices})
   plan = validate(cfg, len(devices), num_processes, require_data=require_data)
   quant.check_devices(cfg.model, devices)
+  offload.check_devices(cfg.optimizer, devices, cfg.runtime.platform)
   return build(cfg, plan, make_mesh(plan.mesh, devices))

@@ -1,0 +1,129 @@
+"""optimizer.offload=host: the optimizer state in host memory (pinned_host), on the device for the update only.
+Same losses as without offload, bitwise resume across an offload on/off change, the state's memory space in
+the compiled step, and the device bytes it frees (maxtrain/optim/offload.py)."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from maxtrain import config as config_lib
+from maxtrain.aot import compile as compile_lib
+from maxtrain.aot.estimate import estimate
+from maxtrain.cli import train
+from maxtrain.errors import UserError
+from maxtrain.optim import offload
+from maxtrain.program import build
+from test_checkpoint import TINY, assert_bitwise_equal, losses, restore_raw
+
+SMALL = ["--config.hardware=cpu", "--config.model.num_layers=2", "--config.model.d_model=64",
+         "--config.model.num_heads=4", "--config.model.num_kv_heads=2", "--config.model.d_ff=128",
+         "--config.data.seq_len=64", "--config.data.batch_size=8", "--config.mesh.fsdp=8"]
+
+
+@pytest.fixture(scope="module")
+def reports():
+  return {o: compile_lib.compile_train_step(config_lib.load(SMALL + [f"--config.optimizer.offload={o}"]), 8)
+          for o in ("none", "host")}
+
+
+def _opt_state(cfg):
+  program = build.program_for(cfg, jax.devices(), require_data=False)
+  return program, program.state.abstract.opt_state, program.state.shardings.opt_state
+
+
+def test_offloaded_state_moves_between_memory_spaces_in_the_step(reports):
+  report = reports["host"]
+  program, opt_state, shardings = _opt_state(report.cfg)
+  n = len(jax.tree.leaves(opt_state))
+  assert n > 10 and all(s.memory_kind == "pinned_host" for s in jax.tree.leaves(shardings))
+  assert all(s.memory_kind in (None, "device") for s in jax.tree.leaves(program.state.shardings.params))
+  # The step takes and returns the optimizer state (and nothing else) in host memory ...
+  lowered = report.lowered.as_text()
+  host_args = re.findall(r"%(arg\d+): tensor<[^>]*> \{mhlo.memory_kind = \"pinned_host\"", lowered)
+  assert len(host_args) == n
+  # ... the compiled program keeps exactly those buffers in memory space 5 (host) at its entry and exit ...
+  params, outputs, aliased = compile_lib._entry_buffers(report.compiled.as_text())
+  assert sum(host for _, host in params) == n and sum(host for _, host in outputs) == n
+  assert not any(host for _, host in compile_lib._entry_buffers(reports["none"].compiled.as_text())[0])
+  # ... and moves each of them to the device for the update, then back: XLA:CPU lowers a device_put inside a
+  # jit to nothing (one RAM), so the same step is lowered for a GPU (no GPU needed to lower).
+  with jax.set_mesh(program.mesh):
+    gpu = program.train_step.trace(program.abstract_state(), program.abstract_batch()).lower(
+        lowering_platforms=("cuda",)).as_text()
+  to_device = re.findall(r"annotate_device_placement\(%(arg\d+)\) \{[^}]*_xla_buffer_placement = \"device\"", gpu)
+  assert sorted(to_device) == sorted(host_args)
+  first_dot = gpu.index("stablehlo.dot_general")
+  assert all(gpu.index(f"annotate_device_placement(%{a})") > first_dot for a in host_args)  # not before the forward
+  moved_back = gpu.count('_xla_buffer_placement = "pinned_host"') - lowered.count('_xla_buffer_placement = "pinned_host"')
+  assert moved_back == n
+
+
+def test_offload_moves_the_optimizer_state_bytes_from_device_to_host(reports):
+  none, host = reports["none"].memory, reports["host"].memory
+  _, opt_state, shardings = _opt_state(reports["host"].cfg)
+  opt_bytes = offload.sharded_bytes(opt_state, shardings)
+  print(f"per device: optimizer state {opt_bytes / 2**20:.2f} MiB; device peak {none.peak / 2**20:.2f} -> "
+        f"{host.peak / 2**20:.2f} MiB, host {none.host / 2**20:.2f} -> {host.host / 2**20:.2f} MiB")
+  assert none.host == 0 and host.host_arguments == opt_bytes and host.host == opt_bytes
+  assert none.arguments - host.arguments == opt_bytes
+  assert none.peak - host.peak == opt_bytes
+  assert host.temporaries == none.temporaries  # XLA:CPU: the moved copies are the same buffers
+  # The arithmetic estimate moves the same bytes (its optimizer state is the moments; the step counters
+  # that optax keeps beside them are a few int32s it counts with the step's other scalars).
+  e_none, e_host = (estimate(reports[o].cfg, 8) for o in ("none", "host"))
+  assert e_host.host == pytest.approx(opt_bytes, abs=64) and e_none.host == 0
+  assert e_none.peak - e_host.peak == e_host.host
+  text = reports["host"].describe()
+  assert re.search(rf"^  arguments +{host.arguments / 2**30:.3f} GiB  host +{opt_bytes / 2**30:.3f} GiB", text, re.M)
+  assert "offload host" in text
+
+
+@pytest.mark.slow
+def test_offload_trains_the_same_losses_and_resumes_bitwise_across_on_and_off(store, tmp_path):
+  base = TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}"]
+
+  def run(name, steps, *extra):
+    assert train.main(base + [f"--config.output_dir={tmp_path / name}", f"--config.steps={steps}", *extra]) == 0
+
+  run("a", 8)  # offload off throughout; checkpoints at 4 and 8
+  run("b", 4, "--config.optimizer.offload=host", "--config.optimizer.decay_steps=8")  # on ...
+  run("b", 8)  # ... resumed with it off
+  run("c", 8, "--config.optimizer.offload=host", f"--config.checkpoint.resume={tmp_path / 'a/checkpoints/4'}")  # off -> on
+  a = losses(tmp_path / "a")
+  assert sorted(a) == list(range(1, 9))
+  assert losses(tmp_path / "b") == a  # steps 1-4 offloaded, 5-8 not: bitwise the same floats
+  assert {s: v for s, v in losses(tmp_path / "c").items()} == {s: a[s] for s in range(5, 9)}
+  final = restore_raw(tmp_path / "a/checkpoints", 8)
+  for other in ("b", "c"):
+    assert_bitwise_equal(final, restore_raw(tmp_path / other / "checkpoints", 8))
+
+
+def test_local_tier_restores_into_host_memory_and_back(tmp_path):
+  from maxtrain.checkpoint.local import LocalTier
+
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  on_device = {"mu": NamedSharding(mesh, P("fsdp"))}
+  on_host = offload.host_shardings(on_device)
+  tier = LocalTier(str(tmp_path), 0, keep=2)
+  values = np.arange(64, dtype=np.float32)
+  for step, shardings in ((2, on_host), (4, on_device)):
+    tier.save(step, {"mu": jax.device_put(values * step, shardings["mu"])}, {}, {"mesh": {"fsdp": 8}, "process_count": 1})
+  tier.wait()
+  abstract = {"mu": jax.ShapeDtypeStruct((64,), np.float32)}
+  for step, shardings in ((2, on_device), (4, on_host)):  # saved in one memory, restored into the other
+    restored, _ = tier.restore(tier.path(step), abstract, shardings)
+    assert restored["mu"].sharding == shardings["mu"]
+    np.testing.assert_array_equal(np.asarray(restored["mu"]), values * step)
+  tier.close()
+
+
+def test_bad_offload_and_neuron_are_refused_before_compiling():
+  with pytest.raises(UserError, match=r"optimizer.offload='disk': choose one of none, host"):
+    build.program_for(config_lib.load(SMALL + ["--config.optimizer.offload=disk"]), jax.devices(), require_data=False)
+  cfg = config_lib.load(SMALL + ["--config.optimizer.offload=host"])
+  with pytest.raises(UserError, match="not supported on Neuron"):
+    offload.check_devices(cfg.optimizer, jax.devices(), "neuron")
+  offload.check_devices(cfg.optimizer, jax.devices(), "cpu")  # XLA:CPU has pinned_host
