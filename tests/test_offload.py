@@ -45,9 +45,9 @@ def test_offloaded_state_moves_between_memory_spaces_in_the_step(reports):
   host_args = re.findall(r"%(arg\d+): tensor<[^>]*> \{mhlo.memory_kind = \"pinned_host\"", lowered)
   assert len(host_args) == n
   # ... the compiled program keeps exactly those buffers in memory space 5 (host) at its entry and exit ...
-  params, outputs, aliased = compile_lib._entry_buffers(report.compiled.as_text())
+  params, outputs, aliased = compile_lib.entry_buffers(report.compiled.as_text())
   assert sum(host for _, host in params) == n and sum(host for _, host in outputs) == n
-  assert not any(host for _, host in compile_lib._entry_buffers(reports["none"].compiled.as_text())[0])
+  assert not any(host for _, host in compile_lib.entry_buffers(reports["none"].compiled.as_text())[0])
   # ... and moves each of them to the device for the update, then back: XLA:CPU lowers a device_put inside a
   # jit to nothing (one RAM), so the same step is lowered for a GPU (no GPU needed to lower).
   with jax.set_mesh(program.mesh):
@@ -127,3 +127,70 @@ def test_bad_offload_and_neuron_are_refused_before_compiling():
   with pytest.raises(UserError, match="not supported on Neuron"):
     offload.check_devices(cfg.optimizer, jax.devices(), "neuron")
   offload.check_devices(cfg.optimizer, jax.devices(), "cpu")  # XLA:CPU has pinned_host
+
+
+# ---- model.remat=offload and auto ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_remat_offload_trains_the_same_losses_as_no_remat(store, tmp_path):
+  base = TINY + ["--config.mesh.fsdp=8", f"--config.data.path={store}", "--config.steps=4"]
+  for name, remat in (("none", "none"), ("offload", "offload")):
+    assert train.main(base + [f"--config.output_dir={tmp_path / name}", f"--config.model.remat={remat}"]) == 0
+  assert losses(tmp_path / "offload") == losses(tmp_path / "none")  # bitwise: the same floats at every step
+  assert_bitwise_equal(restore_raw(tmp_path / "none/checkpoints", 4), restore_raw(tmp_path / "offload/checkpoints", 4))
+
+
+def test_remat_offload_sends_the_named_activations_to_host():
+  program = build.program_for(config_lib.load(SMALL + ["--config.model.remat=offload"]), jax.devices(),
+                              require_data=False)
+  with jax.set_mesh(program.mesh):  # lowered for a GPU: XLA:CPU's lowering drops the placement (one RAM)
+    gpu = program.train_step.trace(program.abstract_state(), program.abstract_batch()).lower(
+        lowering_platforms=("cuda",)).as_text()
+  to_host = re.findall(r"_xla_buffer_placement = \"pinned_host\"\}\} : \(tensor<([0-9x]+)xf32>\)", gpu)
+  to_device = re.findall(r"_xla_buffer_placement = \"device\"\}\} : \(tensor<([0-9x]+)xf32>\)", gpu)
+  activation = "8x64x64"  # [B, T, D]: the residual and the MLP input of the layer
+  assert to_host.count(activation) == 2 and to_device.count(activation) >= 2
+
+
+def _compile_candidate(calls):
+  def compile_fn(trial):
+    calls.append(trial.model.remat)
+    program = build.program_for(trial, jax.devices(), require_data=False)
+    with jax.set_mesh(program.mesh):
+      return program.lower().compile(), program.plan
+  return compile_fn
+
+
+def test_remat_auto_picks_the_fastest_policy_that_fits_and_caches(tmp_path, monkeypatch):
+  from maxtrain.program import fit
+
+  monkeypatch.setenv("MAXTRAIN_CACHE", str(tmp_path))
+  cfg = config_lib.load(SMALL + ["--config.model.remat=auto", "--config.model.scan_unroll=1"])
+  cfg.hardware = "test-device"
+  monkeypatch.setitem(fit.TARGETS, "test-device", fit.Target("test device", 2**40, 1e12, 50e9, "test"))
+  calls = []
+  remat, table, candidates = fit.choose_remat(cfg, jax.devices(), _compile_candidate(calls))
+  print(table)
+  assert calls == list(fit.CANDIDATES)
+  rows = {c.remat: c for c in candidates}
+  assert set(rows) == set(fit.CANDIDATES) and all(f"  {c.remat:<8} {c.device_peak / 2**20:8.3f} MiB" in table for c in candidates)
+  # Everything fits a 1 TiB device: no recompute and no transfer is fastest.
+  assert remat == "none" and re.search(r"^  none .* <- chosen$", table, re.M)
+  assert rows["full"].step_seconds > rows["dots"].step_seconds > rows["none"].step_seconds
+  assert rows["offload"].host > 0 == rows["none"].host and rows["offload"].moved == 2 * rows["offload"].host
+  assert rows["full"].device_peak < rows["none"].device_peak and rows["offload"].device_peak < rows["none"].device_peak
+  # A device between the smallest peak and none's: the fastest of those under it, from the cache (no compile).
+  fitting = [k for k, c in rows.items() if c.device_peak < rows["none"].device_peak]
+  memory = (max(rows[k].device_peak for k in fitting) + rows["none"].device_peak) / 2
+  monkeypatch.setitem(fit.TARGETS, "test-device", fit.Target("test device", int(memory), 1e12, 50e9, "test"))
+  cfg.fit.headroom = 0.0
+  remat, table, _ = fit.choose_remat(cfg, jax.devices(), _compile_candidate(calls))
+  assert calls == list(fit.CANDIDATES)  # cached
+  assert remat == min(fitting, key=lambda k: rows[k].step_seconds) and re.search(r"^  none .*\(does not fit\)$", table, re.M)
+  monkeypatch.setitem(fit.TARGETS, "test-device", fit.Target("test device", 1000, 1e12, 50e9, "test"))
+  with pytest.raises(UserError, match="no remat policy fits"):
+    fit.choose_remat(cfg, jax.devices(), _compile_candidate(calls))
+  cfg.fit.headroom = 1.0
+  with pytest.raises(UserError, match=r"fit.headroom=1.0: must be in \[0, 1\)"):
+    fit.choose_remat(cfg, jax.devices(), _compile_candidate(calls))

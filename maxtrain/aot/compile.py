@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ import jax
 import ml_collections
 
 from maxtrain.errors import UserError
+from maxtrain.program.fit import Memory, entry_buffers  # noqa: F401 (Memory: this module's figures)
 from maxtrain.sharding.mesh import AXES
 from maxtrain.program.plan import Plan
 
@@ -59,81 +59,6 @@ def default_devices(cfg: ml_collections.ConfigDict) -> int:
   return math.prod(sizes)
 
 
-# Memory space 5 is XLA's host memory (`pinned_host`); a compiled layout marks such a buffer `{...S(5)}`.
-_HOST_SPACE = "S(5)"
-_SHAPE = re.compile(r"(\w+)\[([0-9,]*)\](\{[^{}]*\})?")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-             "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-
-
-def _entry_buffers(hlo_text: str) -> tuple[list[tuple[int, bool]], list[tuple[int, bool]], list[int]]:
-  """(parameters, outputs: each (bytes on one device, in host memory), the outputs aliased to a parameter)
-  from the compiled module's `entry_computation_layout` and `input_output_alias`."""
-  header = hlo_text.split("\n", 1)[0]
-  layout = re.search(r"entry_computation_layout=\{(.*)\}", header)
-  if not layout:
-    return [], [], []
-  params, _, outputs = layout.group(1).partition(")->")
-
-  def buffers(text: str) -> list[tuple[int, bool]]:
-    return [(math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE.get(dtype, 4), _HOST_SPACE in (where or ""))
-            for dtype, dims, where in _SHAPE.findall(text)]
-
-  aliases = re.search(r"input_output_alias=\{(.*?)\}, entry", header)
-  aliased = [int(i) for i in re.findall(r"\{(\d+)\}: \(", aliases.group(1))] if aliases else []
-  return buffers(params), buffers(outputs), aliased
-
-
-@dataclasses.dataclass(frozen=True)
-class Memory:
-  """Per-device bytes from `Compiled.memory_analysis()`: device memory, and host memory (`pinned_host`:
-  an offloaded optimizer state, `optim/offload.py`; activations of `model.remat=offload`)."""
-  arguments: int
-  outputs: int
-  aliased: int  # outputs written into donated argument buffers (the new state into the old)
-  temporaries: int
-  generated_code: int
-  host_arguments: int = 0
-  host_outputs: int = 0
-  host_aliased: int = 0
-  host_temporaries: int = 0
-
-  @property
-  def peak(self) -> int:
-    """Device memory at the step's peak."""
-    return self.arguments + self.outputs - self.aliased + self.temporaries
-
-  @property
-  def host(self) -> int:
-    """Host memory the step holds (pinned_host buffers)."""
-    return self.host_arguments + self.host_outputs - self.host_aliased + self.host_temporaries
-
-  @classmethod
-  def of(cls, compiled: Any) -> "Memory":
-    """XLA's figures. XLA:CPU reports no host bytes: host and device are one RAM there, and it counts the
-    pinned_host buffers with the device's. Those it keeps at the step's entry and exit (an offloaded
-    optimizer state) are then read from the compiled entry layout (memory space S(5)) and moved from
-    the device's columns to the host's, as a GPU's memory_analysis reports them."""
-    m = compiled.memory_analysis()
-    mem = cls(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
-              temporaries=m.temp_size_in_bytes, generated_code=m.generated_code_size_in_bytes,
-              host_arguments=getattr(m, "host_argument_size_in_bytes", 0),
-              host_outputs=getattr(m, "host_output_size_in_bytes", 0),
-              host_aliased=getattr(m, "host_alias_size_in_bytes", 0),
-              host_temporaries=getattr(m, "host_temp_size_in_bytes", 0))
-    if mem.host:
-      return mem
-    params, outputs, aliased = _entry_buffers(compiled.as_text())
-    host_in = sum(n for n, host in params if host)
-    host_out = sum(n for n, host in outputs if host)
-    host_aliased = sum(outputs[i][0] for i in aliased if i < len(outputs) and outputs[i][1])
-    if not host_in and not host_out:
-      return mem
-    return dataclasses.replace(mem, arguments=mem.arguments - host_in, outputs=mem.outputs - host_out,
-                               aliased=mem.aliased - host_aliased, host_arguments=host_in, host_outputs=host_out,
-                               host_aliased=host_aliased)
-
-
 def xla_flops(compiled: Any) -> float | None:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per program
@@ -153,6 +78,7 @@ class CompileReport:
   xla_flops: float | None  # per device per step, from XLA's cost analysis (loop bodies counted once)
   lower_seconds: float
   compile_seconds: float
+  remat_table: str = ""  # model.remat=auto: the candidates and the chosen policy (program/fit.py); cfg has it
 
   @property
   def loops(self) -> list[str]:
@@ -218,7 +144,10 @@ class CompileReport:
     else:
       lines.append(f"  XLA cost analysis {self.xla_flops / 1e12:12.3f} TFLOP  ({self.xla_flops / self.model_flops:.2f} x "
                    "model: includes remat recompute, elementwise work and the optimizer)")
-    lines.append(f"time: lower {self.lower_seconds:.1f} s, compile {self.compile_seconds:.1f} s")
+    if self.remat_table:
+      lines.append(self.remat_table)
+    lines.append(f"time: lower {self.lower_seconds:.1f} s, compile {self.compile_seconds:.1f} s"
+                 + (" (model.remat=auto compiled its candidates within the lower)" if self.remat_table else ""))
     return "\n".join(lines)
 
 
@@ -237,7 +166,7 @@ def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int) -> Comp
     compiled = lowered.compile()
   t2 = time.perf_counter()
   return CompileReport(
-      cfg=cfg, num_devices=num_devices, plan=plan, lowered=lowered, compiled=compiled, memory=Memory.of(compiled),
+      cfg=program.cfg, num_devices=num_devices, plan=plan, remat_table=program.remat_table, lowered=lowered, compiled=compiled, memory=Memory.of(compiled),
       num_params=sum(x.size for x in jax.tree.leaves(program.state.abstract.params)),
       model_flops=program.flops_per_token * plan.batch.tokens / num_devices, xla_flops=xla_flops(compiled),
       lower_seconds=t1 - t0, compile_seconds=t2 - t1)

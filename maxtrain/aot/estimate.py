@@ -289,6 +289,25 @@ def _grad_accumulators(table: list[Param], m: ModelConfig, layout: Layout) -> in
   return 4 * sum(vocab_whole[p.name] if whole and p.name in vocab_whole else p.local_size for p in table)
 
 
+def _saved_activations(m: ModelConfig, tokens: int, dots_per_token: int, f_t: int, attention_saved: int,
+                       c_bytes: int) -> tuple[int, int]:
+  """(device bytes, host bytes) the backward pass keeps from the forward, per `model.remat`."""
+  d = m.d_model
+  host_activations = 0
+  if m.remat in ("full", "offload", "auto"):
+    # Each layer's input; the rest is recomputed. offload: + the residual and MLP input of every layer in host
+    # memory (program/fit.py offloaded_activation_bytes). auto: the candidate with the least device memory
+    # (the compile chooses, program/fit.py), so that a model that fits some policy passes the memory check.
+    saved = m.num_layers * tokens * d * c_bytes
+    if m.remat == "offload":
+      host_activations = 2 * m.num_layers * tokens * d * c_bytes
+  elif m.remat == "dots":
+    saved = m.num_layers * tokens * dots_per_token * c_bytes
+  else:  # everything: the matmul outputs, the norms' and SwiGLU's elementwise results, the attention's
+    saved = m.num_layers * (tokens * (dots_per_token + 3 * d + 2 * f_t) * c_bytes + attention_saved)
+  return saved, host_activations
+
+
 def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1) -> Estimate:
   """Per-device memory and FLOPs of `cfg`'s train step on `num_devices` devices (over `num_processes`)."""
   plan = validate(cfg, num_devices, num_processes, require_data=False)
@@ -327,12 +346,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   # Per token of one layer: the matmul outputs (q, k, v, attention output, its projection, gate, up,
   # down) and the layer input.
   dots_per_token = h_t * m.head_dim * 2 + kv_t * m.head_dim * 2 + 2 * d + 2 * f_t + d
-  if m.remat == "full":
-    saved = m.num_layers * tokens * d * c_bytes  # each layer's input; the rest is recomputed
-  elif m.remat == "dots":
-    saved = m.num_layers * tokens * dots_per_token * c_bytes
-  else:  # everything: the matmul outputs, the norms' and SwiGLU's elementwise results, the attention's
-    saved = m.num_layers * (tokens * (dots_per_token + 3 * d + 2 * f_t) * c_bytes + attention_saved)
+  saved, host_activations = _saved_activations(m, tokens, dots_per_token, f_t, attention_saved, c_bytes)
   saved, pipeline = _pipeline(plan, m.num_layers, saved, tokens * d * c_bytes, batch_rows * seq_local * d * c_bytes)
   # With FSDP a weight is all-gathered (in the compute dtype) where it is used, and its gradient is
   # whole (fp32) until it is reduce-scattered.
@@ -356,11 +370,14 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
     host_optimizer_state, optimizer_state = optimizer_state, 0
   memory = {
       "weights": weights, "optimizer_state": optimizer_state, "other_state": other_state,
-      "host_optimizer_state": host_optimizer_state,
+      "host_optimizer_state": host_optimizer_state, "host_activations": host_activations,
       "state_copy": state_copy, "gradients": gradients, "grad_accumulators": grad_accumulators,
       "saved_activations": saved, "working_set": max(loss_phase, layer_phase),
   }
-  notes = [] if m.compute_dtype == jnp.float32 else [
+  notes = [] if m.remat != "auto" else [
+      "model.remat=auto: the activations of the policy with the least device memory (full, or offload with "
+      "its host bytes elsewhere); the compile picks the fastest that fits (python -m maxtrain.compile)"]
+  notes += [] if m.compute_dtype == jnp.float32 else [
       "compute dtype is not fp32: XLA:CPU (maxtrain.compile) keeps some matmul outputs and saved activations in "
       f"fp32 where a GPU/Neuron compiler keeps them in {jnp.dtype(m.compute_dtype).name}, so its figures can exceed "
       "this estimate"]

@@ -38,20 +38,26 @@ def enabled(opt_cfg: Any) -> bool:
 
 
 def check_devices(opt_cfg: Any, devices: Sequence[Any], platform: str = "") -> None:
-  """UserError, before anything compiles, where the devices have no host memory kind to offload to.
-  Neuron is refused whatever it reports: its SDK documents no host memory kind, and no device check has
-  shown a step with `pinned_host` buffers compile there."""
-  if not enabled(opt_cfg) or not devices:
+  """UserError, before anything compiles, for optimizer.offload=host where the devices cannot offload."""
+  if enabled(opt_cfg):
+    check_host_memory("optimizer.offload=host", devices, platform)
+
+
+def check_host_memory(setting: str, devices: Sequence[Any], platform: str = "") -> None:
+  """UserError naming `setting` where the devices have no host memory kind to offload to. Neuron is refused
+  whatever it reports: its SDK documents no host memory kind, and no device check has shown a step with
+  `pinned_host` buffers compile there."""
+  if not devices:
     return
   device = devices[0]
   if platform == "neuron" or device.platform == "neuron":
-    raise UserError("config.optimizer.offload=host is not supported on Neuron (the Neuron SDK documents no host "
-                    "memory kind for JAX arrays): use optimizer.offload=none, and shard the optimizer state over "
-                    "more cores (mesh.fsdp) or keep it in bfloat16 (optimizer.state_dtype=bfloat16)")
+    raise UserError(f"config.{setting} is not supported on Neuron (the Neuron SDK documents no host memory kind "
+                    "for JAX arrays): offload nothing there; shard over more cores (mesh.fsdp), keep the optimizer "
+                    "state in bfloat16 (optimizer.state_dtype=bfloat16) or use model.remat=full")
   kinds = {m.kind for m in device.addressable_memories()}
   if HOST_MEMORY not in kinds:
-    raise UserError(f"config.optimizer.offload=host: the {device.platform} devices have no {HOST_MEMORY} memory "
-                    f"(they have {', '.join(sorted(kinds))}): use optimizer.offload=none")
+    raise UserError(f"config.{setting}: the {device.platform} devices have no {HOST_MEMORY} memory "
+                    f"(they have {', '.join(sorted(kinds))}): offload nothing there")
 
 
 def host_shardings(shardings: Any) -> Any:
