@@ -48,7 +48,7 @@ REMAT_POLICIES = {
         names_which_can_be_saved=[], names_which_can_be_offloaded=list(OFFLOADED), offload_src="device",
         offload_dst="pinned_host"),
 }
-# auto: the program builder picks one of the above for the target (maxtrain/aot/remat.py) before the model is built.
+# auto: the program builder picks one of the above for the target (maxtrain/program/fit.py) before the model is built.
 REMAT_CHOICES = (*REMAT_POLICIES, "auto")
 # Under the pipeline without remat: keep every activation, but recompute slices and reshapes, so that a layer's
 # weights picked from its stage's repeats are not kept per loop iteration (sharding/pipeline.py). Casts are
@@ -365,7 +365,7 @@ def _run_stack(cfg: ModelConfig, blocks: nnx.Module, x_BTD: jax.Array, segment_i
     x_BTD, stats, kv = nnx.merge(graphdef, block_state)(x_BTD, segment_ids_BT, positions_BT, kv, write)
     return x_BTD, (stats, kv)
 
-  assert cfg.remat != "auto", "model.remat=auto is resolved by the program builder (maxtrain/aot/remat.py)"
+  assert cfg.remat != "auto", "model.remat=auto is resolved by the program builder (maxtrain/program/fit.py)"
   policy = REMAT_POLICIES[cfg.remat]
   if policy is not None and kv is None:  # decoding differentiates nothing: no remat
     apply_block = jax.checkpoint(apply_block, policy=policy, static_argnums=(2,))
