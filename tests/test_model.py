@@ -115,7 +115,7 @@ def test_scan_unroll_does_not_change_loss_or_gradients(unroll):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("remat", ["full", "dots", "offload"])
 def test_remat_does_not_change_gradients(remat):
   tokens, segs, pos = make_inputs(seed=2)
 

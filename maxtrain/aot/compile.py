@@ -15,6 +15,7 @@ import jax
 import ml_collections
 
 from maxtrain.errors import UserError
+from maxtrain.program.fit import Memory, entry_buffers  # noqa: F401 (Memory: this module's figures)
 from maxtrain.sharding.mesh import AXES
 from maxtrain.program.plan import Plan
 
@@ -58,26 +59,6 @@ def default_devices(cfg: ml_collections.ConfigDict) -> int:
   return math.prod(sizes)
 
 
-@dataclasses.dataclass(frozen=True)
-class Memory:
-  """Per-device bytes from `Compiled.memory_analysis()`."""
-  arguments: int
-  outputs: int
-  aliased: int  # outputs written into donated argument buffers (the new state into the old)
-  temporaries: int
-  generated_code: int
-
-  @property
-  def peak(self) -> int:
-    return self.arguments + self.outputs - self.aliased + self.temporaries
-
-  @classmethod
-  def of(cls, compiled: Any) -> "Memory":
-    m = compiled.memory_analysis()
-    return cls(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
-               temporaries=m.temp_size_in_bytes, generated_code=m.generated_code_size_in_bytes)
-
-
 def xla_flops(compiled: Any) -> float | None:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per program
@@ -97,6 +78,7 @@ class CompileReport:
   xla_flops: float | None  # per device per step, from XLA's cost analysis (loop bodies counted once)
   lower_seconds: float
   compile_seconds: float
+  remat_table: str = ""  # model.remat=auto: the candidates and the chosen policy (program/fit.py); cfg has it
 
   @property
   def loops(self) -> list[str]:
@@ -136,14 +118,18 @@ class CompileReport:
         f"compute {m.compute_dtype}, remat {m.remat}",
         f"batch: {cfg.data.batch_size} x {cfg.data.seq_len} tokens, grad_accum_steps {k} "
         f"({micro} sequence(s) per device per microbatch); optimizer {cfg.optimizer.name}, state "
-        f"{cfg.optimizer.state_dtype}",
-        "per-device memory (Compiled.memory_analysis):",
-        f"  arguments       {mem.arguments / GiB:9.3f} GiB  (train state + batch)",
-        f"  outputs         {mem.outputs / GiB:9.3f} GiB",
-        f"  aliased         {mem.aliased / GiB:9.3f} GiB  (donated state reused for the new state)",
-        f"  temporaries     {mem.temporaries / GiB:9.3f} GiB  (activations, gradients, gathered weights ...)",
+        f"{cfg.optimizer.state_dtype}, offload {cfg.optimizer.get('offload', 'none')}",
+        "per-device memory (Compiled.memory_analysis): device, and host (pinned_host) beside it",
+        f"  arguments       {mem.arguments / GiB:9.3f} GiB  host {mem.host_arguments / GiB:9.3f} GiB  "
+        f"(train state + batch{'; the optimizer state on the host' if mem.host_arguments else ''})",
+        f"  outputs         {mem.outputs / GiB:9.3f} GiB  host {mem.host_outputs / GiB:9.3f} GiB",
+        f"  aliased         {mem.aliased / GiB:9.3f} GiB  host {mem.host_aliased / GiB:9.3f} GiB  (donated state "
+        "reused for the new state)",
+        f"  temporaries     {mem.temporaries / GiB:9.3f} GiB  host {mem.host_temporaries / GiB:9.3f} GiB  "
+        "(activations, gradients, gathered weights ...)",
         f"  generated code  {mem.generated_code / GiB:9.3f} GiB",
-        f"  peak            {mem.peak / GiB:9.3f} GiB  = arguments + outputs - aliased + temporaries",
+        f"  peak            {mem.peak / GiB:9.3f} GiB  host {mem.host / GiB:9.3f} GiB  = arguments + outputs - "
+        "aliased + temporaries",
         *self.stage_lines(),
         f"  {CPU_CAVEAT}",
         "FLOPs per device per step:",
@@ -158,7 +144,10 @@ class CompileReport:
     else:
       lines.append(f"  XLA cost analysis {self.xla_flops / 1e12:12.3f} TFLOP  ({self.xla_flops / self.model_flops:.2f} x "
                    "model: includes remat recompute, elementwise work and the optimizer)")
-    lines.append(f"time: lower {self.lower_seconds:.1f} s, compile {self.compile_seconds:.1f} s")
+    if self.remat_table:
+      lines.append(self.remat_table)
+    lines.append(f"time: lower {self.lower_seconds:.1f} s, compile {self.compile_seconds:.1f} s"
+                 + (" (model.remat=auto compiled its candidates within the lower)" if self.remat_table else ""))
     return "\n".join(lines)
 
 
@@ -177,7 +166,7 @@ def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int) -> Comp
     compiled = lowered.compile()
   t2 = time.perf_counter()
   return CompileReport(
-      cfg=cfg, num_devices=num_devices, plan=plan, lowered=lowered, compiled=compiled, memory=Memory.of(compiled),
+      cfg=program.cfg, num_devices=num_devices, plan=plan, remat_table=program.remat_table, lowered=lowered, compiled=compiled, memory=Memory.of(compiled),
       num_params=sum(x.size for x in jax.tree.leaves(program.state.abstract.params)),
       model_flops=program.flops_per_token * plan.batch.tokens / num_devices, xla_flops=xla_flops(compiled),
       lower_seconds=t1 - t0, compile_seconds=t2 - t1)

@@ -24,6 +24,7 @@ import ml_collections
 from flax import nnx
 
 from maxtrain.errors import UserError
+from maxtrain.optim import offload
 from maxtrain.optim import optimizer as optim
 from maxtrain.models.attention.layer import resolve_kernel
 from maxtrain.models.attention.blocked import default_block_q
@@ -81,12 +82,18 @@ class Estimate:
 
   @property
   def arguments(self) -> int:
-    """What the compiled step takes as arguments: the train state (and the batch)."""
+    """What the compiled step takes as arguments in device memory: the train state (and the batch)."""
     return sum(self.memory[k] for k in ARGUMENTS)
 
   @property
   def temporaries(self) -> int:
-    return sum(v for k, v in self.memory.items() if k not in ARGUMENTS)
+    return sum(v for k, v in self.memory.items() if k not in ARGUMENTS and k not in HOST)
+
+  @property
+  def host(self) -> int:
+    """Host memory per device: the optimizer state under optimizer.offload=host, the activations offloaded by
+    model.remat=offload."""
+    return sum(self.memory.get(k, 0) for k in HOST)
 
   @property
   def peak(self) -> int:
@@ -96,7 +103,7 @@ class Estimate:
     return {"num_devices": self.num_devices, "mesh": self.mesh_shape, "params": self.params,
             "flops_per_token": self.flops_per_token, "microbatch_sequences_per_device": self.microbatch,
             "memory_bytes_per_device": {**self.memory, "arguments": self.arguments, "temporaries": self.temporaries,
-                                        "peak": self.peak}, "notes": self.notes, "pipeline_schedule": self.pipeline}
+                                        "peak": self.peak, "host": self.host}, "notes": self.notes, "pipeline_schedule": self.pipeline}
 
   def table(self) -> str:
     p = self.params
@@ -125,11 +132,14 @@ class Estimate:
       lines.insert(3 + len(q["per_stage"]), f"  max over stages: {q['max_stage_saved_bytes'] / GiB:.3f} GiB saved "
                    f"activations, peak {self.peak / GiB:.3f} GiB")
     for key, (label, _) in COMPONENTS.items():
-      if self.memory.get(key):
+      if self.memory.get(key) and key not in HOST:
         lines.append(f"  {label:<34s} {self.memory[key] / GiB:9.3f} GiB")
     lines += [f"  {'= arguments (train state + batch)':<34s} {self.arguments / GiB:9.3f} GiB",
               f"  {'+ temporaries':<34s} {self.temporaries / GiB:9.3f} GiB",
               f"  {'= peak':<34s} {self.peak / GiB:9.3f} GiB"]
+    if self.host:
+      lines.append("host memory per device (pinned_host):")
+      lines += [f"  {COMPONENTS[k][0]:<34s} {self.memory[k] / GiB:9.3f} GiB" for k in HOST if self.memory.get(k)]
     lines += [f"note: {n}" for n in self.notes]
     return "\n".join(lines)
 
@@ -148,8 +158,15 @@ COMPONENTS: dict[str, tuple[str, str]] = {
     "working_set": ("working set (peak phase)", "the larger of: the loss phase (gathered head, its full "
                     "gradient, fp32 logits) and one layer's recompute + backward (attention scores, "
                     "gathered layer weights and their full gradients)"),
+    "offload_update": ("offloaded state on device (update)", "optimizer.offload=host: the moments on the device "
+                       "for the update, beyond the activations the backward pass freed before it"),
+    "host_optimizer_state": ("optimizer state (host)", "optimizer.offload=host: the moments in host memory, on "
+                             "the device only for the update"),
+    "host_activations": ("offloaded activations (host)", "model.remat=offload: the named activations each layer "
+                         "saves to host memory for the backward pass"),
 }
 ARGUMENTS = ("weights", "optimizer_state", "other_state")
+HOST = ("host_optimizer_state", "host_activations")
 
 
 def _itemsize(dtype: Any) -> int:
@@ -275,6 +292,25 @@ def _grad_accumulators(table: list[Param], m: ModelConfig, layout: Layout) -> in
   return 4 * sum(vocab_whole[p.name] if whole and p.name in vocab_whole else p.local_size for p in table)
 
 
+def _saved_activations(m: ModelConfig, tokens: int, dots_per_token: int, f_t: int, attention_saved: int,
+                       c_bytes: int) -> tuple[int, int]:
+  """(device bytes, host bytes) the backward pass keeps from the forward, per `model.remat`."""
+  d = m.d_model
+  host_activations = 0
+  if m.remat in ("full", "offload", "auto"):
+    # Each layer's input; the rest is recomputed. offload: + the residual and MLP input of every layer in host
+    # memory (program/fit.py offloaded_activation_bytes). auto: the candidate with the least device memory
+    # (the compile chooses, program/fit.py), so that a model that fits some policy passes the memory check.
+    saved = m.num_layers * tokens * d * c_bytes
+    if m.remat == "offload":
+      host_activations = 2 * m.num_layers * tokens * d * c_bytes
+  elif m.remat == "dots":
+    saved = m.num_layers * tokens * dots_per_token * c_bytes
+  else:  # everything: the matmul outputs, the norms' and SwiGLU's elementwise results, the attention's
+    saved = m.num_layers * (tokens * (dots_per_token + 3 * d + 2 * f_t) * c_bytes + attention_saved)
+  return saved, host_activations
+
+
 def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1) -> Estimate:
   """Per-device memory and FLOPs of `cfg`'s train step on `num_devices` devices (over `num_processes`)."""
   plan = validate(cfg, num_devices, num_processes, require_data=False)
@@ -313,12 +349,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   # Per token of one layer: the matmul outputs (q, k, v, attention output, its projection, gate, up,
   # down) and the layer input.
   dots_per_token = h_t * m.head_dim * 2 + kv_t * m.head_dim * 2 + 2 * d + 2 * f_t + d
-  if m.remat == "full":
-    saved = m.num_layers * tokens * d * c_bytes  # each layer's input; the rest is recomputed
-  elif m.remat == "dots":
-    saved = m.num_layers * tokens * dots_per_token * c_bytes
-  else:  # everything: the matmul outputs, the norms' and SwiGLU's elementwise results, the attention's
-    saved = m.num_layers * (tokens * (dots_per_token + 3 * d + 2 * f_t) * c_bytes + attention_saved)
+  saved, host_activations = _saved_activations(m, tokens, dots_per_token, f_t, attention_saved, c_bytes)
   saved, pipeline = _pipeline(plan, m.num_layers, saved, tokens * d * c_bytes, batch_rows * seq_local * d * c_bytes)
   # With FSDP a weight is all-gathered (in the compute dtype) where it is used, and its gradient is
   # whole (fp32) until it is reduce-scattered.
@@ -335,12 +366,24 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   # them). The moments are updated in place: the guard's select sits inside Adam's and Muon's updates
   # (maxtrain.optim.scale_by_adam_guarded, maxtrain.muon).
   state_copy = weights
+  # optimizer.offload=host: the moments are arguments in host memory (optim/offload.py). The device holds them
+  # only while the update runs, after the backward pass has freed the activations: not at the peak.
+  host_optimizer_state = 0
+  if offload.enabled(o):
+    host_optimizer_state, optimizer_state = optimizer_state, 0
   memory = {
       "weights": weights, "optimizer_state": optimizer_state, "other_state": other_state,
+      "host_optimizer_state": host_optimizer_state, "host_activations": host_activations,
       "state_copy": state_copy, "gradients": gradients, "grad_accumulators": grad_accumulators,
       "saved_activations": saved, "working_set": max(loss_phase, layer_phase),
+      # The update phase brings the moments to the device after the backward pass freed the activations: it
+      # raises the peak only by what it exceeds them by (an H200 held 1.3x the moments there, docs/optimizers.md).
+      "offload_update": max(0, host_optimizer_state - saved - max(loss_phase, layer_phase)),
   }
-  notes = [] if m.compute_dtype == jnp.float32 else [
+  notes = [] if m.remat != "auto" else [
+      "model.remat=auto: the activations of the policy with the least device memory (full, or offload with "
+      "its host bytes elsewhere); the compile picks the fastest that fits (python -m maxtrain.compile)"]
+  notes += [] if m.compute_dtype == jnp.float32 else [
       "compute dtype is not fp32: XLA:CPU (maxtrain.compile) keeps some matmul outputs and saved activations in "
       f"fp32 where a GPU/Neuron compiler keeps them in {jnp.dtype(m.compute_dtype).name}, so its figures can exceed "
       "this estimate"]

@@ -353,7 +353,8 @@ class LocalTier:
           data = np.array(data.reshape(entry["shape"]))  # a copy: never alias the file
         except (ValueError, TypeError, KeyError) as e:  # an index that does not fit its data
           raise manifest.CorruptCheckpoint(path, INDEX_FILE, f"entry of {name} unusable ({e})") from None
-        arrays.append(jax.device_put(data, device))
+        # In the sharding's memory (host for an offloaded optimizer state).
+        arrays.append(jax.device_put(data, jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)))
       leaves.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays))
     state = jax.tree_util.tree_unflatten(treedef, leaves)
     return state, data_state

@@ -47,7 +47,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.tie_embeddings = False  # Reuse the input embedding as the output head.
   m.scan_layers = True  # Stack layers and lax.scan them: compile time independent of depth.
   m.scan_unroll = 1  # Layers per scan iteration (scan_layers): > 1 stacks fewer residuals (faster on CPU) but compiles k layer bodies.
-  m.remat = "none"  # Activation checkpointing per layer: none | full | dots (save matmul outputs).
+  m.remat = "none"  # Activation checkpointing per layer: none | full | dots (save matmul outputs) | offload (save the residual and MLP input to host memory) | auto (the fastest that fits the target, from an AOT compile of each; docs/fitting.md).
   m.attention = "auto"  # Attention kernel: auto (cudnn on a GPU in bf16; else blocked for seq_len <= 1024, else flash) | dot (einsum reference, T x T scores) | flash (blockwise, linear memory) | blocked (query blocks, kept probabilities, T x T memory) | cudnn (NVIDIA, bf16/fp16) | nki (Trainium, not run here).
   m.attention_block_q = 128  # flash: query rows per block (measured on CPU: 128 best of 64-512).
   m.attention_block_kv = 128  # flash: key columns per block.
@@ -73,6 +73,9 @@ def base_config() -> ml_collections.ConfigDict:
   e.bias_update_rate = 0.0  # Auxiliary-loss-free balancing (DeepSeek-V3): per-step sign update of the routing bias; 0 = off.
   e.collapse_entropy = 0.5  # Routing collapse: a layer's load entropy / log(num_experts) below this at log steps ...
   e.collapse_steps = 100  # ... for this many steps emits a routing_collapse event and a warning; 0 = off.
+
+  c.fit = ml_collections.ConfigDict()
+  c.fit.headroom = 0.1  # Share of device memory model.remat=auto leaves free (the compiled peak must stay under 1 - this).
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1  # Pure data parallel replicas.
@@ -123,6 +126,7 @@ def base_config() -> ml_collections.ConfigDict:
   o.grad_accum_steps = 1  # Microbatches per step (scanned in the one jitted step): activation memory / k.
   o.microbatch_size = 0  # > 0: sequences per batch shard in each microbatch; sets grad_accum_steps for any node count.
   o.state_dtype = "float32"  # Dtype of optimizer moments (Adam mu and nu, Muon momentum).
+  o.offload = "none"  # none | host: keep the optimizer moments in host memory (pinned_host) between steps, on the device only for the update (docs/optimizers.md).
   o.b1 = 0.9  # Adam first-moment decay.
   o.b2 = 0.95  # Adam second-moment decay.
   o.eps = 1e-8  # Adam epsilon.

@@ -78,6 +78,7 @@ RANGES: dict[str, Range] = {
     "model.num_layers": COUNT, "model.d_model": COUNT, "model.num_heads": COUNT, "model.num_kv_heads": COUNT,
     "model.d_ff": COUNT, "model.vocab_size": COUNT, "model.max_seq_len": COUNT,
     "model.head_dim": COUNT0, "model.sliding_window": COUNT0,  # 0 = d_model / num_heads; 0 = no window
+    "fit.headroom": between(0, 1, hi_open=True),  # the share of device memory remat=auto leaves free
     "model.rope_theta": above(1),  # a base <= 1 gives no rotation at all (1) or growing wavelengths
     "model.rope_scaling_factor": above(0), "model.rope_low_freq_factor": above(0),
     "model.rope_high_freq_factor": above(0), "model.rope_original_max_len": COUNT,

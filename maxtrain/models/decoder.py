@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.errors import choice, require
 from maxtrain.models.attention import layer as attention
@@ -35,13 +36,20 @@ from maxtrain.models.moe import MoE, MoEConfig
 from maxtrain.sharding import pipeline as pipeline_lib
 from maxtrain.sharding import rules as sharding_rules
 
+# Activations a Block names (jax.ad_checkpoint.checkpoint_name) for `model.remat=offload`: saved to host
+# memory in the forward pass and brought back for the backward; the rest of the layer is recomputed.
+OFFLOADED = ("attn_out", "mlp_in", "residual")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     # Keep matmul outputs, recompute the cheap elementwise work in the backward pass.
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(OFFLOADED), offload_src="device",
+        offload_dst="pinned_host"),
 }
-REMAT_CHOICES = tuple(REMAT_POLICIES)
+# auto: the program builder picks one of the above for the target (maxtrain/program/fit.py) before the model is built.
+REMAT_CHOICES = (*REMAT_POLICIES, "auto")
 # Under the pipeline without remat: keep every activation, but recompute slices and reshapes, so that a layer's
 # weights picked from its stage's repeats are not kept per loop iteration (sharding/pipeline.py). Casts are
 # kept: recomputing them would keep an fp32 source in place of its bf16 cast.
@@ -218,11 +226,12 @@ class Block(nnx.Module):
     """(the layer's output, its MoE statistics: models/moe.py STATS, empty for a dense layer, its KV
     cache updated: None without one)."""
     y_BTD, cache = self.attn(self.attn_norm(x_BTD), segment_ids_BT, positions_BT, cache, write)
-    x_BTD = x_BTD + y_BTD
+    x_BTD = checkpoint_name(x_BTD + checkpoint_name(y_BTD, "attn_out"), "residual")
+    h_BTD = checkpoint_name(self.mlp_norm(x_BTD), "mlp_in")
     if self.is_moe:
-      y_BTD, stats = self.moe(self.mlp_norm(x_BTD))
+      y_BTD, stats = self.moe(h_BTD)
     else:
-      y_BTD, stats = self.mlp(self.mlp_norm(x_BTD)), {}
+      y_BTD, stats = self.mlp(h_BTD), {}
     x_BTD = x_BTD + y_BTD
     return sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed")), stats, cache
 
@@ -362,6 +371,7 @@ def _run_stack(cfg: ModelConfig, blocks: nnx.Module, x_BTD: jax.Array, segment_i
     x_BTD, stats, kv = nnx.merge(graphdef, block_state)(x_BTD, segment_ids_BT, positions_BT, kv, write)
     return x_BTD, (stats, kv)
 
+  assert cfg.remat != "auto", "model.remat=auto is resolved by the program builder (maxtrain/program/fit.py)"
   policy = REMAT_POLICIES[cfg.remat]
   if policy is not None and kv is None:  # decoding differentiates nothing: no remat
     apply_block = jax.checkpoint(apply_block, policy=policy, static_argnums=(2,))

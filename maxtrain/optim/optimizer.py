@@ -36,6 +36,7 @@ from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
 from maxtrain.errors import choice, require
+from maxtrain.optim import offload as offload_lib
 from maxtrain.optim.masking import keep_if
 from maxtrain.optim.muon import NS_DTYPES, scale_by_muon_guarded
 from maxtrain.sharding.layout import param_name
@@ -264,6 +265,7 @@ def validate(o: ml_collections.ConfigDict, steps: int) -> None:
   choice("optimizer.schedule", o.schedule, SCHEDULES)
   choice("optimizer.wsd_decay", o.wsd_decay, WSD_DECAYS)
   choice("optimizer.state_dtype", o.state_dtype, STATE_DTYPES)
+  offload_lib.validate(o)
   for key in ("lr", "adam_lr"):
     require(o[key] > 0, f"config.optimizer.{key}={o[key]}: a learning rate must be > 0 (the peak of the schedule)")
   require(o.warmup_steps >= 0, f"config.optimizer.warmup_steps={o.warmup_steps}: must be >= 0")
@@ -328,8 +330,10 @@ def make(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
   )
   transforms["none"] = optax.set_to_zero()  # non-gradient state (MoE router bias): never moved by the optimizer
   parts = [optax.clip_by_global_norm(opt_cfg.clip_norm)] if opt_cfg.clip_norm > 0 else []
-  tx = optax.chain(*parts, _partition_used(transforms, labels))
-  return Optimizer(tx=_init_state_in(tx, state_dtype), learning_rates=learning_rates, labels=labels)
+  tx = _init_state_in(optax.chain(*parts, _partition_used(transforms, labels)), state_dtype)
+  if offload_lib.enabled(opt_cfg):  # the moments live in host memory; on the device for the update only
+    tx = offload_lib.streamed(tx)
+  return Optimizer(tx=tx, learning_rates=learning_rates, labels=labels)
 
 
 def parse_ns_coeffs(text: str) -> tuple[float, float, float]:

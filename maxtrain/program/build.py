@@ -7,6 +7,7 @@ the trainer runs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Sequence
 
 import jax
@@ -14,7 +15,9 @@ import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtrain.program import batch as batch_lib
+from maxtrain.program import fit
 from maxtrain.program import loss
+from maxtrain.optim import offload
 from maxtrain.optim import optimizer as optim
 from maxtrain.program import state as state_lib
 from maxtrain.program import step as step_lib
@@ -25,6 +28,8 @@ from maxtrain.runtime import faults
 from maxtrain.sharding.layout import with_shardings
 from maxtrain.sharding.mesh import make_mesh
 from maxtrain.program.plan import Plan, total_steps, validate
+
+log = logging.getLogger("maxtrain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +43,7 @@ class Program:
   batch_shardings: dict[str, NamedSharding]
   train_step: Callable  # jitted: (state, batch) -> (state, metrics); the state is donated
   eval_step: Callable  # jitted: (params, batch) -> (loss sum, loss tokens)
+  remat_table: str = ""  # model.remat=auto: the candidates compiled and the one chosen (program/fit.py)
 
   @property
   def flops_per_token(self) -> float:
@@ -69,7 +75,8 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) 
   rules = plan.layout.rules
   model_cfg = registry.model_config(cfg.model)
   optimizer = optim.make(cfg.optimizer, total_steps(cfg))
-  state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window)
+  state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window,
+                              offload_optimizer=offload.enabled(cfg.optimizer))
   batch_shardings = batch_lib.shardings(mesh, plan.layout)
   replicated = NamedSharding(mesh, P())
   # Each batch shard keeps its own partial head gradient across loss chunks (maxtrain/program/loss.py).
@@ -97,4 +104,25 @@ def program_for(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], *
   num_processes = len({d.process_index for d in devices})
   plan = validate(cfg, len(devices), num_processes, require_data=require_data)
   quant.check_devices(cfg.model, devices)
-  return build(cfg, plan, make_mesh(plan.mesh, devices))
+  offload.check_devices(cfg.optimizer, devices, cfg.runtime.platform)
+  if cfg.model.remat == "offload":  # activations go to the same host memory kind
+    offload.check_host_memory("model.remat=offload", devices, cfg.runtime.platform)
+  table = ""
+  if cfg.model.remat == "auto":
+    cfg, table = resolve_remat(cfg, devices)
+  return dataclasses.replace(build(cfg, plan, make_mesh(plan.mesh, devices)), remat_table=table)
+
+
+def resolve_remat(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]) -> tuple[ml_collections.ConfigDict, str]:
+  """`cfg` with `model.remat=auto` replaced by the policy `program/fit.py` chooses for the target from the
+  ahead-of-time compile of each candidate on `devices`, and the table of candidates (also logged)."""
+  def compile_candidate(trial: ml_collections.ConfigDict):
+    program = program_for(trial, devices, require_data=False)
+    with jax.set_mesh(program.mesh):
+      return program.lower().compile(), program.plan
+
+  remat, table, _ = fit.choose_remat(cfg, devices, compile_candidate)
+  log.info("%s", table)
+  resolved = cfg.copy_and_resolve_references()
+  resolved.model.remat = remat
+  return resolved, table

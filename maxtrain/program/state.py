@@ -15,6 +15,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from maxtrain.optim import offload as offload_lib
 from maxtrain.program import guards
 from maxtrain.models import registry
 from maxtrain.models.decoder import ModelConfig
@@ -49,9 +50,11 @@ class StateSpec:
 
 
 def spec(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
-         rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES, guard_window: int = 32) -> StateSpec:
+         rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES, guard_window: int = 32,
+         offload_optimizer: bool = False) -> StateSpec:
   """Shapes and placement of the state, without allocating it. Fails (UserError) on a layout that
-  does not divide the parameters or replicates most of them."""
+  does not divide the parameters or replicates most of them. `offload_optimizer`: the optimizer state's
+  shardings are in host memory (`optim/offload.py`; `tx` must then be `offload.streamed`)."""
   graphdef, _ = registry.abstract(model_cfg, seed)
   init = _init_fn(model_cfg, tx, seed, guard_window)
   abstract = jax.eval_shape(init)
@@ -61,6 +64,8 @@ def spec(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, s
   # the params), so they are sharded like them.
   shardings = sharding_rules.named_shardings(nnx.get_partition_spec(abstract), mesh, rules)
   check_replication(abstract.params, shardings.params, layout)
+  if offload_optimizer:
+    shardings = shardings.replace(opt_state=offload_lib.host_shardings(shardings.opt_state))
   return StateSpec(graphdef, abstract, shardings, init)
 
 
