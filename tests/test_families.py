@@ -162,6 +162,10 @@ HF_FAMILIES = {  # family: (config class, model class, config kwargs)
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
     # a window of 6 tokens, shorter than the prompts below
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6, tie_word_embeddings=False)),
+    # 8 experts of width 24, top 2 renormalised; the experts saved one tensor each, stacked on import
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, tie_word_embeddings=False, num_experts=8,
+                                                              num_experts_per_tok=2, moe_intermediate_size=24,
+                                                              norm_topk_prob=True)),
 }
 
 
@@ -181,6 +185,8 @@ def make_family_model(directory: Path, family: str):
         p.copy_(1 + 0.1 * torch.randn_like(p))
       elif name.endswith("bias"):
         p.copy_(0.5 * torch.randn_like(p))
+      elif name.endswith("mlp.gate.weight"):  # a router far from uniform: a wrong expert changes the logits
+        p.copy_(torch.randn_like(p))
   model.save_pretrained(directory)
   return model
 
@@ -203,10 +209,13 @@ def test_from_hf_picks_the_family_and_its_pieces(converted):
   model = open_source(root / "mt").model
   assert model["family"] == family
   assert (model.get("head_dim"), model.get("sliding_window", 0)) == {"qwen2": (0, 0), "qwen3": (16, 0),
-                                                                       "mistral": (0, 6)}[family]
+                                                                       "mistral": (0, 6), "qwen3_moe": (16, 0)}[family]
   cfg = registry.model_config(model)
   assert (cfg.qkv_bias, cfg.qk_norm, cfg.head_dim) == {"qwen2": (True, False, 8), "qwen3": (False, True, 16),
-                                                       "mistral": (False, False, 8)}[family]
+                                                       "mistral": (False, False, 8), "qwen3_moe": (False, True, 16)}[family]
+  moe = cfg.moe
+  assert (moe.num_experts, moe.experts_per_token, moe.expert_d_ff, moe.norm_topk_prob, moe.dispatch) == (
+      (8, 2, 24, True, "dropless") if family == "qwen3_moe" else (0, 2, 256, True, "capacity"))
 
 
 def test_greedy_generate_equals_transformers(converted):
@@ -273,6 +282,9 @@ def test_transformers_4_and_5_spellings_read_alike(converted):
   v4.update(rope_theta=v5["rope_parameters"]["rope_theta"], rope_scaling=None, transformers_version="4.51.3")
   if family != "mistral":
     v4.update(use_sliding_window=False, sliding_window=4096, max_window_layers=28)
+  if family == "qwen3_moe":  # 5.x writes the expert count under its attribute-map name
+    assert "num_experts" not in v5
+    v4["num_experts"] = v4.pop("num_local_experts")
   assert hf_config.to_model_keys(v4, "v4") == hf_config.to_model_keys(v5, "v5")
 
 
@@ -284,6 +296,8 @@ REFUSED = [  # (family, field changed, value, the field the one-line error names
     ("mistral", "layer_types", ["sliding_attention", "full_attention"], "layer_types"),
     ("mistral", "attention_bias", True, "attention_bias"),
     ("mistral", "hidden_act", "gelu", "hidden_act"),
+    ("qwen3_moe", "mlp_only_layers", [0], "mlp_only_layers"),
+    ("qwen3_moe", "decoder_sparse_step", 2, "decoder_sparse_step"),
 ]
 
 
@@ -313,7 +327,7 @@ def test_to_hf_refuses_a_piece_the_class_cannot_express():
   keys = config_lib.base_config().model.to_dict()
   write = lambda **m: hf_config.from_model_keys({**keys, **m}, vocab_size=VOCAB, dtype="float32", bos_id=0, eos_id=1)
   for family, key, value in (("llama", "qk_norm", True), ("qwen2", "sliding_window", 8), ("mistral", "qkv_bias", True),
-                             ("qwen3", "qkv_bias", True)):
+                             ("qwen3", "qkv_bias", True), ("qwen3_moe", "qkv_bias", True)):
     with pytest.raises(UserError, match=f"model.{key}={value!r}: {HF_FAMILIES.get(family, ('', 'LlamaForCausalLM'))[1]}"):
       write(family=family, **{key: value})
   assert write(family="qwen2")["architectures"] == ["Qwen2ForCausalLM"]

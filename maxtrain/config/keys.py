@@ -66,6 +66,7 @@ def base_config() -> ml_collections.ConfigDict:
   e.expert_d_ff = 256  # SwiGLU hidden width of each routed and shared expert.
   e.first_dense_layers = 0  # The first k layers keep the dense model.d_ff MLP (DeepSeek-V3: 3).
   e.router = "softmax"  # softmax (Mixtral: top-k of the softmax, renormalised) | sigmoid (DeepSeek-V3: top-k sigmoid scores, normalised).
+  e.norm_topk_prob = True  # Weights of the chosen experts renormalised to sum 1; False: the chosen scores as they are (Qwen-MoE's option).
   e.dispatch = "capacity"  # capacity (fixed slots per expert per sequence, overflow dropped) | dropless (sorted tokens, ragged_dot).
   e.capacity_factor = 1.25  # capacity: slots per expert and sequence = ceil(factor x seq_len x experts_per_token / num_experts).
   e.aux_loss_weight = 0.01  # Weight of the Switch/GShard load-balancing loss E x sum_e f_e P_e (1 when balanced); 0 = off.

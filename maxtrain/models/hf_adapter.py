@@ -26,6 +26,13 @@ class Mapping:
   in_dims: int  # leading maxtrain dims forming HF's `in` axis (0: no transpose, e.g. norms, embedding)
   per_layer: bool = True
   flat: bool = False  # HF holds the tensor flattened to 1-D (a bias [N, H] as [N * H])
+  # HF holds one tensor per expert ("...experts.{}.gate_proj.weight": layer, then expert), maxtrain one [E, ...]
+  experts: bool = False
+
+  @property
+  def absent(self) -> bool:
+    """No HF tensor (hf ""): zeros on import; to-hf refuses it unless it is all zeros (a routing bias HF lacks)."""
+    return not self.hf
 
 
 # The decoder's parameters under the names every LLaMA-like HF class uses (a family adds its own).
@@ -48,6 +55,13 @@ TENSORS = {
     "blocks/mlp/up": Mapping("model.layers.{}.mlp.up_proj.weight", 1),
     "blocks/mlp/down": Mapping("model.layers.{}.mlp.down_proj.weight", 1),
 }
+
+
+
+def stack_tensors(stack: str, tensors: dict[str, Mapping] = TENSORS) -> dict[str, Mapping]:
+  """The per-layer names of `blocks/` for another stack of the decoder (`moe_blocks/`: a MoE model's layers)."""
+  return {f"{stack}/{k.split('/', 1)[1]}": m for k, m in tensors.items() if k.startswith("blocks/")}
+
 
 ROPE_TYPES = {"default": "none", "llama3": "llama3"}  # HF rope_type -> model.rope_scaling
 # model.rope_* key <- HF llama3 rope field

@@ -10,7 +10,8 @@ Router (fp32 whatever the compute dtype: the top-k choice must not flip on bf16 
   logits = x @ router;  softmax router: scores = softmax(logits) (Mixtral);
                         sigmoid router: scores = sigmoid(logits) (DeepSeek-V3).
   The top-k experts by scores + bias (the bias only chooses, it never weighs); the weights are the
-  chosen scores normalised to sum 1 (Mixtral's renormalised softmax; DeepSeek-V3's normalised sigmoid).
+  chosen scores normalised to sum 1 (Mixtral's renormalised softmax; DeepSeek-V3's normalised sigmoid),
+  or the chosen scores as they are with `norm_topk_prob=False` (Qwen-MoE's option).
 Losses, per layer, over the layer's B x T tokens (reported apart from the LM loss, added to it with
 their weights; the step averages them over MoE layers, `step.py`):
   aux    = E x sum_e f_e P_e (Switch/GShard): f_e = share of the B x T x K assignments routed to e (no
@@ -52,6 +53,7 @@ class MoEConfig:
   expert_d_ff: int = 256
   first_dense_layers: int = 0
   router: str = "softmax"
+  norm_topk_prob: bool = True  # the chosen scores renormalised to sum 1 (False: Qwen-MoE's raw softmax shares)
   dispatch: str = "capacity"
   capacity_factor: float = 1.25
   aux_loss_weight: float = 0.01
@@ -110,7 +112,7 @@ def route(x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: MoECon
   scores_BTE = jax.nn.softmax(logits_BTE, axis=-1) if cfg.router == "softmax" else jax.nn.sigmoid(logits_BTE)
   _, experts_BTK = jax.lax.top_k(scores_BTE + jax.lax.stop_gradient(bias_E), cfg.experts_per_token)
   chosen_BTK = jnp.take_along_axis(scores_BTE, experts_BTK, axis=-1)
-  weights_BTK = chosen_BTK / jnp.sum(chosen_BTK, axis=-1, keepdims=True)
+  weights_BTK = chosen_BTK / jnp.sum(chosen_BTK, axis=-1, keepdims=True) if cfg.norm_topk_prob else chosen_BTK
   load_E = jnp.sum(jax.nn.one_hot(experts_BTK, cfg.num_experts, dtype=jnp.float32), axis=(0, 1, 2))
   assignments = jnp.float32(experts_BTK.size)
   probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)  # the softmax's own for softmax
