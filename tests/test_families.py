@@ -380,3 +380,40 @@ def test_a_moe_family_trains_through_the_entry_point(store, tmp_path, capsys):
   losses = [e.value for e in events.Scalars("train/loss")]
   assert len(losses) == 4 and losses[-1] < losses[0] - 0.3, losses
   assert any("moe" in tag for tag in events.Tags()["scalars"]), events.Tags()["scalars"]
+
+
+def test_attention_sinks_in_dot_and_flash_match_the_reference():
+  """GPT-OSS's sinks (one logit per head joining each row's softmax normaliser, no value) with a window of 21
+  over T = 72 and two documents: dot and flash against NumPy (values), flash's gradients (q, k, v and the
+  sinks) against the dot kernel's autodiff; the sinks matter (without them the output differs)."""
+  t, window = 72, 21
+  rng = np.random.default_rng(7)
+  b, n, kv, h = 2, 4, 2, 8
+  q, k, v = (rng.standard_normal((b, t, m, h)).astype(np.float32) for m in (n, kv, kv))
+  sinks = rng.standard_normal(n).astype(np.float32) + 1.0
+  segments = np.ones((b, t), np.int32)
+  segments[1, t // 3:] = 2
+  # NumPy: the reference's weights times the share left over by the sink column
+  g = n // kv
+  kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+  scores = np.einsum("bqnh,bknh->bnqk", q, kk) / np.sqrt(h)
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  visible = (j <= i) & (i - j < window) & (segments[:, :, None] == segments[:, None, :])[:, None]
+  scores = np.where(visible, scores, -np.inf)
+  full = np.concatenate([scores, np.broadcast_to(sinks[None, :, None, None], (b, n, t, 1))], -1)
+  p = np.exp(full - full.max(-1, keepdims=True))
+  p = (p / p.sum(-1, keepdims=True))[..., :-1]
+  want = np.einsum("bnqk,bknh->bqnh", p, vv)
+  kernels = {"dot": lambda q, k, v, s: dot_product_attention(q, k, v, jnp.asarray(segments), window=window, sinks_N=s),
+             "flash": lambda q, k, v, s: fa.flash_attention(q, k, v, jnp.asarray(segments), block_q=16, block_kv=16,
+                                                            window=window, sinks_N=s)}
+  cotangent = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32))
+  grads = {}
+  for name, kernel in kernels.items():
+    out, vjp = jax.vjp(kernel, q, k, v, sinks)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=2e-5, err_msg=name)
+    grads[name] = vjp(cotangent)
+  assert np.abs(want - _window_reference(q, k, v, segments, window)).max() > 1e-2  # the sinks change the output
+  for a, b_ in zip(grads["flash"], grads["dot"]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=0, atol=1e-4 * np.abs(np.asarray(b_)).max())
+  assert np.abs(np.asarray(grads["dot"][3])).max() > 1e-3  # the sinks get a gradient

@@ -32,6 +32,8 @@ def base_config() -> ml_collections.ConfigDict:
   m.head_dim = 0  # Width of one attention head, independent of d_model / num_heads (Qwen3: 128); 0 = d_model / num_heads.
   m.qkv_bias = False  # Biases on the q, k and v projections (Qwen2); any family.
   m.qk_norm = False  # Per-head RMSNorm of q and k before RoPE (Qwen3); any family.
+  m.attention_sinks = False  # A learned logit per head joining each softmax normaliser, no value (GPT-OSS); kernels dot, flash.
+  m.o_bias = False  # A bias on the attention output projection (GPT-OSS); any family.
   m.sliding_window = 0  # Sliding-window attention: a query sees this many latest tokens (itself included) on the family's window layers (all layers so far; Mistral); 0 = off. Kernels dot, flash, blocked skip keys outside it.
   m.num_kv_heads = 2  # Key/value heads (grouped-query attention); divides num_heads.
   m.d_ff = 768  # SwiGLU hidden width.

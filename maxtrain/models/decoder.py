@@ -78,6 +78,8 @@ class ModelConfig:
   head_dim_setting: int = 0  # model.head_dim; 0: d_model / num_heads
   qkv_bias: bool = False
   qk_norm: bool = False
+  attention_sinks: bool = False  # GPT-OSS: a learned softmax-normaliser logit per head
+  o_bias: bool = False  # a bias on the attention output projection (GPT-OSS)
   sliding_window: int = 0  # tokens a query sees (itself included) on window layers; 0: off
   window_layers: str = "all"  # which layers use the window: the family's pattern (registry.Family)
   tie_embeddings: bool = False
@@ -164,6 +166,9 @@ def validate(m: Any) -> None:
   require(m.sliding_window == 0 or m.attention not in ("cudnn", "nki"),
           f"config.model.attention={m.attention} has no sliding window: use model.attention=flash, blocked or dot "
           f"with model.sliding_window={m.sliding_window}")
+  require(not m.get("attention_sinks") or m.attention in ("dot", "flash", "auto"),
+          f"config.model.attention={m.attention} has no attention sinks: use model.attention=flash or dot with "
+          "model.attention_sinks=True")
   require(m.num_heads % m.num_kv_heads == 0,
           f"config.model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
   require(m.loss_chunk_tokens >= -1, f"config.model.loss_chunk_tokens={m.loss_chunk_tokens}: use a chunk size > 0, "
@@ -200,7 +205,8 @@ class Block(nnx.Module):
     self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope,
                           kernel=cfg.attention, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
                           quant=cfg.quant.for_kind("attention"), head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
-                          qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, window=cfg.layer_window(0), **common)
+                          qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, window=cfg.layer_window(0),
+                          sinks=cfg.attention_sinks, o_bias=cfg.o_bias, **common)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
     self.is_moe = moe
     if moe:
