@@ -166,6 +166,13 @@ HF_FAMILIES = {  # family: (config class, model class, config kwargs)
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, tie_word_embeddings=False, num_experts=8,
                                                               num_experts_per_tok=2, moe_intermediate_size=24,
                                                               norm_topk_prob=True)),
+    # sinks, biases everywhere, the clamped SwiGLU (a limit the activations reach), alternating 6-token windows
+    # (shorter than the prompts), YaRN with an attention factor (factor 4 over an original 16 positions)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=16, tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2, sliding_window=6,
+        swiglu_limit=2.0, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "truncate": False, "original_max_position_embeddings": 16,
+                                           "rope_theta": 150000.0})),
 }
 
 
@@ -185,8 +192,12 @@ def make_family_model(directory: Path, family: str):
         p.copy_(1 + 0.1 * torch.randn_like(p))
       elif name.endswith("bias"):
         p.copy_(0.5 * torch.randn_like(p))
-      elif name.endswith("mlp.gate.weight"):  # a router far from uniform: a wrong expert changes the logits
+      elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # a decisive router: a wrong expert shows
         p.copy_(torch.randn_like(p))
+      elif name.endswith(("sinks", "_bias")):  # GPT-OSS's sinks and expert biases
+        p.copy_(0.5 * torch.randn_like(p))
+      elif "mlp.experts." in name:  # experts large enough that the clamp acts
+        p.copy_(0.3 * torch.randn_like(p))
   model.save_pretrained(directory)
   return model
 
@@ -209,13 +220,20 @@ def test_from_hf_picks_the_family_and_its_pieces(converted):
   model = open_source(root / "mt").model
   assert model["family"] == family
   assert (model.get("head_dim"), model.get("sliding_window", 0)) == {"qwen2": (0, 0), "qwen3": (16, 0),
-                                                                       "mistral": (0, 6), "qwen3_moe": (16, 0)}[family]
+                                                                       "mistral": (0, 6), "qwen3_moe": (16, 0),
+                                                                       "gpt_oss": (16, 6)}[family]
   cfg = registry.model_config(model)
   assert (cfg.qkv_bias, cfg.qk_norm, cfg.head_dim) == {"qwen2": (True, False, 8), "qwen3": (False, True, 16),
-                                                       "mistral": (False, False, 8), "qwen3_moe": (False, True, 16)}[family]
+                                                       "mistral": (False, False, 8), "qwen3_moe": (False, True, 16),
+                                                       "gpt_oss": (True, False, 16)}[family]
   moe = cfg.moe
-  assert (moe.num_experts, moe.experts_per_token, moe.expert_d_ff, moe.norm_topk_prob, moe.dispatch) == (
-      (8, 2, 24, True, "dropless") if family == "qwen3_moe" else (0, 2, 256, True, "capacity"))
+  assert (moe.num_experts, moe.experts_per_token, moe.expert_d_ff, moe.norm_topk_prob, moe.dispatch) == {
+      "qwen3_moe": (8, 2, 24, True, "dropless"), "gpt_oss": (8, 2, 48, True, "dropless")}.get(
+          family, (0, 2, 256, True, "capacity"))
+  if family == "gpt_oss":
+    assert (cfg.attention_sinks, cfg.o_bias, moe.expert_bias, moe.activation, moe.swiglu_limit, cfg.rope_scaling,
+            cfg.rope_truncate, cfg.scan_layers) == (True, True, True, "clamped_swiglu", 2.0, "yarn", False, False)
+    assert [cfg.layer_window(i) for i in range(4)] == [6, 0, 6, 0]
 
 
 def test_greedy_generate_equals_transformers(converted):
@@ -264,7 +282,7 @@ def test_converted_logits_equal_transformers(converted):
   with torch.no_grad():
     want = hf(torch.tensor(x)).logits.numpy()
   assert np.abs(maxtrain_logits(model, x)[..., :VOCAB] - want).max() <= TOL
-  if family == "mistral":
+  if family in ("mistral", "gpt_oss"):
     graphdef, params = nnx.split(model)
     unwindowed = registry.abstract(dataclasses.replace(model.cfg, sliding_window=0))[0]
     assert np.abs(maxtrain_logits(nnx.merge(unwindowed, params), x)[..., :VOCAB] - want).max() > 100 * TOL
@@ -280,8 +298,11 @@ def test_transformers_4_and_5_spellings_read_alike(converted):
   assert "rope_parameters" in v5
   v4 = {k: v for k, v in v5.items() if k not in ("rope_parameters", "layer_types")}
   v4.update(rope_theta=v5["rope_parameters"]["rope_theta"], rope_scaling=None, transformers_version="4.51.3")
-  if family != "mistral":
+  if family not in ("mistral", "gpt_oss"):
     v4.update(use_sliding_window=False, sliding_window=4096, max_window_layers=28)
+  if family == "gpt_oss":  # as gpt-oss-20b's config.json: YaRN under rope_scaling, its layer_types kept
+    v4.update(rope_scaling={k: v for k, v in v5["rope_parameters"].items() if k != "rope_theta"},
+              layer_types=v5["layer_types"])
   if family == "qwen3_moe":  # 5.x writes the expert count under its attribute-map name
     assert "num_experts" not in v5
     v4["num_experts"] = v4.pop("num_local_experts")
@@ -298,6 +319,8 @@ REFUSED = [  # (family, field changed, value, the field the one-line error names
     ("mistral", "hidden_act", "gelu", "hidden_act"),
     ("qwen3_moe", "mlp_only_layers", [0], "mlp_only_layers"),
     ("qwen3_moe", "decoder_sparse_step", 2, "decoder_sparse_step"),
+    ("gpt_oss", "quantization_config", {"quant_method": "mxfp4"}, "quantization_config.quant_method"),
+    ("gpt_oss", "layer_types", ["full_attention", "sliding_attention"], "layer_types"),
 ]
 
 

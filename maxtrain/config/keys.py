@@ -40,11 +40,15 @@ def base_config() -> ml_collections.ConfigDict:
   m.vocab_size = 384  # Embedding rows; >= the tokenizer's vocab (byte tokenizer: 259), padded for sharding.
   m.max_seq_len = 1024  # Longest sequence the model accepts (RoPE positions).
   m.rope_theta = 10000.0  # RoPE base frequency.
-  m.rope_scaling = "none"  # RoPE frequency rescaling for long context: none | llama3 (LLaMA 3.1's rope_type).
+  m.rope_scaling = "none"  # RoPE frequency rescaling for long context: none | llama3 (LLaMA 3.1's rope_type) | yarn (GPT-OSS, DeepSeek-V3).
   m.rope_scaling_factor = 8.0  # llama3: divisor of the low frequencies (context extension factor).
   m.rope_low_freq_factor = 1.0  # llama3: wavelengths above original_max_len / this are fully rescaled.
   m.rope_high_freq_factor = 4.0  # llama3: wavelengths below original_max_len / this are kept.
   m.rope_original_max_len = 8192  # llama3: the context length the frequencies were first trained at.
+  m.rope_beta_fast = 32.0  # yarn: dims turning more than this many times over rope_original_max_len keep their frequency.
+  m.rope_beta_slow = 1.0  # yarn: dims turning fewer times than this are divided by rope_scaling_factor (a ramp between).
+  m.rope_truncate = True  # yarn: the ramp's ends floored / ceiled to whole dims (GPT-OSS: False).
+  m.rope_attention_factor = 0.0  # yarn: sin and cos are multiplied by this; 0 = 0.1 ln(rope_scaling_factor) + 1.
   m.norm_eps = 1e-5  # RMSNorm epsilon (imported models keep theirs: LLaMA 3 uses 1e-5, LLaMA 2 1e-6).
   m.tie_embeddings = False  # Reuse the input embedding as the output head.
   m.scan_layers = True  # Stack layers and lax.scan them: compile time independent of depth.

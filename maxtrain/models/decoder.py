@@ -51,7 +51,7 @@ _LAYOUT_OPS = frozenset({"dynamic_slice", "slice", "squeeze", "reshape", "expand
 
 def _save_all_but_layout_ops(prim: Any, *_, **__) -> bool:
   return prim.name not in _LAYOUT_OPS
-ROPE_SCALINGS = ("none", "llama3")
+ROPE_SCALINGS = ("none", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 # The config key that sets each logical parameter dim: what a layout error tells the user to change.
 CONFIG_KEYS = {"heads": "model.num_heads", "kv_heads": "model.num_kv_heads", "mlp": "model.d_ff",
@@ -74,6 +74,10 @@ class ModelConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_len: int = 8192
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_truncate: bool = True
+  rope_attention_factor: float = 0.0
   family: str = "llama"  # the registry entry (models/registry.py) whose pieces and HF adapter this is
   head_dim_setting: int = 0  # model.head_dim; 0: d_model / num_heads
   qkv_bias: bool = False
@@ -102,14 +106,16 @@ class ModelConfig:
 
   def layer_window(self, layer: int) -> int:
     """The sliding window of layer `layer` (0: full causal attention)."""
-    del layer  # every pattern so far is "all" (registry.Family.window_layers)
+    if self.window_layers == "alternate":  # GPT-OSS: even layers windowed, odd ones full (unscanned layers)
+      return self.sliding_window if layer % 2 == 0 else 0
     return self.sliding_window
 
   @property
   def rope(self) -> Rope:
     return Rope(theta=self.rope_theta, scaling=self.rope_scaling, factor=self.rope_scaling_factor,
                 low_freq_factor=self.rope_low_freq_factor, high_freq_factor=self.rope_high_freq_factor,
-                original_max_len=self.rope_original_max_len)
+                original_max_len=self.rope_original_max_len, beta_fast=self.rope_beta_fast,
+                beta_slow=self.rope_beta_slow, truncate=self.rope_truncate, attention_factor=self.rope_attention_factor)
 
   def train_flops_per_token(self, seq_len: int) -> float:
     """Model FLOPs of one training token (forward + backward = 3 x forward).
@@ -183,6 +189,12 @@ def validate(m: Any) -> None:
             f"config.model.rope_*: llama3 scaling needs rope_high_freq_factor={m.rope_high_freq_factor} > "
             f"rope_low_freq_factor={m.rope_low_freq_factor} > 0, rope_scaling_factor={m.rope_scaling_factor} > 0 "
             f"and rope_original_max_len={m.rope_original_max_len} > 0")
+  if m.rope_scaling == "yarn":
+    require(m.rope_scaling_factor > 0 and m.rope_original_max_len > 0 and m.rope_beta_fast > m.rope_beta_slow > 0
+            and m.rope_attention_factor >= 0,
+            f"config.model.rope_*: yarn scaling needs rope_scaling_factor={m.rope_scaling_factor} > 0, "
+            f"rope_original_max_len={m.rope_original_max_len} > 0, rope_beta_fast={m.rope_beta_fast} > "
+            f"rope_beta_slow={m.rope_beta_slow} > 0 and rope_attention_factor={m.rope_attention_factor} >= 0")
   choice("model.attention", m.attention, attention.CHOICES)
   for key in ("attention_block_q", "attention_block_kv"):
     require(m[key] > 0, f"config.model.{key}={m[key]}: must be > 0")
@@ -196,7 +208,7 @@ def validate(m: Any) -> None:
 class Block(nnx.Module):
   """One decoder layer; its feed-forward part is a dense SwiGLU (`mlp`) or a mixture of experts (`moe`)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, moe: bool = False):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, moe: bool = False, layer: int = 0):
     # GPT-2/LLaMA practice: shrink residual-branch outputs with depth so activations stay O(1).
     out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
     common = dict(init_std=cfg.init_std, out_std=out_std, param_dtype=cfg.param_dtype,
@@ -205,7 +217,7 @@ class Block(nnx.Module):
     self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope,
                           kernel=cfg.attention, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
                           quant=cfg.quant.for_kind("attention"), head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
-                          qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, window=cfg.layer_window(0),
+                          qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, window=cfg.layer_window(layer),
                           sinks=cfg.attention_sinks, o_bias=cfg.o_bias, **common)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
     self.is_moe = moe
@@ -339,7 +351,8 @@ def _stack(cfg: ModelConfig, rngs: nnx.Rngs, num: int, *, moe: bool) -> nnx.Modu
   """`num` Blocks: one stacked Block whose parameters have a leading `layers` dim (scan_layers: the
   step compiles one layer body and scans it), or a list."""
   if not cfg.scan_layers:
-    return nnx.List([Block(cfg, rngs, moe=moe) for _ in range(num)])
+    first = cfg.num_layers - num if moe else 0  # the model's index of the stack's first layer
+    return nnx.List([Block(cfg, rngs, moe=moe, layer=first + i) for i in range(num)])
 
   @nnx.split_rngs(splits=num)
   @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num, transform_metadata={nnx.PARTITION_NAME: "layers"})

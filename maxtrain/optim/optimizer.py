@@ -83,7 +83,7 @@ def param_kind(name: str, axes: tuple[str | None, ...] | None, is_param: bool = 
     return "router"
   if len(core) >= 2 and (core[0] in _EMBED_AXES or core[-1] in _EMBED_AXES):
     return "matrix"
-  if not any(a in _EMBED_AXES for a in core):
+  if not any(a in _EMBED_AXES for a in core) or len(core) == 1:  # a vector along the residual: o's or an expert's bias
     return "bias"
   raise ValueError(f"parameter {name} has logical axes {axes}, which route to no optimizer group: a hidden "
                    "matrix has an embed axis first (it reads the residual stream) or last (it writes it)")
