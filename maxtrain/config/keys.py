@@ -80,6 +80,10 @@ def base_config() -> ml_collections.ConfigDict:
   e.bias_update_rate = 0.0  # Auxiliary-loss-free balancing (DeepSeek-V3): per-step sign update of the routing bias; 0 = off.
   e.collapse_entropy = 0.5  # Routing collapse: a layer's load entropy / log(num_experts) below this at log steps ...
   e.collapse_steps = 100  # ... for this many steps emits a routing_collapse event and a warning; 0 = off.
+  e.activation = "swiglu"  # Experts' activation: swiglu | clamped_swiglu (GPT-OSS: one fused, interleaved gate_up weight; dispatch=dropless).
+  e.expert_bias = False  # Learned biases on the router logits and on each expert's matmuls (GPT-OSS; needs activation=clamped_swiglu).
+  e.swiglu_alpha = 1.702  # clamped_swiglu: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+  e.swiglu_limit = 7.0  # clamped_swiglu: the clamp of gate (above) and up (both sides).
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1  # Pure data parallel replicas.
