@@ -173,6 +173,15 @@ HF_FAMILIES = {  # family: (config class, model class, config kwargs)
         swiglu_limit=2.0, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                            "truncate": False, "original_max_position_embeddings": 16,
                                            "rope_theta": 150000.0})),
+    # MLA (q and kv latents, an interleaved RoPE head of 8, v narrower than q.k), YaRN with mscale_all_dim, one
+    # dense layer then MoE: sigmoid router with a non-zero correction bias, 4 groups of which 2 compete,
+    # routed_scaling_factor, a shared expert
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, tie_word_embeddings=False, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, n_shared_experts=1, moe_intermediate_size=16, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
 }
 
 
@@ -182,9 +191,9 @@ def make_family_model(directory: Path, family: str):
 
   config_cls, model_cls, kwargs = HF_FAMILIES[family]
   torch.manual_seed(1)
-  cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, **kwargs)
+  shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
+  cfg = getattr(transformers, config_cls)(**{**shape, **kwargs})
   model = getattr(transformers, model_cls)(cfg).eval()
   with torch.no_grad():  # norms away from 1 and biases away from 0, so that a swapped or dropped one shows
     for name, p in model.named_parameters():
@@ -198,6 +207,9 @@ def make_family_model(directory: Path, family: str):
         p.copy_(0.5 * torch.randn_like(p))
       elif "mlp.experts." in name:  # experts large enough that the clamp acts
         p.copy_(0.3 * torch.randn_like(p))
+    for name, b in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):  # DeepSeek's: it chooses, so a wrong one changes the experts
+        b.copy_(0.3 * torch.randn_like(b))
   model.save_pretrained(directory)
   return model
 
@@ -221,19 +233,26 @@ def test_from_hf_picks_the_family_and_its_pieces(converted):
   assert model["family"] == family
   assert (model.get("head_dim"), model.get("sliding_window", 0)) == {"qwen2": (0, 0), "qwen3": (16, 0),
                                                                        "mistral": (0, 6), "qwen3_moe": (16, 0),
-                                                                       "gpt_oss": (16, 6)}[family]
+                                                                       "gpt_oss": (16, 6), "deepseek_v3": (0, 0)}[family]
   cfg = registry.model_config(model)
   assert (cfg.qkv_bias, cfg.qk_norm, cfg.head_dim) == {"qwen2": (True, False, 8), "qwen3": (False, True, 16),
                                                        "mistral": (False, False, 8), "qwen3_moe": (False, True, 16),
-                                                       "gpt_oss": (True, False, 16)}[family]
+                                                       "gpt_oss": (True, False, 16), "deepseek_v3": (False, False, 8)}[family]
   moe = cfg.moe
   assert (moe.num_experts, moe.experts_per_token, moe.expert_d_ff, moe.norm_topk_prob, moe.dispatch) == {
-      "qwen3_moe": (8, 2, 24, True, "dropless"), "gpt_oss": (8, 2, 48, True, "dropless")}.get(
+      "qwen3_moe": (8, 2, 24, True, "dropless"), "gpt_oss": (8, 2, 48, True, "dropless"),
+      "deepseek_v3": (8, 2, 16, True, "dropless")}.get(
           family, (0, 2, 256, True, "capacity"))
   if family == "gpt_oss":
     assert (cfg.attention_sinks, cfg.o_bias, moe.expert_bias, moe.activation, moe.swiglu_limit, cfg.rope_scaling,
             cfg.rope_truncate, cfg.scan_layers) == (True, True, True, "clamped_swiglu", 2.0, "yarn", False, False)
     assert [cfg.layer_window(i) for i in range(4)] == [6, 0, 6, 0]
+  if family == "deepseek_v3":
+    assert (moe.router, moe.n_group, moe.topk_group, moe.routed_scaling_factor, moe.num_shared_experts,
+            moe.first_dense_layers) == ("sigmoid", 4, 2, 2.5, 1, 1)
+    assert (cfg.mla.kv_lora_rank, cfg.mla.q_lora_rank, cfg.mla.rope_head_dim, cfg.mla.nope_head_dim,
+            cfg.mla.v_head_dim, cfg.mla.rope_interleave) == (16, 24, 8, 16, 12, True)
+    assert cfg.mla.softmax_mscale == pytest.approx(0.1 * np.log(4.0) + 1)
 
 
 def test_greedy_generate_equals_transformers(converted):
@@ -300,9 +319,10 @@ def test_transformers_4_and_5_spellings_read_alike(converted):
   v4.update(rope_theta=v5["rope_parameters"]["rope_theta"], rope_scaling=None, transformers_version="4.51.3")
   if family not in ("mistral", "gpt_oss"):
     v4.update(use_sliding_window=False, sliding_window=4096, max_window_layers=28)
-  if family == "gpt_oss":  # as gpt-oss-20b's config.json: YaRN under rope_scaling, its layer_types kept
-    v4.update(rope_scaling={k: v for k, v in v5["rope_parameters"].items() if k != "rope_theta"},
-              layer_types=v5["layer_types"])
+  if v5["rope_parameters"].get("rope_type") == "yarn":  # as published: YaRN under rope_scaling
+    v4.update(rope_scaling={k: v for k, v in v5["rope_parameters"].items() if k != "rope_theta"})
+  if family == "gpt_oss":  # gpt-oss-20b's config.json keeps its layer_types
+    v4.update(layer_types=v5["layer_types"])
   if family == "qwen3_moe":  # 5.x writes the expert count under its attribute-map name
     assert "num_experts" not in v5
     v4["num_experts"] = v4.pop("num_local_experts")
@@ -321,6 +341,8 @@ REFUSED = [  # (family, field changed, value, the field the one-line error names
     ("qwen3_moe", "decoder_sparse_step", 2, "decoder_sparse_step"),
     ("gpt_oss", "quantization_config", {"quant_method": "mxfp4"}, "quantization_config.quant_method"),
     ("gpt_oss", "layer_types", ["full_attention", "sliding_attention"], "layer_types"),
+    ("deepseek_v3", "quantization_config", {"quant_method": "fp8"}, "quantization_config.quant_method"),
+    ("deepseek_v3", "n_group", 3, "n_group"),
 ]
 
 
@@ -350,7 +372,8 @@ def test_to_hf_refuses_a_piece_the_class_cannot_express():
   keys = config_lib.base_config().model.to_dict()
   write = lambda **m: hf_config.from_model_keys({**keys, **m}, vocab_size=VOCAB, dtype="float32", bos_id=0, eos_id=1)
   for family, key, value in (("llama", "qk_norm", True), ("qwen2", "sliding_window", 8), ("mistral", "qkv_bias", True),
-                             ("qwen3", "qkv_bias", True), ("qwen3_moe", "qkv_bias", True)):
+                             ("qwen3", "qkv_bias", True), ("qwen3_moe", "qkv_bias", True),
+                             ("deepseek_v3", "qkv_bias", True)):
     with pytest.raises(UserError, match=f"model.{key}={value!r}: {HF_FAMILIES.get(family, ('', 'LlamaForCausalLM'))[1]}"):
       write(family=family, **{key: value})
   assert write(family="qwen2")["architectures"] == ["Qwen2ForCausalLM"]

@@ -80,10 +80,22 @@ def base_config() -> ml_collections.ConfigDict:
   e.bias_update_rate = 0.0  # Auxiliary-loss-free balancing (DeepSeek-V3): per-step sign update of the routing bias; 0 = off.
   e.collapse_entropy = 0.5  # Routing collapse: a layer's load entropy / log(num_experts) below this at log steps ...
   e.collapse_steps = 100  # ... for this many steps emits a routing_collapse event and a warning; 0 = off.
+  e.n_group = 1  # Group-limited routing (DeepSeek-V3): experts in this many groups, ...
+  e.topk_group = 1  # ... a token's experts only from its topk_group best groups (a group's score: its two best experts).
+  e.routed_scaling_factor = 1.0  # The routed experts' weights times this (DeepSeek-V3: 2.5).
   e.activation = "swiglu"  # Experts' activation: swiglu | clamped_swiglu (GPT-OSS: one fused, interleaved gate_up weight; dispatch=dropless).
   e.expert_bias = False  # Learned biases on the router logits and on each expert's matmuls (GPT-OSS; needs activation=clamped_swiglu).
   e.swiglu_alpha = 1.702  # clamped_swiglu: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
   e.swiglu_limit = 7.0  # clamped_swiglu: the clamp of gate (above) and up (both sides).
+
+  m.mla = a = ml_collections.ConfigDict()  # Multi-head latent attention (maxtrain/models/mla.py; DeepSeek-V3); kv_lora_rank=0: off.
+  a.kv_lora_rank = 0  # Rank of the kv latent (DeepSeek-V3: 512); 0 = the usual GQA attention.
+  a.q_lora_rank = 0  # Rank of the q latent (DeepSeek-V3: 1536); 0 = q straight from the residual.
+  a.rope_head_dim = 64  # Width of the decoupled RoPE head shared by every head's key.
+  a.nope_head_dim = 128  # Width of each head's q and k without RoPE.
+  a.v_head_dim = 128  # Width of each head's value.
+  a.rope_interleave = True  # The RoPE head's dims in interleaved pairs (Hugging Face DeepSeek's layout).
+  a.softmax_mscale = 1.0  # The softmax scale times its square (YaRN's mscale_all_dim: 0.1 ln(factor) + 1 for DeepSeek-V3).
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1  # Pure data parallel replicas.

@@ -128,11 +128,11 @@ def pieces(param: str, shape: tuple[int, ...], vocab_size: int, tensors: dict[st
     experts, layer_shape = layer_shape[0], layer_shape[1:]
     units = layer_shape[m.in_dims]
     layers = [((i,), i) for i in range(shape[0])] if stacked else [((), layer)]
-    return [Piece(param, base, (*prefix, e), layer_shape, m.hf.format(i, e), units, m)
+    return [Piece(param, base, (*prefix, e), layer_shape, m.hf.format(i + m.layer_offset, e), units, m)
             for prefix, i in layers for e in range(experts)]
   units = vocab_size if base in VOCAB_DIM else layer_shape[m.in_dims]
   if base in VOCAB_DIM:
     assert VOCAB_DIM[base] == m.in_dims, base  # the vocabulary is the row dim (padding = its tail)
   if stacked:
-    return [Piece(param, base, (i,), layer_shape, m.hf.format(i), units, m) for i in range(shape[0])]
-  return [Piece(param, base, (), layer_shape, m.hf.format(layer) if m.per_layer else m.hf, units, m)]
+    return [Piece(param, base, (i,), layer_shape, m.hf.format(i + m.layer_offset), units, m) for i in range(shape[0])]
+  return [Piece(param, base, (), layer_shape, m.hf.format(layer + m.layer_offset) if m.per_layer else m.hf, units, m)]

@@ -27,6 +27,7 @@ from flax import nnx
 
 from maxtrain.errors import choice, require
 from maxtrain.models.attention import layer as attention
+from maxtrain.models import mla as mla_lib
 from maxtrain.models import moe as moe_lib
 from maxtrain.models import quant as quant_lib
 from maxtrain.models.attention.layer import Attention, CacheWrite, KVCache
@@ -98,6 +99,7 @@ class ModelConfig:
   param_dtype: Any = jnp.float32
   compute_dtype: Any = jnp.float32
   moe: MoEConfig = MoEConfig()
+  mla: mla_lib.MLAConfig = mla_lib.MLAConfig()  # model.mla.*: multi-head latent attention when kv_lora_rank > 0
   quant: quant_lib.QuantConfig = quant_lib.QuantConfig()  # model.quantization and model.quant_*
 
   @property
@@ -151,6 +153,8 @@ class ModelConfig:
         kwargs[key] = jnp.dtype(kwargs[key])
     if "moe" in kwargs:
       kwargs["moe"] = MoEConfig.from_config(kwargs["moe"])
+    if "mla" in kwargs:
+      kwargs["mla"] = mla_lib.MLAConfig.from_config(kwargs["mla"])
     if "quantization" in model_cfg:
       kwargs["quant"] = quant_lib.QuantConfig.from_config(model_cfg)
     return cls(**kwargs)
@@ -201,6 +205,7 @@ def validate(m: Any) -> None:
   for key in ("param_dtype", "compute_dtype"):
     choice(f"model.{key}", m[key], DTYPES)
   moe_lib.validate(m)
+  mla_lib.validate(m)
   # The chunked loss runs by default from CHUNK_MIN_VOCAB (program/loss.py) up: the head check needs the resolved size.
   quant_lib.validate(m, m.loss_chunk_tokens if m.loss_chunk_tokens >= 0 else int(m.vocab_size >= 4096))
 
@@ -214,11 +219,16 @@ class Block(nnx.Module):
     common = dict(init_std=cfg.init_std, out_std=out_std, param_dtype=cfg.param_dtype,
                   compute_dtype=cfg.compute_dtype, rngs=rngs)
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
-    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope,
-                          kernel=cfg.attention, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
-                          quant=cfg.quant.for_kind("attention"), head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
-                          qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, window=cfg.layer_window(layer),
-                          sinks=cfg.attention_sinks, o_bias=cfg.o_bias, **common)
+    if cfg.mla.enabled:
+      self.attn = mla_lib.MLAttention(cfg.d_model, cfg.num_heads, cfg.mla, rope=cfg.rope, norm_eps=cfg.norm_eps,
+                                      kernel=cfg.attention, block_q=cfg.attention_block_q,
+                                      block_kv=cfg.attention_block_kv, **common)
+    else:
+      self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope,
+                            kernel=cfg.attention, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
+                            quant=cfg.quant.for_kind("attention"), head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
+                            qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, window=cfg.layer_window(layer),
+                            sinks=cfg.attention_sinks, o_bias=cfg.o_bias, **common)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
     self.is_moe = moe
     if moe:
@@ -281,7 +291,8 @@ class Decoder(nnx.Module):
     cfg = self.cfg
 
     def kv(layers: int | None) -> KVCache:
-      shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+      # MLA caches every head's expanded k and v (models/mla.py)
+      shape = (batch, length, *((cfg.num_heads, cfg.mla.head_dim) if cfg.mla.enabled else (cfg.num_kv_heads, cfg.head_dim)))
       logical = ("act_batch", None, "act_kv_heads", None)
       if layers is not None:
         shape, logical = (layers,) + shape, (None,) + logical

@@ -29,6 +29,7 @@ class Mapping:
   flat: bool = False  # HF holds the tensor flattened to 1-D (a bias [N, H] as [N * H])
   # HF holds one tensor per expert ("...experts.{}.gate_proj.weight": layer, then expert), maxtrain one [E, ...]
   experts: bool = False
+  layer_offset: int = 0  # HF's index of the stack's first layer (DeepSeek's MoE layers after the dense ones)
 
   @property
   def absent(self) -> bool:
@@ -162,6 +163,10 @@ class HFAdapter:
   pieces_out: Callable[[dict, str], dict]  # (model keys, where) -> the family's config.json fields; refuses
   tensors: dict[str, Mapping] = dataclasses.field(default_factory=lambda: TENSORS)
   rope_types: tuple[str, ...] = ("default", "llama3")  # the HF rope_type values the family reads
+  tensors_for: Callable[[dict], dict[str, Mapping]] | None = None  # model keys -> tensors, when they depend on them
+
+  def tensors_of(self, m: dict) -> dict[str, Mapping]:
+    return self.tensors_for(m) if self.tensors_for else self.tensors
 
   def to_model_keys(self, hf: dict, where: str, vocab_multiple: int) -> dict[str, Any]:
     """`config.model` keys equal to this HF model; the vocabulary padded up to a multiple of `vocab_multiple`."""

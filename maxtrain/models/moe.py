@@ -65,6 +65,11 @@ class MoEConfig:
   # GPT-OSS's experts: clamped_swiglu = (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
   # over one fused weight gate_up [E, D, 2F] whose columns interleave gate (even) and up (odd), as its checkpoints
   # hold it; expert_bias: a learned bias on the router's logits and on every expert's two matmuls.
+  # DeepSeek-V3: experts in n_group groups, a token's top-k only from its topk_group best groups (a group's
+  # score: the sum of its two best choice scores); the routed output's weights times routed_scaling_factor.
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
   activation: str = "swiglu"
   expert_bias: bool = False
   swiglu_alpha: float = 1.702
@@ -104,6 +109,13 @@ def validate(m: Any) -> None:
   require(e.capacity_factor > 0, f"config.model.moe.capacity_factor={e.capacity_factor}: must be > 0")
   for key in ("aux_loss_weight", "router_z_loss_weight", "bias_update_rate", "collapse_entropy", "collapse_steps"):
     require(e[key] >= 0, f"config.model.moe.{key}={e[key]}: must be >= 0 (0 = off)")
+  n_group, topk_group = e.get("n_group", 1), e.get("topk_group", 1)
+  require(n_group >= 1 and e.num_experts % n_group == 0 and 1 <= topk_group <= n_group
+          and (n_group == 1 or e.num_experts // n_group >= 2),
+          f"config.model.moe.n_group={n_group}, topk_group={topk_group}: n_group must divide model.moe.num_experts="
+          f"{e.num_experts} into groups of >= 2 experts, and 1 <= topk_group <= n_group")
+  require(e.get("routed_scaling_factor", 1.0) > 0,
+          f"config.model.moe.routed_scaling_factor={e.get('routed_scaling_factor')}: must be > 0")
   choice("model.moe.activation", e.get("activation", "swiglu"), ACTIVATIONS)
   fused = e.get("activation", "swiglu") == "clamped_swiglu"
   require(not e.get("expert_bias") or fused, "config.model.moe.expert_bias=True needs model.moe.activation="
@@ -130,9 +142,18 @@ def route(x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: MoECon
   if logit_bias_E is not None:
     logits_BTE = logits_BTE + logit_bias_E.astype(jnp.float32)
   scores_BTE = jax.nn.softmax(logits_BTE, axis=-1) if cfg.router == "softmax" else jax.nn.sigmoid(logits_BTE)
-  _, experts_BTK = jax.lax.top_k(scores_BTE + jax.lax.stop_gradient(bias_E), cfg.experts_per_token)
+  choice_BTE = scores_BTE + jax.lax.stop_gradient(bias_E)
+  if cfg.n_group > 1:  # group-limited: only the experts of each token's topk_group best groups compete
+    grouped_BTGe = choice_BTE.reshape(*choice_BTE.shape[:-1], cfg.n_group, -1)
+    group_BTG = jnp.sum(jax.lax.top_k(grouped_BTGe, 2)[0], axis=-1)
+    _, best_BTg = jax.lax.top_k(group_BTG, cfg.topk_group)
+    keep_BTG = jnp.sum(jax.nn.one_hot(best_BTg, cfg.n_group, dtype=jnp.bool_), axis=-2) > 0
+    choice_BTE = jnp.where(keep_BTG[..., None], grouped_BTGe, -jnp.inf).reshape(choice_BTE.shape)
+  _, experts_BTK = jax.lax.top_k(choice_BTE, cfg.experts_per_token)
   chosen_BTK = jnp.take_along_axis(scores_BTE, experts_BTK, axis=-1)
   weights_BTK = chosen_BTK / jnp.sum(chosen_BTK, axis=-1, keepdims=True) if cfg.norm_topk_prob else chosen_BTK
+  if cfg.routed_scaling_factor != 1.0:
+    weights_BTK = weights_BTK * cfg.routed_scaling_factor
   load_E = jnp.sum(jax.nn.one_hot(experts_BTK, cfg.num_experts, dtype=jnp.float32), axis=(0, 1, 2))
   assignments = jnp.float32(experts_BTK.size)
   probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)  # the softmax's own for softmax

@@ -53,7 +53,8 @@ PARAM_KINDS = ("embed", "head", "norm", "bias", "matrix", "router", "state")
 # family or piece needs no edit here. Leading axes Muon treats as batch axes: each layer's (each expert's)
 # matrix is orthogonalised on its own.
 _BATCH_AXES = ("layers", "experts")
-_EMBED_AXES = ("embed", "expert_embed")  # the residual stream: a hidden matrix reads or writes it
+# the residual stream: a hidden matrix reads or writes it (and an MLA latent, which its up-projections read)
+_EMBED_AXES = ("embed", "expert_embed", "lora_in")
 
 
 def _core(axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
