@@ -527,3 +527,28 @@ def base_moe() -> dict:
   from maxtrain import config as config_lib
 
   return config_lib.base_config().model.moe.to_dict()
+
+
+def test_deepseek_v3_trains_through_the_entry_point(store, tmp_path, capsys):
+  """deepseek_v3: MLA (q and kv latents, a RoPE head of 8), one dense layer, then 4 sigmoid-routed experts in 2
+  groups (one competes per token), a shared expert, routed_scaling_factor 2.5, the aux-loss-free bias moving:
+  the entry point trains it and the loss falls."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  from maxtrain.cli import train
+  from tiny import TINY_MODEL
+
+  out = tmp_path / "run"
+  keys = ["--config.model.family=deepseek_v3", "--config.model.mla.kv_lora_rank=16", "--config.model.mla.q_lora_rank=16",
+          "--config.model.mla.rope_head_dim=8", "--config.model.mla.nope_head_dim=8", "--config.model.mla.v_head_dim=8",
+          "--config.model.moe.num_experts=4", "--config.model.moe.router=sigmoid", "--config.model.moe.first_dense_layers=1",
+          "--config.model.moe.num_shared_experts=1", "--config.model.moe.n_group=2", "--config.model.moe.topk_group=1",
+          "--config.model.moe.routed_scaling_factor=2.5", "--config.model.moe.expert_d_ff=32",
+          "--config.model.moe.dispatch=dropless", "--config.model.moe.bias_update_rate=0.001"]
+  args = TINY_MODEL + keys + [f"--config.data.path={store}", "--config.steps=6", f"--config.output_dir={out}",
+                              "--config.log_every=2", "--config.optimizer.lr=0.01", "--config.optimizer.warmup_steps=1"]
+  assert train.main(args) == 0, capsys.readouterr().err[-2000:]
+  events = EventAccumulator(str(out / "tensorboard"))
+  events.Reload()
+  losses = [e.value for e in events.Scalars("train/loss")]
+  assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
