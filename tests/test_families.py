@@ -552,3 +552,24 @@ def test_deepseek_v3_trains_through_the_entry_point(store, tmp_path, capsys):
   events.Reload()
   losses = [e.value for e in events.Scalars("train/loss")]
   assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
+
+
+def test_moe_families_flops_count_their_attention():
+  """FLOPs per token: deepseek_v3 counts MLA's projections and q.k / p.v widths (against a hand count), gpt_oss
+  windows half its layers (between the all-windowed and the unwindowed counts, at their mean for 2 layers)."""
+  import math
+
+  moe = {**base_moe(), "num_experts": 4, "dispatch": "dropless"}
+  mla = dict(kv_lora_rank=16, q_lora_rank=24, rope_head_dim=8, nope_head_dim=16, v_head_dim=12, rope_interleave=True,
+             softmax_mscale=1.0)
+  ds = _model("deepseek_v3", moe={**moe, "router": "sigmoid"}, mla=mla)
+  plain = dataclasses.replace(ds, family="llama", mla=dataclasses.replace(ds.mla, kv_lora_rank=0))
+  d, n, T = 64, 4, 64
+  gqa = 6 * 2 * (2 * d * n * 16 + 2 * d * 2 * 16) + 2 * 6 * n * 16 * (T + 1)  # 4 query, 2 kv heads of 16
+  mla_params = d * 24 + 24 * n * 24 + d * (16 + 8) + 16 * n * 28 + n * 12 * d
+  want = registry.flops_per_token(plain, T) - gqa + 6 * 2 * mla_params + 2 * 3 * n * (24 + 12) * (T + 1)
+  assert math.isclose(registry.flops_per_token(ds, T), want, rel_tol=1e-12)
+  oss = _model("gpt_oss", sliding_window=8, moe={**moe, "activation": "clamped_swiglu", "expert_bias": True})
+  all_windowed, unwindowed = oss.train_flops_per_token(T), dataclasses.replace(oss, sliding_window=0).train_flops_per_token(T)
+  assert all_windowed < registry.flops_per_token(oss, T) < unwindowed
+  assert math.isclose(registry.flops_per_token(oss, T), (all_windowed + unwindowed) / 2)

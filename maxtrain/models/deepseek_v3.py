@@ -133,6 +133,20 @@ def _validate(m) -> None:
           "model.family=deepseek_v3 needs both (DeepSeek-V3: 256 experts, kv_lora_rank 512)")
 
 
-FAMILY = Family(name="deepseek_v3", pieces={}, validate=_validate,
+class _MLAFamily(Family):
+  def flops_per_token(self, cfg, seq_len: int) -> float:
+    """The decoder's count with its GQA attention swapped for MLA's: the latent projections' matmul parameters,
+    and q.k over nope + rope dims, p.v over v_head_dim (ModelConfig.train_flops_per_token's convention)."""
+    c, d, n, L = cfg.mla, cfg.d_model, cfg.num_heads, cfg.num_layers
+    h, k = cfg.head_dim, cfg.num_kv_heads
+    gqa = 6.0 * L * (d * n * h * 2 + d * k * h * 2) + L * 3 * 2 * n * h * (seq_len + 1)
+    q = d * c.q_lora_rank + c.q_lora_rank * n * c.qk_head_dim if c.q_lora_rank else d * n * c.qk_head_dim
+    mla_params = q + d * (c.kv_lora_rank + c.rope_head_dim) + c.kv_lora_rank * n * (c.nope_head_dim + c.v_head_dim) \
+        + n * c.v_head_dim * d
+    mla = 6.0 * L * mla_params + L * 3 * n * (c.qk_head_dim + c.v_head_dim) * (seq_len + 1)
+    return cfg.train_flops_per_token(seq_len) - gqa + mla
+
+
+FAMILY = _MLAFamily(name="deepseek_v3", pieces={}, validate=_validate,
                 hf=hf_adapter.HFAdapter(ARCHITECTURE, "deepseek_v3", _pieces_in, _pieces_out, tensors_for=_tensors,
                                         rope_types=("default", "yarn")))

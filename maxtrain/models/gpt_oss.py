@@ -98,6 +98,14 @@ def _validate(m) -> None:
           "and model.moe.expert_bias=True")
 
 
-FAMILY = Family(name="gpt_oss", pieces=PIECES, window_layers="alternate", validate=_validate,
+class _AlternatingFamily(Family):
+  def flops_per_token(self, cfg, seq_len: int) -> float:
+    """The window on the even layers only: the decoder's count with and without it, mixed by layer count."""
+    windowed, full = cfg.train_flops_per_token(seq_len), dataclasses.replace(cfg, sliding_window=0).train_flops_per_token(
+        seq_len)
+    return full + (windowed - full) * ((cfg.num_layers + 1) // 2) / cfg.num_layers
+
+
+FAMILY = _AlternatingFamily(name="gpt_oss", pieces=PIECES, window_layers="alternate", validate=_validate,
                 hf=hf_adapter.HFAdapter(ARCHITECTURE, "gpt_oss", _pieces_in, _pieces_out, tensors=TENSORS,
                                         rope_types=("default", "yarn")))
