@@ -573,3 +573,37 @@ def test_moe_families_flops_count_their_attention():
   all_windowed, unwindowed = oss.train_flops_per_token(T), dataclasses.replace(oss, sliding_window=0).train_flops_per_token(T)
   assert all_windowed < registry.flops_per_token(oss, T) < unwindowed
   assert math.isclose(registry.flops_per_token(oss, T), (all_windowed + unwindowed) / 2)
+
+
+def test_mla_latent_cache_decode_equals_the_uncompressed_one():
+  """A random deepseek_v3 model (YaRN's softmax mscale on) decodes a left-padded prompt then 6 tokens with the
+  expanded k/v cache and with the latent cache (wkv_b absorbed): the same logits at every step (atol 1e-5), and
+  the latent cache holds kv_lora_rank + rope_head_dim values per token per layer."""
+  from flax import nnx
+
+  moe = {**base_moe(), "num_experts": 4, "dispatch": "dropless", "router": "sigmoid", "first_dense_layers": 1,
+         "num_shared_experts": 1}
+  mla = dict(kv_lora_rank=16, q_lora_rank=24, rope_head_dim=8, nope_head_dim=16, v_head_dim=12, rope_interleave=True,
+             softmax_mscale=1.2, latent_cache=False)
+  cfgs = {latent: _model("deepseek_v3", moe=moe, mla={**mla, "latent_cache": latent}) for latent in (False, True)}
+  rng = np.random.default_rng(3)
+  _, params = registry.abstract(cfgs[False])
+  params = jax.tree.map(lambda a: jnp.asarray(0.2 * rng.standard_normal(a.shape), a.dtype), params)
+  prompt = jnp.asarray(rng.integers(0, 128, (2, 9)))
+  valid = jnp.ones((2, 9), bool).at[1, :3].set(False)  # row 1 left-padded
+  steps = jnp.asarray(rng.integers(0, 128, (6, 2, 1)))
+  logits = {}
+  for latent, cfg in cfgs.items():
+    model = nnx.merge(registry.abstract(cfg)[0], params)
+    decode = nnx.jit(lambda m, t, v, c: m.decode(t, v, c))
+    cache = model.init_cache(2, 16)
+    out, cache = decode(model, prompt, valid, cache)
+    got = [out[:, -1]]
+    for tok in steps:
+      out, cache = decode(model, tok, jnp.ones((2, 1), bool), cache)
+      got.append(out[:, -1])
+    logits[latent] = np.stack(got)
+    if latent:
+      per_token = sum(x.shape[-1] for x in jax.tree.leaves(cache.kv["moe_blocks"]))
+      assert per_token == 16 + 8, per_token
+  np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-5)

@@ -95,6 +95,7 @@ def base_config() -> ml_collections.ConfigDict:
   a.nope_head_dim = 128  # Width of each head's q and k without RoPE.
   a.v_head_dim = 128  # Width of each head's value.
   a.rope_interleave = True  # The RoPE head's dims in interleaved pairs (Hugging Face DeepSeek's layout).
+  a.latent_cache = False  # Decode from the compressed cache (kv_lora_rank + rope_head_dim values per token per layer; up-projections absorbed).
   a.softmax_mscale = 1.0  # The softmax scale times its square (YaRN's mscale_all_dim: 0.1 ln(factor) + 1 for DeepSeek-V3).
 
   c.mesh = ml_collections.ConfigDict()

@@ -291,13 +291,15 @@ class Decoder(nnx.Module):
     cfg = self.cfg
 
     def kv(layers: int | None) -> KVCache:
-      # MLA caches every head's expanded k and v (models/mla.py)
+      # MLA caches every head's expanded k and v, or (latent_cache) one kv latent and one RoPE key (models/mla.py)
       shape = (batch, length, *((cfg.num_heads, cfg.mla.head_dim) if cfg.mla.enabled else (cfg.num_kv_heads, cfg.head_dim)))
-      logical = ("act_batch", None, "act_kv_heads", None)
+      shapes = [shape, shape]
+      if cfg.mla.enabled and cfg.mla.latent_cache:
+        shapes = [(batch, length, 1, cfg.mla.kv_lora_rank), (batch, length, 1, cfg.mla.rope_head_dim)]
+      logical = ("act_batch", None, "act_kv_heads", None) if not cfg.mla.latent_cache else ("act_batch", None, None, None)
       if layers is not None:
-        shape, logical = (layers,) + shape, (None,) + logical
-      zeros = sharding_rules.constrain(jnp.zeros(shape, cfg.compute_dtype), logical)
-      return KVCache(zeros, zeros)
+        shapes, logical = [(layers,) + s for s in shapes], (None,) + logical
+      return KVCache(*(sharding_rules.constrain(jnp.zeros(s, cfg.compute_dtype), logical) for s in shapes))
 
     stacks = {}
     for name in ("blocks", "moe_blocks"):

@@ -10,7 +10,10 @@ low-rank latents, and a decoupled RoPE head.
 The RoPE head is Hugging Face DeepSeek's interleaved layout (pairs (0, 1), (2, 3), ...): its dims are
 de-interleaved before maxtrain's rotate-half RoPE, the same permutation for q and k, so q.k is unchanged.
 The kernels take q, k, v of one head width: v is padded with zeros to it (and the output cut back).
-Decoding caches the expanded k and v (uncompressed: [N, nope + rope] per token per layer).
+Decoding caches the expanded k and v ([N, nope + rope] each per token per layer), or with
+`model.mla.latent_cache` only the normalised kv latent and the RoPE key (kv_lora_rank + rope_head_dim values
+per token per layer), the up-projections absorbed into the query and the output:
+  scores = (q_nope W_uk) . c + q_rope . k_rope,  out = (p @ c) W_uv  (W_uk, W_uv: wkv_b's two halves).
 
 Shape legend: B batch, T length, D model, N heads, R latent rank, H head width.
 """
@@ -25,7 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.errors import require
-from maxtrain.models.attention.layer import Attention
+from maxtrain.models.attention import mask as mask_lib
+from maxtrain.models.attention.layer import Attention, KVCache
 from maxtrain.models.layers import RMSNorm, apply_rope, param, project
 from maxtrain.sharding import rules as sharding_rules
 
@@ -39,6 +43,7 @@ class MLAConfig:
   v_head_dim: int = 128
   rope_interleave: bool = True  # HF DeepSeek's layout of the RoPE head's dims
   softmax_mscale: float = 1.0  # YaRN's mscale_all_dim factor: the softmax scale times its square
+  latent_cache: bool = False  # decode from the compressed cache: kv_lora_rank + rope_head_dim values per token
 
   @property
   def enabled(self) -> bool:
@@ -101,6 +106,22 @@ class MLAttention(nnx.Module):
       x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
     return apply_rope(x, positions_BT, self.rope)
 
+  def _absorbed(self, q_nope_BTNH, q_rope_BTNH, cache: KVCache, write) -> jax.Array:
+    """Attention over the latent cache with wkv_b absorbed: [B, T, N, v_head_dim] (fp32 scores)."""
+    c, f32 = self.c, jnp.float32
+    wkv_b = self.wkv_b[...].astype(f32)
+    latent_BSR, k_rope_BSH = cache.k_BSKH[:, :, 0].astype(f32), cache.v_BSKH[:, :, 0].astype(f32)
+    q_lat_BTNR = jnp.einsum("btnh,rnh->btnr", q_nope_BTNH.astype(f32), wkv_b[..., :c.nope_head_dim])
+    scores_BNTS = (jnp.einsum("btnr,bsr->bnts", q_lat_BTNR, latent_BSR)
+                   + jnp.einsum("btnh,bsh->bnts", q_rope_BTNH.astype(f32), k_rope_BSH))
+    scores_BNTS = scores_BNTS * (c.qk_head_dim ** -0.5 * c.softmax_mscale ** 2)
+    t, s = q_nope_BTNH.shape[1], latent_BSR.shape[1]
+    visible_BTS = mask_lib.visible(q_positions_BT=(write.start + jnp.arange(t, dtype=jnp.int32))[None],
+                                   kv_positions_BS=jnp.arange(s, dtype=jnp.int32)[None], kv_valid_BS=write.valid_BS)
+    probs_BNTS = jax.nn.softmax(mask_lib.apply(scores_BNTS, visible_BTS[:, None]), axis=-1)
+    out_BTNR = jnp.einsum("bnts,bsr->btnr", probs_BNTS, latent_BSR)
+    return jnp.einsum("btnr,rnh->btnh", out_BTNR, wkv_b[..., c.nope_head_dim:])
+
   def __call__(self, x_BTD, segment_ids_BT, positions_BT, cache=None, write=None):
     c, dt = self.c, self.compute_dtype
     b, t, _ = x_BTD.shape
@@ -115,6 +136,14 @@ class MLAttention(nnx.Module):
     k_nope_BTNH, v_BTNH = kv_BTNH[..., :c.nope_head_dim], kv_BTNH[..., c.nope_head_dim:]
     q_rope_BTNH = self._rope(q_BTNH[..., c.nope_head_dim:], positions_BT)
     k_rope_BT1H = self._rope(k_rope_BTH[:, :, None, :], positions_BT)
+    if cache is not None and c.latent_cache:
+      latent_BT1R = self.kv_a_norm(latent_BTR)[:, :, None, :]
+      put = lambda c_BS1X, x_BT1X: jax.lax.dynamic_update_slice_in_dim(c_BS1X, x_BT1X.astype(c_BS1X.dtype), write.start,
+                                                                       axis=1)
+      cache = KVCache(put(cache.k_BSKH, latent_BT1R), put(cache.v_BSKH, k_rope_BT1H))
+      if not write.fresh:  # a prefill attends to itself below, as without the latent cache
+        out_BTNH = self._absorbed(q_BTNH[..., :c.nope_head_dim], q_rope_BTNH, cache, write)
+        return project(out_BTNH.astype(dt), self.wo[...].astype(dt), contract=2), cache
     q_BTNH = jnp.concatenate([q_BTNH[..., :c.nope_head_dim], q_rope_BTNH], axis=-1)
     k_BTNH = jnp.concatenate([k_nope_BTNH, jnp.broadcast_to(k_rope_BT1H, (b, t, n, c.rope_head_dim)).astype(dt)],
                              axis=-1)
@@ -128,5 +157,8 @@ class MLAttention(nnx.Module):
     if cache is None:
       out_BTNH = self._attend(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, positions_BT)
     else:
-      out_BTNH, cache = self._attend_cached(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, cache, write)
+      if c.latent_cache:  # the prefill: its own tokens only (the latents are written above)
+        out_BTNH = self._attend(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, None)
+      else:
+        out_BTNH, cache = self._attend_cached(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, cache, write)
     return project(out_BTNH[..., :c.v_head_dim], self.wo[...].astype(dt), contract=2), cache
