@@ -165,18 +165,46 @@ HF_FAMILIES = {  # family: (config class, model class, config kwargs)
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
     # a window of 6 tokens, shorter than the prompts below
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6, tie_word_embeddings=False)),
+    # 8 experts of width 24, top 2 renormalised; the experts saved one tensor each, stacked on import
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, tie_word_embeddings=False, num_experts=8,
+                                                              num_experts_per_tok=2, moe_intermediate_size=24,
+                                                              norm_topk_prob=True)),
+    # sinks, biases everywhere, the clamped SwiGLU (a limit the activations reach), alternating 6-token windows
+    # (shorter than the prompts), YaRN with an attention factor (factor 4 over an original 16 positions)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=16, tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2, sliding_window=6,
+        swiglu_limit=2.0, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "truncate": False, "original_max_position_embeddings": 16,
+                                           "rope_theta": 150000.0})),
+    # MLA (q and kv latents, an interleaved RoPE head of 8, v narrower than q.k), YaRN with mscale_all_dim, one
+    # dense layer then MoE: sigmoid router with a non-zero correction bias, 4 groups of which 2 compete,
+    # routed_scaling_factor, a shared expert
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, tie_word_embeddings=False, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, n_shared_experts=1, moe_intermediate_size=16, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
 }
+
+
+def family_config(family: str, **overrides):
+  """The family's tiny transformers config (its class's, so every field is as transformers writes it)."""
+  import transformers
+
+  config_cls, _, kwargs = HF_FAMILIES[family]
+  shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
+  return getattr(transformers, config_cls)(**{**shape, **kwargs, **overrides})
 
 
 def make_family_model(directory: Path, family: str, **overrides):
   import torch
   import transformers
 
-  config_cls, model_cls, kwargs = HF_FAMILIES[family]
+  _, model_cls, _ = HF_FAMILIES[family]
   torch.manual_seed(1)
-  cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, **{**kwargs, **overrides})
+  cfg = family_config(family, **overrides)
   model = getattr(transformers, model_cls)(cfg).eval()
   with torch.no_grad():  # norms away from 1 and biases away from 0, so that a swapped or dropped one shows
     for name, p in model.named_parameters():
@@ -184,6 +212,15 @@ def make_family_model(directory: Path, family: str, **overrides):
         p.copy_(1 + 0.1 * torch.randn_like(p))
       elif name.endswith("bias"):
         p.copy_(0.5 * torch.randn_like(p))
+      elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # a decisive router: a wrong expert shows
+        p.copy_(torch.randn_like(p))
+      elif name.endswith(("sinks", "_bias")):  # GPT-OSS's sinks and expert biases
+        p.copy_(0.5 * torch.randn_like(p))
+      elif "mlp.experts." in name:  # experts large enough that the clamp acts
+        p.copy_(0.3 * torch.randn_like(p))
+    for name, b in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):  # DeepSeek's: it chooses, so a wrong one changes the experts
+        b.copy_(0.3 * torch.randn_like(b))
   model.save_pretrained(directory)
   return model
 
@@ -206,10 +243,27 @@ def test_from_hf_picks_the_family_and_its_pieces(converted):
   model = open_source(root / "mt").model
   assert model["family"] == family
   assert (model.get("head_dim"), model.get("sliding_window", 0)) == {"qwen2": (0, 0), "qwen3": (16, 0),
-                                                                       "mistral": (0, 6)}[family]
+                                                                       "mistral": (0, 6), "qwen3_moe": (16, 0),
+                                                                       "gpt_oss": (16, 6), "deepseek_v3": (0, 0)}[family]
   cfg = registry.model_config(model)
   assert (cfg.qkv_bias, cfg.qk_norm, cfg.head_dim) == {"qwen2": (True, False, 8), "qwen3": (False, True, 16),
-                                                       "mistral": (False, False, 8)}[family]
+                                                       "mistral": (False, False, 8), "qwen3_moe": (False, True, 16),
+                                                       "gpt_oss": (True, False, 16), "deepseek_v3": (False, False, 8)}[family]
+  moe = cfg.moe
+  assert (moe.num_experts, moe.experts_per_token, moe.expert_d_ff, moe.norm_topk_prob, moe.dispatch) == {
+      "qwen3_moe": (8, 2, 24, True, "dropless"), "gpt_oss": (8, 2, 48, True, "dropless"),
+      "deepseek_v3": (8, 2, 16, True, "dropless")}.get(
+          family, (0, 2, 256, True, "capacity"))
+  if family == "gpt_oss":
+    assert (cfg.attention_sinks, cfg.o_bias, moe.expert_bias, moe.activation, moe.swiglu_limit, cfg.rope_scaling,
+            cfg.rope_truncate, cfg.scan_layers) == (True, True, True, "clamped_swiglu", 2.0, "yarn", False, False)
+    assert [cfg.layer_window(i) for i in range(4)] == [6, 0, 6, 0]
+  if family == "deepseek_v3":
+    assert (moe.router, moe.n_group, moe.topk_group, moe.routed_scaling_factor, moe.num_shared_experts,
+            moe.first_dense_layers) == ("sigmoid", 4, 2, 2.5, 1, 1)
+    assert (cfg.mla.kv_lora_rank, cfg.mla.q_lora_rank, cfg.mla.rope_head_dim, cfg.mla.nope_head_dim,
+            cfg.mla.v_head_dim, cfg.mla.rope_interleave) == (16, 24, 8, 16, 12, True)
+    assert cfg.mla.softmax_mscale == pytest.approx(0.1 * np.log(4.0) + 1)
 
 
 def test_greedy_generate_equals_transformers(converted):
@@ -258,7 +312,7 @@ def test_converted_logits_equal_transformers(converted):
   with torch.no_grad():
     want = hf(torch.tensor(x)).logits.numpy()
   assert np.abs(maxtrain_logits(model, x)[..., :VOCAB] - want).max() <= TOL
-  if family == "mistral":
+  if family in ("mistral", "gpt_oss"):
     graphdef, params = nnx.split(model)
     unwindowed = registry.abstract(dataclasses.replace(model.cfg, sliding_window=0))[0]
     assert np.abs(maxtrain_logits(nnx.merge(unwindowed, params), x)[..., :VOCAB] - want).max() > 100 * TOL
@@ -274,8 +328,15 @@ def test_transformers_4_and_5_spellings_read_alike(converted):
   assert "rope_parameters" in v5
   v4 = {k: v for k, v in v5.items() if k not in ("rope_parameters", "layer_types")}
   v4.update(rope_theta=v5["rope_parameters"]["rope_theta"], rope_scaling=None, transformers_version="4.51.3")
-  if family != "mistral":
+  if family not in ("mistral", "gpt_oss"):
     v4.update(use_sliding_window=False, sliding_window=4096, max_window_layers=28)
+  if v5["rope_parameters"].get("rope_type") == "yarn":  # as published: YaRN under rope_scaling
+    v4.update(rope_scaling={k: v for k, v in v5["rope_parameters"].items() if k != "rope_theta"})
+  if family == "gpt_oss":  # gpt-oss-20b's config.json keeps its layer_types
+    v4.update(layer_types=v5["layer_types"])
+  if family == "qwen3_moe":  # 5.x writes the expert count under its attribute-map name
+    assert "num_experts" not in v5
+    v4["num_experts"] = v4.pop("num_local_experts")
   assert hf_config.to_model_keys(v4, "v4") == hf_config.to_model_keys(v5, "v5")
 
 
@@ -287,27 +348,27 @@ REFUSED = [  # (family, field changed, value, the field the one-line error names
     ("mistral", "layer_types", ["sliding_attention", "full_attention"], "layer_types"),
     ("mistral", "attention_bias", True, "attention_bias"),
     ("mistral", "hidden_act", "gelu", "hidden_act"),
+    ("qwen3_moe", "mlp_only_layers", [0], "mlp_only_layers"),
+    ("qwen3_moe", "decoder_sparse_step", 2, "decoder_sparse_step"),
+    ("gpt_oss", "quantization_config", {"quant_method": "mxfp4"}, "quantization_config.quant_method"),
+    ("gpt_oss", "layer_types", ["full_attention", "sliding_attention"], "layer_types"),
+    ("deepseek_v3", "quantization_config", {"quant_method": "fp8"}, "quantization_config.quant_method"),
+    ("deepseek_v3", "n_group", 3, "n_group"),
 ]
 
 
-def hf_config_json(family: str) -> dict:
-  """config.json as transformers writes it for the tiny model of `family` (no weights)."""
-  import transformers
-
-  config_cls, model_cls, kwargs = HF_FAMILIES[family]
-  cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, **kwargs)
-  return {**cfg.to_dict(), "architectures": [model_cls]}
-
-
 @pytest.mark.parametrize("family,field,value,named", REFUSED)
-def test_what_would_change_the_math_is_exit_2_naming_the_field(tmp_path, capsys, family, field, value, named):
-  """Refused from config.json alone, before any tensor is read: one line naming the field, nothing written."""
+def test_what_would_change_the_math_is_exit_2_naming_the_field(family, tmp_path, capsys, field, value, named):
+  """Refused from config.json alone, before any tensor is read (the directory holds no weights)."""
   from maxtrain.cli import convert
 
   hf_dir = tmp_path / "hf"
-  hf_dir.mkdir()
-  (hf_dir / "config.json").write_text(json.dumps({**hf_config_json(family), field: value}))
+  cfg = family_config(family)
+  cfg.architectures = [HF_FAMILIES[family][1]]
+  cfg.save_pretrained(hf_dir)
+  config = json.loads((hf_dir / "config.json").read_text())
+  config[field] = value
+  (hf_dir / "config.json").write_text(json.dumps(config))
   capsys.readouterr()
   assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "out")]) == 2
   err = capsys.readouterr().err.strip()
@@ -325,7 +386,8 @@ def test_to_hf_refuses_a_piece_the_class_cannot_express():
   keys = config_lib.base_config().model.to_dict()
   write = lambda **m: hf_config.from_model_keys({**keys, **m}, vocab_size=VOCAB, dtype="float32", bos_id=0, eos_id=1)
   for family, key, value in (("llama", "qk_norm", True), ("qwen2", "sliding_window", 8), ("mistral", "qkv_bias", True),
-                             ("qwen3", "qkv_bias", True)):
+                             ("qwen3", "qkv_bias", True), ("qwen3_moe", "qkv_bias", True),
+                             ("deepseek_v3", "qkv_bias", True)):
     with pytest.raises(UserError, match=f"model.{key}={value!r}: {HF_FAMILIES.get(family, ('', 'LlamaForCausalLM'))[1]}"):
       write(family=family, **{key: value})
   assert write(family="qwen2")["architectures"] == ["Qwen2ForCausalLM"]
@@ -413,3 +475,207 @@ def test_linear_rope_scaling_matches_transformers(tmp_path):
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").eval()
   with torch.no_grad():
     assert np.abs(back(torch.tensor(x)).logits.numpy() - want).max() <= TOL
+
+
+def test_a_moe_family_trains_through_the_entry_point(store, tmp_path, capsys):
+  """qwen3_moe (qk-norm, every layer 4 experts, top 2 not renormalised, dropless dispatch): the real entry
+  point trains it and the loss falls; the MoE statistics reach TensorBoard."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  from maxtrain.cli import train
+  from tiny import TINY_MODEL
+
+  out = tmp_path / "run"
+  args = TINY_MODEL + [f"--config.data.path={store}", "--config.steps=8", f"--config.output_dir={out}",
+                       "--config.log_every=2", "--config.model.family=qwen3_moe", "--config.model.head_dim=16",
+                       "--config.model.moe.num_experts=4", "--config.model.moe.experts_per_token=2",
+                       "--config.model.moe.expert_d_ff=32", "--config.model.moe.norm_topk_prob=False",
+                       "--config.model.moe.dispatch=dropless", "--config.optimizer.lr=0.01",
+                       "--config.optimizer.warmup_steps=1"]
+  assert train.main(args) == 0, capsys.readouterr().err[-2000:]
+  events = EventAccumulator(str(out / "tensorboard"))
+  events.Reload()
+  losses = [e.value for e in events.Scalars("train/loss")]
+  assert len(losses) == 4 and losses[-1] < losses[0] - 0.3, losses
+  assert any("moe" in tag for tag in events.Tags()["scalars"]), events.Tags()["scalars"]
+
+
+def test_attention_sinks_in_dot_and_flash_match_the_reference():
+  """GPT-OSS's sinks (one logit per head joining each row's softmax normaliser, no value) with a window of 21
+  over T = 72 and two documents: dot and flash against NumPy (values), flash's gradients (q, k, v and the
+  sinks) against the dot kernel's autodiff; the sinks matter (without them the output differs)."""
+  t, window = 72, 21
+  rng = np.random.default_rng(7)
+  b, n, kv, h = 2, 4, 2, 8
+  q, k, v = (rng.standard_normal((b, t, m, h)).astype(np.float32) for m in (n, kv, kv))
+  sinks = rng.standard_normal(n).astype(np.float32) + 1.0
+  segments = np.ones((b, t), np.int32)
+  segments[1, t // 3:] = 2
+  # NumPy: the reference's weights times the share left over by the sink column
+  g = n // kv
+  kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+  scores = np.einsum("bqnh,bknh->bnqk", q, kk) / np.sqrt(h)
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  visible = (j <= i) & (i - j < window) & (segments[:, :, None] == segments[:, None, :])[:, None]
+  scores = np.where(visible, scores, -np.inf)
+  full = np.concatenate([scores, np.broadcast_to(sinks[None, :, None, None], (b, n, t, 1))], -1)
+  p = np.exp(full - full.max(-1, keepdims=True))
+  p = (p / p.sum(-1, keepdims=True))[..., :-1]
+  want = np.einsum("bnqk,bknh->bqnh", p, vv)
+  kernels = {"dot": lambda q, k, v, s: dot_product_attention(q, k, v, jnp.asarray(segments), window=window, sinks_N=s),
+             "flash": lambda q, k, v, s: fa.flash_attention(q, k, v, jnp.asarray(segments), block_q=16, block_kv=16,
+                                                            window=window, sinks_N=s)}
+  cotangent = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32))
+  grads = {}
+  for name, kernel in kernels.items():
+    out, vjp = jax.vjp(kernel, q, k, v, sinks)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=2e-5, err_msg=name)
+    grads[name] = vjp(cotangent)
+  assert np.abs(want - _window_reference(q, k, v, segments, window)).max() > 1e-2  # the sinks change the output
+  for a, b_ in zip(grads["flash"], grads["dot"]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=0, atol=1e-4 * np.abs(np.asarray(b_)).max())
+  assert np.abs(np.asarray(grads["dot"][3])).max() > 1e-3  # the sinks get a gradient
+
+
+GPT_OSS_KEYS = ["--config.model.family=gpt_oss", "--config.model.head_dim=16", "--config.model.sliding_window=8",
+                "--config.model.moe.num_experts=4", "--config.model.moe.expert_d_ff=32",
+                "--config.model.moe.activation=clamped_swiglu", "--config.model.moe.expert_bias=True",
+                "--config.model.moe.dispatch=dropless", "--config.model.moe.swiglu_limit=2.0",
+                "--config.model.attention_block_q=8", "--config.model.attention_block_kv=8"]
+
+
+def test_gpt_oss_trains_through_the_entry_point(store, tmp_path, capsys):
+  """gpt_oss with a window of 8 < data.seq_len = 32 on its even layers, sinks, every bias and the clamped SwiGLU,
+  under the flash kernel: the entry point trains it and the loss falls."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  from maxtrain.cli import train
+  from tiny import TINY_MODEL
+
+  out = tmp_path / "run"
+  args = TINY_MODEL + GPT_OSS_KEYS + [f"--config.data.path={store}", "--config.steps=6", f"--config.output_dir={out}",
+                                      "--config.log_every=2", "--config.model.attention=flash",
+                                      "--config.optimizer.lr=0.01", "--config.optimizer.warmup_steps=1"]
+  assert train.main(args) == 0, capsys.readouterr().err[-2000:]
+  events = EventAccumulator(str(out / "tensorboard"))
+  events.Reload()
+  losses = [e.value for e in events.Scalars("train/loss")]
+  assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
+
+
+def test_gpt_oss_flash_equals_dot():
+  """The same random gpt_oss model (sinks non-zero, window 12 < T = 64 on layer 0, two documents) under dot and
+  flash: the same loss (rtol 1e-5) and gradients, the sinks' included."""
+  from flax import nnx
+
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 128, (2, 64))
+  segments = np.ones((2, 64), np.int32)
+  segments[0, 40:] = 2
+  positions = np.where(segments == 2, np.arange(64) - 40, np.arange(64))
+  moe = dict(num_experts=4, experts_per_token=2, expert_d_ff=32, activation="clamped_swiglu", expert_bias=True,
+             dispatch="dropless", swiglu_limit=2.0)
+  make = lambda kernel: _model("gpt_oss", sliding_window=12, head_dim=16, attention=kernel, attention_block_q=16,
+                               attention_block_kv=16, moe={**base_moe(), **moe})
+  _, params = registry.abstract(make("dot"))
+  params = jax.tree.map(lambda a: jnp.asarray(0.1 * rng.standard_normal(a.shape), a.dtype), params)
+  losses, grads = {}, {}
+  for kernel in ("dot", "flash"):
+    graphdef, _ = registry.abstract(make(kernel))
+
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(tokens[:, :-1], segments[:, :-1], positions[:, :-1])
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+    losses[kernel], grads[kernel] = jax.jit(jax.value_and_grad(loss))(params)
+  np.testing.assert_allclose(float(losses["flash"]), float(losses["dot"]), rtol=1e-5)
+  names = [str(p) for p, _ in jax.tree_util.tree_leaves_with_path(grads["dot"])]
+  assert any("sinks" in n for n in names)
+  for a, b in zip(jax.tree.leaves(grads["flash"]), jax.tree.leaves(grads["dot"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * np.abs(np.asarray(b)).max() + 1e-9)
+
+
+def base_moe() -> dict:
+  from maxtrain import config as config_lib
+
+  return config_lib.base_config().model.moe.to_dict()
+
+
+def test_deepseek_v3_trains_through_the_entry_point(store, tmp_path, capsys):
+  """deepseek_v3: MLA (q and kv latents, a RoPE head of 8), one dense layer, then 4 sigmoid-routed experts in 2
+  groups (one competes per token), a shared expert, routed_scaling_factor 2.5, the aux-loss-free bias moving:
+  the entry point trains it and the loss falls."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  from maxtrain.cli import train
+  from tiny import TINY_MODEL
+
+  out = tmp_path / "run"
+  keys = ["--config.model.family=deepseek_v3", "--config.model.mla.kv_lora_rank=16", "--config.model.mla.q_lora_rank=16",
+          "--config.model.mla.rope_head_dim=8", "--config.model.mla.nope_head_dim=8", "--config.model.mla.v_head_dim=8",
+          "--config.model.moe.num_experts=4", "--config.model.moe.router=sigmoid", "--config.model.moe.first_dense_layers=1",
+          "--config.model.moe.num_shared_experts=1", "--config.model.moe.n_group=2", "--config.model.moe.topk_group=1",
+          "--config.model.moe.routed_scaling_factor=2.5", "--config.model.moe.expert_d_ff=32",
+          "--config.model.moe.dispatch=dropless", "--config.model.moe.bias_update_rate=0.001"]
+  args = TINY_MODEL + keys + [f"--config.data.path={store}", "--config.steps=6", f"--config.output_dir={out}",
+                              "--config.log_every=2", "--config.optimizer.lr=0.01", "--config.optimizer.warmup_steps=1"]
+  assert train.main(args) == 0, capsys.readouterr().err[-2000:]
+  events = EventAccumulator(str(out / "tensorboard"))
+  events.Reload()
+  losses = [e.value for e in events.Scalars("train/loss")]
+  assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
+
+
+def test_moe_families_flops_count_their_attention():
+  """FLOPs per token: deepseek_v3 counts MLA's projections and q.k / p.v widths (against a hand count), gpt_oss
+  windows half its layers (between the all-windowed and the unwindowed counts, at their mean for 2 layers)."""
+  import math
+
+  moe = {**base_moe(), "num_experts": 4, "dispatch": "dropless"}
+  mla = dict(kv_lora_rank=16, q_lora_rank=24, rope_head_dim=8, nope_head_dim=16, v_head_dim=12, rope_interleave=True,
+             softmax_mscale=1.0)
+  ds = _model("deepseek_v3", moe={**moe, "router": "sigmoid"}, mla=mla)
+  plain = dataclasses.replace(ds, family="llama", mla=dataclasses.replace(ds.mla, kv_lora_rank=0))
+  d, n, T = 64, 4, 64
+  gqa = 6 * 2 * (2 * d * n * 16 + 2 * d * 2 * 16) + 2 * 6 * n * 16 * (T + 1)  # 4 query, 2 kv heads of 16
+  mla_params = d * 24 + 24 * n * 24 + d * (16 + 8) + 16 * n * 28 + n * 12 * d
+  want = registry.flops_per_token(plain, T) - gqa + 6 * 2 * mla_params + 2 * 3 * n * (24 + 12) * (T + 1)
+  assert math.isclose(registry.flops_per_token(ds, T), want, rel_tol=1e-12)
+  oss = _model("gpt_oss", sliding_window=8, moe={**moe, "activation": "clamped_swiglu", "expert_bias": True})
+  all_windowed, unwindowed = oss.train_flops_per_token(T), dataclasses.replace(oss, sliding_window=0).train_flops_per_token(T)
+  assert all_windowed < registry.flops_per_token(oss, T) < unwindowed
+  assert math.isclose(registry.flops_per_token(oss, T), (all_windowed + unwindowed) / 2)
+
+
+def test_mla_latent_cache_decode_equals_the_uncompressed_one():
+  """A random deepseek_v3 model (YaRN's softmax mscale on) decodes a left-padded prompt then 6 tokens with the
+  expanded k/v cache and with the latent cache (wkv_b absorbed): the same logits at every step (atol 1e-5), and
+  the latent cache holds kv_lora_rank + rope_head_dim values per token per layer."""
+  from flax import nnx
+
+  moe = {**base_moe(), "num_experts": 4, "dispatch": "dropless", "router": "sigmoid", "first_dense_layers": 1,
+         "num_shared_experts": 1}
+  mla = dict(kv_lora_rank=16, q_lora_rank=24, rope_head_dim=8, nope_head_dim=16, v_head_dim=12, rope_interleave=True,
+             softmax_mscale=1.2, latent_cache=False)
+  cfgs = {latent: _model("deepseek_v3", moe=moe, mla={**mla, "latent_cache": latent}) for latent in (False, True)}
+  rng = np.random.default_rng(3)
+  _, params = registry.abstract(cfgs[False])
+  params = jax.tree.map(lambda a: jnp.asarray(0.2 * rng.standard_normal(a.shape), a.dtype), params)
+  prompt = jnp.asarray(rng.integers(0, 128, (2, 9)))
+  valid = jnp.ones((2, 9), bool).at[1, :3].set(False)  # row 1 left-padded
+  steps = jnp.asarray(rng.integers(0, 128, (6, 2, 1)))
+  logits = {}
+  for latent, cfg in cfgs.items():
+    model = nnx.merge(registry.abstract(cfg)[0], params)
+    decode = nnx.jit(lambda m, t, v, c: m.decode(t, v, c))
+    cache = model.init_cache(2, 16)
+    out, cache = decode(model, prompt, valid, cache)
+    got = [out[:, -1]]
+    for tok in steps:
+      out, cache = decode(model, tok, jnp.ones((2, 1), bool), cache)
+      got.append(out[:, -1])
+    logits[latent] = np.stack(got)
+    if latent:
+      per_token = sum(x.shape[-1] for x in jax.tree.leaves(cache.kv["moe_blocks"]))
+      assert per_token == 16 + 8, per_token
+  np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-5)

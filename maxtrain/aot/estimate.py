@@ -207,7 +207,7 @@ def _param_counts(table: list[Param], m: ModelConfig) -> dict[str, int]:
 def _is_routed_expert(name: str) -> bool:
   """'moe_blocks/moe/gate' (or .../<i>/moe/up ...): a stacked routed-expert weight, not a shared expert's."""
   parts = name.split("/")
-  return len(parts) >= 2 and parts[-2] == "moe" and parts[-1] in ("gate", "up", "down")
+  return len(parts) >= 2 and parts[-2] == "moe" and parts[-1] in ("gate", "up", "down", "gate_up")
 
 
 def _inactive_experts(table: list[Param], m: ModelConfig) -> int:

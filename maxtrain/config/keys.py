@@ -32,17 +32,23 @@ def base_config() -> ml_collections.ConfigDict:
   m.head_dim = 0  # Width of one attention head, independent of d_model / num_heads (Qwen3: 128); 0 = d_model / num_heads.
   m.qkv_bias = False  # Biases on the q, k and v projections (Qwen2); any family.
   m.qk_norm = False  # Per-head RMSNorm of q and k before RoPE (Qwen3); any family.
+  m.attention_sinks = False  # A learned logit per head joining each softmax normaliser, no value (GPT-OSS); kernels dot, flash.
+  m.o_bias = False  # A bias on the attention output projection (GPT-OSS); any family.
   m.sliding_window = 0  # Sliding-window attention: a query sees this many latest tokens (itself included) on the family's window layers (all layers so far; Mistral); 0 = off. Kernels dot, flash, blocked skip keys outside it.
   m.num_kv_heads = 2  # Key/value heads (grouped-query attention); divides num_heads.
   m.d_ff = 768  # SwiGLU hidden width.
   m.vocab_size = 384  # Embedding rows; >= the tokenizer's vocab (byte tokenizer: 259), padded for sharding.
   m.max_seq_len = 1024  # Longest sequence the model accepts (RoPE positions).
   m.rope_theta = 10000.0  # RoPE base frequency.
-  m.rope_scaling = "none"  # RoPE frequency rescaling for long context: none | llama3 (LLaMA 3.1's rope_type) | linear (position interpolation: every frequency / rope_scaling_factor).
-  m.rope_scaling_factor = 8.0  # llama3: divisor of the low frequencies; linear: of every frequency (context extension factor).
+  m.rope_scaling = "none"  # RoPE frequency rescaling for long context: none | llama3 (LLaMA 3.1's rope_type) | linear (position interpolation: every frequency / rope_scaling_factor) | yarn (GPT-OSS, DeepSeek-V3).
+  m.rope_scaling_factor = 8.0  # llama3: divisor of the low frequencies; linear: of every frequency; yarn: of the low ones (context extension factor).
   m.rope_low_freq_factor = 1.0  # llama3: wavelengths above original_max_len / this are fully rescaled.
   m.rope_high_freq_factor = 4.0  # llama3: wavelengths below original_max_len / this are kept.
   m.rope_original_max_len = 8192  # llama3: the context length the frequencies were first trained at.
+  m.rope_beta_fast = 32.0  # yarn: dims turning more than this many times over rope_original_max_len keep their frequency.
+  m.rope_beta_slow = 1.0  # yarn: dims turning fewer times than this are divided by rope_scaling_factor (a ramp between).
+  m.rope_truncate = True  # yarn: the ramp's ends floored / ceiled to whole dims (GPT-OSS: False).
+  m.rope_attention_factor = 0.0  # yarn: sin and cos are multiplied by this; 0 = 0.1 ln(rope_scaling_factor) + 1.
   m.norm_eps = 1e-5  # RMSNorm epsilon (imported models keep theirs: LLaMA 3 uses 1e-5, LLaMA 2 1e-6).
   m.tie_embeddings = False  # Reuse the input embedding as the output head.
   m.scan_layers = True  # Stack layers and lax.scan them: compile time independent of depth.
@@ -66,6 +72,7 @@ def base_config() -> ml_collections.ConfigDict:
   e.expert_d_ff = 256  # SwiGLU hidden width of each routed and shared expert.
   e.first_dense_layers = 0  # The first k layers keep the dense model.d_ff MLP (DeepSeek-V3: 3).
   e.router = "softmax"  # softmax (Mixtral: top-k of the softmax, renormalised) | sigmoid (DeepSeek-V3: top-k sigmoid scores, normalised).
+  e.norm_topk_prob = True  # Weights of the chosen experts renormalised to sum 1; False: the chosen scores as they are (Qwen-MoE's option).
   e.dispatch = "capacity"  # capacity (fixed slots per expert per sequence, overflow dropped) | dropless (sorted tokens, ragged_dot).
   e.capacity_factor = 1.25  # capacity: slots per expert and sequence = ceil(factor x seq_len x experts_per_token / num_experts).
   e.aux_loss_weight = 0.01  # Weight of the Switch/GShard load-balancing loss E x sum_e f_e P_e (1 when balanced); 0 = off.
@@ -73,6 +80,23 @@ def base_config() -> ml_collections.ConfigDict:
   e.bias_update_rate = 0.0  # Auxiliary-loss-free balancing (DeepSeek-V3): per-step sign update of the routing bias; 0 = off.
   e.collapse_entropy = 0.5  # Routing collapse: a layer's load entropy / log(num_experts) below this at log steps ...
   e.collapse_steps = 100  # ... for this many steps emits a routing_collapse event and a warning; 0 = off.
+  e.n_group = 1  # Group-limited routing (DeepSeek-V3): experts in this many groups, ...
+  e.topk_group = 1  # ... a token's experts only from its topk_group best groups (a group's score: its two best experts).
+  e.routed_scaling_factor = 1.0  # The routed experts' weights times this (DeepSeek-V3: 2.5).
+  e.activation = "swiglu"  # Experts' activation: swiglu | clamped_swiglu (GPT-OSS: one fused, interleaved gate_up weight; dispatch=dropless).
+  e.expert_bias = False  # Learned biases on the router logits and on each expert's matmuls (GPT-OSS; needs activation=clamped_swiglu).
+  e.swiglu_alpha = 1.702  # clamped_swiglu: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+  e.swiglu_limit = 7.0  # clamped_swiglu: the clamp of gate (above) and up (both sides).
+
+  m.mla = a = ml_collections.ConfigDict()  # Multi-head latent attention (maxtrain/models/mla.py; DeepSeek-V3); kv_lora_rank=0: off.
+  a.kv_lora_rank = 0  # Rank of the kv latent (DeepSeek-V3: 512); 0 = the usual GQA attention.
+  a.q_lora_rank = 0  # Rank of the q latent (DeepSeek-V3: 1536); 0 = q straight from the residual.
+  a.rope_head_dim = 64  # Width of the decoupled RoPE head shared by every head's key.
+  a.nope_head_dim = 128  # Width of each head's q and k without RoPE.
+  a.v_head_dim = 128  # Width of each head's value.
+  a.rope_interleave = True  # The RoPE head's dims in interleaved pairs (Hugging Face DeepSeek's layout).
+  a.latent_cache = False  # Decode from the compressed cache (kv_lora_rank + rope_head_dim values per token per layer; up-projections absorbed).
+  a.softmax_mscale = 1.0  # The softmax scale times its square (YaRN's mscale_all_dim: 0.1 ln(factor) + 1 for DeepSeek-V3).
 
   c.fit = ml_collections.ConfigDict()
   c.fit.headroom = 0.1  # Share of device memory model.remat=auto leaves free (the compiled peak must stay under 1 - this).

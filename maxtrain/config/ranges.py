@@ -79,6 +79,13 @@ RANGES: dict[str, Range] = {
     "model.d_ff": COUNT, "model.vocab_size": COUNT, "model.max_seq_len": COUNT,
     "model.head_dim": COUNT0, "model.sliding_window": COUNT0,  # 0 = d_model / num_heads; 0 = no window
     "fit.headroom": between(0, 1, hi_open=True),  # the share of device memory remat=auto leaves free
+    "model.rope_beta_fast": above(0), "model.rope_beta_slow": above(0),
+    "model.rope_attention_factor": at_least(0),  # 0 = YaRN's 0.1 ln(factor) + 1
+    "model.moe.n_group": COUNT, "model.moe.topk_group": COUNT, "model.moe.routed_scaling_factor": above(0),
+    "model.moe.swiglu_alpha": above(0), "model.moe.swiglu_limit": above(0),
+    "model.mla.kv_lora_rank": COUNT0, "model.mla.q_lora_rank": COUNT0,  # 0 = off
+    "model.mla.rope_head_dim": COUNT, "model.mla.nope_head_dim": COUNT, "model.mla.v_head_dim": COUNT,
+    "model.mla.softmax_mscale": above(0),
     "model.rope_theta": above(1),  # a base <= 1 gives no rotation at all (1) or growing wavelengths
     "model.rope_scaling_factor": above(0), "model.rope_low_freq_factor": above(0),
     "model.rope_high_freq_factor": above(0), "model.rope_original_max_len": COUNT,

@@ -47,7 +47,7 @@ def from_model_keys(m: dict, *, vocab_size: int, dtype: str, bos_id: int | None,
 
 def tensors(m: dict) -> dict:
   """The family's tensor names (models/hf_adapter.py Mapping by parameter kind) for these model keys."""
-  return registry.of_keys(m).hf.tensors
+  return registry.of_keys(m).hf.tensors_of(m)
 
 
 def generation_config(bos_id: int | None, eos_id: int | None) -> dict:

@@ -18,6 +18,8 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
+
 from maxtrain.errors import UserError
 from maxtrain.interop import hf_config, names as names_lib, safetensors_io
 from maxtrain.interop.sources import HFSource, open_source
@@ -31,6 +33,12 @@ def _pieces(source, dtype: str) -> list[tuple[names_lib.Piece, safetensors_io.Te
   for name in source.names():
     shape, stored = source.info(name)
     target = stored if dtype == "keep" else dtype
+    base = names_lib.split_layer(name)[0]
+    if names_lib.mapping(base, tensors).absent:  # HF has no place for it: only zeros may be left out
+      if np.any(source.read(name)):
+        raise UserError(f"{name} is non-zero (model.moe.bias_update_rate moved it) and the family's Hugging Face "
+                        "class has no tensor for it: train with model.moe.bias_update_rate=0 to export")
+      continue
     for piece in names_lib.pieces(name, shape, source.vocab_size, tensors):
       out.append((piece, safetensors_io.TensorInfo(piece.hf_name, piece.hf_shape, target)))
   kinds = list(tensors)
@@ -69,9 +77,10 @@ def to_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 <
   if isinstance(source, HFSource):
     raise UserError(f"{checkpoint} is already a Hugging Face directory (to-hf reads a run, a checkpoint step or "
                     "a converted checkpoint)")
-  if source.model.get("moe", {}).get("num_experts"):
+  if source.model.get("moe", {}).get("num_experts") and "moe_blocks/moe/router" not in hf_config.tensors(source.model):
     raise UserError(f"{checkpoint}: a mixture-of-experts model (model.moe.num_experts="
-                    f"{source.model['moe']['num_experts']}); the Hugging Face export maps dense LLaMA layers only")
+                    f"{source.model['moe']['num_experts']}) of a family with dense layers only; export a MoE family "
+                    "(docs/models.md)")
   # The family's config.json first: a piece its HF class cannot express is refused before any file is written.
   hf_config.from_model_keys(source.model, vocab_size=source.vocab_size, dtype="float32", bos_id=None, eos_id=None,
                             where=str(checkpoint))

@@ -54,10 +54,14 @@ def _convert(source: HFSource, params_dir: Path, name: str, dtype: str, block_by
   shape, stored = source.info(name)
   target = stored if dtype == "keep" else dtype
   pieces = source.pieces(name)
+  if not pieces:  # a parameter HF has no tensor for (a routing bias): zeros
+    store = params_store.create(params_dir, name, shape, target, tuple(shape))
+    params_store.write_block(store, (), np.zeros(shape, target))
+    return {"shape": list(shape), "dtype": target}
   chunk, row_dim = list(shape), len(pieces[0].prefix) + pieces[0].row_dim
   chunk[row_dim] = min(shape[row_dim], names_lib.block_units(pieces[0].layer_shape, pieces[0].row_dim, block_bytes))
-  if pieces[0].prefix:
-    chunk[0] = 1  # one layer per chunk
+  for d in range(len(pieces[0].prefix)):
+    chunk[d] = 1  # one layer (one expert of a layer) per chunk
   store = params_store.create(params_dir, name, shape, target, tuple(chunk))
   for piece in pieces:
     for start, stop in piece.blocks(block_bytes):

@@ -36,15 +36,10 @@ def mapping(name: str, tensors: dict[str, Mapping] = MAPPINGS) -> Mapping:
   return tensors[name]
 
 
-def hf_names(name: str, num_layers: int, tensors: dict[str, Mapping] = MAPPINGS) -> list[str]:
-  m = mapping(name, tensors)
-  return [m.hf.format(i) for i in range(num_layers)] if m.per_layer else [m.hf]
-
-
 def split_layer(name: str) -> tuple[str, int | None]:
   """'blocks/3/attn/wq' (model.scan_layers=False) -> ('blocks/attn/wq', 3); other names -> (name, None)."""
   parts = name.split("/")
-  if len(parts) > 2 and parts[0] == "blocks" and parts[1].isdigit():
+  if len(parts) > 2 and parts[0] in ("blocks", "moe_blocks") and parts[1].isdigit():
     return "/".join([parts[0], *parts[2:]]), int(parts[1])
   return name, None
 
@@ -76,7 +71,7 @@ class Piece:
   """One HF tensor inside a maxtrain parameter."""
   param: str  # the maxtrain parameter: 'blocks/attn/wq' (stacked) or 'blocks/3/attn/wq'
   base: str  # its key in the family's tensor names
-  prefix: tuple[int, ...]  # the layer's index into the parameter: (i,) when stacked, else ()
+  prefix: tuple[int, ...]  # the layer's index into the parameter: (i,) when stacked, else (); then the expert's
   layer_shape: tuple[int, ...]  # one layer's maxtrain shape (vocabulary padded)
   hf_name: str
   units: int  # length of the row dim that HF holds (the unpadded vocabulary for embed and head)
@@ -122,14 +117,22 @@ def block_units(layer_shape: tuple[int, ...], row_dim: int, block_bytes: int) ->
 
 
 def pieces(param: str, shape: tuple[int, ...], vocab_size: int, tensors: dict[str, Mapping] = MAPPINGS) -> list[Piece]:
-  """The HF tensors of a maxtrain parameter of this shape, in layer order."""
+  """The HF tensors of a maxtrain parameter of this shape, in layer (then expert) order; [] for one HF lacks."""
   base, layer = split_layer(param)
   m = mapping(base, tensors)
+  if m.absent:
+    return []
   stacked = m.per_layer and layer is None
   layer_shape = tuple(shape[1:] if stacked else shape)
+  if m.experts:  # one HF tensor per (layer, expert): the expert dim joins the prefix
+    experts, layer_shape = layer_shape[0], layer_shape[1:]
+    units = layer_shape[m.in_dims]
+    layers = [((i,), i) for i in range(shape[0])] if stacked else [((), layer)]
+    return [Piece(param, base, (*prefix, e), layer_shape, m.hf.format(i + m.layer_offset, e), units, m)
+            for prefix, i in layers for e in range(experts)]
   units = vocab_size if base in VOCAB_DIM else layer_shape[m.in_dims]
   if base in VOCAB_DIM:
     assert VOCAB_DIM[base] == m.in_dims, base  # the vocabulary is the row dim (padding = its tail)
   if stacked:
-    return [Piece(param, base, (i,), layer_shape, m.hf.format(i), units, m) for i in range(shape[0])]
-  return [Piece(param, base, (), layer_shape, m.hf.format(layer) if m.per_layer else m.hf, units, m)]
+    return [Piece(param, base, (i,), layer_shape, m.hf.format(i + m.layer_offset), units, m) for i in range(shape[0])]
+  return [Piece(param, base, (), layer_shape, m.hf.format(layer + m.layer_offset) if m.per_layer else m.hf, units, m)]

@@ -47,7 +47,7 @@ class HFSource:
     self.tokenizer = str(self.dir / "tokenizer.json") if (self.dir / "tokenizer.json").is_file() else ""
     self.shapes = param_shapes(self.model)
     self.tensors = hf_config.tensors(self.model)
-    expected = {h for n in self.shapes for h in names_lib.hf_names(n, self.model["num_layers"], self.tensors)}
+    expected = {p.hf_name for n in self.shapes for p in names_lib.pieces(n, self.shapes[n], self.vocab_size, self.tensors)}
     extra = [n for n in self.reader.names() if n not in expected and not n.endswith(IGNORED_HF)
              and not (n == "lm_head.weight" and self.model["tie_embeddings"])]
     if extra:
@@ -58,7 +58,9 @@ class HFSource:
     return list(self.shapes)
 
   def info(self, name: str) -> tuple[tuple[int, ...], str]:
-    return self.shapes[name], self.reader.info(names_lib.hf_names(name, self.model["num_layers"], self.tensors)[0]).dtype
+    pieces = names_lib.pieces(name, self.shapes[name], self.vocab_size, self.tensors)
+    # a parameter HF lacks (names.pieces: []) takes the dtype of the embedding
+    return self.shapes[name], self.reader.info(pieces[0].hf_name if pieces else "model.embed_tokens.weight").dtype
 
   def pieces(self, name: str) -> list[names_lib.Piece]:
     """The parameter's HF tensors, each checked against the shape config.json implies."""
@@ -83,25 +85,31 @@ class HFSource:
   def read(self, name: str) -> np.ndarray:
     shape, dtype = self.info(name)
     pieces = self.pieces(name)
+    if not pieces:
+      return np.zeros(shape, dtype)
     if not pieces[0].prefix:
       return self.read_layer(pieces[0], dtype)
     out = np.empty(shape, dtype)
-    for i, piece in enumerate(pieces):
-      out[i] = self.read_layer(piece, dtype)
+    for piece in pieces:
+      out[piece.prefix] = self.read_layer(piece, dtype)
     return out
 
   def read_sharded(self, name: str, target: jax.ShapeDtypeStruct) -> jax.Array:
     """Each local device's shard, assembled one HF tensor at a time (a stacked shard layer by layer)."""
     pieces = self.pieces(name)
+    by_prefix = {p.prefix: p for p in pieces}
 
     def shard(index: tuple) -> np.ndarray:
+      if not pieces:
+        return np.zeros(target.shape, target.dtype)[index]
       if not pieces[0].prefix:
         return self.read_layer(pieces[0], target.dtype)[index]
-      layers = range(*index[0].indices(target.shape[0]))
-      out = np.empty((len(layers), *(len(range(*i.indices(n))) for i, n in zip(index[1:], target.shape[1:]))),
-                     target.dtype)
-      for j, i in enumerate(layers):
-        out[j] = self.read_layer(pieces[i], target.dtype)[index[1:]]
+      k = len(pieces[0].prefix)  # leading dims that pick a piece: the layer, then the expert
+      ranges = [range(*i.indices(n)) for i, n in zip(index, target.shape)]
+      out = np.empty(tuple(len(r) for r in ranges), target.dtype)
+      for at in np.ndindex(*out.shape[:k]):
+        piece = by_prefix[tuple(r[j] for r, j in zip(ranges, at))]
+        out[at] = self.read_layer(piece, target.dtype)[index[k:]]
       return out
 
     return jax.make_array_from_callback(target.shape, target.sharding, shard)

@@ -28,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.errors import choice, require
 from maxtrain.models.attention import layer as attention
+from maxtrain.models import mla as mla_lib
 from maxtrain.models import moe as moe_lib
 from maxtrain.models import quant as quant_lib
 from maxtrain.models.attention.layer import Attention, CacheWrite, KVCache
@@ -59,7 +60,7 @@ _LAYOUT_OPS = frozenset({"dynamic_slice", "slice", "squeeze", "reshape", "expand
 
 def _save_all_but_layout_ops(prim: Any, *_, **__) -> bool:
   return prim.name not in _LAYOUT_OPS
-ROPE_SCALINGS = ("none", "llama3", "linear")
+ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 # The config key that sets each logical parameter dim: what a layout error tells the user to change.
 CONFIG_KEYS = {"heads": "model.num_heads", "kv_heads": "model.num_kv_heads", "mlp": "model.d_ff",
@@ -82,10 +83,16 @@ class ModelConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_len: int = 8192
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_truncate: bool = True
+  rope_attention_factor: float = 0.0
   family: str = "llama"  # the registry entry (models/registry.py) whose pieces and HF adapter this is
   head_dim_setting: int = 0  # model.head_dim; 0: d_model / num_heads
   qkv_bias: bool = False
   qk_norm: bool = False
+  attention_sinks: bool = False  # GPT-OSS: a learned softmax-normaliser logit per head
+  o_bias: bool = False  # a bias on the attention output projection (GPT-OSS)
   sliding_window: int = 0  # tokens a query sees (itself included) on window layers; 0: off
   window_layers: str = "all"  # which layers use the window: the family's pattern (registry.Family)
   tie_embeddings: bool = False
@@ -100,6 +107,7 @@ class ModelConfig:
   param_dtype: Any = jnp.float32
   compute_dtype: Any = jnp.float32
   moe: MoEConfig = MoEConfig()
+  mla: mla_lib.MLAConfig = mla_lib.MLAConfig()  # model.mla.*: multi-head latent attention when kv_lora_rank > 0
   quant: quant_lib.QuantConfig = quant_lib.QuantConfig()  # model.quantization and model.quant_*
 
   @property
@@ -108,14 +116,16 @@ class ModelConfig:
 
   def layer_window(self, layer: int) -> int:
     """The sliding window of layer `layer` (0: full causal attention)."""
-    del layer  # every pattern so far is "all" (registry.Family.window_layers)
+    if self.window_layers == "alternate":  # GPT-OSS: even layers windowed, odd ones full (unscanned layers)
+      return self.sliding_window if layer % 2 == 0 else 0
     return self.sliding_window
 
   @property
   def rope(self) -> Rope:
     return Rope(theta=self.rope_theta, scaling=self.rope_scaling, factor=self.rope_scaling_factor,
                 low_freq_factor=self.rope_low_freq_factor, high_freq_factor=self.rope_high_freq_factor,
-                original_max_len=self.rope_original_max_len)
+                original_max_len=self.rope_original_max_len, beta_fast=self.rope_beta_fast,
+                beta_slow=self.rope_beta_slow, truncate=self.rope_truncate, attention_factor=self.rope_attention_factor)
 
   def train_flops_per_token(self, seq_len: int) -> float:
     """Model FLOPs of one training token (forward + backward = 3 x forward).
@@ -151,6 +161,8 @@ class ModelConfig:
         kwargs[key] = jnp.dtype(kwargs[key])
     if "moe" in kwargs:
       kwargs["moe"] = MoEConfig.from_config(kwargs["moe"])
+    if "mla" in kwargs:
+      kwargs["mla"] = mla_lib.MLAConfig.from_config(kwargs["mla"])
     if "quantization" in model_cfg:
       kwargs["quant"] = quant_lib.QuantConfig.from_config(model_cfg)
     return cls(**kwargs)
@@ -172,6 +184,9 @@ def validate(m: Any) -> None:
   require(m.sliding_window == 0 or m.attention not in ("cudnn", "nki"),
           f"config.model.attention={m.attention} has no sliding window: use model.attention=flash, blocked or dot "
           f"with model.sliding_window={m.sliding_window}")
+  require(not m.get("attention_sinks") or m.attention in ("dot", "flash", "auto"),
+          f"config.model.attention={m.attention} has no attention sinks: use model.attention=flash or dot with "
+          "model.attention_sinks=True")
   require(m.num_heads % m.num_kv_heads == 0,
           f"config.model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
   require(m.loss_chunk_tokens >= -1, f"config.model.loss_chunk_tokens={m.loss_chunk_tokens}: use a chunk size > 0, "
@@ -189,12 +204,19 @@ def validate(m: Any) -> None:
             f"config.model.rope_*: llama3 scaling needs rope_high_freq_factor={m.rope_high_freq_factor} > "
             f"rope_low_freq_factor={m.rope_low_freq_factor} > 0, rope_scaling_factor={m.rope_scaling_factor} > 0 "
             f"and rope_original_max_len={m.rope_original_max_len} > 0")
+  if m.rope_scaling == "yarn":
+    require(m.rope_scaling_factor > 0 and m.rope_original_max_len > 0 and m.rope_beta_fast > m.rope_beta_slow > 0
+            and m.rope_attention_factor >= 0,
+            f"config.model.rope_*: yarn scaling needs rope_scaling_factor={m.rope_scaling_factor} > 0, "
+            f"rope_original_max_len={m.rope_original_max_len} > 0, rope_beta_fast={m.rope_beta_fast} > "
+            f"rope_beta_slow={m.rope_beta_slow} > 0 and rope_attention_factor={m.rope_attention_factor} >= 0")
   choice("model.attention", m.attention, attention.CHOICES)
   for key in ("attention_block_q", "attention_block_kv"):
     require(m[key] > 0, f"config.model.{key}={m[key]}: must be > 0")
   for key in ("param_dtype", "compute_dtype"):
     choice(f"model.{key}", m[key], DTYPES)
   moe_lib.validate(m)
+  mla_lib.validate(m)
   # The chunked loss runs by default from CHUNK_MIN_VOCAB (program/loss.py) up: the head check needs the resolved size.
   quant_lib.validate(m, m.loss_chunk_tokens if m.loss_chunk_tokens >= 0 else int(m.vocab_size >= 4096))
 
@@ -202,16 +224,22 @@ def validate(m: Any) -> None:
 class Block(nnx.Module):
   """One decoder layer; its feed-forward part is a dense SwiGLU (`mlp`) or a mixture of experts (`moe`)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, moe: bool = False):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, moe: bool = False, layer: int = 0):
     # GPT-2/LLaMA practice: shrink residual-branch outputs with depth so activations stay O(1).
     out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
     common = dict(init_std=cfg.init_std, out_std=out_std, param_dtype=cfg.param_dtype,
                   compute_dtype=cfg.compute_dtype, rngs=rngs)
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
-    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope,
-                          kernel=cfg.attention, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
-                          quant=cfg.quant.for_kind("attention"), head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
-                          qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, window=cfg.layer_window(0), **common)
+    if cfg.mla.enabled:
+      self.attn = mla_lib.MLAttention(cfg.d_model, cfg.num_heads, cfg.mla, rope=cfg.rope, norm_eps=cfg.norm_eps,
+                                      kernel=cfg.attention, block_q=cfg.attention_block_q,
+                                      block_kv=cfg.attention_block_kv, **common)
+    else:
+      self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope,
+                            kernel=cfg.attention, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
+                            quant=cfg.quant.for_kind("attention"), head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
+                            qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, window=cfg.layer_window(layer),
+                            sinks=cfg.attention_sinks, o_bias=cfg.o_bias, **common)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
     self.is_moe = moe
     if moe:
@@ -274,22 +302,28 @@ class Decoder(nnx.Module):
     """An empty cache of `length` slots per row, in the compute dtype, laid out like the stacks."""
     cfg = self.cfg
 
-    # A window layer keeps a ring of window-many slots (models/attention/layer.py _attend_ring).
-    slots = min(length, cfg.layer_window(0)) if cfg.layer_window(0) else length
+    # A window layer keeps a ring of window-many slots (models/attention/layer.py _attend_ring); the window
+    # pattern is per layer (GPT-OSS alternates), so each unscanned layer sizes its own.
+    slots_of = lambda layer: min(length, cfg.layer_window(layer)) if cfg.layer_window(layer) else length
 
-    def kv(layers: int | None) -> KVCache:
-      shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
-      logical = ("act_batch", None, "act_kv_heads", None)
+    def kv(layers: int | None, slots: int) -> KVCache:
+      # MLA caches every head's expanded k and v, or (latent_cache) one kv latent and one RoPE key (models/mla.py)
+      shape = (batch, slots, *((cfg.num_heads, cfg.mla.head_dim) if cfg.mla.enabled else (cfg.num_kv_heads, cfg.head_dim)))
+      shapes = [shape, shape]
+      if cfg.mla.enabled and cfg.mla.latent_cache:
+        shapes = [(batch, slots, 1, cfg.mla.kv_lora_rank), (batch, slots, 1, cfg.mla.rope_head_dim)]
+      logical = ("act_batch", None, "act_kv_heads", None) if not cfg.mla.latent_cache else ("act_batch", None, None, None)
       if layers is not None:
-        shape, logical = (layers,) + shape, (None,) + logical
-      zeros = sharding_rules.constrain(jnp.zeros(shape, cfg.compute_dtype), logical)
-      return KVCache(zeros, zeros)
+        shapes, logical = [(layers,) + s for s in shapes], (None,) + logical
+      return KVCache(*(sharding_rules.constrain(jnp.zeros(s, cfg.compute_dtype), logical) for s in shapes))
 
     stacks = {}
     for name in ("blocks", "moe_blocks"):
       if hasattr(self, name):
         blocks = getattr(self, name)
-        stacks[name] = kv(_stack_length(blocks)) if cfg.scan_layers else [kv(None) for _ in blocks]
+        first = cfg.num_layers - len(blocks) if name == "moe_blocks" and not cfg.scan_layers else 0
+        stacks[name] = (kv(_stack_length(blocks), slots_of(0)) if cfg.scan_layers
+                        else [kv(None, slots_of(first + i)) for i in range(len(blocks))])
     return Cache(stacks, jnp.zeros((batch, length), jnp.bool_), jnp.zeros((), jnp.int32), fresh=True)
 
   def decode(self, tokens_BT: jax.Array, valid_BT: jax.Array, cache: "Cache") -> tuple[jax.Array, "Cache"]:
@@ -348,7 +382,8 @@ def _stack(cfg: ModelConfig, rngs: nnx.Rngs, num: int, *, moe: bool) -> nnx.Modu
   """`num` Blocks: one stacked Block whose parameters have a leading `layers` dim (scan_layers: the
   step compiles one layer body and scans it), or a list."""
   if not cfg.scan_layers:
-    return nnx.List([Block(cfg, rngs, moe=moe) for _ in range(num)])
+    first = cfg.num_layers - num if moe else 0  # the model's index of the stack's first layer
+    return nnx.List([Block(cfg, rngs, moe=moe, layer=first + i) for i in range(num)])
 
   @nnx.split_rngs(splits=num)
   @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num, transform_metadata={nnx.PARTITION_NAME: "layers"})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Callable
 
 from maxtrain.errors import UserError
@@ -26,6 +27,14 @@ class Mapping:
   in_dims: int  # leading maxtrain dims forming HF's `in` axis (0: no transpose, e.g. norms, embedding)
   per_layer: bool = True
   flat: bool = False  # HF holds the tensor flattened to 1-D (a bias [N, H] as [N * H])
+  # HF holds one tensor per expert ("...experts.{}.gate_proj.weight": layer, then expert), maxtrain one [E, ...]
+  experts: bool = False
+  layer_offset: int = 0  # HF's index of the stack's first layer (DeepSeek's MoE layers after the dense ones)
+
+  @property
+  def absent(self) -> bool:
+    """No HF tensor (hf ""): zeros on import; to-hf refuses it unless it is all zeros (a routing bias HF lacks)."""
+    return not self.hf
 
 
 # The decoder's parameters under the names every LLaMA-like HF class uses (a family adds its own).
@@ -49,7 +58,17 @@ TENSORS = {
     "blocks/mlp/down": Mapping("model.layers.{}.mlp.down_proj.weight", 1),
 }
 
-ROPE_TYPES = {"default": "none", "llama3": "llama3", "linear": "linear"}  # HF rope_type -> model.rope_scaling
+
+
+def stack_tensors(stack: str, tensors: dict[str, Mapping] = TENSORS) -> dict[str, Mapping]:
+  """The per-layer names of `blocks/` for another stack of the decoder (`moe_blocks/`: a MoE model's layers)."""
+  return {f"{stack}/{k.split('/', 1)[1]}": m for k, m in tensors.items() if k.startswith("blocks/")}
+
+
+ROPE_TYPES = {"default": "none", "llama3": "llama3", "linear": "linear", "yarn": "yarn"}  # HF rope_type -> model.rope_scaling
+# YaRN fields -> model.rope_* keys (a family reads yarn only when its adapter lists it in rope_types)
+YARN_FIELDS = {"rope_scaling_factor": ("factor", float), "rope_original_max_len": ("original_max_position_embeddings", int),
+               "rope_beta_fast": ("beta_fast", float), "rope_beta_slow": ("beta_slow", float)}
 # model.rope_* key <- HF llama3 rope field
 LLAMA3_FIELDS = {"rope_scaling_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                  "rope_high_freq_factor": "high_freq_factor",
@@ -73,15 +92,15 @@ def number(value: Any, kind: type, where: str, field: str) -> Any:
   return kind(value)
 
 
-def rope(hf: dict, where: str) -> dict[str, Any]:
+def rope(hf: dict, where: str, types: tuple[str, ...] = ("default", "llama3")) -> dict[str, Any]:
   params = hf.get("rope_parameters") or {}
   scaling = hf.get("rope_scaling") or {}
   theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
   spec = {**params, **scaling}
   kind = spec.get("rope_type", spec.get("type", "default"))
   field = "rope_scaling.rope_type" if scaling else "rope_parameters.rope_type"
-  if kind not in ROPE_TYPES:
-    raise refuse(where, field, kind, f"unsupported RoPE type (supported: {', '.join(ROPE_TYPES)})")
+  if kind not in types:
+    raise refuse(where, field, kind, f"unsupported RoPE type (supported: {', '.join(types)})")
   out = {"rope_theta": number(theta, float, where, "rope_theta"), "rope_scaling": ROPE_TYPES[kind]}
   if kind == "linear":
     if "factor" not in spec:
@@ -92,6 +111,21 @@ def rope(hf: dict, where: str) -> dict[str, Any]:
       if hf_key not in spec:
         raise refuse(where, f"rope_scaling.{hf_key}", None, "missing: llama3 RoPE scaling needs it")
       out[key] = number(spec[hf_key], type(_DEFAULTS[key]), where, f"rope_scaling.{hf_key}")
+  if kind == "yarn":
+    if spec.get("factor") is None:
+      raise refuse(where, f"{field.split('.')[0]}.factor", None, "missing: yarn RoPE scaling needs it")
+    out.update(rope_beta_fast=32.0, rope_beta_slow=1.0)  # transformers' defaults
+    for key, (hf_key, kind_) in YARN_FIELDS.items():
+      if hf_key in spec and spec[hf_key] is not None:
+        out[key] = number(spec[hf_key], kind_, where, f"{field.split('.')[0]}.{hf_key}")
+    out.setdefault("rope_original_max_len", hf.get("max_position_embeddings", 4096))
+    out["rope_truncate"] = bool(spec.get("truncate", True))
+    factor, mscale, mscale_all = out.get("rope_scaling_factor", 1.0), spec.get("mscale"), spec.get("mscale_all_dim")
+    get = lambda s, m=1.0: 0.1 * m * math.log(s) + 1.0 if s > 1 else 1.0  # transformers' yarn_get_mscale
+    if spec.get("attention_factor") is not None:
+      out["rope_attention_factor"] = number(spec["attention_factor"], float, where, "rope_scaling.attention_factor")
+    elif mscale and mscale_all:
+      out["rope_attention_factor"] = get(factor, mscale) / get(factor, mscale_all)
   return out
 
 
@@ -132,6 +166,11 @@ class HFAdapter:
   pieces_in: Callable[[dict, str], dict]  # (config.json, where) -> the family's model.* keys; refuses by field
   pieces_out: Callable[[dict, str], dict]  # (model keys, where) -> the family's config.json fields; refuses
   tensors: dict[str, Mapping] = dataclasses.field(default_factory=lambda: TENSORS)
+  rope_types: tuple[str, ...] = ("default", "llama3", "linear")  # the HF rope_type values the family reads
+  tensors_for: Callable[[dict], dict[str, Mapping]] | None = None  # model keys -> tensors, when they depend on them
+
+  def tensors_of(self, m: dict) -> dict[str, Mapping]:
+    return self.tensors_for(m) if self.tensors_for else self.tensors
 
   def to_model_keys(self, hf: dict, where: str, vocab_multiple: int) -> dict[str, Any]:
     """`config.model` keys equal to this HF model; the vocabulary padded up to a multiple of `vocab_multiple`."""
@@ -153,7 +192,7 @@ class HFAdapter:
             "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "scan_layers": True,
             # 0 (d_model / num_heads) when it is that: the default run's keys stay as they were
             "head_dim": 0 if head_dim * heads == width else head_dim}
-    keys.update(rope(hf, where))
+    keys.update(rope(hf, where, self.rope_types))
     keys.update(self.pieces_in(hf, where))
     return keys
 
@@ -165,6 +204,12 @@ class HFAdapter:
       scaling = {"rope_type": "llama3", **{hf_key: m[key] for key, hf_key in LLAMA3_FIELDS.items()}}
     elif m.get("rope_scaling", "none") == "linear":
       scaling = {"rope_type": "linear", "factor": m["rope_scaling_factor"]}
+    elif m.get("rope_scaling", "none") == "yarn":
+      defaults = {"rope_beta_fast": 32.0, "rope_beta_slow": 1.0}
+      scaling = {"rope_type": "yarn", **{hf_key: m.get(key, defaults.get(key)) for key, (hf_key, _) in YARN_FIELDS.items()},
+                 "truncate": m.get("rope_truncate", True)}
+      if m.get("rope_attention_factor"):
+        scaling["attention_factor"] = m["rope_attention_factor"]
     out = {"architectures": [self.architecture], "model_type": self.model_type, "hidden_act": "silu",
            "hidden_size": m["d_model"], "intermediate_size": m["d_ff"], "num_hidden_layers": m["num_layers"],
            "num_attention_heads": m["num_heads"], "num_key_value_heads": m["num_kv_heads"],

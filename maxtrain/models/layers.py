@@ -59,13 +59,31 @@ class Rope:
   first trained on. `scaling="llama3"` is LLaMA 3.1's rule (`rope_type: llama3` in Hugging Face
   configs): wavelengths shorter than original_max_len / high_freq_factor keep their frequency,
   those longer than original_max_len / low_freq_factor are divided by `factor`, and the band in
-  between interpolates smoothly. Set by the `model.rope_*` config keys."""
+  between interpolates smoothly. `scaling="yarn"` (YaRN, GPT-OSS and DeepSeek-V3; Hugging Face's
+  `_compute_yarn_parameters`): dims rotating more than `beta_fast` times over original_max_len keep
+  their frequency, those rotating less than `beta_slow` times are divided by `factor`, a linear ramp
+  between (its ends floored / ceiled when `truncate`); sin and cos are multiplied by the attention factor
+  (`attention_factor`, 0: 0.1 ln(factor) + 1), which scales every attention logit by its square.
+  Set by the `model.rope_*` config keys."""
   theta: float = 10000.0
   scaling: str = "none"  # none | llama3 | linear (every frequency / factor)
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_len: int = 8192
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True
+  attention_factor: float = 0.0  # yarn: 0 = 0.1 ln(factor) + 1
+
+  @property
+  def scale(self) -> float:
+    """The factor sin and cos are multiplied by (1 but for yarn)."""
+    if self.scaling != "yarn":
+      return 1.0
+    if self.attention_factor:
+      return self.attention_factor
+    return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
   def inv_freq(self, head_dim: int) -> jax.Array:
     """[H/2] fp32 angular frequencies, one per rotated pair."""
@@ -74,6 +92,16 @@ class Rope:
       return inv_freq
     if self.scaling == "linear":  # position interpolation: every position divided by `factor`
       return inv_freq / self.factor
+    if self.scaling == "yarn":
+      def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times over original_max_len
+        return head_dim * math.log(self.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+      low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+      if self.truncate:
+        low, high = math.floor(low), math.ceil(high)
+      low, high = max(low, 0), min(high, head_dim - 1)
+      high = high + 0.001 if low == high else high
+      ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+      return inv_freq / self.factor * ramp + inv_freq * (1 - ramp)
     wavelen = 2 * math.pi / inv_freq
     ratio = self.original_max_len / wavelen  # how many wavelengths fit in the original context
     # 0 at the long-wavelength edge of the band, 1 at the short one (clipped outside it).
@@ -101,6 +129,8 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, rope: "Rope | float")
   head_dim = x_BTNH.shape[-1]
   angles_BTh = positions_BT.astype(jnp.float32)[..., None] * rope.inv_freq(head_dim)
   sin, cos = _computed_once(jnp.stack([jnp.sin(angles_BTh), jnp.cos(angles_BTh)]))[:, :, :, None, :]
+  if rope.scale != 1.0:  # YaRN's attention factor
+    sin, cos = sin * rope.scale, cos * rope.scale
   x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BTNH.dtype)

@@ -10,7 +10,8 @@ Router (fp32 whatever the compute dtype: the top-k choice must not flip on bf16 
   logits = x @ router;  softmax router: scores = softmax(logits) (Mixtral);
                         sigmoid router: scores = sigmoid(logits) (DeepSeek-V3).
   The top-k experts by scores + bias (the bias only chooses, it never weighs); the weights are the
-  chosen scores normalised to sum 1 (Mixtral's renormalised softmax; DeepSeek-V3's normalised sigmoid).
+  chosen scores normalised to sum 1 (Mixtral's renormalised softmax; DeepSeek-V3's normalised sigmoid),
+  or the chosen scores as they are with `norm_topk_prob=False` (Qwen-MoE's option).
 Losses, per layer, over the layer's B x T tokens (reported apart from the LM loss, added to it with
 their weights; the step averages them over MoE layers, `step.py`):
   aux    = E x sum_e f_e P_e (Switch/GShard): f_e = share of the B x T x K assignments routed to e (no
@@ -38,6 +39,7 @@ from maxtrain.sharding import expert_dispatch
 from maxtrain.sharding.layout import param_name
 
 ROUTERS = ("softmax", "sigmoid")
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
 DISPATCHES = ("capacity", "dropless")
 # Per-layer statistics a MoE layer returns (each [L] or [L, E] once stacked over layers). All but aux
 # and z are sums over tokens, so microbatches add them up; aux and z are the layer's means.
@@ -52,6 +54,7 @@ class MoEConfig:
   expert_d_ff: int = 256
   first_dense_layers: int = 0
   router: str = "softmax"
+  norm_topk_prob: bool = True  # the chosen scores renormalised to sum 1 (False: Qwen-MoE's raw softmax shares)
   dispatch: str = "capacity"
   capacity_factor: float = 1.25
   aux_loss_weight: float = 0.01
@@ -59,6 +62,18 @@ class MoEConfig:
   bias_update_rate: float = 0.0
   collapse_entropy: float = 0.5
   collapse_steps: int = 100
+  # GPT-OSS's experts: clamped_swiglu = (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
+  # over one fused weight gate_up [E, D, 2F] whose columns interleave gate (even) and up (odd), as its checkpoints
+  # hold it; expert_bias: a learned bias on the router's logits and on every expert's two matmuls.
+  # DeepSeek-V3: experts in n_group groups, a token's top-k only from its topk_group best groups (a group's
+  # score: the sum of its two best choice scores); the routed output's weights times routed_scaling_factor.
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
+  activation: str = "swiglu"
+  expert_bias: bool = False
+  swiglu_alpha: float = 1.702
+  swiglu_limit: float = 7.0
 
   @property
   def enabled(self) -> bool:
@@ -94,6 +109,21 @@ def validate(m: Any) -> None:
   require(e.capacity_factor > 0, f"config.model.moe.capacity_factor={e.capacity_factor}: must be > 0")
   for key in ("aux_loss_weight", "router_z_loss_weight", "bias_update_rate", "collapse_entropy", "collapse_steps"):
     require(e[key] >= 0, f"config.model.moe.{key}={e[key]}: must be >= 0 (0 = off)")
+  n_group, topk_group = e.get("n_group", 1), e.get("topk_group", 1)
+  require(n_group >= 1 and e.num_experts % n_group == 0 and 1 <= topk_group <= n_group
+          and (n_group == 1 or e.num_experts // n_group >= 2),
+          f"config.model.moe.n_group={n_group}, topk_group={topk_group}: n_group must divide model.moe.num_experts="
+          f"{e.num_experts} into groups of >= 2 experts, and 1 <= topk_group <= n_group")
+  require(e.get("routed_scaling_factor", 1.0) > 0,
+          f"config.model.moe.routed_scaling_factor={e.get('routed_scaling_factor')}: must be > 0")
+  choice("model.moe.activation", e.get("activation", "swiglu"), ACTIVATIONS)
+  fused = e.get("activation", "swiglu") == "clamped_swiglu"
+  require(not e.get("expert_bias") or fused, "config.model.moe.expert_bias=True needs model.moe.activation="
+          "clamped_swiglu (the fused gate_up layout that GPT-OSS's biased experts use)")
+  require(not fused or e.dispatch == "dropless", f"config.model.moe.activation=clamped_swiglu runs with "
+          f"model.moe.dispatch=dropless only (found {e.dispatch})")
+  require(not fused or (e.swiglu_alpha > 0 and e.swiglu_limit > 0), f"config.model.moe.swiglu_alpha="
+          f"{e.get('swiglu_alpha')}, swiglu_limit={e.get('swiglu_limit')}: both must be > 0")
   require(e.collapse_entropy <= 1, f"config.model.moe.collapse_entropy={e.collapse_entropy}: a share of the "
           "maximum entropy log(num_experts), in [0, 1]")
 
@@ -103,14 +133,27 @@ class RouterBias(nnx.Variable):
   the step sets it from the measured load."""
 
 
-def route(x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array, dict]:
-  """(experts_BTK int32, weights_BTK fp32, {aux, z, load_E, assignments}) of the router, in fp32."""
+def route(x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: MoEConfig,
+          logit_bias_E: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
+  """(experts_BTK int32, weights_BTK fp32, {aux, z, load_E, assignments}) of the router, in fp32.
+  `logit_bias_E`: a learned bias on the logits (GPT-OSS), unlike `bias_E`, which only chooses."""
   logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), router_DE.astype(jnp.float32),
                           preferred_element_type=jnp.float32)
+  if logit_bias_E is not None:
+    logits_BTE = logits_BTE + logit_bias_E.astype(jnp.float32)
   scores_BTE = jax.nn.softmax(logits_BTE, axis=-1) if cfg.router == "softmax" else jax.nn.sigmoid(logits_BTE)
-  _, experts_BTK = jax.lax.top_k(scores_BTE + jax.lax.stop_gradient(bias_E), cfg.experts_per_token)
+  choice_BTE = scores_BTE + jax.lax.stop_gradient(bias_E)
+  if cfg.n_group > 1:  # group-limited: only the experts of each token's topk_group best groups compete
+    grouped_BTGe = choice_BTE.reshape(*choice_BTE.shape[:-1], cfg.n_group, -1)
+    group_BTG = jnp.sum(jax.lax.top_k(grouped_BTGe, 2)[0], axis=-1)
+    _, best_BTg = jax.lax.top_k(group_BTG, cfg.topk_group)
+    keep_BTG = jnp.sum(jax.nn.one_hot(best_BTg, cfg.n_group, dtype=jnp.bool_), axis=-2) > 0
+    choice_BTE = jnp.where(keep_BTG[..., None], grouped_BTGe, -jnp.inf).reshape(choice_BTE.shape)
+  _, experts_BTK = jax.lax.top_k(choice_BTE, cfg.experts_per_token)
   chosen_BTK = jnp.take_along_axis(scores_BTE, experts_BTK, axis=-1)
-  weights_BTK = chosen_BTK / jnp.sum(chosen_BTK, axis=-1, keepdims=True)
+  weights_BTK = chosen_BTK / jnp.sum(chosen_BTK, axis=-1, keepdims=True) if cfg.norm_topk_prob else chosen_BTK
+  if cfg.routed_scaling_factor != 1.0:
+    weights_BTK = weights_BTK * cfg.routed_scaling_factor
   load_E = jnp.sum(jax.nn.one_hot(experts_BTK, cfg.num_experts, dtype=jnp.float32), axis=(0, 1, 2))
   assignments = jnp.float32(experts_BTK.size)
   probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)  # the softmax's own for softmax
@@ -129,8 +172,17 @@ class MoE(nnx.Module):
     self.router = param(rngs, init, (d_model, E), ("embed", "router_experts"), param_dtype)
     # fp32 whatever param_dtype: sign steps of 1e-3 would vanish in bf16 next to an O(1) bias.
     self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32), out_sharding=("router_experts",))
-    self.gate = param(rngs, init, (E, d_model, F), ("experts", "expert_embed", "expert_mlp"), param_dtype)
-    self.up = param(rngs, init, (E, d_model, F), ("experts", "expert_embed", "expert_mlp"), param_dtype)
+    self.fused = cfg.activation == "clamped_swiglu"
+    if self.fused:
+      self.gate_up = param(rngs, init, (E, d_model, 2 * F), ("experts", "expert_embed", "expert_mlp"), param_dtype)
+    else:
+      self.gate = param(rngs, init, (E, d_model, F), ("experts", "expert_embed", "expert_mlp"), param_dtype)
+      self.up = param(rngs, init, (E, d_model, F), ("experts", "expert_embed", "expert_mlp"), param_dtype)
+    if cfg.expert_bias:
+      zeros = nnx.initializers.zeros
+      self.router_b = param(rngs, zeros, (E,), ("router_experts",), param_dtype)
+      self.gate_up_b = param(rngs, zeros, (E, 2 * F), ("experts", "expert_mlp"), param_dtype)
+      self.down_b = param(rngs, zeros, (E, d_model), ("experts", "expert_embed"), param_dtype)
     self.down = param(rngs, out_init, (E, F, d_model), ("experts", "expert_mlp", "expert_embed"), param_dtype)
     if cfg.num_shared_experts:
       self.shared = MLP(d_model, cfg.num_shared_experts * F, init_std=init_std, out_std=out_std,
@@ -139,9 +191,16 @@ class MoE(nnx.Module):
   def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(output [B, T, D] in the compute dtype, this layer's STATS)."""
     cfg, dt = self.cfg, self.compute_dtype
-    experts_BTK, weights_BTK, stats = route(x_BTD, self.router[...], self.router_bias[...], cfg)
-    weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
+    experts_BTK, weights_BTK, stats = route(x_BTD, self.router[...], self.router_bias[...], cfg,
+                                            self.router_b[...] if cfg.expert_bias else None)
     x_BTD = x_BTD.astype(dt)
+    if self.fused:  # validate: dropless only
+      biases = (self.gate_up_b[...].astype(dt), self.down_b[...].astype(dt)) if cfg.expert_bias else None
+      y_BTD = _dropless_clamped(x_BTD, experts_BTK, weights_BTK, self.gate_up[...].astype(dt),
+                                self.down[...].astype(dt), biases, cfg.swiglu_alpha, cfg.swiglu_limit)
+      stats["dropped"] = jnp.float32(0.0)
+      return y_BTD.astype(dt), stats
+    weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
     if cfg.dispatch == "dropless":
       y_BTD = moe_dispatch.dropless(x_BTD, experts_BTK, weights_BTK, *weights)
       stats["dropped"] = jnp.float32(0.0)
@@ -159,6 +218,30 @@ class MoE(nnx.Module):
     if cfg.num_shared_experts:
       y_BTD = y_BTD + self.shared(x_BTD)
     return y_BTD.astype(dt), stats
+
+
+def _dropless_clamped(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array, gate_up_ED2F: jax.Array,
+                      down_EFD: jax.Array, biases: tuple[jax.Array, jax.Array] | None, alpha: float,
+                      limit: float) -> jax.Array:
+  """GPT-OSS's experts, dropless (moe_dispatch.dropless's sort and grouped matmuls): the clamped SwiGLU over
+  the interleaved gate_up columns, each expert's biases added to its rows."""
+  B, T, K = experts_BTK.shape
+  E, D = gate_up_ED2F.shape[0], x_BTD.shape[-1]
+  expert_N = experts_BTK.reshape(-1)
+  order_N = jnp.argsort(expert_N, stable=True)
+  x_ND = x_BTD.reshape(B * T, D)[order_N // K]
+  group_sizes_E = jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
+  gate_up_N2F = jax.lax.ragged_dot(x_ND, gate_up_ED2F, group_sizes_E)
+  if biases is not None:
+    gate_up_N2F = gate_up_N2F + biases[0][expert_N[order_N]]
+  gate_NF = jnp.minimum(gate_up_N2F[:, 0::2], limit)
+  up_NF = jnp.clip(gate_up_N2F[:, 1::2], -limit, limit)
+  h_NF = (up_NF + 1) * gate_NF * jax.nn.sigmoid(alpha * gate_NF)
+  y_ND = jax.lax.ragged_dot(h_NF, down_EFD, group_sizes_E)
+  if biases is not None:
+    y_ND = y_ND + biases[1][expert_N[order_N]]
+  y_BTKD = y_ND[jnp.argsort(order_N)].reshape(B, T, K, D)
+  return jnp.einsum("btk,btkd->btd", weights_BTK.astype(y_ND.dtype), y_BTKD)
 
 
 def load_entropy(load_LE: jax.Array) -> jax.Array:

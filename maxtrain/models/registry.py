@@ -24,9 +24,11 @@ from maxtrain.models.decoder import ModelConfig
 from maxtrain.models.hf_adapter import HFAdapter
 
 # The families, each a module of models/ holding FAMILY (the order of --help and docs/models.md).
-_MODULES = ("llama", "qwen2", "qwen3", "mistral")
+_MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3")
 DEFAULT = "llama"  # config.model.family's default (config/keys.py), and the family of keys without one
-WINDOW_PATTERNS = ("all",)  # which layers a family's sliding window covers: "all" (Mistral)
+# which layers a family's sliding window covers: "all" (Mistral), "alternate" (even layers; GPT-OSS: its layers
+# are unscanned, model.scan_layers=False, each Block with its own static window)
+WINDOW_PATTERNS = ("all", "alternate")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,7 +54,8 @@ PARAM_KINDS = ("embed", "head", "norm", "bias", "matrix", "router", "state")
 # family or piece needs no edit here. Leading axes Muon treats as batch axes: each layer's (each expert's)
 # matrix is orthogonalised on its own.
 _BATCH_AXES = ("layers", "experts")
-_EMBED_AXES = ("embed", "expert_embed")  # the residual stream: a hidden matrix reads or writes it
+# the residual stream: a hidden matrix reads or writes it (and an MLA latent, which its up-projections read)
+_EMBED_AXES = ("embed", "expert_embed", "lora_in")
 
 
 def _core(axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
@@ -84,7 +85,7 @@ def param_kind(name: str, axes: tuple[str | None, ...] | None, is_param: bool = 
     return "router"
   if len(core) >= 2 and (core[0] in _EMBED_AXES or core[-1] in _EMBED_AXES):
     return "matrix"
-  if not any(a in _EMBED_AXES for a in core):
+  if not any(a in _EMBED_AXES for a in core) or len(core) == 1:  # a vector along the residual: o's or an expert's bias
     return "bias"
   raise ValueError(f"parameter {name} has logical axes {axes}, which route to no optimizer group: a hidden "
                    "matrix has an embed axis first (it reads the residual stream) or last (it writes it)")

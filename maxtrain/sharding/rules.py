@@ -43,6 +43,8 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "norm": None,
+    "lora": None,  # multi-head latent attention's latent as a down-projection's output (its input is sharded)
+    "lora_in": ("fsdp", "context", "expert"),  # the latent as an up-projection's input (models/mla.py): FSDP-sharded
     # the stacked layer dim: a pipeline stage holds its own layers (sharding/pipeline.py); replicated without one
     "layers": "pipeline",
     # optimizer: Muon orthogonalises a stacked weight with its layers split over the devices that

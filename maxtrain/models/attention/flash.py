@@ -60,21 +60,23 @@ _PAD_POSITION = np.iinfo(np.int32).max
 
 
 def flash_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array, *,
-                    block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV, window: int = 0) -> jax.Array:
+                    block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV, window: int = 0,
+                    sinks_N: jax.Array | None = None) -> jax.Array:
   """Causal self-attention with document masking; same inputs and result as `dot_product_attention`.
 
   Positions are implicit (0..T-1), so key blocks wholly above the causal diagonal are skipped, and with a
   sliding `window` (0: none) also those wholly before it: the work grows with the window, not with T.
   """
   return flash_attention_qkv(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, segment_ids_BT,
-                             block_q=block_q, block_kv=block_kv, window=window)
+                             block_q=block_q, block_kv=block_kv, window=window, sinks_N=sinks_N)
 
 
 def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                         q_segment_ids_BT: jax.Array, kv_segment_ids_BS: jax.Array,
                         q_positions_BT: jax.Array | None = None, kv_positions_BS: jax.Array | None = None, *,
                         block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV,
-                        block_pairs: jax.Array | None = None, window: int = 0) -> jax.Array:
+                        block_pairs: jax.Array | None = None, window: int = 0,
+                        sinks_N: jax.Array | None = None) -> jax.Array:
   """Attention of queries to keys where key s is visible from query t iff their segment ids are
   equal and kv_position[s] <= q_position[t].
 
@@ -89,6 +91,11 @@ def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
   the static list, for a caller that knows which blocks are wholly masked only at run time (a
   context shard's index); pairs left out must be wholly masked, and every query block must appear.
   `window` (static; 0: none): a key is visible only if q_position - kv_position < window as well.
+  `sinks_N` ([N], differentiable; None: none): a learned logit per head that joins every row's softmax
+  normaliser as one more column with no value (GPT-OSS's attention sinks): a row's weights sum to less
+  than 1. The forward folds it into the final row max and sum; the backward needs nothing new for q, k, v
+  (P = exp(S - lse) with the sink inside lse, and the sink column has dP = 0, so D = rowsum(dO * O) is
+  unchanged) and d sink = -sum over rows of P_sink x D.
   """
   b, t, n, h = q_BTNH.shape
   _, s, k, _ = k_BSKH.shape
@@ -122,7 +129,10 @@ def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
 
   if block_pairs is None:
     block_pairs = _block_pairs(num_q, num_kv, bq, bkv, s, causal_skip, window)
-  out_QBKqGH = _flash(window, jnp.asarray(block_pairs, jnp.int32), q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)
+  has_sinks = sinks_N is not None
+  sinks_KG = (sinks_N if has_sinks else jnp.zeros((n,), jnp.float32)).astype(jnp.float32).reshape(k, n // k)
+  out_QBKqGH = _flash(window, has_sinks, jnp.asarray(block_pairs, jnp.int32), q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq,
+                      kvseg_CBs, qpos_QBq, kvpos_CBs, sinks_KG)
   return out_QBKqGH.transpose(1, 0, 3, 2, 4, 5).reshape(b, tp, n, h)[:, :t]
 
 
@@ -179,8 +189,10 @@ def _put(x, update, i):
   return jax.lax.dynamic_update_index_in_dim(x, update, i, axis=0)
 
 
-def _forward(window, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs):
-  """Online softmax over the pair list. Returns out (q's dtype) and the row logsumexp (fp32)."""
+def _forward(window, has_sinks, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs,
+             sinks_KG):
+  """Online softmax over the pair list. Returns out (q's dtype) and the row logsumexp (fp32), the sink
+  column included when `has_sinks`."""
 
   def step(carry, ij):
     acc_QBKqGH, m_QBKqG, l_QBKqG = carry
@@ -202,6 +214,12 @@ def _forward(window, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpo
   init = (jnp.zeros_like(q_QBKqGH, jnp.float32), jnp.full_like(q_QBKqGH[..., 0], MASK_VALUE, jnp.float32),
           jnp.zeros_like(q_QBKqGH[..., 0], jnp.float32))
   (acc, m, l), _ = jax.lax.scan(step, init, pairs)
+  if has_sinks:  # the sink column joins the normaliser: new max, rescaled sum and accumulator
+    sink = sinks_KG[None, None, :, None, :]
+    m_new = jnp.maximum(m, sink)
+    correction = jnp.exp(m - m_new)
+    l = correction * l + jnp.exp(sink - m_new)
+    acc, m = acc * correction[..., None], m_new
   # Every row (padded ones included) has l >= 1: its max term is exp(0).
   return (acc / l[..., None]).astype(q_QBKqGH.dtype), m + jnp.log(l)
 
@@ -238,19 +256,21 @@ def _accurate_row_dot(x_QH: jax.Array, y_QH: jax.Array) -> jax.Array:
   return (prod + err)[..., 0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(window, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs):
-  return _forward(window, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(window, has_sinks, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, sinks_KG):
+  return _forward(window, has_sinks, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs,
+                  sinks_KG)[0]
 
 
-def _flash_fwd(window, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs):
+def _flash_fwd(window, has_sinks, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs,
+               sinks_KG):
   ids = (qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)
-  out, lse_QBKqG = _forward(window, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, *ids)
-  return out, (pairs, q_QBKqGH, k_CBKsH, v_CBKsH, ids, out, lse_QBKqG)
+  out, lse_QBKqG = _forward(window, has_sinks, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, *ids, sinks_KG)
+  return out, (pairs, q_QBKqGH, k_CBKsH, v_CBKsH, ids, out, lse_QBKqG, sinks_KG)
 
 
-def _flash_bwd(window, residuals, dout_QBKqGH):
-  pairs, q_QBKqGH, k_CBKsH, v_CBKsH, ids, out_QBKqGH, lse_QBKqG = residuals
+def _flash_bwd(window, has_sinks, residuals, dout_QBKqGH):
+  pairs, q_QBKqGH, k_CBKsH, v_CBKsH, ids, out_QBKqGH, lse_QBKqG, sinks_KG = residuals
   qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs = ids
   scale = q_QBKqGH.shape[-1] ** -0.5
   dout_QBKqGH = dout_QBKqGH.astype(q_QBKqGH.dtype)
@@ -275,8 +295,13 @@ def _flash_bwd(window, residuals, dout_QBKqGH):
   init = (jnp.zeros_like(q_QBKqGH, jnp.float32), jnp.zeros_like(k_CBKsH, jnp.float32),
           jnp.zeros_like(v_CBKsH, jnp.float32))
   (dq, dk, dv), _ = jax.lax.scan(step, init, pairs)
+  dsinks_KG = jnp.zeros_like(sinks_KG)
+  if has_sinks:  # d sink = sum over rows of P_sink x (0 - D): the sink column's dP is 0 (it has no value)
+    p_sink = jnp.exp(sinks_KG[None, None, :, None, :] - lse_QBKqG)
+    dsinks_KG = -jnp.sum(p_sink * d_QBKqG, axis=(0, 1, 3))
   # Integer ids have no cotangent.
-  return (None, dq.astype(q_QBKqGH.dtype), dk.astype(k_CBKsH.dtype), dv.astype(v_CBKsH.dtype), None, None, None, None)
+  return (None, dq.astype(q_QBKqGH.dtype), dk.astype(k_CBKsH.dtype), dv.astype(v_CBKsH.dtype), None, None, None, None,
+          dsinks_KG)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

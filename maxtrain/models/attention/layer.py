@@ -75,22 +75,29 @@ def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
   return mask_lib.causal_self(segment_ids_BT)
 
 
-def dot_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, visible_BTS: jax.Array) -> jax.Array:
-  """Plain einsum attention under any mask from `mask.visible` ([B or 1, T, S])."""
+def dot_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, visible_BTS: jax.Array,
+                  sinks_N: jax.Array | None = None) -> jax.Array:
+  """Plain einsum attention under any mask from `mask.visible` ([B or 1, T, S]); `sinks_N` ([N] logits, GPT-OSS):
+  one more softmax column per head with no value, dropped after the softmax."""
   b, t, n, h = q_BTNH.shape
   k = k_BSKH.shape[2]
   q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
   scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH).astype(jnp.float32) * h**-0.5
   scores_BKGTS = mask_lib.apply(scores_BKGTS, visible_BTS[:, None, None])
-  probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
+  if sinks_N is not None:
+    sink_BKGT1 = jnp.broadcast_to(sinks_N.astype(jnp.float32).reshape(1, k, n // k, 1, 1), (*scores_BKGTS.shape[:-1], 1))
+    probs_BKGTS = jax.nn.softmax(jnp.concatenate([scores_BKGTS, sink_BKGT1], axis=-1), axis=-1)[..., :-1]
+    probs_BKGTS = probs_BKGTS.astype(v_BSKH.dtype)
+  else:
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
   out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
   return out_BTKGH.reshape(b, t, n, h)
 
 
 def dot_product_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                          segment_ids_BT: jax.Array, window: int = 0) -> jax.Array:
+                          segment_ids_BT: jax.Array, window: int = 0, sinks_N: jax.Array | None = None) -> jax.Array:
   """The reference kernel: causal self-attention with document masking (and a sliding window: 0 off)."""
-  return dot_attention(q_BTNH, k_BSKH, v_BSKH, mask_lib.causal_self(segment_ids_BT, window))
+  return dot_attention(q_BTNH, k_BSKH, v_BSKH, mask_lib.causal_self(segment_ids_BT, window), sinks_N)
 
 
 class KVCache(NamedTuple):
@@ -117,7 +124,8 @@ class Attention(nnx.Module):
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, *, rope_theta: float,
                init_std: float, out_std: float, param_dtype, compute_dtype, kernel: str = "dot",
                block_q: int = 128, block_kv: int = 128, rngs: nnx.Rngs, quant=None, head_dim: int | None = None,
-               qkv_bias: bool = False, qk_norm_eps: float | None = None, window: int = 0):
+               qkv_bias: bool = False, qk_norm_eps: float | None = None, window: int = 0, sinks: bool = False,
+               o_bias: bool = False):
     head_dim = head_dim or d_model // num_heads
     init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
     self.wq = param(rngs, init, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
@@ -130,6 +138,11 @@ class Attention(nnx.Module):
       self.bq = param(rngs, zeros, (num_heads, head_dim), ("heads", "head_dim"), param_dtype)
       self.bk = param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), param_dtype)
       self.bv = param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), param_dtype)
+    self.o_bias, self.has_sinks = o_bias, sinks
+    if o_bias:  # GPT-OSS: the output projection's bias too
+      self.bo = param(rngs, nnx.initializers.zeros, (d_model,), ("embed",), param_dtype)
+    if sinks:  # GPT-OSS: a learned softmax-normaliser logit per head (the kernels' sinks_N)
+      self.sinks = param(rngs, nnx.initializers.zeros, (num_heads,), ("heads",), param_dtype)
     self.qk_norm = qk_norm_eps is not None
     if self.qk_norm:
       self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps, param_dtype=param_dtype, rngs=rngs)
@@ -167,7 +180,13 @@ class Attention(nnx.Module):
       out_BTNH = self._attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
     else:
       out_BTNH, cache = self._attend_cached(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache, write)
-    return project(out_BTNH, self.wo[...].astype(dt), contract=2, quant=self.quant), cache
+    y_BTD = project(out_BTNH, self.wo[...].astype(dt), contract=2, quant=self.quant)
+    if self.o_bias:
+      y_BTD = y_BTD + self.bo[...].astype(dt)
+    return y_BTD, cache
+
+  def _sinks(self) -> jax.Array | None:
+    return self.sinks[...] if self.has_sinks else None
 
   def _attend_cached(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache: KVCache,
                      write: CacheWrite) -> tuple[jax.Array, KVCache]:
@@ -188,7 +207,7 @@ class Attention(nnx.Module):
       q_tokens_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, write.start, t, axis=1)
       visible_BTS = visible_BTS & mask_lib.in_window(q_tokens_BT, tokens_BS, self.window)
     return dot_attention(q_BTNH, cache.k_BSKH.astype(q_BTNH.dtype), cache.v_BSKH.astype(q_BTNH.dtype),
-                         visible_BTS), cache
+                         visible_BTS, self._sinks()), cache
 
   def _attend_ring(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache: KVCache,
                    write: CacheWrite) -> tuple[jax.Array, KVCache]:
@@ -215,7 +234,7 @@ class Attention(nnx.Module):
     q_tokens_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, write.start, t, axis=1)
     visible_BTR = visible_BTR & mask_lib.in_window(q_tokens_BT, jnp.take(tokens_BS, index_R, axis=1), self.window)
     return dot_attention(q_BTNH, cache.k_BSKH.astype(q_BTNH.dtype), cache.v_BSKH.astype(q_BTNH.dtype),
-                         visible_BTR), cache
+                         visible_BTR, self._sinks()), cache
 
   def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT) -> jax.Array:
     # Under context parallelism the window is a mask on explicit per-document positions (every causal block
@@ -224,16 +243,20 @@ class Attention(nnx.Module):
                                                           block_q=self.block_q, block_kv=self.block_kv)
     # No positions: a prefill's prompt, in natural (not zigzag) order, attends whole on every device.
     if context_parallel is not None and positions_BT is not None:  # the sequence is split over devices
+      if self.has_sinks:
+        raise ValueError("attention sinks under context parallelism (mesh.context > 1) are not supported")
       return context_parallel(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
     kernel, w = resolve_kernel(self.kernel, q_BTNH.shape[1], backend=jax.default_backend(), dtype=q_BTNH.dtype,
                                head_dim=q_BTNH.shape[3], window=self.window), self.window
+    if kernel in ("blocked", "cudnn") and self.has_sinks:  # `auto`'s choice has no sinks; flash has them
+      kernel = "flash"
     if kernel == "flash":
       return flash_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, block_q=self.block_q, block_kv=self.block_kv,
-                             window=w)
+                             window=w, sinks_N=self._sinks())
     if kernel == "blocked":
       return blocked_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=w)
     if kernel == "cudnn":
       return vendor_attention.cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
     if kernel == "nki":
       return vendor_attention.nki_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
-    return dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=w)
+    return dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=w, sinks_N=self._sinks())
