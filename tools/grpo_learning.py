@@ -27,7 +27,7 @@ import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from maxtrain import config as config_lib
-from maxtrain.loop import grpo
+from maxtrain.loop import trainer
 
 SPLIT = ("rl/rollout_s", "rl/score_s", "rl/train_s")
 REWARDS = {"rl/eval_reward": "greedy", "rl/eval_reward_sampled": "sampled"}  # held-out mean rewards
@@ -47,7 +47,7 @@ def run(argv: list[str], seed: int, negate: bool, root: Path) -> dict:
   same = lambda c: {k: v for k, v in c.items() if k != "output_dir"}  # noqa: E731  (a moved --out is reused)
   if not (done.exists() and same(json.loads((out / "config.json").read_text())) == same(json.loads(json.dumps(cfg.to_dict())))):
     shutil.rmtree(out, ignore_errors=True)  # an unfinished run's events would mix with the new ones
-    grpo.run(cfg)
+    trainer.run(cfg)
   curves = {tag: scalars(out, tag) for tag in REWARDS}
   # Rounds after the first (which compiles the sampler and the step).
   split = {tag: float(np.mean([v for k, v in scalars(out, tag).items() if k > 1] or [np.nan])) for tag in SPLIT}

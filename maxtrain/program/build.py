@@ -23,7 +23,7 @@ from maxtrain.models.llama import ModelConfig
 from maxtrain.runtime import faults
 from maxtrain.sharding.layout import with_shardings
 from maxtrain.sharding.mesh import make_mesh
-from maxtrain.program.plan import Plan, total_steps, validate
+from maxtrain.program.plan import Plan, schedule_config, validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) 
   mesh = make_mesh(plan.mesh) if mesh is None else mesh
   rules = plan.layout.rules
   model_cfg = ModelConfig.from_config(cfg.model)
-  optimizer = optim.make(cfg.optimizer, total_steps(cfg))
+  optimizer = optim.make(*schedule_config(cfg, plan.updates_per_step))  # the schedule in optimizer updates
   state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window)
   batch_shardings = batch_lib.shardings(mesh, plan.layout)
   replicated = NamedSharding(mesh, P())

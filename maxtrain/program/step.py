@@ -12,11 +12,9 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-from maxtrain.optim.masking import keep_if
-from maxtrain.program import guards, loss, microbatch
+from maxtrain.program import loss, microbatch, update as update_lib
 from maxtrain.runtime import faults
 from maxtrain.optim import optimizer as optim
 from maxtrain.models import moe as moe_lib
@@ -122,33 +120,14 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
                                       grad_accum_steps=grad_accum_steps,
                                       chunk_tokens=chunk_tokens, batch_shards=batch_shards,
                                       length_shards=length_shards)
-    metrics["loss"], grads = faults.inject(fault, metrics["loss"], grads)
-    grad_norm = optax.tree.norm(grads)  # before clipping
-    guard, skip, guard_metrics = guards.check(state.guard, metrics["loss"], grad_norm, zscore=spike_zscore,
-                                              warmup=spike_warmup)
-    # A skipped step keeps the optimizer state inside the optimizer (maxtrain.optim.guarded: the moments
-    # are updated in place) and the parameters here.
-    with sharding_rules.activate(rules):  # Muon's Newton-Schulz lays out whole layers per device (maxtrain/optim/muon.py)
-      updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params, skip=skip)
-    candidate = optax.apply_updates(state.params, updates)
     load_LE = metrics.pop("moe_load", None)
-    if moe.bias_update_rate:  # aux-loss-free balancing: part of the candidate, so a skipped step keeps it too
-      candidate = moe_lib.update_router_bias(candidate, load_LE, moe.bias_update_rate)
-    update_norms = optim.update_norms(updates, optimizer.labels(state.params))
-    old_norm, new_norm = optax.tree.norm(state.params), optax.tree.norm(candidate)
-    # Finite loss and gradients can still give a non-finite update (an overflowing learning rate) or
-    # parameters: skip those too. The norms are reductions the step reports anyway (one more over the
-    # candidate, which XLA fuses into the update). The optimizer's moments were already advanced with
-    # this step's finite gradient; holding the old ones to put back would keep a second copy of them.
-    update_finite = jnp.isfinite(new_norm) & jnp.all(jnp.stack([jnp.isfinite(n) for n in update_norms.values()]))
-    guard, skip, guard_metrics = guards.reject_update(state.guard, guard, skip, update_finite, guard_metrics)
-    params = keep_if(skip, state.params, candidate)
-    metrics["grad_norm"] = grad_norm
-    metrics["param_norm"] = jnp.where(skip, old_norm, new_norm)  # of the parameters after this step
-    metrics.update(guard_metrics)
-    metrics.update({name: lr(state.step) for name, lr in optimizer.learning_rates.items()})
-    metrics.update(update_norms)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, guard=guard), metrics
+    # aux-loss-free balancing: part of the candidate, so a skipped step keeps the old bias too
+    adjust = (lambda p: moe_lib.update_router_bias(p, load_LE, moe.bias_update_rate)) if moe.bias_update_rate else None
+    state, metrics["loss"], update_metrics = update_lib.guarded_update(
+        state, metrics["loss"], grads, fault, optimizer, spike_zscore=spike_zscore, spike_warmup=spike_warmup,
+        rules=rules, adjust_candidate=adjust)
+    metrics.update(update_metrics)
+    return state, metrics
 
   return train_step
 

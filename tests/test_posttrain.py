@@ -1,0 +1,95 @@
+"""Post-training through the real entry point, one short run per RL algorithm of the registry (the
+tiny model, 2 rounds; the runs share the process's persistent compilation cache), plus what the plan
+knows of the mode: a cosine schedule in an RL run decays over its optimizer updates (the learning rate
+read at the last update), several weighted rewards each logged on their own, DAPO's dynamic sampling
+draws, `maxtrain.compile` compiles the RL step, and a pipelined mesh is exit 2 for RL."""
+
+import json
+import math
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from maxtrain import config as config_lib
+from maxtrain.aot.compile import compile_train_step
+from maxtrain.cli import train
+from maxtrain.posttrain import algorithms
+from maxtrain.posttrain.rl import ROLLOUTS_FILE
+from tiny import TINY_MODEL
+
+P, G = 4, 4
+RL_ARGS = ["--config=configs/rl.py", *TINY_MODEL, "--config.data.seq_len=16", f"--config.post.prompts_per_step={P}",
+           f"--config.post.group_size={G}", "--config.post.eval_prompts=0", "--config.post.log_rollouts=true",
+           "--config.post.reward=test_posttrain:digit_reward", "--config.eval.every_steps=0", "--config.log_every=1",
+           "--config.checkpoint.every_steps=100", "--config.optimizer.lr=1e-3",
+           f"--config.data.batch_size={P * G // 2}"]  # configs/grpo.py's round: 2 epochs x 2 minibatches
+
+
+def digit_reward(prompt, completion, meta):
+  """Varied rewards from any model (the tiny one never answers right): the completion's digit count."""
+  return float(sum(c.isdigit() for c in completion))
+
+
+def length_reward(prompt, completion, meta):
+  return float(len(completion))
+
+
+def scalars(out):
+  acc = EventAccumulator(str(out / "tensorboard"))
+  acc.Reload()
+  return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def rounds(out):
+  return [json.loads(line) for line in (out / ROLLOUTS_FILE).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", sorted(algorithms.ALGORITHMS))
+def test_each_algorithm_runs_through_the_entry_point(name, tmp_path):
+  out = tmp_path / name
+  extra = {"grpo": ["--config.steps=3"],
+           "rloo": ["--config.post.reward=test_posttrain:digit_reward:0.5,test_posttrain:length_reward:2"],
+           "dapo": ["--config.post.max_draws=2"]}.get(name, [])
+  assert train.main(RL_ARGS + ["--config.steps=2",
+                               f"--config.post.algorithm={name}", f"--config.output_dir={out}", *extra]) == 0
+  tb, done = scalars(out), rounds(out)
+  steps = 3 if name == "grpo" else 2
+  assert [r["round"] for r in done] == list(range(1, steps + 1))
+  assert json.loads((out / "summary.json").read_text())["steps"] == steps
+  for tag in ("rl/reward_mean", "rl/kl", "rl/clip_fraction", "train/loss", "train/grad_norm", "rl/reward/digit_reward"):
+    assert [s for s, _ in tb[tag]] == list(range(1, steps + 1)), tag
+  assert all(math.isfinite(v) for _, v in tb["train/grad_norm"])
+  # It learned: the parameters moved between rounds (the last update of a GSPO round may be all clipped,
+  # a zero gradient, at its sequence-level clip range of 3e-4).
+  assert tb["train/param_norm"][0][1] != tb["train/param_norm"][1][1]
+  if name == "grpo":
+    # A cosine schedule over 3 rounds x 4 updates decays over 12 updates: the last update (number 11 from
+    # 0) runs at lr x (0.1 + 0.9 (1 + cos(pi 11/12)) / 2); sized in rounds it would sit at the floor 0.1 x lr.
+    last_step, last_lr = tb["train/lr"][-1]
+    expected = 1e-3 * (0.1 + 0.9 * (1 + math.cos(math.pi * 11 / 12)) / 2)
+    assert last_step == 3 and last_lr == pytest.approx(expected, rel=1e-5) and last_lr > 1e-3 * 0.11
+    assert tb["train/lr"][0][1] == pytest.approx(1e-3 * (0.1 + 0.9 * (1 + math.cos(math.pi * 3 / 12)) / 2), rel=1e-5)
+  if name == "rloo":  # two weighted rewards: trained on 0.5 x digits + 2 x length, each logged on its own
+    parts = done[0]["reward_parts"]
+    assert done[0]["rewards"] == pytest.approx([0.5 * d + 2 * n for d, n in zip(parts["digit_reward"],
+                                                                                 parts["length_reward"])])
+    assert "rl/reward/length_reward" in tb
+  if name == "dapo":
+    assert {"rl/draws", "rl/dropped_groups"} <= set(tb) and all(1 <= v <= 2 for _, v in tb["rl/draws"])
+
+
+def test_compile_reports_the_rl_step():
+  cfg = config_lib.load(["--config=configs/grpo.py", *TINY_MODEL, "--config.data.seq_len=16"])
+  report = compile_train_step(cfg, 1)
+  text = report.describe()
+  assert "step: RL (grpo), one optimizer update on a minibatch of 32 rollout rows (a round makes 4)" in text
+  assert report.memory.peak > 0
+  assert "advantages" in str(report.lowered.args_info)  # the RL batch, not pretraining's
+
+
+def test_rl_with_a_pipeline_is_exit_2(tmp_path, capsys):
+  code = train.main(RL_ARGS + ["--config.mesh.pipeline=2", "--config.pipeline.microbatches=2", "--config.steps=1",
+                               f"--config.output_dir={tmp_path}"])
+  err = capsys.readouterr().err
+  assert code == 2 and "The RL step and its rollouts do not run through the pipeline" in err, err
+  assert "Traceback" not in err
