@@ -45,7 +45,7 @@ def rounds(out):
 
 
 @pytest.mark.parametrize("name", sorted(algorithms.ALGORITHMS))
-def test_each_algorithm_runs_through_the_entry_point(name, tmp_path):
+def test_each_algorithm_runs_through_the_entry_point(name, tmp_path, capsys):
   out = tmp_path / name
   extra = {"grpo": ["--config.steps=3"],
            "rloo": ["--config.post.reward=test_posttrain:digit_reward:0.5,test_posttrain:length_reward:2"],
@@ -69,6 +69,12 @@ def test_each_algorithm_runs_through_the_entry_point(name, tmp_path):
     expected = 1e-3 * (0.1 + 0.9 * (1 + math.cos(math.pi * 11 / 12)) / 2)
     assert last_step == 3 and last_lr == pytest.approx(expected, rel=1e-5) and last_lr > 1e-3 * 0.11
     assert tb["train/lr"][0][1] == pytest.approx(1e-3 * (0.1 + 0.9 * (1 + math.cos(math.pi * 3 / 12)) / 2), rel=1e-5)
+    # Its checkpoint resumed with the pretraining config (issue 37, case 9): exit 2 naming both modes.
+    capsys.readouterr()
+    assert train.main([*TINY_MODEL, f"--config.output_dir={out}", "--config.steps=5"]) == 2
+    err = capsys.readouterr().err
+    assert "was written by a RL (post.mode='rl') run, but this run is pretraining (post.mode='')" in err, err
+    assert "Traceback" not in err
   if name == "rloo":  # two weighted rewards: trained on 0.5 x digits + 2 x length, each logged on its own
     parts = done[0]["reward_parts"]
     assert done[0]["rewards"] == pytest.approx([0.5 * d + 2 * n for d, n in zip(parts["digit_reward"],
@@ -79,8 +85,8 @@ def test_each_algorithm_runs_through_the_entry_point(name, tmp_path):
 
 
 def test_compile_reports_the_rl_step():
-  cfg = config_lib.load(["--config=configs/grpo.py", *TINY_MODEL, "--config.data.seq_len=16"])
-  report = compile_train_step(cfg, 1)
+  cfg = config_lib.load(["--config=configs/grpo.py", *TINY_MODEL, "--config.data.seq_len=16", "--config.data.batch_size=32"])
+  report = compile_train_step(cfg, 8)  # the running backend's 8 devices (conftest)
   text = report.describe()
   assert "step: RL (grpo), one optimizer update on a minibatch of 32 rollout rows (a round makes 4)" in text
   assert report.memory.peak > 0

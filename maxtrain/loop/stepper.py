@@ -46,7 +46,7 @@ class PretrainStepper:
                compile_fn: Callable):
     self.cfg, self.data, self.stage_programs, self.faults, self.metrics = cfg, data, stage_programs, faults, metrics
     self.program = stage_programs[cfg.data.batch_size]
-    self.evaluates_at_start = bool(cfg.post.mode)  # SFT: the starting model's eval (loss, exact match) is the baseline
+    self.evaluates_at_start = self.program.plan.mode == "sft"  # SFT: the starting model's eval (loss, exact match) is the baseline
     self._compile = compile_fn
     self._steps: dict[tuple[int, ...], Any] = {}  # the compiled step of each batch shape seen
     self.batch = None
