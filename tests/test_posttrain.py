@@ -6,6 +6,7 @@ draws, `maxtrain.compile` compiles the RL step, and a pipelined mesh is exit 2 f
 
 import json
 import math
+import shutil
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -15,6 +16,7 @@ from maxtrain.aot.compile import compile_train_step
 from maxtrain.cli import train
 from maxtrain.posttrain import algorithms
 from maxtrain.posttrain.rl import ROLLOUTS_FILE
+from test_checkpoint import assert_bitwise_equal, restore_raw
 from tiny import TINY_MODEL
 
 P, G = 4, 4
@@ -49,9 +51,10 @@ def test_each_algorithm_runs_through_the_entry_point(name, tmp_path, capsys):
   out = tmp_path / name
   extra = {"grpo": ["--config.steps=3"],
            "rloo": ["--config.post.reward=test_posttrain:digit_reward:0.5,test_posttrain:length_reward:2"],
-           "dapo": ["--config.post.max_draws=2"]}.get(name, [])
-  assert train.main(RL_ARGS + ["--config.steps=2",
-                               f"--config.post.algorithm={name}", f"--config.output_dir={out}", *extra]) == 0
+           "dapo": ["--config.post.max_draws=2", "--config.checkpoint.every_steps=1"]}.get(name, [])
+  args = lambda out: RL_ARGS + ["--config.steps=2", f"--config.post.algorithm={name}", f"--config.output_dir={out}",
+                                *extra]
+  assert train.main(args(out)) == 0
   tb, done = scalars(out), rounds(out)
   steps = 3 if name == "grpo" else 2
   assert [r["round"] for r in done] == list(range(1, steps + 1))
@@ -82,6 +85,15 @@ def test_each_algorithm_runs_through_the_entry_point(name, tmp_path, capsys):
     assert "rl/reward/length_reward" in tb
   if name == "dapo":
     assert {"rl/draws", "rl/dropped_groups"} <= set(tb) and all(1 <= v <= 2 for _, v in tb["rl/draws"])
+    # Resumed from round 1 (dynamic sampling moved the prompt position by its draws): round 2 samples the
+    # same completions and ends bit for bit where the uninterrupted run did.
+    again = tmp_path / "resumed"
+    shutil.copytree(out, again)
+    shutil.rmtree(again / "checkpoints" / "2")
+    (again / ROLLOUTS_FILE).write_text("")
+    assert train.main(args(again)) == 0
+    assert rounds(again) == done[1:]
+    assert_bitwise_equal(restore_raw(out / "checkpoints", 2), restore_raw(again / "checkpoints", 2))
 
 
 def test_compile_reports_the_rl_step():

@@ -163,7 +163,7 @@ class Data:
     return self.loader.get_state()
 
   def set_state(self, state: dict) -> None:
-    if "next_index" not in state and "step" in state:  # a post-training run's position (posttrain/data.py)
+    if set(state) <= {"step", "source"}:  # a post-training run's position (posttrain/data.py)
       raise UserError("the checkpoint's data state is a post-training run's (prompt/response rows or RL prompts), "
                       "not a token-store loader's: resume it with the post.mode it was trained with, or start a new "
                       "run in another output_dir")

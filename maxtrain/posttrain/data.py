@@ -93,7 +93,7 @@ class SftData:
 
   def set_state(self, state: dict) -> None:
     """The checkpoint's position, after checking it indexes this data (rule 1 of DESIGN.md)."""
-    if "next_index" in state or "step" not in state:  # a pretraining loader's state
+    if not set(state) <= {"step", "source"} or "step" not in state:  # a pretraining loader's state (data/loader.py)
       raise UserError("the checkpoint's data state is a pretraining loader's (token stores), not post-training "
                       "data: resume it with post.mode='' (pretraining), or start a new run in another output_dir")
     saved = state.get("source")
