@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from maxtrain import config as config_lib
 from maxtrain.aot.compile import compile_train_step
 from maxtrain.cli import train
+from maxtrain.monitor.events import read_events
 from maxtrain.posttrain import algorithms
 from maxtrain.posttrain.rl import ROLLOUTS_FILE
 from test_checkpoint import assert_bitwise_equal, restore_raw
@@ -51,9 +52,9 @@ def test_each_algorithm_runs_through_the_entry_point(name, tmp_path, capsys):
   out = tmp_path / name
   extra = {"grpo": ["--config.steps=3"],
            "rloo": ["--config.post.reward=test_posttrain:digit_reward:0.5,test_posttrain:length_reward:2"],
-           "dapo": ["--config.post.max_draws=2", "--config.checkpoint.every_steps=1"]}.get(name, [])
-  args = lambda out: RL_ARGS + ["--config.steps=2", f"--config.post.algorithm={name}", f"--config.output_dir={out}",
-                                *extra]
+           "dapo": ["--config.post.max_draws=2"]}.get(name, [])
+  args = lambda out, *more: RL_ARGS + ["--config.steps=2", f"--config.post.algorithm={name}", "--config.checkpoint.every_steps=1",
+                                       f"--config.output_dir={out}", *extra, *more]
   assert train.main(args(out)) == 0
   tb, done = scalars(out), rounds(out)
   steps = 3 if name == "grpo" else 2
@@ -85,15 +86,22 @@ def test_each_algorithm_runs_through_the_entry_point(name, tmp_path, capsys):
     assert "rl/reward/length_reward" in tb
   if name == "dapo":
     assert {"rl/draws", "rl/dropped_groups"} <= set(tb) and all(1 <= v <= 2 for _, v in tb["rl/draws"])
-    # Resumed from round 1 (dynamic sampling moved the prompt position by its draws): round 2 samples the
-    # same completions and ends bit for bit where the uninterrupted run did.
-    again = tmp_path / "resumed"
-    shutil.copytree(out, again)
-    shutil.rmtree(again / "checkpoints" / "2")
-    (again / ROLLOUTS_FILE).write_text("")
-    assert train.main(args(again)) == 0
-    assert rounds(again) == done[1:]
-    assert_bitwise_equal(restore_raw(out / "checkpoints", 2), restore_raw(again / "checkpoints", 2))
+  # Resumed from the round before the last (DAPO: its dynamic sampling moved the prompt position by its
+  # draws): the last round samples the same completions and ends bit for bit where the run did.
+  again = tmp_path / "resumed"
+  shutil.copytree(out, again)
+  shutil.rmtree(again / "checkpoints" / str(steps))
+  (again / ROLLOUTS_FILE).write_text("")
+  assert train.main(args(again)) == 0
+  assert rounds(again) == done[-1:]
+  assert_bitwise_equal(restore_raw(out / "checkpoints", steps), restore_raw(again / "checkpoints", steps))
+  if name == "reinforce_pp":  # the guards inside another algorithm: a NaN round is skipped, then rolled back
+    faulty = tmp_path / "faulty"
+    assert train.main(args(faulty, "--config.faults.nan_at_step=2", "--config.guards.max_consecutive_bad=2")) == 0
+    kinds = [(r["kind"], r["step"], r.get("update")) for r in read_events(faulty / "events.jsonl")
+             if r["kind"] in ("nan_skip", "rollback")]
+    assert kinds == [("nan_skip", 2, 1), ("nan_skip", 2, 2), ("rollback", 1, None)]
+    assert [(r["round"], r["position"]) for r in rounds(faulty)] == [(1, 0), (2, 1), (2, 2)]
 
 
 def test_compile_reports_the_rl_step():
