@@ -79,6 +79,13 @@ def test_each_algorithm_runs_through_the_entry_point(name, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "was written by a RL (post.mode='rl') run, but this run is pretraining (post.mode='')" in err, err
     assert "Traceback" not in err
+    # ... and with other prompts (issue 37, case 5 for RL): exit 2 naming what it read and what this run reads.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i}+1=", "response": str(i + 1), "meta": {"answer": str(i + 1)}})
+                               + "\n" for i in range(40)))
+    assert train.main(args(out, f"--config.post.data={prompts}", "--config.steps=5")) == 2
+    err = capsys.readouterr().err
+    assert f"it read the task 'arithmetic', this run reads {prompts.resolve()} (config.post.data)" in err, err
   if name == "rloo":  # two weighted rewards: trained on 0.5 x digits + 2 x length, each logged on its own
     parts = done[0]["reward_parts"]
     assert done[0]["rewards"] == pytest.approx([0.5 * d + 2 * n for d, n in zip(parts["digit_reward"],
