@@ -120,7 +120,61 @@ REFERENCES = {"grpo": (np_grpo, np_token_mean), "dr_grpo": (np_dr_grpo, np_const
 
 
 def test_every_registered_algorithm_has_a_reference():
-  assert set(algorithms.ALGORITHMS) == set(REFERENCES)
+  assert set(algorithms.ALGORITHMS) == set(REFERENCES) | {"ppo"}  # ppo: test_ppo_* below
+
+
+def np_gae(rewards_B, old, ref, mask, values, hp):
+  """GAE row by row over the completion's positions, written from the recursion (float64)."""
+  adv, returns = np.zeros(mask.shape), np.zeros(mask.shape)
+  for b in range(mask.shape[0]):
+    t_ = np.flatnonzero(mask[b])
+    r = -hp.kl_coef * (old[b, t_].astype(np.float64) - ref[b, t_])
+    r[-1] += rewards_B[b]
+    v = values[b, t_].astype(np.float64)
+    a, later = np.zeros(len(t_)), 0.0
+    for i in reversed(range(len(t_))):
+      v_next = v[i + 1] if i + 1 < len(t_) else 0.0
+      later = r[i] + hp.gamma * v_next - v[i] + hp.gamma * hp.lam * later
+      a[i] = later
+    adv[b, t_], returns[b, t_] = a, a + v
+  return adv, returns
+
+
+def test_ppo_gae_losses_and_gradients_match_numpy():
+  rewards, logp, old, ref, mask = batch(2)
+  mask[:, 1:3] = 1.0  # contiguous completions (first token at position 0)
+  mask = np.cumprod(mask, axis=1)
+  values = np.random.default_rng(5).normal(0.3, 0.4, mask.shape).astype(np.float32) * mask
+  ppo = algorithms.get("ppo")
+  assert ppo.critic
+  hp = Hyper(clip_low=0.2, clip_high=0.2, kl_coef=0.05, gamma=0.9, lam=0.8, value_clip=0.1)
+  adv, returns = ppo.advantages(rewards, old, ref, mask, hp, values_BT=values)
+  ref_adv, ref_returns = np_gae(rewards.reshape(-1), old, ref, mask, values, hp)
+  np.testing.assert_allclose(returns, ref_returns, rtol=1e-5, atol=1e-6)
+  tokens = ref_adv[mask > 0]
+  np.testing.assert_allclose(adv, (ref_adv - tokens.mean()) / (tokens.std() + ADVANTAGE_EPS) * mask, rtol=1e-5, atol=1e-5)
+  # lam = 1, gamma = 1, no KL: the returns are the sequence reward at every token (Monte Carlo)
+  _, mc = ppo.advantages(rewards, old, ref, mask, Hyper(kl_coef=0.0, gamma=1.0, lam=1.0), values_BT=values)
+  np.testing.assert_allclose(mc, np.repeat(rewards.reshape(-1, 1), mask.shape[1], 1) * mask, rtol=1e-6, atol=1e-6)
+  # The policy loss: the token-level clipped surrogate, no KL term (it is in the reward).
+  (loss, _), grad = jax.value_and_grad(lambda lp: ppo.loss(lp, old, ref, adv, mask, hp), has_aux=True)(jnp.asarray(logp))
+  expected_loss, expected_grad = np_reinforce_pp_loss(logp, old, ref, adv, mask, hp)
+  np.testing.assert_allclose(float(loss), expected_loss, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(grad), expected_grad, rtol=1e-5, atol=1e-8)
+  # The clipped value loss and its gradient in the values.
+  new_values = values + np.random.default_rng(6).normal(0, 0.2, mask.shape).astype(np.float32)  # some past the clip
+  (v_loss, metrics), v_grad = jax.value_and_grad(
+      lambda v: ppo.value_loss(v, values, returns, mask, hp), has_aux=True)(jnp.asarray(new_values))
+  v, v_old, ret, m = (np.asarray(a, np.float64) for a in (new_values, values, returns, mask))
+  clipped = v_old + np.clip(v - v_old, -hp.value_clip, hp.value_clip)
+  plain, held = np.square(v - ret), np.square(clipped - ret)
+  np.testing.assert_allclose(float(v_loss), (0.5 * np.maximum(plain, held) * m).sum() / m.sum(), rtol=1e-5)
+  inside = np.abs(v - v_old) <= hp.value_clip
+  d = np.where((plain >= held) | inside, v - ret, 0.0) * m / m.sum()  # the clipped branch is flat in v
+  np.testing.assert_allclose(np.asarray(v_grad), d, rtol=1e-5, atol=1e-7)
+  assert 0 < np.mean(~inside[m > 0]) < 1  # both branches exercised
+  err = (v - ret)[m > 0]
+  np.testing.assert_allclose(float(metrics["explained_variance"]), 1 - err.var() / ret[m > 0].var(), rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))

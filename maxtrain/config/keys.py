@@ -221,7 +221,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.post = p = ml_collections.ConfigDict()  # Post-training on the same program (docs/post_training.md).
   p.mode = ""  # "" = pretraining | sft (prompt/response fine-tuning) | rl (RL with a verifiable reward; grpo = rl with algorithm grpo).
-  p.algorithm = "grpo"  # rl: grpo | dr_grpo | rloo | reinforce_pp | dapo | gspo (maxtrain/posttrain/algorithms; docs/post_training.md).
+  p.algorithm = "grpo"  # rl: grpo | dr_grpo | rloo | reinforce_pp | dapo | gspo | ppo (maxtrain/posttrain/algorithms; docs/post_training.md).
   p.data = "arithmetic"  # sft/rl examples: the embedded task "arithmetic" (no download) or a JSONL path of prompt/response (or chat messages).
   p.resume_new_data = False  # sft/rl: resume a checkpoint although post.data changed (its position then indexes the new data; an event records it).
   p.eval_prompts = 200  # Held-out prompts scored at every eval (sft: greedy exact match; rl: greedy mean reward); 0 = off.
@@ -236,6 +236,10 @@ def base_config() -> ml_collections.ConfigDict:
   p.kl_coef = -1.0  # rl: weight of the KL to the frozen reference (the initial parameters); -1 = the algorithm's default (grpo 0.02).
   p.overlong_buffer = -1  # rl: DAPO's soft length penalty over the last N of max_new_tokens (0 = off); -1 = the algorithm's default.
   p.max_draws = -1  # rl: prompt batches a DAPO round may draw to fill it with groups whose rewards differ; -1 = the algorithm's default.
+  p.gamma = 1.0  # rl, ppo: GAE discount per token.
+  p.lam = 0.95  # rl, ppo: GAE lambda (1 = Monte Carlo returns, 0 = one-step TD).
+  p.value_clip = 0.2  # rl, ppo: the new value is clipped to old value +- value_clip in the value loss.
+  p.critic_lr = 1e-3  # rl, ppo: Adam learning rate of the critic (a value head on the policy's features), constant.
   p.temperature = 1.0  # rl: rollout sampling temperature (1 = the policy itself).
   p.negate_reward = False  # rl: train on minus the reward (a control: the reward must drive learning).
   p.log_rollouts = False  # rl: append each round's prompts, completions and rewards to <output_dir>/rollouts.jsonl.

@@ -111,11 +111,17 @@ class RlStepper:
     rows, mask = r.rows, r.rows["loss_mask"]
     host = {k: rows[k] for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
     zeros = np.zeros_like(mask)
-    batch = rl_step.to_device({**host, "advantages": zeros, "old_logp": zeros, "ref_logp": zeros}, self.program)
+    batch = rl_step.to_device({**host, **{k: zeros for k in self.pieces.batch_shardings if k in rl_step.RL_KEYS
+                                          + rl_step.CRITIC_KEYS}}, self.program)
     host["ref_logp"] = np.asarray(self.pieces.logprobs(self.reference, batch))
     host["old_logp"] = np.asarray(self.pieces.logprobs(state.params, batch))
-    host["advantages"] = self.algorithm.advantages(trained.reshape(p.prompts_per_step, p.group_size),
-                                                   host["old_logp"], host["ref_logp"], mask, hp)
+    rewards_PG = trained.reshape(p.prompts_per_step, p.group_size)
+    if self.algorithm.critic:  # GAE from the critic's values at the rollout (PPO)
+      host["old_values"] = np.asarray(self.pieces.values(state.params, state.opt_state.params, batch)) * mask
+      host["advantages"], host["returns"] = self.algorithm.advantages(rewards_PG, host["old_logp"], host["ref_logp"],
+                                                                      mask, hp, values_BT=host["old_values"])
+    else:
+      host["advantages"] = self.algorithm.advantages(rewards_PG, host["old_logp"], host["ref_logp"], mask, hp)
     t2 = time.monotonic()
     gap = rollout_lib.logprob_gap(host["old_logp"], rows["sampler_logp"], mask)
     n, per, flags = len(mask), len(mask) // p.minibatches, []
@@ -139,6 +145,11 @@ class RlStepper:
                "rl/logprob_gap": gap, "rl/rollout_s": t1 - t0, "rl/score_s": t2 - t1, "rl/train_s": t3 - t2,
                "rl/rollout_tokens_per_s": float(n * len(draws) * p.max_new_tokens) / max(t1 - t0, 1e-9)}
     scalars.update({f"rl/reward/{name}": float(v.mean()) for name, v in r.parts.items()})  # each on its own
+    if self.algorithm.critic:  # the critic at the rollout against the round's returns (all its tokens)
+      on = mask > 0
+      error, returns = (host["old_values"] - host["returns"])[on], host["returns"][on]
+      scalars.update({"rl/value_loss": float(0.5 * np.mean(np.square(error))),
+                      "rl/explained_variance": float(1.0 - np.var(error) / max(float(np.var(returns)), 1e-8))})
     if self.algorithm.dynamic_sampling:
       scalars.update({"rl/draws": float(len(draws)), "rl/dropped_groups": float(r.dropped_groups),
                       "rl/sampled_reward_mean": float(r.sampled_rewards.mean())})

@@ -13,7 +13,7 @@ import jax
 import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxtrain.program import batch as batch_lib
+from maxtrain.program import batch as batch_lib, critic
 from maxtrain.program import loss
 from maxtrain.optim import optimizer as optim
 from maxtrain.program import state as state_lib
@@ -68,6 +68,8 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) 
   rules = plan.layout.rules
   model_cfg = ModelConfig.from_config(cfg.model)
   optimizer = optim.make(*schedule_config(cfg, plan.updates_per_step))  # the schedule in optimizer updates
+  if plan.critic:  # PPO: a value head and its own optimizer state ride in the optimizer state
+    optimizer = critic.with_critic(optimizer, model_cfg.d_model, cfg.post.critic_lr)
   state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window)
   batch_shardings = batch_lib.shardings(mesh, plan.layout)
   replicated = NamedSharding(mesh, P())

@@ -38,8 +38,10 @@ class Plan:
   pipeline: pipeline_lib.Schedule | None = None  # None: no pipeline (one stage)
   mode: str = ""  # "" pretraining | "sft" | "rl" (post.mode, its alias grpo resolved)
   updates_per_step: int = 1  # optimizer updates a step makes (an RL round's): the LR schedule's unit
+  critic: bool = False  # the RL algorithm learns a value function: the state carries a critic (program/critic.py)
 
 
+CRITIC_ALGORITHMS = ("ppo",)  # post.algorithm values whose state carries a critic (posttrain/algorithms: critic=True)
 MODES = {"": "", "sft": "sft", "rl": "rl", "grpo": "rl"}  # post.mode -> the plan's mode (grpo: rl with post.algorithm=grpo)
 
 
@@ -120,7 +122,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           "or mesh.context=1.")
   schedule = _validate_pipeline(cfg, layout, batch, f"mesh {mesh_layout.describe()}")
   mode, updates = _validate_post(cfg, layout, batch, schedule, mesh_layout)
-  return Plan(mesh=mesh_layout, layout=layout, batch=batch, pipeline=schedule, mode=mode, updates_per_step=updates)
+  return Plan(mesh=mesh_layout, layout=layout, batch=batch, pipeline=schedule, mode=mode, updates_per_step=updates,
+              critic=mode == "rl" and cfg.post.algorithm in CRITIC_ALGORITHMS)
 
 
 def _validate_post(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchLayout,
@@ -146,6 +149,10 @@ def _validate_post(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchL
           f"config.data.batch_size={b} must be post.prompts_per_step x post.group_size / post.minibatches = "
           f"{p.prompts_per_step} x {p.group_size} / {p.minibatches}: the optimizer step's batch")
   require(p.temperature > 0, f"config.post.temperature={p.temperature}: RL samples, it must be > 0")
+  require(0 < p.gamma <= 1 and 0 <= p.lam <= 1, f"config.post.gamma={p.gamma}, post.lam={p.lam}: need 0 < gamma <= 1 "
+          "and 0 <= lam <= 1")
+  require(p.value_clip > 0 and p.critic_lr > 0, f"config.post.value_clip={p.value_clip}, post.critic_lr={p.critic_lr}: "
+          "both must be > 0")
   require(batch.num_microbatches == 1, f"config.optimizer.grad_accum_steps={cfg.optimizer.grad_accum_steps}, "
           f"optimizer.microbatch_size={cfg.optimizer.microbatch_size}: {batch.num_microbatches} microbatches, but an RL "
           "update is one pass over its minibatch; use post.minibatches to split a round's rows into updates")

@@ -32,12 +32,20 @@ def head_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, chun
   `loss.head_losses` (chunked when `chunk_tokens` > 0: never the full [B, T, V] logits); the MoE
   layers' statistics (models/moe.py STATS, stacked over MoE layers; {} for a dense model), and the
   model's own MoE config, whose loss weights the objective uses."""
+  ce_BT, log_z_BT, moe_stats, moe, _ = head_losses_and_features(graphdef, params, batch, chunk_tokens=chunk_tokens,
+                                                                batch_shards=batch_shards, length_shards=length_shards)
+  return ce_BT, log_z_BT, moe_stats, moe
+
+
+def head_losses_and_features(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, chunk_tokens: int = 0,
+                             batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, jax.Array, dict, MoEConfig, jax.Array]:
+  """`head_losses` and the features the head reads, [B, T, D] (a critic's value head reads them too)."""
   model = nnx.merge(graphdef, params)
   x_BTD, moe_stats = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
   ce_BT, log_z_BT = loss.head_losses(x_BTD, model.head_weights(), batch["targets"], chunk_tokens=chunk_tokens,
                                      compute_dtype=model.cfg.compute_dtype, batch_shards=batch_shards,
                                      length_shards=length_shards, quant=model.cfg.quant.for_kind("head"))
-  return ce_BT, log_z_BT, moe_stats, model.cfg.moe
+  return ce_BT, log_z_BT, moe_stats, model.cfg.moe, x_BTD
 
 
 def _moe_parts(moe_stats: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:

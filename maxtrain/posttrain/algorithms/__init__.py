@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from maxtrain.errors import choice, require
-from maxtrain.posttrain.algorithms import dapo, dr_grpo, grpo, gspo, reinforce_pp, rloo
+from maxtrain.posttrain.algorithms import dapo, dr_grpo, grpo, gspo, ppo, reinforce_pp, rloo
 from maxtrain.posttrain.algorithms.base import Algorithm, Hyper
 
 ALGORITHMS: dict[str, Algorithm] = {m.ALGORITHM.name: m.ALGORITHM
-                                    for m in (grpo, dr_grpo, rloo, reinforce_pp, dapo, gspo)}
+                                    for m in (grpo, dr_grpo, rloo, reinforce_pp, dapo, gspo, ppo)}
 TUNED = ("clip_eps", "clip_eps_high", "kl_coef", "overlong_buffer", "max_draws")  # -1: the algorithm's default
 
 
@@ -49,4 +49,5 @@ def resolve(post: Any) -> tuple[Algorithm, Hyper]:
           "algorithm's default")
   return algorithm, Hyper(clip_low=float(values["clip_eps"]), clip_high=float(values["clip_eps_high"]),
                           kl_coef=float(values["kl_coef"]), max_new_tokens=int(post.max_new_tokens),
-                          overlong_buffer=int(values["overlong_buffer"]), max_draws=int(values["max_draws"]))
+                          overlong_buffer=int(values["overlong_buffer"]), max_draws=int(values["max_draws"]),
+                          gamma=float(post.gamma), lam=float(post.lam), value_clip=float(post.value_clip))

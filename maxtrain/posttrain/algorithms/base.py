@@ -27,6 +27,9 @@ class Hyper:
   max_new_tokens: int = 6  # the generation budget (Dr. GRPO's constant normaliser, DAPO's overlong length)
   overlong_buffer: int = 0  # DAPO: tokens before max_new_tokens where the length penalty ramps to -1; 0 = off
   max_draws: int = 1  # DAPO: prompt batches drawn per round to fill it with groups whose rewards differ
+  gamma: float = 1.0  # PPO: GAE discount
+  lam: float = 0.95  # PPO: GAE lambda
+  value_clip: float = 0.2  # PPO: the value loss's clip around the rollout's values
 
 
 Advantages = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Hyper], np.ndarray]
@@ -42,6 +45,10 @@ class Algorithm:
   loss: Loss
   defaults: dict  # the algorithm's recommended values of post.* keys left at -1
   dynamic_sampling: bool = False  # drop groups of equal rewards and draw more prompts (DAPO)
+  # A critic (PPO): `advantages` also takes values_BT= (the critic's at the rollout) and returns
+  # (advantages, returns); value_loss(values, old_values, returns, mask, hyper) -> (loss, metrics).
+  critic: bool = False
+  value_loss: Callable | None = None
 
 
 def per_row(adv_PG: np.ndarray, mask_BT: np.ndarray) -> np.ndarray:
