@@ -3,7 +3,7 @@
   python -m maxtrain.train --config=configs/rl.py --config.post.algorithm=rloo \\
       --config.checkpoint.init_from=runs/sft/checkpoints/200
 
-post.algorithm = grpo | dr_grpo | rloo | reinforce_pp | dapo | gspo. What an algorithm needs beyond the
+post.algorithm = grpo | dr_grpo | rloo | reinforce_pp | dapo | gspo | ppo. What an algorithm needs beyond the
 shared keys (clip range, KL weight, DAPO's overlong buffer and draws) is a default of that algorithm
 (post.* keys left at -1; maxtrain/posttrain/algorithms); set a key to override it. The shared recipe is
 configs/grpo.py's (8 prompts x 8 completions, 2 epochs x 2 minibatches a round, 40 rounds) with a cosine
