@@ -128,13 +128,17 @@ def test_each_algorithm_runs_through_the_entry_point(name, tmp_path, capsys):
     assert [(r["round"], r["position"]) for r in rounds(faulty)] == [(1, 0), (2, 1), (2, 2)]
 
 
-def test_compile_reports_the_rl_step():
-  cfg = config_lib.load(["--config=configs/grpo.py", *TINY_MODEL, "--config.data.seq_len=16", "--config.data.batch_size=32"])
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_compile_reports_the_rl_step(name):
+  cfg = config_lib.load(["--config=configs/rl.py", *TINY_MODEL, "--config.data.seq_len=16", "--config.data.batch_size=32",
+                         f"--config.post.algorithm={name}"])
   report = compile_train_step(cfg, 8)  # the running backend's 8 devices (conftest)
   text = report.describe()
-  assert "step: RL (grpo), one optimizer update on a minibatch of 32 rollout rows (a round makes 4)" in text
+  assert f"step: RL ({name}), one optimizer update on a minibatch of 32 rollout rows (a round makes 4)" in text
   assert report.memory.peak > 0
-  assert "advantages" in str(report.lowered.args_info)  # the RL batch, not pretraining's
+  args = str(report.lowered.args_info)
+  assert "advantages" in args  # the RL batch, not pretraining's
+  assert ("returns" in args) == (name == "ppo")  # PPO's critic targets
 
 
 def test_rl_with_a_pipeline_is_exit_2(tmp_path, capsys):

@@ -48,10 +48,6 @@ def with_critic(optimizer: optim.Optimizer, dim: int, lr: float) -> optim.Optimi
   return dataclasses.replace(optimizer, tx=_WithCritic(optimizer.tx, dim, optax.adam(lr)))
 
 
-def critic_tx(optimizer: optim.Optimizer) -> optax.GradientTransformation:
-  return optimizer.tx.critic_tx
-
-
 def values(head: dict[str, jax.Array], x_BTD: jax.Array) -> jax.Array:
   """V per position, fp32 [B, T], from the policy's features with their gradient stopped."""
   x = jax.lax.stop_gradient(x_BTD).astype(jnp.float32)
