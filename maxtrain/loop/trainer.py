@@ -65,7 +65,6 @@ class Trainer:
                           jax.process_count())
       if batch_size not in self.stage_programs:
         self.stage_programs[batch_size] = program_lib.program_for(stage_config(cfg, batch_size, seq_len), jax.devices())
-    self._compiled = 0  # train steps compiled (the multi-process barrier's name)
     self._eval_steps: dict[tuple[int, ...], object] = {}  # the compiled eval step of each eval batch shape
     if cfg.optimizer.warmup_steps > total_steps(cfg):  # legal (short smoke runs), but never silent
       log.warning("optimizer.warmup_steps=%d > the schedule's %d steps (optimizer.decay_steps or steps): the learning "
@@ -190,7 +189,7 @@ class Trainer:
           self.metrics.first_step(step, outcome.metrics, self.t_start)
         if step % cfg.log_every == 0 or last:
           self.routing.check(step, self.metrics.train(step, outcome.metrics, fleet=self.stragglers.exchange(step)))
-          self.metrics.scalars(step, outcome.scalars if outcome.scalars is not None else self.data.scalars(data_state))
+          self.metrics.scalars(step, {**self.data.scalars(data_state), **(outcome.scalars or {})})
           stepper.log_line(step, outcome)
         eval_loss = self._after_step(state, step, data_state, eval_loss)
     self.checkpoints.check_final(step)
