@@ -122,7 +122,6 @@ class RlStepper:
                                                                       mask, hp, values_BT=host["old_values"])
     else:
       host["advantages"] = self.algorithm.advantages(rewards_PG, host["old_logp"], host["ref_logp"], mask, hp)
-    t2 = time.monotonic()
     gap = rollout_lib.logprob_gap(host["old_logp"], rows["sampler_logp"], mask)
     n, per, flags = len(mask), len(mask) // p.minibatches, []
     fault = self.faults.in_graph(step)  # faults.nan_at_step / spike_at_step: every update of that round
@@ -142,8 +141,9 @@ class RlStepper:
                "rl/entropy": float((rows["entropy"] * mask).sum() / count),
                "rl/response_length": float(r.lengths.mean()),
                "rl/zero_advantage_groups": float(np.mean(np.all(adv_rows == 0, axis=1))),
-               "rl/logprob_gap": gap, "rl/rollout_s": t1 - t0, "rl/score_s": t2 - t1, "rl/train_s": t3 - t2,
-               "rl/rollout_tokens_per_s": float(n * len(draws) * p.max_new_tokens) / max(t1 - t0, 1e-9)}
+               "rl/logprob_gap": gap, "rl/rollout_s": t1 - t0 - r.score_s, "rl/score_s": r.score_s,
+               "rl/train_s": t3 - t1,  # the log-prob passes, the advantages and the updates
+               "rl/rollout_tokens_per_s": float(n * len(draws) * p.max_new_tokens) / max(t1 - t0 - r.score_s, 1e-9)}
     scalars.update({f"rl/reward/{name}": float(v.mean()) for name, v in r.parts.items()})  # each on its own
     if self.algorithm.critic:  # the critic at the rollout against the round's returns (all its tokens)
       on = mask > 0

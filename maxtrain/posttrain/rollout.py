@@ -11,6 +11,7 @@ past every batch drawn, so it only moves forward, as pretraining's loader does.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -68,6 +69,7 @@ class Rollout:
   positions: list[int]  # the prompt batches drawn
   sampled_rewards: np.ndarray  # every completion drawn this round (dynamic sampling draws more than B)
   dropped_groups: int  # groups of equal rewards left out of the batch (dynamic sampling)
+  score_s: float = 0.0  # seconds the rewards took (the draws' sum)
 
 
 def sample(data: Any, generator: Any, params: Any, q: int, post: Any, seed: int, seq_len: int) -> Rollout:
@@ -85,8 +87,9 @@ def sample(data: Any, generator: Any, params: Any, q: int, post: Any, seed: int,
   rows, lengths, completions = rollout_rows(prompt_ids, tokens_BN, scores_BN2, tok.eos_id, seq_len,
                                             [e.get("where", "") for e in examples])
   texts = [tok.decode(c) for c in completions]
+  t0 = time.monotonic()
   rewards, parts = rewards_lib.score_all(data.rewards, examples, texts)
-  return Rollout(examples, rows, lengths, texts, rewards, parts, [q], rewards, 0)
+  return Rollout(examples, rows, lengths, texts, rewards, parts, [q], rewards, 0, time.monotonic() - t0)
 
 
 def select(rollouts: Sequence[Rollout], group_size: int, groups: int, dynamic: bool) -> Rollout:
@@ -113,4 +116,4 @@ def select(rollouts: Sequence[Rollout], group_size: int, groups: int, dynamic: b
                  rewards=np.asarray(take(lambda r, i: r.rewards[i]), np.float32), parts=parts,
                  positions=[q for r in rollouts for q in r.positions],
                  sampled_rewards=np.concatenate([r.rewards for r in rollouts]),
-                 dropped_groups=len(equal) - max(0, groups - len(varied)))
+                 dropped_groups=len(equal) - max(0, groups - len(varied)), score_s=sum(r.score_s for r in rollouts))
