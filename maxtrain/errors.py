@@ -41,6 +41,11 @@ class Aborted(Exception):
   used up): exit 3, which a supervisor does not restart (a bitwise resume would replay the same batches)."""
 
 
+class UserCodeExit(RuntimeError):
+  """User code (a reward function, a task) called sys.exit or raised KeyboardInterrupt inside the run:
+  a crash with its own code (exit 1, restarted like any crash), never a finish. The message names it."""
+
+
 def exit_code(error: BaseException) -> int:
   """The process exit code for an exception that ends a run (1 = crash for anything unexpected)."""
   for kind, code in ((UserError, EXIT_BAD_INPUT), (Preempted, EXIT_PREEMPTED), (Aborted, EXIT_ABORTED),

@@ -52,7 +52,7 @@ def imports_of(module: str, path: Path) -> set[str]:
 
 # The packages, lowest first: a module imports only from its own package or those before it here.
 PACKAGE_ORDER = ("errors", "config", "runtime", "monitor", "data", "sharding", "models", "optim", "checkpoint",
-                 "program", "interop", "inference", "evaluation", "aot", "loop", "cli")
+                 "program", "interop", "inference", "evaluation", "posttrain", "aot", "loop", "cli")
 SHIMS = {"train", "launch", "compile", "convert", "generate", "eval"}  # maxtrain/X.py: `python -m maxtrain.X`, cli/X.py
 def package_of(module: str) -> str | None:
   """The module's place in PACKAGE_ORDER; None for `maxtrain` itself (only the version: any module may

@@ -23,12 +23,14 @@ from maxtrain.data import arithmetic
 from maxtrain.data.tokenizer import ByteTokenizer
 from maxtrain.errors import Aborted, UserError
 from maxtrain.inference.sampling import Sampling
-from maxtrain.loop import grpo, rl_data, sft as sft_loop
+from maxtrain.posttrain import data as post_data, rewards, rl_step, rollout as rollout_lib
+from maxtrain.posttrain.algorithms import base as algo_base
+from maxtrain.posttrain.rl import ROLLOUTS_FILE
 from maxtrain.cli import train
 from maxtrain.loop.rollback import ROLLBACKS_FILE, GuardPolicy, Rollback
 from maxtrain.monitor import events as ev
 from maxtrain.monitor.events import read_events
-from maxtrain.program import build, rl_loss, rl_step, state as state_lib
+from maxtrain.program import build, plan as plan_lib, state as state_lib
 from maxtrain.runtime import cache, faults
 from test_checkpoint import REPO, assert_bitwise_equal, flat, restore_raw
 from tiny import TINY_MODEL
@@ -47,14 +49,14 @@ def rollout(program, params):
   """A round's batch (host rows) sampled by the generator at temperature 1 with these parameters."""
   examples = [e for e in arithmetic.examples("train")[:P] for _ in range(G)]
   prompt_ids = [TOK.encode(e["prompt"]).tolist() for e in examples]
-  generator = sft_loop.make_generator(program, params)
+  generator = post_data.make_generator(program, params)
   tokens, scores, _ = generator.generate_scored(prompt_ids, 6, Sampling(temperature=1.0, seed=3),
                                                 vocab_limit=TOK.vocab_size)
-  rows, lengths, _ = grpo.rollout_rows(prompt_ids, tokens, scores, TOK.eos_id, 16)
+  rows, lengths, _ = rollout_lib.rollout_rows(prompt_ids, tokens, scores, TOK.eos_id, 16)
   rewards = np.arange(P * G, dtype=np.float32).reshape(P, G) % 3  # any fixed rewards: non-zero advantages
   mask = rows.pop("loss_mask")
   host = {k: rows[k] for k in ("inputs", "targets", "segment_ids", "positions")}
-  host.update(loss_mask=mask, advantages=np.asarray(rl_loss.group_advantages(rewards)).reshape(-1, 1) * mask,
+  host.update(loss_mask=mask, advantages=np.asarray(algo_base.group_advantages(rewards)).reshape(-1, 1) * mask,
               old_logp=rows["sampler_logp"], ref_logp=rows["sampler_logp"])
   return host, rows["sampler_logp"], mask
 
@@ -66,7 +68,7 @@ def one_device():
   cfg = tiny_cfg()
   program = build.program_for(cfg, jax.devices()[:1])
   state = state_lib.initialize(program.state, program.mesh)
-  logprobs, train = rl_step.jit_pieces(program, clip_eps=0.2, kl_coef=0.1, on_policy=True)
+  logprobs, train = rl_step.jit_pieces(program, clip_low=0.2, clip_high=0.2, kl_coef=0.1, on_policy=True)
   with jax.set_mesh(program.mesh):
     host, sampler_logp, mask = rollout(program, state.params)
   return cfg, program, jax.device_get(state), host, sampler_logp, mask, logprobs, train
@@ -89,12 +91,12 @@ def test_bf16_sampler_and_trainer_logprob_gap_is_small():
   of the way to the clip; a bf16 round-off of a log-probability is ~2^-8 x |logit|, well below it."""
   program = build.program_for(tiny_cfg("--config.model.compute_dtype=bfloat16", "--config.model.param_dtype=bfloat16"),
                               jax.devices()[:1])
-  logprobs, _ = rl_step.jit_pieces(program, clip_eps=0.2, kl_coef=0.1, on_policy=True)
+  logprobs, _ = rl_step.jit_pieces(program, clip_low=0.2, clip_high=0.2, kl_coef=0.1, on_policy=True)
   with jax.set_mesh(program.mesh):
     state = state_lib.initialize(program.state, program.mesh)
     host, sampler_logp, mask = rollout(program, state.params)
     trainer_logp = np.asarray(logprobs(state.params, rl_step.to_device(host, program)))
-  gap = grpo.logprob_gap(trainer_logp, sampler_logp, mask)
+  gap = rollout_lib.logprob_gap(trainer_logp, sampler_logp, mask)
   print(f"bf16 sampler/trainer logprob gap: {gap:.3e} nats (max over {int(mask.sum())} completion tokens)")
   assert np.isfinite(gap) and 0 < gap < np.log(1.2) / 4
 
@@ -113,7 +115,7 @@ def test_on_policy_ratio_is_one_and_8_devices_match_1(one_device):
   assert float(metrics1["ratio_mean"]) == 1.0 and float(metrics1["clip_fraction"]) == 0.0
   assert float(metrics1["grad_norm"]) > 0 and float(metrics1["skipped"]) == 0.0
   program8 = build.program_for(tiny_cfg("--config.mesh.fsdp=4", "--config.mesh.tensor=2"), jax.devices()[:8])
-  _, train8 = rl_step.jit_pieces(program8, clip_eps=0.2, kl_coef=0.1, on_policy=True)
+  _, train8 = rl_step.jit_pieces(program8, clip_low=0.2, clip_high=0.2, kl_coef=0.1, on_policy=True)
   metrics8, params8 = run_step(program8, train8, state_host, host)
   assert float(metrics8["ratio_mean"]) == 1.0
   for key in ("loss", "kl", "grad_norm"):
@@ -143,9 +145,7 @@ def flags(nonfinite=0, spike=0, consecutive_bad=0, grad_norm=1.0, zscore=0.0):
 
 
 def grpo_policy(events, *extra):
-  policy = GuardPolicy(tiny_cfg(*extra).guards, events, rollbacks_used=0)
-  policy.unit, policy.signal = "round", "grad_norm"
-  return policy
+  return GuardPolicy(tiny_cfg(*extra).guards, events, rollbacks_used=0, unit="round", signal="grad_norm")
 
 
 def test_guard_policy_reads_a_rounds_updates(tmp_path):
@@ -178,19 +178,19 @@ def boom(prompt, completion, meta):
 
 def test_reward_function_errors_name_it():
   with pytest.raises(UserError, match="post.reward='no_such_module:f' cannot be loaded"):
-    rl_data.load_reward("no_such_module:f")
+    rewards.load_reward("no_such_module:f")
   with pytest.raises(UserError, match="expected module:function"):
-    rl_data.load_reward("maxtrain.data.arithmetic")
-  fn = rl_data.load_reward("test_grpo:boom")
+    rewards.load_reward("maxtrain.data.arithmetic")
+  fn = rewards.load_reward("test_grpo:boom")
   with pytest.raises(UserError, match="post.reward='test_grpo:boom' raised ValueError: no answer"):
-    rl_data.score(fn, "test_grpo:boom", [{"prompt": "1+1=", "meta": {}}], ["2"])
-  assert rl_data.load_reward("maxtrain.data.arithmetic:reward") is arithmetic.reward
+    rewards.score(fn, "test_grpo:boom", [{"prompt": "1+1=", "meta": {}}], ["2"])
+  assert rewards.load_reward("maxtrain.data.arithmetic:reward") is arithmetic.reward
 
 
 def test_batch_size_must_match_the_round():
   with pytest.raises(UserError, match="data.batch_size=8 must be post.prompts_per_step x post.group_size"):
-    grpo.check_config(tiny_cfg("--config.data.batch_size=8"))
-  grpo.check_config(tiny_cfg("--config.guards.spike_action=rollback"))  # GRPO rolls back like pretraining
+    plan_lib.validate(tiny_cfg("--config.data.batch_size=8"), 1)
+  plan_lib.validate(tiny_cfg("--config.guards.spike_action=rollback"), 1)  # GRPO rolls back like pretraining
 
 
 def digit_reward(prompt, completion, meta):
@@ -208,7 +208,7 @@ RUN_ARGS = ["--config=configs/grpo.py", *TINY_MODEL, "--config.data.seq_len=16",
 
 
 def rounds(out):
-  return [json.loads(line) for line in (out / grpo.ROLLOUTS_FILE).read_text().splitlines()]
+  return [json.loads(line) for line in (out / ROLLOUTS_FILE).read_text().splitlines()]
 
 
 def guard_events(out):
@@ -251,7 +251,7 @@ def test_resume_after_a_rollback_is_exact(rolled_back, tmp_path):
   out = tmp_path / "resumed"
   shutil.copytree(rolled_back, out)
   shutil.rmtree(out / "checkpoints" / "7")
-  (out / grpo.ROLLOUTS_FILE).write_text("")
+  (out / ROLLOUTS_FILE).write_text("")
   assert train.main(RUN_ARGS + ["--config.steps=7", "--config.faults.nan_at_step=3", "--config.guards.max_consecutive_bad=2",
                                 "--config.faults.spike_at_step=6", "--config.faults.spike_factor=1e4",
                                 "--config.guards.spike_action=rollback",

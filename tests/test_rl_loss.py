@@ -1,4 +1,4 @@
-"""The GRPO objective (program/rl_loss.py) against a NumPy reference: advantages, the clipped
+"""The GRPO objective (posttrain/algorithms/grpo.py) against a NumPy reference: advantages, the clipped
 surrogate with the k3 KL, token-level averaging, and the gradient in the log-probabilities (fp32,
 rtol 1e-5); the k3 estimator's expectation is the exact KL."""
 
@@ -6,7 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.program import rl_loss
+from maxtrain.posttrain import algorithms
+from maxtrain.posttrain.algorithms import base as rl_loss
+
+
+def grpo_loss(logp, old, ref, adv, mask, *, clip_eps, kl_coef):
+  return algorithms.get("grpo").loss(logp, old, ref, adv, mask,
+                                     rl_loss.Hyper(clip_low=clip_eps, clip_high=clip_eps, kl_coef=kl_coef))
 
 
 def np_advantages(r_PG, eps=rl_loss.ADVANTAGE_EPS):
@@ -56,7 +62,7 @@ def test_objective_and_gradient_match_numpy():
   T = logp.shape[1]
   adv_BT = np.repeat(np_advantages(rewards).reshape(-1, 1), T, axis=1).astype(np.float32) * mask
   clip_eps, kl_coef = 0.2, 0.05
-  fn = lambda lp: rl_loss.grpo_loss(lp, old, ref, adv_BT, mask, clip_eps=clip_eps, kl_coef=kl_coef)
+  fn = lambda lp: grpo_loss(lp, old, ref, adv_BT, mask, clip_eps=clip_eps, kl_coef=kl_coef)
   (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(logp))
   ref_loss, ref_grad = np_loss_and_grad(logp, old, ref, adv_BT, mask, clip_eps, kl_coef)
   np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
@@ -72,14 +78,14 @@ def test_token_level_averaging_weights_every_token_equally():
   logp = jnp.zeros((2, 4))
   adv = jnp.array([[1.0, 1.0, 1.0, 1.0], [-1.0, 0.0, 0.0, 0.0]])
   mask = jnp.array([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
-  loss, _ = rl_loss.grpo_loss(logp, logp, logp, adv, mask, clip_eps=0.2, kl_coef=0.0)
+  loss, _ = grpo_loss(logp, logp, logp, adv, mask, clip_eps=0.2, kl_coef=0.0)
   assert float(loss) == np.float32(-(4 * 1.0 - 1.0) / 5)  # one mean over 5 tokens, not a mean of row means (-0.5)
 
 
 def test_ratio_is_one_on_policy():
   _, logp, _, ref, mask = fixed_batch(1)
   adv = np.ones_like(mask)
-  _, metrics = rl_loss.grpo_loss(jnp.asarray(logp), jnp.asarray(logp), ref, adv, mask, clip_eps=0.2, kl_coef=0.1)
+  _, metrics = grpo_loss(jnp.asarray(logp), jnp.asarray(logp), ref, adv, mask, clip_eps=0.2, kl_coef=0.1)
   assert float(metrics["ratio_mean"]) == 1.0 and float(metrics["clip_fraction"]) == 0.0
 
 

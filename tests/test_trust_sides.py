@@ -61,7 +61,7 @@ def test_every_numeric_key_has_a_range():
     (["--config.fleet.exchange_timeout_s=0"], ["config.fleet.exchange_timeout_s=0.0"]),
     (["--config.checkpoint.s3_connect_timeout_s=inf"], ["config.checkpoint.s3_connect_timeout_s=inf"]),
     (["--config.model.moe.aux_loss_weight=-0.1"], ["config.model.moe.aux_loss_weight=-0.1", ">= 0"]),
-    (["--config.post.kl_coef=-1"], ["config.post.kl_coef=-1.0"]),
+    (["--config.post.kl_coef=-2"], ["config.post.kl_coef=-2.0"]),  # -1 = the algorithm's default
     (["--config.mesh.tensor=0"], ["config.mesh.tensor=0", "-1 or an integer >= 1"]),
 ])
 def test_numeric_key_out_of_range_exit_2_before_anything(store, tmp_path, capsys, overrides, names):

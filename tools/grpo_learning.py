@@ -4,8 +4,9 @@ several seeds; and the round's time split (rollout / scoring / training) with ro
 tokens/s, from the same runs.
 
   python tools/grpo_learning.py --init_from=runs/sft [--seeds=0,1,2] [--out=runs/grpo_learning] [--config.key=value ...]
+  python tools/grpo_learning.py --init_from=runs/sft --base=configs/rl.py --config.post.algorithm=rloo   (any algorithm)
 
-Each run is configs/grpo.py with checkpoint.init_from, seed, negate_reward and the overrides, logging
+Each run is configs/grpo.py (or --base) with checkpoint.init_from, seed, negate_reward and the overrides, logging
 every round; it scores post.eval_prompts held-out prompts at round 0, every eval.every_steps and at the
 end, greedily (`rl/eval_reward`) and sampled at post.temperature with a fixed seed
 (`rl/eval_reward_sampled`). A run already finished under --out with the same config is reused. Prints a
@@ -27,7 +28,7 @@ import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from maxtrain import config as config_lib
-from maxtrain.loop import grpo
+from maxtrain.loop import trainer
 
 SPLIT = ("rl/rollout_s", "rl/score_s", "rl/train_s")
 REWARDS = {"rl/eval_reward": "greedy", "rl/eval_reward_sampled": "sampled"}  # held-out mean rewards
@@ -39,15 +40,15 @@ def scalars(out_dir: Path, tag: str) -> dict[int, float]:
   return {e.step: e.value for e in events.Scalars(tag)} if tag in events.Tags()["scalars"] else {}
 
 
-def run(argv: list[str], seed: int, negate: bool, root: Path) -> dict:
+def run(argv: list[str], seed: int, negate: bool, root: Path, base: str = "configs/grpo.py") -> dict:
   out = root / f"seed{seed}_{'negated' if negate else 'reward'}"
-  cfg = config_lib.load(["--config=configs/grpo.py", "--config.log_every=1", *argv, f"--config.seed={seed}",
+  cfg = config_lib.load([f"--config={base}", "--config.log_every=1", *argv, f"--config.seed={seed}",
                          f"--config.post.negate_reward={negate}", f"--config.output_dir={out}"])
   done = out / "summary.json"
   same = lambda c: {k: v for k, v in c.items() if k != "output_dir"}  # noqa: E731  (a moved --out is reused)
   if not (done.exists() and same(json.loads((out / "config.json").read_text())) == same(json.loads(json.dumps(cfg.to_dict())))):
     shutil.rmtree(out, ignore_errors=True)  # an unfinished run's events would mix with the new ones
-    grpo.run(cfg)
+    trainer.run(cfg)
   curves = {tag: scalars(out, tag) for tag in REWARDS}
   # Rounds after the first (which compiles the sampler and the step).
   split = {tag: float(np.mean([v for k, v in scalars(out, tag).items() if k > 1] or [np.nan])) for tag in SPLIT}
@@ -94,11 +95,13 @@ def main() -> None:
   parser.add_argument("--seeds", default="0,1,2")
   parser.add_argument("--out", default="runs/grpo_learning")
   parser.add_argument("--arms", default="reward,negated", help="reward, negated or both (e.g. one per process)")
+  parser.add_argument("--base", default="configs/grpo.py",
+                      help="the config file (configs/rl.py with --config.post.algorithm=X: X at its recipe)")
   args, rest = parser.parse_known_args()
   logging.basicConfig(level=logging.WARNING)
   argv = [f"--config.checkpoint.init_from={args.init_from}", *rest]
   arms = [arm == "negated" for arm in args.arms.split(",")]
-  results = [run(argv, int(seed), negate, Path(args.out)) for seed in args.seeds.split(",") for negate in arms]
+  results = [run(argv, int(seed), negate, Path(args.out), args.base) for seed in args.seeds.split(",") for negate in arms]
   report(results, rest)
 
 

@@ -119,6 +119,8 @@ class CompileReport:
         f"batch: {cfg.data.batch_size} x {cfg.data.seq_len} tokens, grad_accum_steps {k} "
         f"({micro} sequence(s) per device per microbatch); optimizer {cfg.optimizer.name}, state "
         f"{cfg.optimizer.state_dtype}, offload {cfg.optimizer.get('offload', 'none')}",
+        *([f"step: RL ({cfg.post.algorithm}), one optimizer update on a minibatch of {cfg.data.batch_size} rollout rows "
+           f"(a round makes {self.plan.updates_per_step})"] if self.plan.mode == "rl" else []),
         "per-device memory (Compiled.memory_analysis): device, and host (pinned_host) beside it",
         f"  arguments       {mem.arguments / GiB:9.3f} GiB  host {mem.host_arguments / GiB:9.3f} GiB  "
         f"(train state + batch{'; the optimizer state on the host' if mem.host_arguments else ''})",
@@ -160,7 +162,12 @@ def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int) -> Comp
   t0 = time.perf_counter()
   program = program_lib.program_for(cfg, jax.devices(), require_data=False)
   plan = program.plan
-  lowered = program.lower()
+  if plan.mode == "rl":  # the step an RL run compiles: its algorithm's objective on a minibatch (posttrain/rl_step.py)
+    from maxtrain.posttrain import rl_step
+
+    lowered = rl_step.for_config(program).lower()
+  else:
+    lowered = program.lower()
   t1 = time.perf_counter()
   with jax.set_mesh(program.mesh):
     compiled = lowered.compile()

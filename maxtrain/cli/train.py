@@ -14,8 +14,8 @@ import time
 from typing import Sequence
 
 from maxtrain import config as config_lib
-from maxtrain.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PREEMPTED, Aborted, Preempted,
-                             UserError)
+from maxtrain.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_CRASH, EXIT_INTERRUPTED, EXIT_PREEMPTED, Aborted,
+                             Preempted, UserCodeExit, UserError)
 from maxtrain.runtime import preemption
 
 
@@ -36,11 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from maxtrain.runtime import platform
 
     platform.apply(cfg.runtime)  # XLA_FLAGS and plugin variables count only before the backend starts
-    # imported late: config errors surface before any backend work
-    if cfg.post.mode == "grpo":  # the same trainer, its step a rollout -> score -> train round
-      from maxtrain.loop import grpo as trainer
-    else:
-      from maxtrain.loop import trainer
+    from maxtrain.loop import trainer  # imported late: config errors surface before any backend work
 
     trainer.run(cfg, t_start)
   except UserError as e:
@@ -52,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   except Aborted as e:
     print(f"maxtrain: aborted: {e}", file=sys.stderr)
     return EXIT_ABORTED
+  except UserCodeExit as e:  # a reward's sys.exit: a crash (restarted), never a finish; named, no traceback
+    print(f"maxtrain: crash: {e}", file=sys.stderr)
+    return EXIT_CRASH
   except KeyboardInterrupt:  # SIGINT before the stop handler is installed (start-up), or a second Ctrl-C
     # Exiting already: a further SIGINT (a terminal's Ctrl-C reaches the supervisor too, which forwards it)
     # must not interrupt the interpreter's shutdown with a traceback.

@@ -253,20 +253,29 @@ def base_config() -> ml_collections.ConfigDict:
   c.fleet.exchange_timeout_s = 60.0  # Process 0 waits this long for the others' step times at a log step, then skips it.
 
   c.post = p = ml_collections.ConfigDict()  # Post-training on the same program (docs/post_training.md).
-  p.mode = ""  # "" = pretraining | sft (prompt/response fine-tuning) | grpo (RL with a verifiable reward).
-  p.data = "arithmetic"  # sft/grpo examples: the embedded task "arithmetic" (no download) or a JSONL path of prompt/response (or chat messages).
-  p.eval_prompts = 200  # Held-out prompts scored at every eval (sft: greedy exact match; grpo: greedy mean reward); 0 = off.
-  p.max_new_tokens = 6  # Tokens generated per completion (evals and GRPO rollouts), EOS included.
-  p.reward = "maxtrain.data.arithmetic:reward"  # grpo: module:function(prompt, completion, meta) -> float, called on the host.
-  p.prompts_per_step = 8  # grpo: prompts per rollout batch.
-  p.group_size = 8  # grpo: completions sampled per prompt (G); advantages are normalised within each group.
-  p.ppo_epochs = 1  # grpo: passes over each rollout batch (old log-probs kept for the ratio).
-  p.minibatches = 1  # grpo: optimizer steps per pass; data.batch_size must be prompts_per_step * group_size / minibatches.
-  p.clip_eps = 0.2  # grpo: importance ratio clipped to [1 - clip_eps, 1 + clip_eps].
-  p.kl_coef = 0.02  # grpo: weight of the k3 KL estimate to the frozen reference (the initial parameters).
-  p.temperature = 1.0  # grpo: rollout sampling temperature (1 = the policy itself).
-  p.negate_reward = False  # grpo: train on minus the reward (a control: the reward must drive learning).
-  p.log_rollouts = False  # grpo: append each round's prompts, completions and rewards to <output_dir>/rollouts.jsonl.
+  p.mode = ""  # "" = pretraining | sft (prompt/response fine-tuning) | rl (RL with a verifiable reward; grpo = rl with algorithm grpo).
+  p.algorithm = "grpo"  # rl: grpo | dr_grpo | rloo | reinforce_pp | dapo | gspo | ppo (maxtrain/posttrain/algorithms; docs/post_training.md).
+  p.data = "arithmetic"  # sft/rl examples: the embedded task "arithmetic" (no download) or a JSONL path of prompt/response (or chat messages).
+  p.resume_new_data = False  # sft/rl: resume a checkpoint although post.data changed (its position then indexes the new data; an event records it).
+  p.eval_prompts = 200  # Held-out prompts scored at every eval (sft: greedy exact match; rl: greedy mean reward); 0 = off.
+  p.max_new_tokens = 6  # Tokens generated per completion (evals and RL rollouts), EOS included.
+  p.reward = "maxtrain.data.arithmetic:reward"  # rl: module:function[:weight],... each (prompt, completion, meta) -> float; trained on their weighted sum.
+  p.prompts_per_step = 8  # rl: prompts per rollout batch.
+  p.group_size = 8  # rl: completions sampled per prompt (G); advantages are computed within each group.
+  p.ppo_epochs = 1  # rl: passes over each rollout batch (old log-probs kept for the ratio).
+  p.minibatches = 1  # rl: optimizer steps per pass; data.batch_size must be prompts_per_step * group_size / minibatches.
+  p.clip_eps = -1.0  # rl: importance ratio clipped below at 1 - clip_eps (and above, unless clip_eps_high); -1 = the algorithm's default.
+  p.clip_eps_high = -1.0  # rl: the upper clip 1 + clip_eps_high (DAPO's clip-higher 0.28); -1 = the algorithm's default (clip_eps but for dapo, gspo).
+  p.kl_coef = -1.0  # rl: weight of the KL to the frozen reference (the initial parameters); -1 = the algorithm's default (grpo 0.02).
+  p.overlong_buffer = -1  # rl: DAPO's soft length penalty over the last N of max_new_tokens (0 = off); -1 = the algorithm's default.
+  p.max_draws = -1  # rl: prompt batches a DAPO round may draw to fill it with groups whose rewards differ; -1 = the algorithm's default.
+  p.gamma = 1.0  # rl, ppo: GAE discount per token.
+  p.lam = 0.95  # rl, ppo: GAE lambda (1 = Monte Carlo returns, 0 = one-step TD).
+  p.value_clip = 0.2  # rl, ppo: the new value is clipped to old value +- value_clip in the value loss.
+  p.critic_lr = 1e-3  # rl, ppo: Adam learning rate of the critic (a value head on the policy's features), constant.
+  p.temperature = 1.0  # rl: rollout sampling temperature (1 = the policy itself).
+  p.negate_reward = False  # rl: train on minus the reward (a control: the reward must drive learning).
+  p.log_rollouts = False  # rl: append each round's prompts, completions and rewards to <output_dir>/rollouts.jsonl.
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 50  # Eval loss on the validation store every N steps (and at the end); 0: end only.

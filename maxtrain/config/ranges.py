@@ -144,7 +144,11 @@ RANGES: dict[str, Range] = {
     # post-training
     "post.eval_prompts": COUNT0, "post.max_new_tokens": COUNT, "post.prompts_per_step": COUNT,
     "post.group_size": COUNT, "post.ppo_epochs": COUNT, "post.minibatches": COUNT,
-    "post.clip_eps": Range(0, 1, lo_open=True, hi_open=True), "post.kl_coef": WEIGHT,
+    # -1 = the algorithm's default (maxtrain/posttrain/algorithms), else the value itself
+    "post.clip_eps": Range(0, 1, lo_open=True, hi_open=True, also=(-1,)),
+    "post.clip_eps_high": Range(0, 1, lo_open=True, hi_open=True, also=(-1,)),
+    "post.kl_coef": at_least(0, -1), "post.overlong_buffer": at_least(0, -1), "post.max_draws": at_least(1, -1),
+    "post.gamma": between(0, 1), "post.lam": between(0, 1), "post.value_clip": above(0), "post.critic_lr": above(0),
     "post.temperature": above(0),
     # eval
     "eval.every_steps": COUNT0, "eval.batches": COUNT,

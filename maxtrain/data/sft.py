@@ -12,6 +12,7 @@ last message, which must be the assistant's, is the response and everything befo
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Iterable
@@ -78,21 +79,81 @@ def parse_example(record: Any, where: str, tokenizer: Any = None) -> dict[str, A
   return {"prompt": prompt, "response": response, "meta": record.get("meta", {})}
 
 
+def _check_text(value: Any, where: str, field: str) -> None:
+  """A string must encode as UTF-8: JSON's "\\ud800" escape decodes to a lone surrogate, which no tokenizer
+  can encode (a traceback deep in the packing, before this check)."""
+  if isinstance(value, str):
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError as e:
+      raise UserError(f"{where}: field {field!r} holds a lone surrogate {value[e.start]!r} (a \\ud800-\\udfff escape "
+                      "that is not half of a pair): not text; fix or drop that line") from None
+
+
 def read_jsonl(path: str, tokenizer: Any = None) -> list[dict[str, Any]]:
-  """The examples of a JSONL file (UserError naming the file and line on bad input)."""
+  """The examples of a JSONL file, each with its `where` (PATH:LINE); UserError naming the file and line
+  on bad input (not UTF-8, not JSON, missing fields, a lone surrogate)."""
   p = Path(path)
   require(p.is_file(), f"config.post.data={path}: no such file (a JSONL of prompt/response or messages)")
   out = []
-  for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+  for i, raw in enumerate(p.read_bytes().split(b"\n"), 1):
+    try:
+      line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise UserError(f"{path}:{i}: not UTF-8 (byte 0x{raw[e.start]:02X} at column {e.start + 1}): save the file "
+                      "as UTF-8") from None
     if not line.strip():
       continue
     try:
       record = json.loads(line)
     except json.JSONDecodeError as e:
       raise UserError(f"{path}:{i}: not JSON ({e.msg})") from None
-    out.append(parse_example(record, f"{path}:{i}", tokenizer))
+    example = parse_example(record, f"{path}:{i}", tokenizer)
+    for field in ("prompt", "response"):
+      _check_text(example[field], f"{path}:{i}", field)
+    out.append({**example, "where": f"{path}:{i}"})
   require(bool(out), f"config.post.data={path}: no examples")
   return out
+
+
+def _files(source: str) -> list[Path]:
+  """The files a JSONL source reads: PATH, and its `.eval` sibling when there is one."""
+  eval_path = Path(source).with_suffix(".eval" + Path(source).suffix)
+  return [Path(source)] + ([eval_path] if eval_path.is_file() else [])
+
+
+def source_identity(source: str) -> dict[str, Any]:
+  """What a post-training source is, for the checkpoint's data state: a task's name, or each file's path,
+  size and SHA-256 (of the bytes read: an edit anywhere, even one that keeps the size, changes it)."""
+  if source in TASKS or not source:
+    return {"task": source or "arithmetic"}
+  files = []
+  for path in _files(source):
+    data = path.read_bytes() if path.is_file() else b""
+    files.append({"path": str(path.resolve()), "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+  return {"files": files}
+
+
+def describe_change(saved: dict[str, Any], now: dict[str, Any]) -> str:
+  """One line naming what differs between two `source_identity`s (the file and how)."""
+  if "task" in saved or "task" in now:
+    return f"it read {_name(saved)}, this run reads {_name(now)} (config.post.data)"
+  before = {f["path"]: f for f in saved.get("files", [])}
+  after = {f["path"]: f for f in now.get("files", [])}
+  if set(before) != set(after):
+    return f"it read {_name(saved)}, this run reads {_name(now)} (config.post.data)"
+  for path, f in after.items():
+    old = before[path]
+    if old != f:
+      return (f"{path} changed since (size {old['size']} -> {f['size']} bytes, sha256 {old['sha256'][:12]} -> "
+              f"{f['sha256'][:12]})")
+  return "the data differs"
+
+
+def _name(identity: dict[str, Any]) -> str:
+  if "task" in identity:
+    return f"the task {identity['task']!r}"
+  return " and ".join(f["path"] for f in identity.get("files", [])) or "nothing"
 
 
 def load_examples(source: str, split: str, tokenizer: Any = None) -> list[dict[str, Any]]:
@@ -100,7 +161,7 @@ def load_examples(source: str, split: str, tokenizer: Any = None) -> list[dict[s
   `.eval` before the suffix when there is one, else the last 5% of the file. `tokenizer`: its chat
   template renders chat examples (`parse_example`)."""
   if source in TASKS or not source:
-    return arithmetic.examples(split)
+    return [{**e, "where": f"{source or 'arithmetic'} {split} example {i}"} for i, e in enumerate(arithmetic.examples(split))]
   eval_path = Path(source).with_suffix(".eval" + Path(source).suffix)
   if eval_path.is_file():
     return read_jsonl(str(eval_path if split == "eval" else source), tokenizer)
@@ -157,8 +218,7 @@ def packed_rows(source: str, split: str, tokenizer: Any, seq_len: int, seed: int
   """The split's examples, shuffled by `seed` (train) and packed: a dict of [rows, seq_len] arrays."""
   examples = load_examples(source, split, tokenizer)
   order = np.random.default_rng(seed).permutation(len(examples)) if split == "train" else range(len(examples))
-  where = source or "post.data"
-  encoded = (encode(tokenizer, examples[i]["prompt"], examples[i]["response"], seq_len, f"{where} example {i}")
+  encoded = (encode(tokenizer, examples[i]["prompt"], examples[i]["response"], seq_len, examples[i]["where"])
              for i in order)
   rows = pack(encoded, seq_len)
   return {k: np.stack([r[k] for r in rows]) for k in KEYS}

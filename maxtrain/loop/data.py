@@ -102,6 +102,25 @@ class Data:
         vocab_size=vocab)] for name, (_, val) in self.stores.items()}
     self.eval_batches = [b for batches in self.eval_sets.values() for b in batches]
     self.max_epochs, self._past_max = d.max_epochs, set()
+    self._data_cfg = d
+    self.data_change: str | None = None  # token stores refuse other data in the loader: never set here
+
+  @property
+  def tokenizer_identity(self) -> str:
+    return self.train_store.tokenizer_identity
+
+  def unigram_entropy(self) -> float:
+    return self.train_store.unigram_entropy()
+
+  def close(self) -> None:
+    self.loader.close()  # the read-ahead threads
+
+  def check_checkpoint(self, meta: dict, path: Any) -> None:
+    """Before compiling: the checkpoint's tokenizer is this run's."""
+    check_checkpoint_tokenizer(self.train_store, self._data_cfg, meta, path)
+
+  def extra_eval(self, program: Any, params: Any) -> dict[str, float]:
+    return {}  # held-out accuracies are post-training's (posttrain/data.py)
 
   def describe(self) -> str:
     return "; ".join(f"{name}: train {train.prefix} ({train.num_tokens} tokens), val {val.prefix} "
@@ -144,4 +163,8 @@ class Data:
     return self.loader.get_state()
 
   def set_state(self, state: dict) -> None:
+    if set(state) <= {"step", "source"}:  # a post-training run's position (posttrain/data.py)
+      raise UserError("the checkpoint's data state is a post-training run's (prompt/response rows or RL prompts), "
+                      "not a token-store loader's: resume it with the post.mode it was trained with, or start a new "
+                      "run in another output_dir")
     self.loader.set_state(state)  # O(stages): the loader indexes windows, nothing is replayed

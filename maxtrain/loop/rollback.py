@@ -36,13 +36,14 @@ class Rollback:
 
 
 class GuardPolicy:
-  def __init__(self, guards_cfg: ml_collections.ConfigDict, events: ev.EventLog, rollbacks_used: int):
+  def __init__(self, guards_cfg: ml_collections.ConfigDict, events: ev.EventLog, rollbacks_used: int, *,
+               unit: str = "step", signal: str = "loss"):
     self.cfg = guards_cfg
     self.events = events
     self.rollbacks = rollbacks_used
     self._unread: tuple[int, Any] | None = None  # (step, metrics) whose flags are read at the next step
-    # What a step is and which value the in-graph spike check watches (GRPO: "round", "grad_norm").
-    self.unit, self.signal = "step", "loss"
+    # What a step is and which value the in-graph spike check watches (RL: "round", "grad_norm").
+    self.unit, self.signal = unit, signal
 
   def after_step(self, step: int, metrics: Any, *, last: bool) -> Rollback | None:
     """Reads the previous step's flags (and this one's if it is the last); a Rollback to perform, or
@@ -130,10 +131,10 @@ class Rollbacks:
   """The run's rollback component: the policy over the guards' flags, the budget, and the restore."""
 
   def __init__(self, guards_cfg: ml_collections.ConfigDict, events: ev.EventLog, checkpoints: Any,
-               resume_path: Path | None):
+               resume_path: Path | None, *, unit: str = "step", signal: str = "loss"):
     self.budget = RollbackBudget(checkpoints.store.directory)
     meta = checkpoints.read_meta(resume_path) if resume_path is not None else None
-    self.policy = GuardPolicy(guards_cfg, events, self.budget.used(meta))
+    self.policy = GuardPolicy(guards_cfg, events, self.budget.used(meta), unit=unit, signal=signal)
     self.checkpoints, self.events, self.max_rollbacks = checkpoints, events, guards_cfg.max_rollbacks
     checkpoints.rollbacks = self.policy.rollbacks  # saved in every checkpoint's meta
 

@@ -1,7 +1,9 @@
-"""The training loop: fetch batch -> step -> guards -> metrics -> eval / checkpoint schedule.
+"""The Loop: step -> guards -> metrics -> eval / checkpoint schedule, driving the Stepper the plan's
+mode chooses (`loop/stepper.py`: pretraining and SFT one update a step, RL a round of rollouts and
+updates); the loop never knows which kind of step it drives.
 
 `Trainer.__init__` builds the run's components and does everything that can fail on bad input,
-before compiling: the plan and the program (`program/build.py` program_for), the data (`loop/data.py`),
+before compiling: the plan and the program (`program/build.py` program_for), the stepper and its data,
 checkpoints (`checkpoint/schedule.py`), rollbacks (`loop/rollback.py`), metrics (`monitor/metrics.py`)
 and the process's lifecycle (watchdog, signals, fault injection). `Trainer.train` runs the loop.
 Every attempt appends to `<output_dir>/events.jsonl` (monitor/events.py).
@@ -26,8 +28,7 @@ from maxtrain.optim import optimizer as optim
 from maxtrain.program import build as program_lib
 from maxtrain.program import state as state_lib
 from maxtrain.checkpoint.schedule import Checkpoints
-from maxtrain.loop.data import check_checkpoint_tokenizer
-from maxtrain.loop.post_data import make_data
+from maxtrain.loop.stepper import make_stepper
 from maxtrain.errors import EXIT_CRASH, Aborted, Preempted, UserError, exit_code, require_writable_dir
 from maxtrain.loop.rollback import Rollback, Rollbacks
 from maxtrain.models import registry
@@ -44,6 +45,7 @@ from maxtrain.runtime.faults import Faults
 from maxtrain.runtime.kv import KeyValue
 from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
+from maxtrain.program import plan as plan_lib
 from maxtrain.program.plan import stage_config, stage_shapes, total_steps
 
 log = logging.getLogger("maxtrain")
@@ -63,7 +65,6 @@ class Trainer:
                           jax.process_count())
       if batch_size not in self.stage_programs:
         self.stage_programs[batch_size] = program_lib.program_for(stage_config(cfg, batch_size, seq_len), jax.devices())
-    self._steps: dict[tuple[int, ...], object] = {}  # the compiled step of each batch shape seen
     self._eval_steps: dict[tuple[int, ...], object] = {}  # the compiled eval step of each eval batch shape
     if cfg.optimizer.warmup_steps > total_steps(cfg):  # legal (short smoke runs), but never silent
       log.warning("optimizer.warmup_steps=%d > the schedule's %d steps (optimizer.decay_steps or steps): the learning "
@@ -110,17 +111,21 @@ class Trainer:
     self.resume_path = self.checkpoints.resolve_resume(program.state)
     if jax.process_index() == 0:
       config_lib.save(cfg, self.out_dir / "config.json")
-    self.data = make_data(cfg, program.batch_shardings)  # post.mode=sft: prompt/response rows (loop/sft.py)
-    stack.callback(self.data.loader.close)  # the read-ahead threads
-    self.checkpoints.tokenizer_identity = self.data.train_store.tokenizer_identity
+    if self.resume_path is not None:  # before reading data: a checkpoint of another mode is named as such
+      check_checkpoint_mode(cfg, program.plan.mode, self.checkpoints.read_meta(self.resume_path), self.resume_path)
+    self.stepper = make_stepper(cfg, program, self.stage_programs, faults=self.faults, metrics=self.metrics,
+                                out_dir=self.out_dir, compile_fn=self._compile, starting_state=self._starting_state)
+    self.data = self.stepper.data
+    stack.callback(self.data.close)
+    self.checkpoints.tokenizer_identity = self.data.tokenizer_identity
     if self.resume_path is not None:  # before compiling: the checkpoint's tokenizer is this run's
-      check_checkpoint_tokenizer(self.data.train_store, cfg.data, self.checkpoints.read_meta(self.resume_path),
-                                 self.resume_path)
-    log.info("devices: %d x %s; mesh %s; %s", jax.device_count(), jax.devices()[0].device_kind,
-             program.plan.mesh.describe(), self.data.describe())
+      self.data.check_checkpoint(self.checkpoints.read_meta(self.resume_path), self.resume_path)
+    log.info("devices: %d x %s; mesh %s; %s; %s", jax.device_count(), jax.devices()[0].device_kind,
+             program.plan.mesh.describe(), self.data.describe(), self.stepper.describe())
     log.info("MFU peak: %s; model FLOPs/token %.3g", peak_source, program.flops_per_token)
     self.task_eval = TaskEval(cfg, program, self.events, self.metrics)  # eval.tasks: lm-eval in the loop
-    self.rollbacks = Rollbacks(cfg.guards, self.events, self.checkpoints, self.resume_path)
+    self.rollbacks = Rollbacks(cfg.guards, self.events, self.checkpoints, self.resume_path, unit=self.stepper.unit,
+                               signal=self.stepper.spike_signal)
     self.routing = RoutingMonitor(self.events, cfg.model.moe.collapse_entropy, cfg.model.moe.collapse_steps)
     self.profiler = Profiler(self.out_dir / "tensorboard", cfg.profile.start_step, cfg.profile.num_steps)
     stack.callback(self.profiler.stop)
@@ -146,48 +151,46 @@ class Trainer:
     return self._summary(eval_loss)
 
   def _loop(self, state: state_lib.TrainState) -> float:
-    cfg, eval_loss = self.cfg, float("nan")
-    step = self.step = int(state.step)
+    cfg, eval_loss, stepper = self.cfg, float("nan"), self.stepper
+    step = self.step = int(state.step) // stepper.updates_per_step
     if step >= cfg.steps:
-      log.info("the checkpoint is already at step %d of %d: nothing to train (use a new output_dir, or raise steps "
-               "to continue)", step, cfg.steps)
+      log.info("the checkpoint is already at %s %d of %d: nothing to train (use a new output_dir, or raise steps "
+               "to continue)", stepper.unit, step, cfg.steps)
       return self._evaluate(state, step)
     if step == 0:
       self.metrics.text("config", "```\n" + json.dumps(config_lib.redacted(cfg), indent=2, sort_keys=True) + "\n```")
-      if cfg.post.mode:  # post-training: the starting model's eval (loss, held-out accuracy) is the baseline
+      if stepper.evaluates_at_start:  # post-training: the starting model's eval (loss, held-out accuracy) is the baseline
         self._evaluate(state, 0)
     with jax.set_mesh(self.program.mesh):
-      data_state = self.data.get_state()  # the loader position matching `state`
-      batch = self._next_batch(step + 1)
+      data_state = self.data.get_state()  # the data position matching `state`
+      stepper.start(state, step)
       while step < cfg.steps:
-        compiled = self._step_for(state, batch)  # a data stage may change the batch size or seq_len
         if self.metrics.summary is not None:  # not the attempt's first step: its dispatch waits for compilation
           self.stragglers.dispatching(step + 1)
         self.profiler.maybe_start(step + 1)
         with self.profiler.step_annotation(step + 1):
-          state, metrics = compiled(state, batch)
-        self.profiler.maybe_stop(step + 1, metrics)
+          state, outcome = stepper.run(state, step + 1)
+        self.profiler.maybe_stop(step + 1, outcome.metrics)
         step = self.step = step + 1
         self.faults.in_graph_ran(step)  # before a rollback (the last step's flags are read at once): a redone step is clean
         data_state = self.data.get_state()
         self._check_epochs(step)
-        if step < cfg.steps:  # host work for the next batch overlaps the device running this step
-          batch = self._next_batch(step + 1)
-        rollback = self.rollbacks.after_step(step, metrics, last=step == cfg.steps)
+        last = step == cfg.steps
+        stepper.after_run(step, last)
+        rollback = stepper.guard(self.rollbacks, step, outcome, last)
         if rollback is not None:
-          last = step == cfg.steps  # no next batch was read: read one (the data moves on past the fault)
           state, step = self._rollback(rollback)
-          if last:
-            batch = self._next_batch(step + 1)
+          stepper.after_rollback(step, last)
           self.watchdog.beat(step)
           self.stragglers.reset()
           data_state = self.data.get_state()
           continue
         if self.metrics.summary is None:
-          self.metrics.first_step(step, metrics, self.t_start)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-          self.routing.check(step, self.metrics.train(step, metrics, fleet=self.stragglers.exchange(step)))
-          self.metrics.scalars(step, self.data.scalars(data_state))
+          self.metrics.first_step(step, outcome.metrics, self.t_start)
+        if step % cfg.log_every == 0 or last:
+          self.routing.check(step, self.metrics.train(step, outcome.metrics, fleet=self.stragglers.exchange(step)))
+          self.metrics.scalars(step, {**self.data.scalars(data_state), **(outcome.scalars or {})})
+          stepper.log_line(step, outcome)
         eval_loss = self._after_step(state, step, data_state, eval_loss)
     self.checkpoints.check_final(step)
     return eval_loss
@@ -224,44 +227,28 @@ class Trainer:
       state = restored.state
       self.data.set_state(restored.data_state)
       self.checkpoints.promote(restored)  # a local step, once every check passed
+      if self.data.data_change:  # post.resume_new_data let other data through: on the record
+        self.events.emit(ev.DATA_CHANGE, int(state.step) // self.stepper.updates_per_step, change=self.data.data_change)
     log.info("model: %.2fM parameters; optimizer %s: %s", registry.param_count(state.params) / 1e6, self.cfg.optimizer.name,
              optim.describe_groups(state.params, self.program.optimizer.labels(state.params)))
     return state
 
-  def _next_batch(self, step: int) -> dict:
-    """The batch of the step that will complete as `step` (with that step's fault input)."""
-    batch, wait_s = self.data.next_batch(self.faults.in_graph(step))
-    self.metrics.data_wait(wait_s)
-    return batch
-
-  def _step_for(self, state: state_lib.TrainState, batch: dict):
-    """The compiled step for `batch`'s shape, compiled once per shape. A stage's batch size (a batch ramp)
-    can change the microbatch count, so its step is built from the stage's config (`stage_config`); the
-    state, its shardings and the LR schedule (in steps) are the same."""
-    shape = batch["inputs"].shape
-    if shape not in self._steps:
-      program = self.stage_programs[shape[0]]
-      if program is not self.program:
-        log.info("data stage: global batch %d x %d; the step accumulates %d microbatches", *shape,
-                 program.plan.batch.num_microbatches)
-      self._steps[shape] = self._compile(program, state, batch)
-    self.metrics.tokens_per_step = math.prod(shape)
-    self.metrics.flops_per_token = registry.flops_per_token(self.program.model_cfg, shape[1])  # attention grows with seq_len
-    return self._steps[shape]
-
-  def _compile(self, program: program_lib.Program, state: state_lib.TrainState, batch: dict):
+  def _compile(self, train_step: object, state: state_lib.TrainState, batch: dict, count: int):
+    """A stepper's jitted step compiled for (state, batch), with its events; with several processes they
+    all wait for each other's compile before its first run (CPU (gloo) collectives give a late peer 30 s)."""
     self.events.emit(ev.COMPILE_START, int(state.step))
     t0 = time.monotonic()
-    compiled = program.train_step.lower(state, batch).compile()
+    compiled = train_step.lower(state, batch).compile()
     self.events.emit(ev.COMPILE_END, int(state.step), seconds=time.monotonic() - t0)
     log.info("compiled train step in %.1fs", time.monotonic() - t0)
     if self.kv is not None:  # the first step starts together: CPU (gloo) collectives give a late peer only 30 s
-      self.kv.barrier(f"compiled/{len(self._steps)}", self.cfg.runtime.init_timeout_s)
+      self.kv.barrier(f"compiled/{count}", self.cfg.runtime.init_timeout_s)
     return compiled
 
   def _rollback(self, rollback: Rollback) -> tuple[state_lib.TrainState, int]:
-    state = self.rollbacks.perform(rollback, self.program.state, self._starting_state)
-    step = self.step = int(state.step)
+    per_step = self.stepper.updates_per_step
+    state = self.rollbacks.perform(rollback, self.program.state, self._starting_state, per_step=per_step)
+    step = self.step = int(state.step) // per_step
     self.metrics.restart_interval(step)
     return state, step
 
@@ -292,8 +279,7 @@ class Trainer:
         if bytes_per_token:  # comparable across tokenizers: nats per token -> bits per input byte
           per_source[f"eval/{name}/bits_per_byte"] = loss / math.log(2) / bytes_per_token
       result["loss"] = float(total) / max(float(count), 1.0)
-      if hasattr(self.data, "extra_eval"):  # post-training's held-out accuracy (loop/sft.py)
-        per_source.update(self.data.extra_eval(self.program, state.params))
+      per_source.update(self.data.extra_eval(self.program, state.params))  # post-training's held-out accuracy
     self.metrics.scalars(step, per_source)
     with self.metrics.outside(step):  # not step time (goodput)
       self.task_eval.run(state.params, step)
@@ -318,7 +304,7 @@ class Trainer:
                     f"{self.checkpoints.location}")
 
   def _summary(self, eval_loss: float) -> dict:
-    entropy = self.data.train_store.unigram_entropy()
+    entropy = self.data.unigram_entropy()
     summary = {"final_eval_loss": eval_loss, "unigram_entropy": entropy, "steps": self.step,
                "wall_s": time.monotonic() - self.t_start}
     log.info("final eval loss %.4f nats/token vs unigram entropy %.4f nats/token of the training corpus "
@@ -327,6 +313,20 @@ class Trainer:
       strict = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in summary.items()}
       (self.out_dir / "summary.json").write_text(json.dumps(strict, indent=2, allow_nan=False) + "\n")  # NaN -> null
     return summary
+
+
+def check_checkpoint_mode(cfg: ml_collections.ConfigDict, mode: str, meta: dict, path: object) -> None:
+  """A checkpoint resumes only in the mode that wrote it (its data state and step unit are that mode's):
+  UserError naming both, before any data is read or anything compiles."""
+  saved = (meta.get("config") or {}).get("post", {}).get("mode") if isinstance(meta.get("config"), dict) else None
+  if saved is None:  # a checkpoint from before post-training existed: pretraining
+    saved = ""
+  saved = plan_lib.canonical_mode(saved)
+  if saved != mode:
+    raise UserError(f"checkpoint {path} was written by a {plan_lib.describe_mode(saved)} run, but this run is "
+                    f"{plan_lib.describe_mode(mode)} (config.post.mode={cfg.post.mode!r}): resume it with "
+                    f"post.mode={saved!r}, or start from its weights in a new output_dir with "
+                    f"checkpoint.init_from={path}")
 
 
 def prepare_output_dir(out_dir: Path) -> None:

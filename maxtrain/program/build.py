@@ -14,7 +14,7 @@ import jax
 import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxtrain.program import batch as batch_lib
+from maxtrain.program import batch as batch_lib, critic
 from maxtrain.program import fit
 from maxtrain.program import loss
 from maxtrain.optim import offload
@@ -27,7 +27,7 @@ from maxtrain.models.decoder import ModelConfig
 from maxtrain.runtime import faults
 from maxtrain.sharding.layout import with_shardings
 from maxtrain.sharding.mesh import make_mesh
-from maxtrain.program.plan import Plan, total_steps, validate
+from maxtrain.program.plan import Plan, schedule_config, validate
 
 log = logging.getLogger("maxtrain")
 
@@ -74,7 +74,9 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) 
   mesh = make_mesh(plan.mesh) if mesh is None else mesh
   rules = plan.layout.rules
   model_cfg = registry.model_config(cfg.model)
-  optimizer = optim.make(cfg.optimizer, total_steps(cfg))
+  optimizer = optim.make(*schedule_config(cfg, plan.updates_per_step))  # the schedule in optimizer updates
+  if plan.critic:  # PPO: a value head and its own optimizer state ride in the optimizer state
+    optimizer = critic.with_critic(optimizer, model_cfg.d_model, cfg.post.critic_lr)
   state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window,
                               offload_optimizer=offload.enabled(cfg.optimizer))
   batch_shardings = batch_lib.shardings(mesh, plan.layout)

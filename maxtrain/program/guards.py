@@ -51,7 +51,7 @@ def init(window: int) -> GuardState:
 def check(guard: GuardState, loss: jax.Array, grad_norm: jax.Array, *, zscore: float, warmup: int,
           signal: jax.Array | None = None) -> tuple[GuardState, jax.Array, dict[str, jax.Array]]:
   """Returns (new guard state, skip this update?, metrics). `signal`: the value watched for spikes in
-  place of the loss (GRPO: the gradient norm, `program/rl_step.py`); a signal of exactly 0 (an update
+  place of the loss (RL: the gradient norm, `posttrain/rl_step.py`); a signal of exactly 0 (an update
   that learns nothing) is neither recorded nor a spike, so a run of them cannot shrink the window's
   spread to nothing."""
   window = guard.losses.shape[0]

@@ -36,6 +36,23 @@ class Plan:
   layout: Layout  # the mesh sizes and the rule set: how logical dims are split
   batch: BatchLayout
   pipeline: pipeline_lib.Schedule | None = None  # None: no pipeline (one stage)
+  mode: str = ""  # "" pretraining | "sft" | "rl" (post.mode, its alias grpo resolved)
+  updates_per_step: int = 1  # optimizer updates a step makes (an RL round's): the LR schedule's unit
+  critic: bool = False  # the RL algorithm learns a value function: the state carries a critic (program/critic.py)
+
+
+CRITIC_ALGORITHMS = ("ppo",)  # post.algorithm values whose state carries a critic (posttrain/algorithms: critic=True)
+MODES = {"": "", "sft": "sft", "rl": "rl", "grpo": "rl"}  # post.mode -> the plan's mode (grpo: rl with post.algorithm=grpo)
+
+
+def canonical_mode(mode: str) -> str:
+  """The plan's mode of a `post.mode` value (an unknown value is returned as is)."""
+  return MODES.get(mode, mode)
+
+
+def describe_mode(mode: str) -> str:
+  return {"": "pretraining (post.mode='')", "sft": "SFT (post.mode='sft')", "rl": "RL (post.mode='rl')"}.get(
+      mode, f"post.mode={mode!r}")
 
 
 def _floats(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, float]]:
@@ -104,7 +121,47 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           "context-parallel attention runs the flash kernel on each shard. Set model.attention=flash (or auto), "
           "or mesh.context=1.")
   schedule = _validate_pipeline(cfg, layout, batch, f"mesh {mesh_layout.describe()}")
-  return Plan(mesh=mesh_layout, layout=layout, batch=batch, pipeline=schedule)
+  mode, updates = _validate_post(cfg, layout, batch, schedule, mesh_layout)
+  return Plan(mesh=mesh_layout, layout=layout, batch=batch, pipeline=schedule, mode=mode, updates_per_step=updates,
+              critic=mode == "rl" and cfg.post.algorithm in CRITIC_ALGORITHMS)
+
+
+def _validate_post(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchLayout,
+                   schedule: pipeline_lib.Schedule | None,
+                   mesh_layout: mesh_lib.MeshLayout) -> tuple[str, int]:
+  """post.*: the mode, and for RL the round's arithmetic and what its step supports (the algorithm's own
+  keys are resolved by the registry, `posttrain/algorithms`). Returns (mode, optimizer updates per step)."""
+  p, b = cfg.post, cfg.data.batch_size
+  choice("post.mode", p.mode, tuple(MODES))
+  mode = MODES[p.mode]
+  require(p.eval_prompts >= 0, f"config.post.eval_prompts={p.eval_prompts}: must be >= 0 (0 = off)")
+  require(1 <= p.max_new_tokens <= cfg.model.max_seq_len, f"config.post.max_new_tokens={p.max_new_tokens}: must be "
+          f"in 1..model.max_seq_len={cfg.model.max_seq_len}")
+  if mode != "rl":
+    return mode, 1
+  require(p.mode != "grpo" or p.algorithm == "grpo", f"config.post.mode='grpo' is post.mode=rl with post.algorithm="
+          f"grpo, but post.algorithm={p.algorithm!r}: set post.mode=rl to run {p.algorithm!r}")
+  for key in ("prompts_per_step", "group_size", "ppo_epochs", "minibatches"):
+    require(p[key] >= 1, f"config.post.{key}={p[key]}: must be >= 1")
+  require(p.group_size >= 2, f"config.post.group_size={p.group_size}: group baselines need >= 2 completions per prompt")
+  rows = p.prompts_per_step * p.group_size
+  require(rows % p.minibatches == 0 and b == rows // p.minibatches,
+          f"config.data.batch_size={b} must be post.prompts_per_step x post.group_size / post.minibatches = "
+          f"{p.prompts_per_step} x {p.group_size} / {p.minibatches}: the optimizer step's batch")
+  require(p.temperature > 0, f"config.post.temperature={p.temperature}: RL samples, it must be > 0")
+  require(0 < p.gamma <= 1 and 0 <= p.lam <= 1, f"config.post.gamma={p.gamma}, post.lam={p.lam}: need 0 < gamma <= 1 "
+          "and 0 <= lam <= 1")
+  require(p.value_clip > 0 and p.critic_lr > 0, f"config.post.value_clip={p.value_clip}, post.critic_lr={p.critic_lr}: "
+          "both must be > 0")
+  require(batch.num_microbatches == 1, f"config.optimizer.grad_accum_steps={cfg.optimizer.grad_accum_steps}, "
+          f"optimizer.microbatch_size={cfg.optimizer.microbatch_size}: {batch.num_microbatches} microbatches, but an RL "
+          "update is one pass over its minibatch; use post.minibatches to split a round's rows into updates")
+  # The RL step's forward pass and the generator run the layer stack whole: with the layers split into
+  # pipeline stages they would silently not pipeline (each device would need every layer).
+  require(schedule is None, f"config.post.mode={p.mode!r} with mesh {mesh_layout.describe()}: a pipeline of "
+          f"{layout.describe('layers')} stages. The RL step and its rollouts do not run through the pipeline; set "
+          "mesh.pipeline=1 (and mesh.dcn_pipeline=1) and shard the model with mesh.fsdp / mesh.tensor instead")
+  return mode, p.ppo_epochs * p.minibatches
 
 
 def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchLayout,
@@ -196,5 +253,17 @@ def _validate_fleet(cfg: ml_collections.ConfigDict, num_processes: int) -> None:
 
 
 def total_steps(cfg: Any) -> int:
-  """The length of the LR schedule: optimizer.decay_steps, or steps."""
+  """The length of the LR schedule in the run's steps (RL: rounds): optimizer.decay_steps, or steps."""
   return cfg.optimizer.decay_steps or cfg.steps
+
+
+def schedule_config(cfg: Any, updates_per_step: int) -> tuple[Any, int]:
+  """(optimizer config, schedule length), both in optimizer updates: the schedule's keys are written in
+  the run's steps (warmup_steps, decay_steps, steps), and a step of an RL round makes `updates_per_step`
+  updates, each of which advances the schedule one tick (a cosine over 40 rounds of 4 updates decays
+  over 160 updates). One update a step: the config itself."""
+  if updates_per_step == 1:
+    return cfg.optimizer, total_steps(cfg)
+  opt = copy.deepcopy(cfg.optimizer)
+  opt.warmup_steps = cfg.optimizer.warmup_steps * updates_per_step
+  return opt, total_steps(cfg) * updates_per_step

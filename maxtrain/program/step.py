@@ -12,11 +12,9 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-from maxtrain.optim.masking import keep_if
-from maxtrain.program import guards, loss, microbatch
+from maxtrain.program import loss, microbatch, update as update_lib
 from maxtrain.runtime import faults
 from maxtrain.optim import optimizer as optim
 from maxtrain.models import moe as moe_lib
@@ -34,12 +32,20 @@ def head_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, chun
   `loss.head_losses` (chunked when `chunk_tokens` > 0: never the full [B, T, V] logits); the MoE
   layers' statistics (models/moe.py STATS, stacked over MoE layers; {} for a dense model), and the
   model's own MoE config, whose loss weights the objective uses."""
+  ce_BT, log_z_BT, moe_stats, moe, _ = head_losses_and_features(graphdef, params, batch, chunk_tokens=chunk_tokens,
+                                                                batch_shards=batch_shards, length_shards=length_shards)
+  return ce_BT, log_z_BT, moe_stats, moe
+
+
+def head_losses_and_features(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, chunk_tokens: int = 0,
+                             batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, jax.Array, dict, MoEConfig, jax.Array]:
+  """`head_losses` and the features the head reads, [B, T, D] (a critic's value head reads them too)."""
   model = nnx.merge(graphdef, params)
   x_BTD, moe_stats = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
   ce_BT, log_z_BT = loss.head_losses(x_BTD, model.head_weights(), batch["targets"], chunk_tokens=chunk_tokens,
                                      compute_dtype=model.cfg.compute_dtype, batch_shards=batch_shards,
                                      length_shards=length_shards, quant=model.cfg.quant.for_kind("head"))
-  return ce_BT, log_z_BT, moe_stats, model.cfg.moe
+  return ce_BT, log_z_BT, moe_stats, model.cfg.moe, x_BTD
 
 
 def _moe_parts(moe_stats: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:
@@ -122,33 +128,14 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
                                       grad_accum_steps=grad_accum_steps,
                                       chunk_tokens=chunk_tokens, batch_shards=batch_shards,
                                       length_shards=length_shards)
-    metrics["loss"], grads = faults.inject(fault, metrics["loss"], grads)
-    grad_norm = optax.tree.norm(grads)  # before clipping
-    guard, skip, guard_metrics = guards.check(state.guard, metrics["loss"], grad_norm, zscore=spike_zscore,
-                                              warmup=spike_warmup)
-    # A skipped step keeps the optimizer state inside the optimizer (maxtrain.optim.guarded: the moments
-    # are updated in place) and the parameters here.
-    with sharding_rules.activate(rules):  # Muon's Newton-Schulz lays out whole layers per device (maxtrain/optim/muon.py)
-      updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params, skip=skip)
-    candidate = optax.apply_updates(state.params, updates)
     load_LE = metrics.pop("moe_load", None)
-    if moe.bias_update_rate:  # aux-loss-free balancing: part of the candidate, so a skipped step keeps it too
-      candidate = moe_lib.update_router_bias(candidate, load_LE, moe.bias_update_rate)
-    update_norms = optim.update_norms(updates, optimizer.labels(state.params))
-    old_norm, new_norm = optax.tree.norm(state.params), optax.tree.norm(candidate)
-    # Finite loss and gradients can still give a non-finite update (an overflowing learning rate) or
-    # parameters: skip those too. The norms are reductions the step reports anyway (one more over the
-    # candidate, which XLA fuses into the update). The optimizer's moments were already advanced with
-    # this step's finite gradient; holding the old ones to put back would keep a second copy of them.
-    update_finite = jnp.isfinite(new_norm) & jnp.all(jnp.stack([jnp.isfinite(n) for n in update_norms.values()]))
-    guard, skip, guard_metrics = guards.reject_update(state.guard, guard, skip, update_finite, guard_metrics)
-    params = keep_if(skip, state.params, candidate)
-    metrics["grad_norm"] = grad_norm
-    metrics["param_norm"] = jnp.where(skip, old_norm, new_norm)  # of the parameters after this step
-    metrics.update(guard_metrics)
-    metrics.update({name: lr(state.step) for name, lr in optimizer.learning_rates.items()})
-    metrics.update(update_norms)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, guard=guard), metrics
+    # aux-loss-free balancing: part of the candidate, so a skipped step keeps the old bias too
+    adjust = (lambda p: moe_lib.update_router_bias(p, load_LE, moe.bias_update_rate)) if moe.bias_update_rate else None
+    state, metrics["loss"], update_metrics = update_lib.guarded_update(
+        state, metrics["loss"], grads, fault, optimizer, spike_zscore=spike_zscore, spike_warmup=spike_warmup,
+        rules=rules, adjust_candidate=adjust)
+    metrics.update(update_metrics)
+    return state, metrics
 
   return train_step
 
