@@ -420,14 +420,22 @@ def test_a_family_with_every_piece_trains_through_the_entry_point(store, tmp_pat
 
 
 def test_decode_memory_of_a_window_layer_is_window_sized(converted):
-  """Mistral's cache (window 6) for 40 slots holds 6 per layer; the others hold all 40. Greedy generation
-  past the window (test_greedy_generate_equals_transformers) runs through this ring."""
+  """A cache for 40 slots: a window layer holds its window's slots (Mistral: 6 per layer; GPT-OSS: its even
+  layers 6, its odd full layers 40), every other layer all 40. Greedy generation past the window
+  (test_greedy_generate_equals_transformers) runs through these rings."""
   from maxtrain.interop.sources import open_source
   from test_interop import maxtrain_model
 
   family, root, _ = converted
-  cache = maxtrain_model(open_source(root / "mt")).init_cache(2, 40)
-  assert cache.kv["blocks"].k_BSKH.shape == (2, 2, 6 if family == "mistral" else 40, 2, {"qwen3": 16}.get(family, 8))
+  model = maxtrain_model(open_source(root / "mt"))
+  cache = model.init_cache(2, 40)
+  slots = []  # per layer, in the model's order (dense stack, then the MoE stack)
+  for name in ("blocks", "moe_blocks"):
+    stack = cache.kv.get(name)
+    if stack is not None:
+      slots += [kv.k_BSKH.shape[-3] for kv in stack] if isinstance(stack, list) else [stack.k_BSKH.shape[2]] * stack.k_BSKH.shape[0]
+  windows = {"mistral": [6, 6], "gpt_oss": [6, 40]}.get(family, [40, 40])
+  assert slots == windows, (family, slots)
   assert cache.valid_BS.shape == (2, 40)
 
 
