@@ -118,7 +118,7 @@ def test_bad_context_layouts_are_refused(monkeypatch):
   assert validate(cfg, 8, num_processes=2, require_data=False).layout.shards("act_length") == 4
   # A mesh axis the rule set never uses would only duplicate work.
   monkeypatch.setitem(rules_lib.RULE_SETS, "no_context", {**DEFAULT_RULES, "act_length": None, "embed": "fsdp",
-                                                            "expert_embed": "fsdp"})
+                                                            "lora_in": "fsdp", "expert_embed": "fsdp"})
   with pytest.raises(UserError, match=r"maps nothing to mesh axis context.*Set mesh.context=1"):
     plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.mesh.rules=no_context")
   assert plan("--config.mesh.context=4", "--config.mesh.fsdp=2").layout.shards("act_length") == 4

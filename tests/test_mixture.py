@@ -348,8 +348,10 @@ def test_two_source_run_reports_each_source(store, docs_store, tmp_path):
              if '"data_repeat"' in line]
   assert {r["source"] for r in repeats} == {"code", "docs"}  # each warned once
   assert _data_state(out, 32)["sources"]["code"]["tokens"] == tokens["code"]
+  # 1e-4 epochs: the stores are built from this repository's sources (~0.8M tokens each and growing), so 4 steps
+  # of 1024 tokens pass it by a wide margin (at 1e-3 the code store's 3/4 share, 768 tokens, no longer did).
   stopped = _trainer(TINY + [f"--config.data.sources={store}:3,{docs_store}", "--config.steps=4",
-                             "--config.data.max_epochs=0.001", "--config.data.stop_at_max_epochs=true",
+                             "--config.data.max_epochs=0.0001", "--config.data.stop_at_max_epochs=true",
                              f"--config.output_dir={tmp_path / 'stop'}"])
   assert stopped.returncode == 3, stopped.stderr[-3000:]
   assert "data.max_epochs" in stopped.stderr
