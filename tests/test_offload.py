@@ -197,3 +197,13 @@ def test_remat_auto_picks_the_fastest_policy_that_fits_and_caches(tmp_path, monk
   cfg.fit.headroom = 1.0
   with pytest.raises(UserError, match=r"fit.headroom=1.0: must be in \[0, 1\)"):
     fit.choose_remat(cfg, jax.devices(), _compile_candidate(calls))
+
+
+def test_ppo_with_an_offloaded_optimizer_state_is_refused():
+  """PPO's critic rides in the optimizer state; offloaded, its value head would run on host arrays (a
+  traceback at the first rollout before this check): exit 2 naming both keys, before compiling."""
+  from maxtrain.program.plan import validate
+
+  cfg = config_lib.load(["--config=configs/rl.py", "--config.post.algorithm=ppo", "--config.optimizer.offload=host"])
+  with pytest.raises(UserError, match=r"post.algorithm=ppo with optimizer.offload=host: the critic"):
+    validate(cfg, 8, require_data=False)

@@ -153,6 +153,11 @@ def _validate_post(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchL
           "and 0 <= lam <= 1")
   require(p.value_clip > 0 and p.critic_lr > 0, f"config.post.value_clip={p.value_clip}, post.critic_lr={p.critic_lr}: "
           "both must be > 0")
+  # The critic's parameters ride in the optimizer state (program/critic.py), which offload keeps in host memory:
+  # the value head would run on host arrays. Not built yet.
+  require(p.algorithm not in CRITIC_ALGORITHMS or cfg.optimizer.get("offload", "none") == "none",
+          f"config.post.algorithm={p.algorithm} with optimizer.offload={cfg.optimizer.get('offload')}: the critic lives in "
+          "the optimizer state and cannot run from host memory; set optimizer.offload=none for PPO")
   require(batch.num_microbatches == 1, f"config.optimizer.grad_accum_steps={cfg.optimizer.grad_accum_steps}, "
           f"optimizer.microbatch_size={cfg.optimizer.microbatch_size}: {batch.num_microbatches} microbatches, but an RL "
           "update is one pass over its minibatch; use post.minibatches to split a round's rows into updates")
