@@ -158,6 +158,7 @@ def test_flash_equals_dot_with_a_window_shorter_than_the_sequence():
 # logits within 1e-4.
 
 TOL = 1e-4
+GEMMA_ATTN_CAP, GEMMA_FINAL_CAP = 0.05, 0.5  # small: the tiny model's scores and logits are small
 VOCAB = 299
 HF_FAMILIES = {  # family: (config class, model class, config kwargs)
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
@@ -185,6 +186,11 @@ HF_FAMILIES = {  # family: (config class, model class, config kwargs)
         kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
                          "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
+    # Gemma's norms, GELU-tanh GLU, embedding scale, query_pre_attn_scalar 12 != head_dim 16, alternating 6-token
+    # windows (shorter than the prompts), soft-capping on at caps the scores and logits of this tiny model reach
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=12, sliding_window=6, attn_logit_softcapping=GEMMA_ATTN_CAP,
+        final_logit_softcapping=GEMMA_FINAL_CAP, tie_word_embeddings=True)),
 }
 
 
@@ -244,11 +250,13 @@ def test_from_hf_picks_the_family_and_its_pieces(converted):
   assert model["family"] == family
   assert (model.get("head_dim"), model.get("sliding_window", 0)) == {"qwen2": (0, 0), "qwen3": (16, 0),
                                                                        "mistral": (0, 6), "qwen3_moe": (16, 0),
-                                                                       "gpt_oss": (16, 6), "deepseek_v3": (0, 0)}[family]
+                                                                       "gpt_oss": (16, 6), "deepseek_v3": (0, 0),
+                                                                       "gemma2": (16, 6)}[family]
   cfg = registry.model_config(model)
   assert (cfg.qkv_bias, cfg.qk_norm, cfg.head_dim) == {"qwen2": (True, False, 8), "qwen3": (False, True, 16),
                                                        "mistral": (False, False, 8), "qwen3_moe": (False, True, 16),
-                                                       "gpt_oss": (True, False, 16), "deepseek_v3": (False, False, 8)}[family]
+                                                       "gpt_oss": (True, False, 16), "deepseek_v3": (False, False, 8),
+                                                       "gemma2": (False, False, 16)}[family]
   moe = cfg.moe
   assert (moe.num_experts, moe.experts_per_token, moe.expert_d_ff, moe.norm_topk_prob, moe.dispatch) == {
       "qwen3_moe": (8, 2, 24, True, "dropless"), "gpt_oss": (8, 2, 48, True, "dropless"),
@@ -257,6 +265,11 @@ def test_from_hf_picks_the_family_and_its_pieces(converted):
   if family == "gpt_oss":
     assert (cfg.attention_sinks, cfg.o_bias, moe.expert_bias, moe.activation, moe.swiglu_limit, cfg.rope_scaling,
             cfg.rope_truncate, cfg.scan_layers) == (True, True, True, "clamped_swiglu", 2.0, "yarn", False, False)
+    assert [cfg.layer_window(i) for i in range(4)] == [6, 0, 6, 0]
+  if family == "gemma2":
+    assert (cfg.norm_one_plus, cfg.post_norms, cfg.embed_scale, cfg.mlp_activation, cfg.query_pre_attn_scalar,
+            cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.tie_embeddings, cfg.scan_layers) == (
+                True, True, True, "gelu_tanh", 12.0, GEMMA_ATTN_CAP, GEMMA_FINAL_CAP, True, False)
     assert [cfg.layer_window(i) for i in range(4)] == [6, 0, 6, 0]
   if family == "deepseek_v3":
     assert (moe.router, moe.n_group, moe.topk_group, moe.routed_scaling_factor, moe.num_shared_experts,
@@ -312,10 +325,12 @@ def test_converted_logits_equal_transformers(converted):
   with torch.no_grad():
     want = hf(torch.tensor(x)).logits.numpy()
   assert np.abs(maxtrain_logits(model, x)[..., :VOCAB] - want).max() <= TOL
-  if family in ("mistral", "gpt_oss"):
-    graphdef, params = nnx.split(model)
-    unwindowed = registry.abstract(dataclasses.replace(model.cfg, sliding_window=0))[0]
-    assert np.abs(maxtrain_logits(nnx.merge(unwindowed, params), x)[..., :VOCAB] - want).max() > 100 * TOL
+  graphdef, params = nnx.split(model)
+  changes = {"mistral": [dict(sliding_window=0)], "gpt_oss": [dict(sliding_window=0)],  # each must matter here
+             "gemma2": [dict(sliding_window=0), dict(attn_logit_softcap=0.0), dict(final_logit_softcap=0.0)]}
+  for change in changes.get(family, []):
+    other = registry.abstract(dataclasses.replace(model.cfg, **change))[0]
+    assert np.abs(maxtrain_logits(nnx.merge(other, params), x)[..., :VOCAB] - want).max() > 100 * TOL, change
 
 
 def test_transformers_4_and_5_spellings_read_alike(converted):
@@ -328,7 +343,9 @@ def test_transformers_4_and_5_spellings_read_alike(converted):
   assert "rope_parameters" in v5
   v4 = {k: v for k, v in v5.items() if k not in ("rope_parameters", "layer_types")}
   v4.update(rope_theta=v5["rope_parameters"]["rope_theta"], rope_scaling=None, transformers_version="4.51.3")
-  if family not in ("mistral", "gpt_oss"):
+  if family == "gemma2":  # 4.x Gemma 2 wrote both activation fields and no layer_types (even layers slide)
+    v4.update(hidden_act=v5["hidden_activation"])
+  if family not in ("mistral", "gpt_oss", "gemma2"):
     v4.update(use_sliding_window=False, sliding_window=4096, max_window_layers=28)
   if v5["rope_parameters"].get("rope_type") == "yarn":  # as published: YaRN under rope_scaling
     v4.update(rope_scaling={k: v for k, v in v5["rope_parameters"].items() if k != "rope_theta"})
@@ -434,7 +451,7 @@ def test_decode_memory_of_a_window_layer_is_window_sized(converted):
     stack = cache.kv.get(name)
     if stack is not None:
       slots += [kv.k_BSKH.shape[-3] for kv in stack] if isinstance(stack, list) else [stack.k_BSKH.shape[2]] * stack.k_BSKH.shape[0]
-  windows = {"mistral": [6, 6], "gpt_oss": [6, 40]}.get(family, [40, 40])
+  windows = {"mistral": [6, 6], "gpt_oss": [6, 40], "gemma2": [6, 40]}.get(family, [40, 40])
   assert slots == windows, (family, slots)
   assert cache.valid_BS.shape == (2, 40)
 

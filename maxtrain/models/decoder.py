@@ -32,7 +32,7 @@ from maxtrain.models import mla as mla_lib
 from maxtrain.models import moe as moe_lib
 from maxtrain.models import quant as quant_lib
 from maxtrain.models.attention.layer import Attention, CacheWrite, KVCache
-from maxtrain.models.layers import MLP, RMSNorm, Rope, param, project
+from maxtrain.models.layers import ACTIVATIONS, MLP, RMSNorm, Rope, param, project
 from maxtrain.models.moe import MoE, MoEConfig
 from maxtrain.sharding import pipeline as pipeline_lib
 from maxtrain.sharding import rules as sharding_rules
@@ -95,6 +95,16 @@ class ModelConfig:
   o_bias: bool = False  # a bias on the attention output projection (GPT-OSS)
   sliding_window: int = 0  # tokens a query sees (itself included) on window layers; 0: off
   window_layers: str = "all"  # which layers use the window: the family's pattern (registry.Family)
+  # Gemma's pieces (any family): (1 + w) RMSNorm, norms after attention and after the MLP too, the embedding
+  # times sqrt(d_model), scores scaled by query_pre_attn_scalar^-1/2 (0: head_dim's), GELU-tanh GLU, tanh
+  # soft-capping of the attention scores and of the output logits (0: off)
+  norm_one_plus: bool = False
+  post_norms: bool = False
+  embed_scale: bool = False
+  query_pre_attn_scalar: float = 0.0
+  mlp_activation: str = "silu"
+  attn_logit_softcap: float = 0.0
+  final_logit_softcap: float = 0.0
   tie_embeddings: bool = False
   scan_layers: bool = True
   scan_unroll: int = 1
@@ -187,6 +197,15 @@ def validate(m: Any) -> None:
   require(not m.get("attention_sinks") or m.attention in ("dot", "flash", "auto"),
           f"config.model.attention={m.attention} has no attention sinks: use model.attention=flash or dot with "
           "model.attention_sinks=True")
+  choice("model.mlp_activation", m.get("mlp_activation", "silu"), tuple(ACTIVATIONS))
+  for key in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+    require(m.get(key, 0.0) >= 0, f"config.model.{key}={m.get(key)}: must be >= 0 (0: off)")
+  require(not m.get("attn_logit_softcap") or m.attention in ("dot", "auto"),
+          f"config.model.attention={m.attention} has no attention logit soft-capping (only dot has): use "
+          f"model.attention=dot or auto with model.attn_logit_softcap={m.get('attn_logit_softcap')}")
+  require(not m.get("attn_logit_softcap") or not m.mla.kv_lora_rank,
+          "config.model.attn_logit_softcap: multi-head latent attention (model.mla.kv_lora_rank > 0) has no "
+          "soft-capping; set model.attn_logit_softcap=0")
   require(m.num_heads % m.num_kv_heads == 0,
           f"config.model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
   require(m.loss_chunk_tokens >= -1, f"config.model.loss_chunk_tokens={m.loss_chunk_tokens}: use a chunk size > 0, "
@@ -229,7 +248,9 @@ class Block(nnx.Module):
     out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
     common = dict(init_std=cfg.init_std, out_std=out_std, param_dtype=cfg.param_dtype,
                   compute_dtype=cfg.compute_dtype, rngs=rngs)
-    self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
+    norm = functools.partial(RMSNorm, cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs,
+                             one_plus=cfg.norm_one_plus)
+    self.attn_norm = norm()
     if cfg.mla.enabled:
       self.attn = mla_lib.MLAttention(cfg.d_model, cfg.num_heads, cfg.mla, rope=cfg.rope, norm_eps=cfg.norm_eps,
                                       kernel=cfg.attention, block_q=cfg.attention_block_q,
@@ -239,14 +260,19 @@ class Block(nnx.Module):
                             kernel=cfg.attention, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
                             quant=cfg.quant.for_kind("attention"), head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
                             qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, window=cfg.layer_window(layer),
-                            sinks=cfg.attention_sinks, o_bias=cfg.o_bias, **common)
-    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
+                            sinks=cfg.attention_sinks, o_bias=cfg.o_bias,
+                            query_pre_attn_scalar=cfg.query_pre_attn_scalar, logit_cap=cfg.attn_logit_softcap,
+                            **common)
+    self.mlp_norm = norm()
+    self.post_norms = cfg.post_norms
+    if cfg.post_norms:  # Gemma: each branch's output normed before the residual add
+      self.post_attn_norm, self.post_mlp_norm = norm(), norm()
     self.is_moe = moe
     if moe:
       self.moe = MoE(cfg.d_model, cfg.moe, quant=cfg.quant.for_kind("experts"),
                      shared_quant=cfg.quant.for_kind("mlp"), **common)
     else:
-      self.mlp = MLP(cfg.d_model, cfg.d_ff, quant=cfg.quant.for_kind("mlp"), **common)
+      self.mlp = MLP(cfg.d_model, cfg.d_ff, quant=cfg.quant.for_kind("mlp"), activation=cfg.mlp_activation, **common)
 
   def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array,
                cache: KVCache | None = None, write: CacheWrite | None = None,
@@ -254,12 +280,16 @@ class Block(nnx.Module):
     """(the layer's output, its MoE statistics: models/moe.py STATS, empty for a dense layer, its KV
     cache updated: None without one)."""
     y_BTD, cache = self.attn(self.attn_norm(x_BTD), segment_ids_BT, positions_BT, cache, write)
+    if self.post_norms:
+      y_BTD = self.post_attn_norm(y_BTD)
     x_BTD = checkpoint_name(x_BTD + checkpoint_name(y_BTD, "attn_out"), "residual")
     h_BTD = checkpoint_name(self.mlp_norm(x_BTD), "mlp_in")
     if self.is_moe:
       y_BTD, stats = self.moe(h_BTD)
     else:
       y_BTD, stats = self.mlp(h_BTD), {}
+    if self.post_norms:
+      y_BTD = self.post_mlp_norm(y_BTD)
     x_BTD = x_BTD + y_BTD
     return sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed")), stats, cache
 
@@ -282,7 +312,8 @@ class Decoder(nnx.Module):
       self.blocks = _stack(cfg, rngs, cfg.num_layers - num_moe, moe=False)
     if num_moe:
       self.moe_blocks = _stack(cfg, rngs, num_moe, moe=True)
-    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
+    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs,
+                              one_plus=cfg.norm_one_plus)
     if not cfg.tie_embeddings:
       self.head = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                         ("embed", "vocab"), cfg.param_dtype)
@@ -296,6 +327,7 @@ class Decoder(nnx.Module):
   def _logits(self, x_BTD: jax.Array) -> jax.Array:
     logits_BTV = project(x_BTD, self.head_weights().astype(self.cfg.compute_dtype), preferred_element_type=jnp.float32,
                          quant=self.cfg.quant.for_kind("head"))
+    logits_BTV = attention.softcap(logits_BTV, self.cfg.final_logit_softcap)  # Gemma 2 (0: off)
     return sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
 
   def init_cache(self, batch: int, length: int) -> "Cache":
@@ -355,6 +387,8 @@ class Decoder(nnx.Module):
   def _forward(self, tokens_BT, segment_ids_BT, positions_BT, kv: dict | None, write: CacheWrite | None):
     cfg = self.cfg
     x_BTD = self.embed[...].astype(cfg.compute_dtype)[tokens_BT]
+    if cfg.embed_scale:  # Gemma: times sqrt(d_model), rounded to the compute dtype as transformers does
+      x_BTD = x_BTD * jnp.asarray(cfg.d_model**0.5, cfg.compute_dtype)
     x_BTD = sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
     moe_stats: dict[str, jax.Array] = {}
     new_kv = None if kv is None else {}

@@ -168,6 +168,9 @@ class HFAdapter:
   tensors: dict[str, Mapping] = dataclasses.field(default_factory=lambda: TENSORS)
   rope_types: tuple[str, ...] = ("default", "llama3", "linear")  # the HF rope_type values the family reads
   tensors_for: Callable[[dict], dict[str, Mapping]] | None = None  # model keys -> tensors, when they depend on them
+  activations: tuple[str, ...] = ("silu",)  # the HF hidden_act / hidden_activation values the family reads
+  # the Gemma-style model.* pieces (GEMMA_PIECES) its config.json expresses: to-hf refuses the others when on
+  expresses: tuple[str, ...] = ()
 
   def tensors_of(self, m: dict) -> dict[str, Mapping]:
     return self.tensors_for(m) if self.tensors_for else self.tensors
@@ -179,8 +182,9 @@ class HFAdapter:
     _check_types(hf, where, self.architecture)
     if hf.get("model_type", self.model_type) != self.model_type:
       raise refuse(where, "model_type", hf["model_type"], f"{self.architecture} needs {self.model_type}")
-    if hf.get("hidden_act", "silu") != "silu":
-      raise refuse(where, "hidden_act", hf["hidden_act"], "only silu (SwiGLU) is supported")
+    for field in ("hidden_act", "hidden_activation"):  # 5.x Gemma writes only the second, 4.x both
+      if hf.get(field, self.activations[0]) not in self.activations:
+        raise refuse(where, field, hf[field], f"{self.architecture} reads only {', '.join(self.activations)}")
     heads, width = hf["num_attention_heads"], hf["hidden_size"]
     head_dim = hf.get("head_dim") or width // heads
     vocab = hf["vocab_size"]
@@ -217,8 +221,16 @@ class HFAdapter:
            "max_position_embeddings": m["max_seq_len"], "rms_norm_eps": m.get("norm_eps", 1e-5),
            "rope_theta": m["rope_theta"], "rope_scaling": scaling, "tie_word_embeddings": m["tie_embeddings"],
            "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype, "use_cache": True}
+    require_off(m, where, self.architecture, *(k for k in GEMMA_PIECES if k not in self.expresses))
+    if m.get("mlp_activation", "silu") != "silu" and "mlp_activation" not in self.expresses:
+      raise UserError(f"{where}: model.mlp_activation={m['mlp_activation']!r}: {self.architecture} has only silu")
     out.update(self.pieces_out(m, where))
     return out
+
+
+# Pieces (model.* keys, off = False / 0) only a Gemma-style config.json can express; mlp_activation besides
+GEMMA_PIECES = ("norm_one_plus", "post_norms", "embed_scale", "query_pre_attn_scalar", "attn_logit_softcap",
+                "final_logit_softcap")
 
 
 def require_off(m: dict, where: str, architecture: str, *keys: str) -> None:

@@ -6,6 +6,7 @@ Shape legend: B batch, T length, D model, N heads, K kv heads, H head dim, F ffn
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -42,15 +43,20 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1, preferred_element_typ
 
 
 class RMSNorm(nnx.Module):
-  def __init__(self, dim: int, *, eps: float, param_dtype, rngs: nnx.Rngs):
-    self.eps = eps
-    self.scale = param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
+  """x / rms(x) * scale, or with `one_plus` (Gemma: `model.norm_one_plus`) * (1 + scale), its scale stored as
+  Gemma checkpoints hold it (zeros = identity)."""
+
+  def __init__(self, dim: int, *, eps: float, param_dtype, rngs: nnx.Rngs, one_plus: bool = False):
+    self.eps, self.one_plus = eps, one_plus
+    init = nnx.initializers.zeros if one_plus else nnx.initializers.ones
+    self.scale = param(rngs, init, (dim,), ("norm",), param_dtype)
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     # Statistics in fp32 whatever the compute dtype: bf16 variance underflows.
     x = x_BTD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
+    scale = self.scale[...].astype(jnp.float32)
+    return (x * (1.0 + scale if self.one_plus else scale)).astype(x_BTD.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,20 +142,24 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, rope: "Rope | float")
   return out.astype(x_BTNH.dtype)
 
 
+# model.mlp_activation -> the gate's activation: SwiGLU (LLaMA) or GELU-tanh GLU (Gemma's gelu_pytorch_tanh)
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+  """A GLU: down(act(x @ gate) * (x @ up)); act silu (SwiGLU) or gelu_tanh (Gemma)."""
 
   def __init__(self, d_model: int, d_ff: int, *, init_std: float, out_std: float, param_dtype,
-               compute_dtype, rngs: nnx.Rngs, quant: "quant_lib.Quant | None" = None):
+               compute_dtype, rngs: nnx.Rngs, quant: "quant_lib.Quant | None" = None, activation: str = "silu"):
     init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
     self.gate = param(rngs, init, (d_model, d_ff), ("embed", "mlp"), param_dtype)
     self.up = param(rngs, init, (d_model, d_ff), ("embed", "mlp"), param_dtype)
     self.down = param(rngs, out_init, (d_ff, d_model), ("mlp", "embed"), param_dtype)
-    self.compute_dtype, self.quant = compute_dtype, quant
+    self.compute_dtype, self.quant, self.activation = compute_dtype, quant, activation
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     dt, q = self.compute_dtype, self.quant
     gate_BTF = project(x_BTD, self.gate[...].astype(dt), quant=q)
     up_BTF = project(x_BTD, self.up[...].astype(dt), quant=q)
-    h_BTF = sharding_rules.constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
+    h_BTF = sharding_rules.constrain(ACTIVATIONS[self.activation](gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
     return project(h_BTF, self.down[...].astype(dt), quant=q)

@@ -24,10 +24,10 @@ from maxtrain.models.decoder import ModelConfig
 from maxtrain.models.hf_adapter import HFAdapter
 
 # The families, each a module of models/ holding FAMILY (the order of --help and docs/models.md).
-_MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3")
+_MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3", "gemma2")
 DEFAULT = "llama"  # config.model.family's default (config/keys.py), and the family of keys without one
-# which layers a family's sliding window covers: "all" (Mistral), "alternate" (even layers; GPT-OSS: its layers
-# are unscanned, model.scan_layers=False, each Block with its own static window)
+# which layers a family's sliding window covers: "all" (Mistral), "alternate" (even layers; GPT-OSS, Gemma 2:
+# their layers are unscanned, model.scan_layers=False, each Block with its own static window)
 WINDOW_PATTERNS = ("all", "alternate")
 
 
@@ -41,8 +41,13 @@ class Family:
   validate: Callable[[Any], None] = lambda m: None  # family-specific UserErrors on config.model
 
   def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs of one training token (ModelConfig.train_flops_per_token's convention)."""
-    return cfg.train_flops_per_token(seq_len)
+    """Model FLOPs of one training token (ModelConfig.train_flops_per_token's convention); an "alternate"
+    pattern's window on the even layers only: the count with and without it, mixed by layer count."""
+    if self.window_layers != "alternate":
+      return cfg.train_flops_per_token(seq_len)
+    windowed = cfg.train_flops_per_token(seq_len)
+    full = dataclasses.replace(cfg, sliding_window=0).train_flops_per_token(seq_len)
+    return full + (windowed - full) * ((cfg.num_layers + 1) // 2) / cfg.num_layers
 
 
 @functools.cache

@@ -77,10 +77,15 @@ def head_logits(x_BTD: jax.Array, head_DV: jax.Array, compute_dtype, quant=None)
                  quant=quant)
 
 
+def softcap(logits: jax.Array, cap: float) -> jax.Array:
+  """Gemma 2's final-logit soft-capping, cap * tanh(logits / cap) (`model.final_logit_softcap`; 0: off)."""
+  return cap * jnp.tanh(logits / cap) if cap else logits
+
+
 def reference_head_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *,
-                          compute_dtype=jnp.float32, quant=None) -> tuple[jax.Array, jax.Array]:
-  """The oracle: full `[B, T, V]` logits, then `token_losses`."""
-  return token_losses(head_logits(x_BTD, head_DV, compute_dtype, quant), targets_BT)
+                          compute_dtype=jnp.float32, quant=None, logit_cap: float = 0.0) -> tuple[jax.Array, jax.Array]:
+  """The oracle: full `[B, T, V]` logits (soft-capped by `logit_cap`: 0 off), then `token_losses`."""
+  return token_losses(softcap(head_logits(x_BTD, head_DV, compute_dtype, quant), logit_cap), targets_BT)
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
@@ -90,8 +95,9 @@ def default_chunk_tokens(vocab_size: int) -> int:
 
 def head_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, chunk_tokens: int,
                 compute_dtype=jnp.float32, batch_shards: int = 1, length_shards: int = 1,
-                quant=None) -> tuple[jax.Array, jax.Array]:
-  """`(ce_BT, log_z_BT)` of the head: chunked when `chunk_tokens > 0`, else the reference.
+                quant=None, logit_cap: float = 0.0) -> tuple[jax.Array, jax.Array]:
+  """`(ce_BT, log_z_BT)` of the head: chunked when `chunk_tokens > 0`, else the reference; the logits
+  soft-capped by `logit_cap` (0: off) in both.
 
   `length_shards` > 1 (context parallelism: the length dim split into that many shards): the chunked
   path sees each sequence as `length_shards` rows of T / length_shards tokens, so its chunks cut
@@ -104,15 +110,19 @@ def head_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, 
     rows, cols = B * length_shards, T // length_shards
     ce, log_z = chunked_token_losses(x_BTD.reshape(rows, cols, -1), head_DV, targets_BT.reshape(rows, cols),
                                      chunk_tokens=chunk_tokens, compute_dtype=compute_dtype,
-                                     batch_shards=batch_shards * length_shards)
+                                     batch_shards=batch_shards * length_shards, logit_cap=logit_cap)
     return ce.reshape(B, T), log_z.reshape(B, T)
-  return reference_head_losses(x_BTD, head_DV, targets_BT, compute_dtype=compute_dtype, quant=quant)
+  return reference_head_losses(x_BTD, head_DV, targets_BT, compute_dtype=compute_dtype, quant=quant,
+                               logit_cap=logit_cap)
 
 
 def chunked_token_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *,
                          chunk_tokens: int, compute_dtype=jnp.float32,
-                         batch_shards: int = 1) -> tuple[jax.Array, jax.Array]:
+                         batch_shards: int = 1, logit_cap: float = 0.0) -> tuple[jax.Array, jax.Array]:
   """`reference_head_losses` without the `[B, T, V]` logits, forward or backward.
+
+  `logit_cap` > 0: the logits soft-capped (c tanh(z / c)); the backward multiplies d logits by its
+  derivative 1 - tanh(z / c)^2 before the two matmuls.
 
   `chunk_tokens` is the number of tokens per chunk on each batch shard (device): each chunk takes
   `C = max(1, chunk_tokens * batch_shards // B)` positions of every sequence, so a device holds
@@ -131,7 +141,7 @@ def chunked_token_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.A
   if batch_shards <= 0 or B % batch_shards:
     raise ValueError(f"batch_shards={batch_shards} must be positive and divide the batch size {B}")
   C = min(T, max(1, chunk_tokens * batch_shards // B))
-  return _chunked(x_BTD, head_DV, targets_BT, C, np.dtype(compute_dtype), batch_shards)
+  return _chunked(x_BTD, head_DV, targets_BT, C, np.dtype(compute_dtype), batch_shards, float(logit_cap))
 
 
 def _to_chunks(a_BT: jax.Array, C: int) -> jax.Array:
@@ -163,18 +173,18 @@ def _target_mask(targets_BC, V):
   return jax.lax.broadcasted_iota(jnp.int32, (*targets_BC.shape, V), 2) == targets_BC[..., None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _chunked(x_BTD, head_DV, targets_BT, C, compute_dtype, G):
-  return _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype, G)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _chunked(x_BTD, head_DV, targets_BT, C, compute_dtype, G, cap):
+  return _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype, G, cap)[0]
 
 
-def _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype, G):
+def _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype, G, cap):
   T, V = targets_BT.shape[1], head_DV.shape[1]
   head_cd_DV = head_DV.astype(compute_dtype)
 
   def body(_, chunk):
     x_BCD, targets_BC = chunk
-    logits_BCV = _chunk_logits(x_BCD, head_cd_DV, compute_dtype)
+    logits_BCV = softcap(_chunk_logits(x_BCD, head_cd_DV, compute_dtype), cap)
     log_z_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
     target_logit_BC = jnp.sum(jnp.where(_target_mask(targets_BC, V), logits_BCV, 0.0), axis=-1)
     return None, (log_z_BC - target_logit_BC, log_z_BC)
@@ -184,7 +194,7 @@ def _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype, G):
   return (_from_chunks(ce_KBC, T), log_z_BT), (x_BTD, head_DV, targets_BT, log_z_BT)
 
 
-def _chunked_bwd(C, compute_dtype, G, residuals, cotangents):
+def _chunked_bwd(C, compute_dtype, G, cap, residuals, cotangents):
   x_BTD, head_DV, targets_BT, log_z_BT = residuals
   g_ce_BT, g_z_BT = cotangents
   D, V = head_DV.shape
@@ -195,9 +205,15 @@ def _chunked_bwd(C, compute_dtype, G, residuals, cotangents):
     x_BCD, targets_BC, log_z_BC, g_ce_BC, g_z_BC = chunk
     x_cd_BCD = x_BCD.astype(compute_dtype)
     logits_BCV = _matmul(x_cd_BCD, head_cd_DV, ((2,), (0,)))
+    if cap:
+      tanh_BCV = jnp.tanh(logits_BCV / cap)
+      logits_BCV = cap * tanh_BCV
     softmax_BCV = jnp.exp(logits_BCV - log_z_BC[..., None])
     d_logits_BCV = ((g_ce_BC + g_z_BC)[..., None] * softmax_BCV
-                    - jnp.where(_target_mask(targets_BC, V), g_ce_BC[..., None], 0.0)).astype(compute_dtype)
+                    - jnp.where(_target_mask(targets_BC, V), g_ce_BC[..., None], 0.0))
+    if cap:  # through the cap: d z = d (c tanh(z / c)) * (1 - tanh^2)
+      d_logits_BCV = d_logits_BCV * (1.0 - tanh_BCV * tanh_BCV)
+    d_logits_BCV = d_logits_BCV.astype(compute_dtype)
     d_x_BCD = _matmul(d_logits_BCV, head_cd_DV, ((2,), (1,))).astype(x_BTD.dtype)
     # Summed over the tokens of each batch shard only: no cross-device reduction inside the loop.
     x_cd_GBCD = x_cd_BCD.reshape(G, -1, *x_cd_BCD.shape[1:])

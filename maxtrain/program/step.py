@@ -44,7 +44,8 @@ def head_losses_and_features(graphdef: nnx.GraphDef, params: nnx.State, batch: B
   x_BTD, moe_stats = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
   ce_BT, log_z_BT = loss.head_losses(x_BTD, model.head_weights(), batch["targets"], chunk_tokens=chunk_tokens,
                                      compute_dtype=model.cfg.compute_dtype, batch_shards=batch_shards,
-                                     length_shards=length_shards, quant=model.cfg.quant.for_kind("head"))
+                                     length_shards=length_shards, quant=model.cfg.quant.for_kind("head"),
+                                     logit_cap=model.cfg.final_logit_softcap)
   return ce_BT, log_z_BT, moe_stats, model.cfg.moe, x_BTD
 
 

@@ -75,14 +75,20 @@ def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
   return mask_lib.causal_self(segment_ids_BT)
 
 
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+  """Gemma 2's logit soft-capping: cap * tanh(x / cap), smooth and bounded by +-cap (0: x unchanged)."""
+  return cap * jnp.tanh(x / cap) if cap else x
+
+
 def dot_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, visible_BTS: jax.Array,
-                  sinks_N: jax.Array | None = None) -> jax.Array:
+                  sinks_N: jax.Array | None = None, logit_cap: float = 0.0) -> jax.Array:
   """Plain einsum attention under any mask from `mask.visible` ([B or 1, T, S]); `sinks_N` ([N] logits, GPT-OSS):
-  one more softmax column per head with no value, dropped after the softmax."""
+  one more softmax column per head with no value, dropped after the softmax; `logit_cap` (Gemma 2's
+  `model.attn_logit_softcap`): the scaled scores soft-capped before the mask."""
   b, t, n, h = q_BTNH.shape
   k = k_BSKH.shape[2]
   q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
-  scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH).astype(jnp.float32) * h**-0.5
+  scores_BKGTS = softcap(jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH).astype(jnp.float32) * h**-0.5, logit_cap)
   scores_BKGTS = mask_lib.apply(scores_BKGTS, visible_BTS[:, None, None])
   if sinks_N is not None:
     sink_BKGT1 = jnp.broadcast_to(sinks_N.astype(jnp.float32).reshape(1, k, n // k, 1, 1), (*scores_BKGTS.shape[:-1], 1))
@@ -95,9 +101,10 @@ def dot_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, visib
 
 
 def dot_product_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                          segment_ids_BT: jax.Array, window: int = 0, sinks_N: jax.Array | None = None) -> jax.Array:
+                          segment_ids_BT: jax.Array, window: int = 0, sinks_N: jax.Array | None = None,
+                          logit_cap: float = 0.0) -> jax.Array:
   """The reference kernel: causal self-attention with document masking (and a sliding window: 0 off)."""
-  return dot_attention(q_BTNH, k_BSKH, v_BSKH, mask_lib.causal_self(segment_ids_BT, window), sinks_N)
+  return dot_attention(q_BTNH, k_BSKH, v_BSKH, mask_lib.causal_self(segment_ids_BT, window), sinks_N, logit_cap)
 
 
 class KVCache(NamedTuple):
@@ -119,14 +126,19 @@ class CacheWrite:
 class Attention(nnx.Module):
   """Pieces (each optional, any family): `head_dim` (default d_model / num_heads), q/k/v biases
   (`qkv_bias`, Qwen2), per-head RMSNorm of q and k before RoPE (`qk_norm_eps` not None, Qwen3), and a
-  sliding `window` (a query sees the `window` latest keys, itself included; 0: all, Mistral)."""
+  sliding `window` (a query sees the `window` latest keys, itself included; 0: all, Mistral), Gemma 2's
+  `query_pre_attn_scalar` (scores scaled by its -1/2 power instead of head_dim's: q is multiplied by
+  sqrt(head_dim / it), so every kernel keeps its own head_dim^-1/2) and `logit_cap` (attention-score
+  soft-capping: the dot kernel and decoding only; validate refuses the others, `auto` runs dot)."""
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, *, rope_theta: float,
                init_std: float, out_std: float, param_dtype, compute_dtype, kernel: str = "dot",
                block_q: int = 128, block_kv: int = 128, rngs: nnx.Rngs, quant=None, head_dim: int | None = None,
                qkv_bias: bool = False, qk_norm_eps: float | None = None, window: int = 0, sinks: bool = False,
-               o_bias: bool = False):
+               o_bias: bool = False, query_pre_attn_scalar: float = 0.0, logit_cap: float = 0.0):
     head_dim = head_dim or d_model // num_heads
+    self.q_mult = (head_dim / query_pre_attn_scalar) ** 0.5 if query_pre_attn_scalar else 1.0
+    self.logit_cap = logit_cap
     init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
     self.wq = param(rngs, init, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
     self.wk = param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
@@ -171,8 +183,10 @@ class Attention(nnx.Module):
     Training passes no cache; generation (inference/sampling.py) a prefill, then one token per call."""
     dt = self.compute_dtype
     q_BTNH, k_BTKH, v_BTKH = self._project_qkv(x_BTD)
-    q_BTNH = sharding_rules.constrain(apply_rope(q_BTNH, positions_BT, self.rope_theta),
-                                      ("act_batch", "act_length", "act_heads", None))
+    q_BTNH = apply_rope(q_BTNH, positions_BT, self.rope_theta)
+    if self.q_mult != 1.0:  # query_pre_attn_scalar: the kernels scale by head_dim^-1/2, this makes it scalar^-1/2
+      q_BTNH = q_BTNH * jnp.asarray(self.q_mult, q_BTNH.dtype)
+    q_BTNH = sharding_rules.constrain(q_BTNH, ("act_batch", "act_length", "act_heads", None))
     k_BTKH = sharding_rules.constrain(apply_rope(k_BTKH, positions_BT, self.rope_theta),
                                       ("act_batch", "act_length", "act_kv_heads", None))
     v_BTKH = sharding_rules.constrain(v_BTKH, ("act_batch", "act_length", "act_kv_heads", None))
@@ -207,7 +221,7 @@ class Attention(nnx.Module):
       q_tokens_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, write.start, t, axis=1)
       visible_BTS = visible_BTS & mask_lib.in_window(q_tokens_BT, tokens_BS, self.window)
     return dot_attention(q_BTNH, cache.k_BSKH.astype(q_BTNH.dtype), cache.v_BSKH.astype(q_BTNH.dtype),
-                         visible_BTS, self._sinks()), cache
+                         visible_BTS, self._sinks(), self.logit_cap), cache
 
   def _attend_ring(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache: KVCache,
                    write: CacheWrite) -> tuple[jax.Array, KVCache]:
@@ -234,7 +248,7 @@ class Attention(nnx.Module):
     q_tokens_BT = jax.lax.dynamic_slice_in_dim(tokens_BS, write.start, t, axis=1)
     visible_BTR = visible_BTR & mask_lib.in_window(q_tokens_BT, jnp.take(tokens_BS, index_R, axis=1), self.window)
     return dot_attention(q_BTNH, cache.k_BSKH.astype(q_BTNH.dtype), cache.v_BSKH.astype(q_BTNH.dtype),
-                         visible_BTR, self._sinks()), cache
+                         visible_BTR, self._sinks(), self.logit_cap), cache
 
   def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT) -> jax.Array:
     # Under context parallelism the window is a mask on explicit per-document positions (every causal block
@@ -243,13 +257,16 @@ class Attention(nnx.Module):
                                                           block_q=self.block_q, block_kv=self.block_kv)
     # No positions: a prefill's prompt, in natural (not zigzag) order, attends whole on every device.
     if context_parallel is not None and positions_BT is not None:  # the sequence is split over devices
-      if self.has_sinks:
-        raise ValueError("attention sinks under context parallelism (mesh.context > 1) are not supported")
+      if self.has_sinks or self.logit_cap:
+        raise ValueError("attention sinks or logit soft-capping under context parallelism (mesh.context > 1) are "
+                         "not supported")
       return context_parallel(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
     kernel, w = resolve_kernel(self.kernel, q_BTNH.shape[1], backend=jax.default_backend(), dtype=q_BTNH.dtype,
                                head_dim=q_BTNH.shape[3], window=self.window), self.window
     if kernel in ("blocked", "cudnn") and self.has_sinks:  # `auto`'s choice has no sinks; flash has them
       kernel = "flash"
+    if self.logit_cap:  # only dot soft-caps (validate refused an explicit other kernel): `auto` runs it
+      kernel = "dot"
     if kernel == "flash":
       return flash_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, block_q=self.block_q, block_kv=self.block_kv,
                              window=w, sinks_N=self._sinks())
@@ -259,4 +276,5 @@ class Attention(nnx.Module):
       return vendor_attention.cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
     if kernel == "nki":
       return vendor_attention.nki_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
-    return dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=w, sinks_N=self._sinks())
+    return dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=w, sinks_N=self._sinks(),
+                                 logit_cap=self.logit_cap)
