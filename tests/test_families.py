@@ -404,12 +404,34 @@ def test_to_hf_refuses_a_piece_the_class_cannot_express():
   write = lambda **m: hf_config.from_model_keys({**keys, **m}, vocab_size=VOCAB, dtype="float32", bos_id=0, eos_id=1)
   for family, key, value in (("llama", "qk_norm", True), ("qwen2", "sliding_window", 8), ("mistral", "qkv_bias", True),
                              ("qwen3", "qkv_bias", True), ("qwen3_moe", "qkv_bias", True),
-                             ("deepseek_v3", "qkv_bias", True)):
+                             ("deepseek_v3", "qkv_bias", True), ("llama", "final_logit_softcap", 30.0),
+                             ("qwen3", "post_norms", True), ("mistral", "mlp_activation", "gelu_tanh"),
+                             ("gemma2", "qk_norm", True)):
     with pytest.raises(UserError, match=f"model.{key}={value!r}: {HF_FAMILIES.get(family, ('', 'LlamaForCausalLM'))[1]}"):
       write(family=family, **{key: value})
   assert write(family="qwen2")["architectures"] == ["Qwen2ForCausalLM"]
   assert write(family="mistral", sliding_window=8)["sliding_window"] == 8
   assert write(family="qwen3", head_dim=128)["head_dim"] == 128
+  gemma = write(family="gemma2", sliding_window=8, attn_logit_softcap=50.0, num_layers=3)
+  assert (gemma["layer_types"], gemma["attn_logit_softcapping"], gemma["final_logit_softcapping"]) == (
+      ["sliding_attention", "full_attention", "sliding_attention"], 50.0, None)
+
+
+def test_attention_softcap_refuses_the_kernels_without_it():
+  """Soft-capping runs in the dot kernel only: an explicit flash / blocked / cudnn is a UserError naming the key
+  (exit 2 before compiling); auto and dot pass."""
+  from maxtrain import config as config_lib
+  from maxtrain.errors import UserError
+
+  m = config_lib.base_config().model
+  m.attn_logit_softcap = 50.0
+  for kernel in ("flash", "blocked", "cudnn"):
+    m.attention = kernel
+    with pytest.raises(UserError, match=f"model.attention={kernel} has no attention logit soft-capping"):
+      registry.validate(m)
+  for kernel in ("auto", "dot"):
+    m.attention = kernel
+    registry.validate(m)
 
 
 def test_a_family_with_every_piece_trains_through_the_entry_point(store, tmp_path, capsys):
@@ -704,3 +726,26 @@ def test_mla_latent_cache_decode_equals_the_uncompressed_one():
       per_token = sum(x.shape[-1] for x in jax.tree.leaves(cache.kv["moe_blocks"]))
       assert per_token == 16 + 8, per_token
   np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-5)
+
+
+def test_gemma2_trains_through_the_entry_point(store, tmp_path, capsys):
+  """gemma2 (Gemma's norms, GELU-tanh GLU, embedding scale, query_pre_attn_scalar) with a window of 8 <
+  data.seq_len = 32 on its even layers and both soft-caps on, kernel auto (dot: soft-capping), the chunked loss
+  forced on (its capped backward): the entry point trains it and the loss falls."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  from maxtrain.cli import train
+  from tiny import TINY_MODEL
+
+  out = tmp_path / "run"
+  args = TINY_MODEL + ["--config.model.family=gemma2", "--config.model.head_dim=16", "--config.model.sliding_window=8",
+                       "--config.model.query_pre_attn_scalar=12", "--config.model.attn_logit_softcap=50.0",
+                       "--config.model.final_logit_softcap=30.0", "--config.model.tie_embeddings=True",
+                       "--config.model.loss_chunk_tokens=16", f"--config.data.path={store}", "--config.steps=6",
+                       f"--config.output_dir={out}", "--config.log_every=2", "--config.optimizer.lr=0.01",
+                       "--config.optimizer.warmup_steps=1"]
+  assert train.main(args) == 0, capsys.readouterr().err[-2000:]
+  events = EventAccumulator(str(out / "tensorboard"))
+  events.Reload()
+  losses = [e.value for e in events.Scalars("train/loss")]
+  assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses

@@ -200,3 +200,21 @@ def test_head_losses_dispatch_and_default_rule():
                 loss.reference_head_losses(x_BTD, head_DV, targets_BT), rtol=0)
   with pytest.raises(ValueError, match="chunk_tokens"):
     loss.chunked_token_losses(x_BTD, head_DV, targets_BT, chunk_tokens=0)
+
+
+def test_final_logit_softcap_chunked_equals_capped_reference():
+  """Gemma 2's final-logit soft-capping (cap 2 on logits of std ~3: tanh far from linear): the reference equals
+  NumPy's capped cross-entropy, and the chunked path (its own backward through d tanh) equals the reference in
+  values and gradients, z-loss included."""
+  x_BTD, head_DV, targets_BT, mask_BT = _inputs()
+  cap = 2.0
+  logits_BTV = cap * np.tanh(np.einsum("btd,dv->btv", np.float64(x_BTD), np.float64(head_DV)) / cap)
+  log_z_BT = np.log(np.sum(np.exp(logits_BTV), axis=-1))
+  ce_BT = log_z_BT - np.take_along_axis(logits_BTV, np.asarray(targets_BT)[..., None], axis=-1)[..., 0]
+  reference = lambda x, h, t: loss.reference_head_losses(x, h, t, logit_cap=cap)
+  _assert_close(reference(x_BTD, head_DV, targets_BT), (ce_BT, log_z_BT), rtol=1e-5)
+  chunked = lambda x, h, t: loss.chunked_token_losses(x, h, t, chunk_tokens=24, logit_cap=cap)
+  want = _values_and_grads(reference, 1e-4, x_BTD, head_DV, targets_BT, mask_BT)
+  _assert_close(_values_and_grads(chunked, 1e-4, x_BTD, head_DV, targets_BT, mask_BT), want, rtol=1e-5)
+  uncapped = _values_and_grads(_reference(), 1e-4, x_BTD, head_DV, targets_BT, mask_BT)
+  assert np.abs(np.asarray(uncapped[1][1]) - np.asarray(want[1][1])).max() > 0.1 * np.abs(np.asarray(want[1][1])).max()

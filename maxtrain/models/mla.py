@@ -82,6 +82,7 @@ class MLAttention(nnx.Module):
   _attend = Attention._attend
   _attend_cached = Attention._attend_cached
   _sinks = Attention._sinks
+  logit_cap = 0.0  # Attention's soft-cap: off (validate refuses model.attn_logit_softcap with MLA)
 
   def __init__(self, d_model: int, num_heads: int, c: MLAConfig, *, rope, norm_eps: float, init_std: float,
                out_std: float, param_dtype, compute_dtype, kernel: str, block_q: int, block_kv: int, rngs: nnx.Rngs):
