@@ -21,7 +21,10 @@ def cost_flops(compiled) -> float:
 
 
 PIECES = {"llama": {}, "qkv_bias": {"qkv_bias": True}, "qk_norm_head_dim": {"qk_norm": True, "head_dim_setting": 96},
-          "window": {"sliding_window": 24}}
+          "window": {"sliding_window": 24},
+          # Gemma 2's pieces (elementwise but for the scalar, which only rescales q): no matmul FLOPs of their own
+          "gemma": {"norm_one_plus": True, "post_norms": True, "embed_scale": True, "mlp_activation": "gelu_tanh",
+                    "query_pre_attn_scalar": 48.0, "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0}}
 
 
 @pytest.mark.parametrize("piece", PIECES)
