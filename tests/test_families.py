@@ -371,6 +371,10 @@ REFUSED = [  # (family, field changed, value, the field the one-line error names
     ("gpt_oss", "layer_types", ["full_attention", "sliding_attention"], "layer_types"),
     ("deepseek_v3", "quantization_config", {"quant_method": "fp8"}, "quantization_config.quant_method"),
     ("deepseek_v3", "n_group", 3, "n_group"),
+    ("gemma2", "layer_types", ["full_attention", "sliding_attention"], "layer_types"),
+    ("gemma2", "hidden_activation", "gelu", "hidden_activation"),
+    ("gemma2", "attention_bias", True, "attention_bias"),
+    ("gemma2", "final_logit_softcapping", "30", "final_logit_softcapping"),
 ]
 
 
