@@ -126,6 +126,9 @@ def test_bad_context_layouts_are_refused(monkeypatch):
   with pytest.raises(UserError, match=r"attention=dot with a sequence split over .*context.*model.attention=flash"):
     plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.model.attention=dot")
   assert plan("--config.mesh.context=1", "--config.mesh.fsdp=8", "--config.model.attention=dot")
+  # ... which has no attention soft-capping (Gemma 2's), exit 2 naming the key before compiling
+  with pytest.raises(UserError, match=r"model.attn_logit_softcap=50.0 with a sequence split over .*Set mesh.context=1"):
+    plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.model.attn_logit_softcap=50.0")
 
 
 # The trainer, end to end, on packed documents: seq_len 64 over the repository's sources cut into
