@@ -19,27 +19,10 @@ import pytest
 from maxtrain.cli import train
 from maxtrain.config import base_config, ranges
 from maxtrain.errors import EXIT_BAD_INPUT
+from test_trust_inputs import assert_exit, base, run_train  # the trust tests' shared helpers
 from tiny import TINY_MODEL, cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def assert_exit(code, output, expected, *names):
-  assert code == expected, output[-3000:]
-  assert "Traceback" not in output, output[-3000:]
-  for name in names:
-    assert name in output, (name, output[-3000:])
-
-
-def run_train(args, capsys):
-  code = train.main(args)
-  captured = capsys.readouterr()
-  return code, captured.out + captured.err
-
-
-def base(store, out, steps=2):
-  return TINY_MODEL + [f"--config.data.path={store}", f"--config.output_dir={out}", f"--config.steps={steps}",
-                       "--config.eval.every_steps=0"]
 
 
 # ---- numeric ranges and strict config files (cases 6, 11, 12) ---------------------------------
