@@ -20,9 +20,7 @@ from maxtrain.cli import train
 from maxtrain.config import base_config, ranges
 from maxtrain.errors import EXIT_BAD_INPUT
 from test_trust_inputs import assert_exit, base, run_train  # the trust tests' shared helpers
-from tiny import TINY_MODEL, cpu_env
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 # ---- numeric ranges and strict config files (cases 6, 11, 12) ---------------------------------
