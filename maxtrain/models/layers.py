@@ -72,7 +72,7 @@ class Rope:
   (`attention_factor`, 0: 0.1 ln(factor) + 1), which scales every attention logit by its square.
   Set by the `model.rope_*` config keys."""
   theta: float = 10000.0
-  scaling: str = "none"  # none | llama3 | linear (every frequency / factor)
+  scaling: str = "none"  # none | llama3 | linear (every frequency / factor) | yarn
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
