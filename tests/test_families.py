@@ -438,13 +438,22 @@ def test_attention_softcap_refuses_the_kernels_without_it():
     registry.validate(m)
 
 
+def train_losses(args: list[str], out: Path, capsys) -> tuple[list[float], object]:
+  """Train through the real entry point (exit 0 asserted); the logged train losses and the TensorBoard events."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  from maxtrain.cli import train
+
+  assert train.main(args) == 0, capsys.readouterr().err[-2000:]
+  events = EventAccumulator(str(out / "tensorboard"))
+  events.Reload()
+  return [e.value for e in events.Scalars("train/loss")], events
+
+
 def test_a_family_with_every_piece_trains_through_the_entry_point(store, tmp_path, capsys):
   """qwen3 (qk-norm) with q/k/v biases, a head_dim of its own and a window shorter than the sequence under
   the flash kernel, Muon: the real entry point trains it (state, routing, step, eval, checkpoint) and the
   loss falls; biases and norm scales are on Adam."""
-  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-  from maxtrain.cli import train
   from tiny import TINY_MODEL
 
   out = tmp_path / "run"
@@ -454,10 +463,7 @@ def test_a_family_with_every_piece_trains_through_the_entry_point(store, tmp_pat
                        "--config.model.attention_block_q=8", "--config.model.attention_block_kv=8",
                        "--config.optimizer.name=muon", "--config.optimizer.lr=0.02", "--config.optimizer.adam_lr=0.01",
                        "--config.optimizer.warmup_steps=1"]
-  assert train.main(args) == 0, capsys.readouterr().err[-2000:]
-  events = EventAccumulator(str(out / "tensorboard"))
-  events.Reload()
-  losses = [e.value for e in events.Scalars("train/loss")]
+  losses, _ = train_losses(args, out, capsys)
   assert len(losses) == 4 and losses[-1] < losses[0] - 0.3, losses
   assert json.loads((out / "config.json").read_text())["model"]["family"] == "qwen3"
 
@@ -531,9 +537,6 @@ def test_linear_rope_scaling_matches_transformers(tmp_path):
 def test_a_moe_family_trains_through_the_entry_point(store, tmp_path, capsys):
   """qwen3_moe (qk-norm, every layer 4 experts, top 2 not renormalised, dropless dispatch): the real entry
   point trains it and the loss falls; the MoE statistics reach TensorBoard."""
-  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-  from maxtrain.cli import train
   from tiny import TINY_MODEL
 
   out = tmp_path / "run"
@@ -543,10 +546,7 @@ def test_a_moe_family_trains_through_the_entry_point(store, tmp_path, capsys):
                        "--config.model.moe.expert_d_ff=32", "--config.model.moe.norm_topk_prob=False",
                        "--config.model.moe.dispatch=dropless", "--config.optimizer.lr=0.01",
                        "--config.optimizer.warmup_steps=1"]
-  assert train.main(args) == 0, capsys.readouterr().err[-2000:]
-  events = EventAccumulator(str(out / "tensorboard"))
-  events.Reload()
-  losses = [e.value for e in events.Scalars("train/loss")]
+  losses, events = train_losses(args, out, capsys)
   assert len(losses) == 4 and losses[-1] < losses[0] - 0.3, losses
   assert any("moe" in tag for tag in events.Tags()["scalars"]), events.Tags()["scalars"]
 
@@ -598,19 +598,13 @@ GPT_OSS_KEYS = ["--config.model.family=gpt_oss", "--config.model.head_dim=16", "
 def test_gpt_oss_trains_through_the_entry_point(store, tmp_path, capsys):
   """gpt_oss with a window of 8 < data.seq_len = 32 on its even layers, sinks, every bias and the clamped SwiGLU,
   under the flash kernel: the entry point trains it and the loss falls."""
-  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-  from maxtrain.cli import train
   from tiny import TINY_MODEL
 
   out = tmp_path / "run"
   args = TINY_MODEL + GPT_OSS_KEYS + [f"--config.data.path={store}", "--config.steps=6", f"--config.output_dir={out}",
                                       "--config.log_every=2", "--config.model.attention=flash",
                                       "--config.optimizer.lr=0.01", "--config.optimizer.warmup_steps=1"]
-  assert train.main(args) == 0, capsys.readouterr().err[-2000:]
-  events = EventAccumulator(str(out / "tensorboard"))
-  events.Reload()
-  losses = [e.value for e in events.Scalars("train/loss")]
+  losses, _ = train_losses(args, out, capsys)
   assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
 
 
@@ -656,9 +650,6 @@ def test_deepseek_v3_trains_through_the_entry_point(store, tmp_path, capsys):
   """deepseek_v3: MLA (q and kv latents, a RoPE head of 8), one dense layer, then 4 sigmoid-routed experts in 2
   groups (one competes per token), a shared expert, routed_scaling_factor 2.5, the aux-loss-free bias moving:
   the entry point trains it and the loss falls."""
-  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-  from maxtrain.cli import train
   from tiny import TINY_MODEL
 
   out = tmp_path / "run"
@@ -670,10 +661,7 @@ def test_deepseek_v3_trains_through_the_entry_point(store, tmp_path, capsys):
           "--config.model.moe.dispatch=dropless", "--config.model.moe.bias_update_rate=0.001"]
   args = TINY_MODEL + keys + [f"--config.data.path={store}", "--config.steps=6", f"--config.output_dir={out}",
                               "--config.log_every=2", "--config.optimizer.lr=0.01", "--config.optimizer.warmup_steps=1"]
-  assert train.main(args) == 0, capsys.readouterr().err[-2000:]
-  events = EventAccumulator(str(out / "tensorboard"))
-  events.Reload()
-  losses = [e.value for e in events.Scalars("train/loss")]
+  losses, _ = train_losses(args, out, capsys)
   assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
 
 
@@ -736,9 +724,6 @@ def test_gemma2_trains_through_the_entry_point(store, tmp_path, capsys):
   """gemma2 (Gemma's norms, GELU-tanh GLU, embedding scale, query_pre_attn_scalar) with a window of 8 <
   data.seq_len = 32 on its even layers and both soft-caps on, kernel auto (dot: soft-capping), the chunked loss
   forced on (its capped backward): the entry point trains it and the loss falls."""
-  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-  from maxtrain.cli import train
   from tiny import TINY_MODEL
 
   out = tmp_path / "run"
@@ -748,8 +733,5 @@ def test_gemma2_trains_through_the_entry_point(store, tmp_path, capsys):
                        "--config.model.loss_chunk_tokens=16", f"--config.data.path={store}", "--config.steps=6",
                        f"--config.output_dir={out}", "--config.log_every=2", "--config.optimizer.lr=0.01",
                        "--config.optimizer.warmup_steps=1"]
-  assert train.main(args) == 0, capsys.readouterr().err[-2000:]
-  events = EventAccumulator(str(out / "tensorboard"))
-  events.Reload()
-  losses = [e.value for e in events.Scalars("train/loss")]
+  losses, _ = train_losses(args, out, capsys)
   assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
