@@ -241,6 +241,8 @@ def base_config() -> ml_collections.ConfigDict:
   f.kill_at_step = -1  # SIGKILL itself after this step (kill -9: no exit record, no save).
   f.kill_every_steps = 0  # SIGKILL itself after every N steps of an attempt (crashes at a known rate), up to kill_times; 0 = off.
   f.kill_times = 0  # How many kill_every_steps kills in the whole run.
+  f.rollout_hang_at_step = -1  # RL with an async rollout side: its producer blocks forever before the rollout of this round (post.sync_timeout_s must fire).
+  f.publish_stall_at_step = -1  # RL with an async rollout side: the weight publish after this round never completes (post.sync_timeout_s must fire).
 
   c.guards = g = ml_collections.ConfigDict()
   g.max_consecutive_bad = 3  # Non-finite steps (GRPO: optimizer updates) in a row (each skipped in-graph) before a rollback.
@@ -283,6 +285,11 @@ def base_config() -> ml_collections.ConfigDict:
   p.temperature = 1.0  # rl: rollout sampling temperature (1 = the policy itself).
   p.negate_reward = False  # rl: train on minus the reward (a control: the reward must drive learning).
   p.log_rollouts = False  # rl: append each round's prompts, completions and rewards to <output_dir>/rollouts.jsonl.
+  p.rollout_devices = 0  # rl: the last N local devices only generate rollouts, on a mesh of their own (fsdp over them); 0 = on the trainer's mesh.
+  p.max_staleness = 0  # rl: policy versions a round's rollouts lag its update (round k trains on version k-1-N's); 0 = synchronous (bitwise today's run).
+  p.correction = "none"  # rl: off-policy correction of the loss by the rollout's own log-probs: none | tis (truncated) | mis (masked) | decoupled (PPO, AReaL).
+  p.is_cap = 2.0  # rl: the importance-weight cap of post.correction (tis: weights truncated at it; mis: tokens outside [1/cap, cap] masked; decoupled: above it masked).
+  p.sync_timeout_s = 300.0  # rl with rollout_devices or max_staleness: seconds a weight publish or a rollout batch may take before the run ends as a hang (exit 76).
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 50  # Eval loss on the validation store every N steps (and at the end); 0: end only.
