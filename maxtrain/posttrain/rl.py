@@ -99,7 +99,7 @@ class RlStepper:
     r, draws = self._rollout(state, step)
     t1 = time.monotonic()
     if p.log_rollouts and jax.process_index() == 0:
-      self._log_rollouts(step, q, r)
+      self._log_rollouts(step, r.positions[0], r)
     trained = -r.rewards if p.negate_reward else r.rewards
     rows, mask = r.rows, r.rows["loss_mask"]
     host = {k: rows[k] for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}

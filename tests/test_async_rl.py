@@ -1,0 +1,136 @@
+"""Asynchronous RL (`maxtrain/posttrain/async_rollout.py`, `correction.py`): bad settings are exit 2
+before compiling; the corrections' weights and the weighted loss against NumPy (float64); a run with
+rollouts one version behind on their own 4 devices trains on exactly the fixed interleaving's versions
+and checkpoints its queue; a SIGKILL mid-run resumes bitwise; a hung rollout side and a stalled publish
+end as hangs (exit 76) with their event."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtrain import config as config_lib
+from maxtrain.cli import train
+from maxtrain.errors import UserError
+from maxtrain.monitor.events import read_events
+from maxtrain.posttrain import correction
+from maxtrain.posttrain.algorithms import base as algo_base
+from maxtrain.program import plan as plan_lib
+from test_checkpoint import REPO, assert_bitwise_equal, flat, restore_raw
+from test_grpo import RUN_ARGS, rounds, tiny_cfg
+from tiny import cpu_env
+
+ASYNC = RUN_ARGS + ["--config.post.max_staleness=1"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--config.post.rollout_devices=8"], "post.rollout_devices=8 leaves 8 - 8 = 0 devices for the trainer"),
+    (["--config.post.max_staleness=-1"], "config.post.max_staleness=-1"),
+    (["--config.post.correction=tis", "--config.post.temperature=0.7"], "no rollout log-probs to correct by"),
+    (["--config.post.correction=ips"], "config.post.correction='ips': choose one of none, tis, mis, decoupled"),
+    (["--config.post.algorithm=dapo", "--config.post.mode=rl", "--config.post.max_staleness=2"],
+     "dynamic sampling draws a variable number"),
+])
+def test_bad_async_settings_exit_2_before_compiling(overrides, message, tmp_path, capsys):
+  code = train.main(RUN_ARGS + overrides + ["--config.steps=1", f"--config.output_dir={tmp_path}"])
+  err = capsys.readouterr().err
+  assert code == 2 and message in err, err
+  assert "Traceback" not in err and "compiled" not in err
+
+
+def test_rollout_devices_are_for_rl_and_leave_the_trainer_the_rest():
+  with pytest.raises(UserError, match="a rollout mesh is for RL only"):
+    plan_lib.validate(tiny_cfg("--config.post.mode=", "--config.post.rollout_devices=2"), 8)
+  plan = plan_lib.validate(tiny_cfg("--config.post.rollout_devices=6"), 8)
+  assert plan.mesh.describe() == "data=1 x fsdp=2 x tensor=1"  # the trainer's mesh over the first 2
+
+
+def np_weights(old, sampler, mask, kind, cap):
+  r = np.exp(old.astype(np.float64) - sampler)
+  w = {"none": np.ones_like(r), "tis": np.minimum(r, cap), "mis": ((r >= 1 / cap) & (r <= cap)).astype(float),
+       "decoupled": np.where(r <= cap, r, 0.0)}[kind]
+  return np.where(mask > 0, w, 1.0)
+
+
+def np_weighted_grpo_loss(logp, old, ref, adv, w, mask, hp):
+  """sum_t mask (kl_coef k3 - w min(ratio A, clip(ratio) A)) / sum mask: the weight outside the min."""
+  logp, old, ref, adv = (np.asarray(a, np.float64) for a in (logp, old, ref, adv))
+  ratio = np.exp(logp - old)
+  surrogate = np.minimum(ratio * adv, np.clip(ratio, 1 - hp.clip_low, 1 + hp.clip_high) * adv)
+  d = ref - logp
+  kl = np.exp(d) - d - 1
+  return np.sum(mask * (hp.kl_coef * kl - w * surrogate)) / mask.sum()
+
+
+@pytest.mark.parametrize("kind", ["none", "tis", "mis", "decoupled"])
+def test_correction_weights_and_weighted_loss_match_numpy(kind):
+  rng = np.random.default_rng(0)
+  B, T, cap = 6, 9, 1.5
+  mask = (rng.random((B, T)) < 0.7).astype(np.float32)
+  old = rng.normal(-2.0, 0.5, (B, T)).astype(np.float32)
+  sampler = (old + rng.normal(0, 0.5, (B, T))).astype(np.float32)  # ratios on both sides of cap and 1/cap
+  logp = (old + rng.normal(0, 0.3, (B, T))).astype(np.float32)
+  ref = (old + rng.normal(0, 0.2, (B, T))).astype(np.float32)
+  adv = (rng.normal(0, 1, (B, 1)) * mask).astype(np.float32)
+  w, scalars = correction.weights(old, sampler, mask, kind, cap)
+  expected = np_weights(old, sampler, mask, kind, cap)
+  np.testing.assert_allclose(w, expected, rtol=1e-6)
+  d = (old.astype(np.float64) - sampler)[mask > 0]
+  np.testing.assert_allclose(scalars["rl/mismatch_kl"], np.mean(np.exp(d) - d - 1), rtol=1e-6)
+  r = np.exp(d)
+  share = {"tis": np.mean(r > cap), "mis": np.mean((r > cap) | (r < 1 / cap)), "decoupled": np.mean(r > cap)}
+  if kind != "none":
+    assert 0 < share[kind] < 1  # the case exercises the cap
+    key = "rl/is_clipped_share" if kind == "tis" else "rl/is_masked_share"
+    np.testing.assert_allclose(scalars[key], share[kind], rtol=1e-6)
+  # The weight on the advantages is the weighted surrogate (KL unweighted), value and gradient.
+  hp = algo_base.Hyper(clip_low=0.2, clip_high=0.28, kl_coef=0.05)
+  loss_fn = lambda lp: algo_base.token_mean_loss(lp, jnp.asarray(old), jnp.asarray(ref), jnp.asarray(adv * w),
+                                                 jnp.asarray(mask), hp)[0]
+  loss, grad = jax.value_and_grad(loss_fn)(jnp.asarray(logp))
+  np.testing.assert_allclose(float(loss), np_weighted_grpo_loss(logp, old, ref, adv, expected, mask, hp), rtol=1e-5)
+  eps = 1e-6  # central differences of the float64 reference, per token
+  x = logp.astype(np.float64)
+  for b, t in [(0, 0), (1, 3), (4, 2)]:
+    up, down = x.copy(), x.copy()
+    up[b, t] += eps
+    down[b, t] -= eps
+    numeric = (np_weighted_grpo_loss(up, old, ref, adv, expected, mask, hp)
+               - np_weighted_grpo_loss(down, old, ref, adv, expected, mask, hp)) / (2 * eps)
+    np.testing.assert_allclose(float(grad[b, t]), numeric, rtol=1e-4, atol=1e-7)
+
+
+def scalars(out, tag):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  acc = EventAccumulator(str(out / "tensorboard"))
+  acc.Reload()
+  return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def test_rollouts_on_their_own_devices_one_version_behind(tmp_path):
+  """8 devices: the trainer on 4, the rollout side on the other 4, max_staleness=1: round k trains on the
+  batch version max(0, k - 2) sampled (rl/version), the sampler/trainer log-prob gap is float noise in
+  round 1 and 2 (version 0 = the starting parameters) and not after, tis weighs the stale tokens, and
+  the checkpoint's data state holds the batch of round 3 (made by version 1) for a resume."""
+  out = tmp_path / "run"
+  assert train.main(ASYNC + ["--config.post.rollout_devices=4", "--config.post.correction=tis", "--config.steps=4",
+                             f"--config.output_dir={out}"]) == 0
+  assert scalars(out, "rl/version") == {1: 0.0, 2: 0.0, 3: 1.0, 4: 2.0}
+  assert scalars(out, "rl/staleness_mean") == {1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0}
+  kl = scalars(out, "rl/mismatch_kl")
+  assert kl[1] < 1e-9 and min(kl[3], kl[4]) > 1e-5, kl  # fp32 on both meshes: only staleness makes a gap
+  assert scalars(out, "rl/dropped_rollouts") == {k: 0.0 for k in (1, 2, 3, 4)}
+  busy = scalars(out, "rl/trainer_busy")
+  assert all(0 < b <= 1 for b in busy.values()), busy
+  state = json.loads((out / "checkpoints/2/data/metadata").read_text())  # the data state (Orbax JsonSave)
+  [made] = state["in_flight"]
+  assert (made["round"], made["position"], made["version"], state["step"]) == (3, 2, 1, 2)
