@@ -116,14 +116,22 @@ def scalars(out, tag):
   return {e.step: e.value for e in acc.Scalars(tag)}
 
 
-def test_rollouts_on_their_own_devices_one_version_behind(tmp_path):
+SPLIT = ASYNC + ["--config.post.rollout_devices=4", "--config.post.correction=tis"]  # every run below: one compile
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  out = tmp_path_factory.mktemp("async") / "straight"
+  assert train.main(SPLIT + ["--config.steps=4", f"--config.output_dir={out}"]) == 0
+  return out
+
+
+def test_rollouts_on_their_own_devices_one_version_behind(straight):
   """8 devices: the trainer on 4, the rollout side on the other 4, max_staleness=1: round k trains on the
   batch version max(0, k - 2) sampled (rl/version), the sampler/trainer log-prob gap is float noise in
   round 1 and 2 (version 0 = the starting parameters) and not after, tis weighs the stale tokens, and
   the checkpoint's data state holds the batch of round 3 (made by version 1) for a resume."""
-  out = tmp_path / "run"
-  assert train.main(ASYNC + ["--config.post.rollout_devices=4", "--config.post.correction=tis", "--config.steps=4",
-                             f"--config.output_dir={out}"]) == 0
+  out = straight
   assert scalars(out, "rl/version") == {1: 0.0, 2: 0.0, 3: 1.0, 4: 2.0}
   assert scalars(out, "rl/staleness_mean") == {1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0}
   kl = scalars(out, "rl/mismatch_kl")
@@ -134,3 +142,37 @@ def test_rollouts_on_their_own_devices_one_version_behind(tmp_path):
   state = json.loads((out / "checkpoints/2/data/metadata").read_text())  # the data state (Orbax JsonSave)
   [made] = state["in_flight"]
   assert (made["round"], made["position"], made["version"], state["step"]) == (3, 2, 1, 2)
+
+
+def test_resume_after_sigkill_mid_run_is_bitwise(straight, tmp_path, caplog):
+  """Killed (SIGKILL) after round 3 with the newest checkpoint at round 2, whose data state holds round
+  3's batch (made by version 1, which no checkpoint has): resumed, the run trains on it and samples round
+  4 with version 2, as the run that never stopped did: the round-4 state is that run's bit for bit."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]]),
+         "JAX_DEFAULT_MATMUL_PRECISION": str(jax.config.jax_default_matmul_precision)}
+  args = SPLIT + ["--config.steps=4", f"--config.output_dir={tmp_path / 'killed'}", "--config.faults.kill_at_step=3"]
+  run = subprocess.run([sys.executable, "-m", "maxtrain.train", *args], cwd=REPO, env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+  assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="maxtrain"):
+    assert train.main(args) == 0  # the fault fires once
+  assert "restored step 8" in caplog.text and "killed/checkpoints/2" in caplog.text  # 2 rounds x 4 updates
+  a, b = restore_raw(straight / "checkpoints", 4), restore_raw(tmp_path / "killed/checkpoints", 4)
+  assert_bitwise_equal(a, b)
+  want, got = rounds(straight), rounds(tmp_path / "killed")
+  assert [r["round"] for r in got] == [1, 2, 3, 3, 4] and got[3:] == want[2:]  # round 3's batch restored, not redrawn
+  before = flat(restore_raw(tmp_path / "killed/checkpoints", 2))
+  assert any(v.tobytes() != before[k].tobytes() for k, v in flat(a).items() if k.startswith("params"))  # it trained
+
+
+@pytest.mark.parametrize("fault, phase", [("rollout_hang_at_step=2", "rollout"), ("publish_stall_at_step=1", "publish")])
+def test_a_hung_rollout_side_or_publish_ends_as_a_hang(fault, phase, tmp_path):
+  out = tmp_path / "run"
+  code = train.main(SPLIT + ["--config.steps=3", "--config.post.sync_timeout_s=2", f"--config.faults.{fault}",
+                             f"--config.output_dir={out}"])
+  assert code == 76
+  events = read_events(out / "events.jsonl")
+  [stall] = [e for e in events if e["kind"] == "rollout_stall"]
+  assert stall["phase"] == phase and stall["waited_s"] >= 2, stall
+  assert (events[-1]["kind"], events[-1]["code"]) == ("exit", 76)

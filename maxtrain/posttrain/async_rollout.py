@@ -92,10 +92,11 @@ class RolloutSide:
   """The producer thread, the published versions and the queue of rollout batches (module docstring)."""
 
   def __init__(self, data: Any, place: Callable[[Any], Any], generator_for: Callable[[Any], Any], post: Any,
-               seed: int, seq_len: int, faults: Any, events: Any):
+               seed: int, seq_len: int, faults: Any, events: Any, startup_s: float = 0.0):
     self.data, self.place, self.generator_for, self.post = data, place, generator_for, post
     self.seed, self.seq_len, self.faults, self.events = seed, seq_len, faults, events
     self.staleness, self.timeout = int(post.max_staleness), float(post.sync_timeout_s)
+    self.startup_s, self.first = float(startup_s), True
     self.cond = threading.Condition()
     self.items: collections.deque[Made] = collections.deque()
     self.versions: dict[int, Any] = {}
@@ -112,7 +113,7 @@ class RolloutSide:
     restored batches first (the checkpoint's), then rounds from there, sampled at position onwards."""
     self.close()
     made = [Made.from_state(d) for d in restored]
-    self.stopping, self.error = threading.Event(), None
+    self.stopping, self.error, self.first = threading.Event(), None, True
     self.items = collections.deque(made)
     self.floor = self.trainer_version = version
     self.next_round = round_ + len(made)
@@ -128,9 +129,11 @@ class RolloutSide:
 
   def take(self, round_: int) -> tuple[Made, float]:
     """Round `round_`'s batch and the seconds the trainer waited for it. A batch outside the staleness
-    bound is dropped and counted, never returned."""
+    bound is dropped and counted, never returned. The attempt's first batch compiles the rollout side's
+    generator: it may take watchdog.startup_timeout_s more."""
     t0 = time.monotonic()
-    deadline = t0 + self.timeout
+    deadline = t0 + self.timeout + (self.startup_s if self.first else 0.0)
+    self.first = False
     with self.cond:
       while True:
         while not self.items:
@@ -290,7 +293,8 @@ class AsyncRlStepper(RlStepper):
     super().__init__(cfg, program, faults, metrics, out_dir, starting_state)
     self.rollout_program, place = rollout_placement(cfg, program)
     self._generator = None
-    self.side = RolloutSide(self.data, place, self._generator_for, cfg.post, cfg.seed, cfg.data.seq_len, faults, events)
+    self.side = RolloutSide(self.data, place, self._generator_for, cfg.post, cfg.seed, cfg.data.seq_len, faults, events,
+                             startup_s=cfg.watchdog.startup_timeout_s)
     self._restart, self._round_end = True, None
     self._dropped_total = 0
 
