@@ -264,21 +264,18 @@ class RolloutSide:
 
 def rollout_placement(cfg: Any, program: Any) -> tuple[Any, Callable[[Any], Any]]:
   """(the rollout side's program, params -> the rollout side's copy): with post.rollout_devices, a program
-  on the last devices (the model sharded over them by mesh.fsdp; nothing else of it is built or run) and
+  on the last devices (the model fully sharded over them; nothing else of it is built or run) and
   a device_put onto its parameter sharding; without, the trainer's program and a copy (the trainer's
   state is donated to its next update)."""
   from maxtrain.program.build import program_for, split_devices
-  from maxtrain.sharding.mesh import AXES, DCN_AXES
+  from maxtrain.sharding.mesh import fully_sharded
 
   devices = split_devices(cfg, jax.devices())[1]
   if not devices:
     return program, lambda params: jax.tree.map(lambda x: x.copy(), params)
   rcfg = copy.deepcopy(cfg)
   rcfg.post.rollout_devices, rcfg.post.max_staleness = 0, 0
-  for axis in AXES + DCN_AXES:
-    if axis in rcfg.mesh:
-      rcfg.mesh[axis] = 1
-  rcfg.mesh.fsdp = -1
+  fully_sharded(rcfg.mesh)
   rollout_program = program_for(rcfg, devices, require_data=False)
   shardings = rollout_program.state.shardings.params
   return rollout_program, lambda params: jax.device_put(params, shardings)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -105,6 +105,14 @@ def granule_devices(devices: Sequence[jax.Device], per_granule: int) -> list[lis
 def from_config(mesh_cfg: Mapping[str, int], num_devices: int) -> MeshLayout:
   """The layout of the config's `mesh.*` sizes on `num_devices` devices."""
   return resolve_layout({a: mesh_cfg[a] for a in AXES + DCN_AXES if a in mesh_cfg}, num_devices)
+
+
+def fully_sharded(mesh_cfg: Any) -> None:
+  """Sets the config's mesh sizes to one FSDP axis over every device (the RL rollout side's own mesh)."""
+  for axis in AXES + DCN_AXES:
+    if axis in mesh_cfg:
+      mesh_cfg[axis] = 1
+  mesh_cfg.fsdp = -1
 
 
 def make_mesh(layout: MeshLayout | Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
