@@ -289,6 +289,7 @@ def base_config() -> ml_collections.ConfigDict:
   p.max_staleness = 0  # rl: policy versions a round's rollouts lag its update (round k trains on version k-1-N's); 0 = synchronous (bitwise today's run).
   p.correction = "none"  # rl: off-policy correction of the loss by the rollout's own log-probs: none | tis (truncated) | mis (masked) | decoupled (PPO, AReaL).
   p.is_cap = 2.0  # rl: the importance-weight cap of post.correction (tis: weights truncated at it; mis: tokens outside [1/cap, cap] masked; decoupled: above it masked).
+  p.rollout_dtype = ""  # rl with rollout_devices: the rollout mesh's parameter and matmul dtype ("" = the trainer's model.*_dtype; bfloat16).
   p.sync_timeout_s = 300.0  # rl with rollout_devices or max_staleness: seconds a weight publish or a rollout batch may take before the run ends as a hang (exit 76).
 
   c.eval = ml_collections.ConfigDict()

@@ -274,11 +274,15 @@ def rollout_placement(cfg: Any, program: Any) -> tuple[Any, Callable[[Any], Any]
   if not devices:
     return program, lambda params: jax.tree.map(lambda x: x.copy(), params)
   rcfg = copy.deepcopy(cfg)
-  rcfg.post.rollout_devices, rcfg.post.max_staleness = 0, 0
+  rcfg.post.rollout_devices, rcfg.post.max_staleness, rcfg.post.rollout_dtype = 0, 0, ""
   fully_sharded(rcfg.mesh)
+  if cfg.post.rollout_dtype:  # e.g. a bf16 rollout mesh under an fp32 trainer (the mismatch rl/mismatch_kl measures)
+    rcfg.model.param_dtype = rcfg.model.compute_dtype = cfg.post.rollout_dtype
   rollout_program = program_for(rcfg, devices, require_data=False)
   shardings = rollout_program.state.shardings.params
-  return rollout_program, lambda params: jax.device_put(params, shardings)
+  dtypes = jax.tree.map(lambda a: a.dtype, rollout_program.state.abstract.params)
+  return rollout_program, lambda params: jax.device_put(jax.tree.map(lambda x, d: x.astype(d), params, dtypes),
+                                                        shardings)
 
 
 class AsyncRlStepper(RlStepper):

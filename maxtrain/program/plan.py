@@ -205,6 +205,9 @@ def _validate_async(cfg: ml_collections.ConfigDict) -> None:
   choice("post.correction", p.correction, CORRECTIONS)
   require(p.is_cap >= 1, f"config.post.is_cap={p.is_cap}: the importance-weight cap must be >= 1")
   require(p.sync_timeout_s > 0, f"config.post.sync_timeout_s={p.sync_timeout_s}: must be > 0 (seconds)")
+  choice("post.rollout_dtype", p.rollout_dtype, ("", "float32", "bfloat16"))
+  require(not p.rollout_dtype or p.rollout_devices, f"config.post.rollout_dtype={p.rollout_dtype} without "
+          "post.rollout_devices: the dtype is the rollout mesh's; set post.rollout_devices > 0 or post.rollout_dtype=''")
   if p.rollout_devices or p.max_staleness:
     require(p.algorithm not in DYNAMIC_SAMPLING_ALGORITHMS, f"config.post.algorithm={p.algorithm} with "
             f"post.rollout_devices={p.rollout_devices}, post.max_staleness={p.max_staleness}: dynamic sampling draws a "
