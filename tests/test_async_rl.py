@@ -176,3 +176,19 @@ def test_a_hung_rollout_side_or_publish_ends_as_a_hang(fault, phase, tmp_path):
   [stall] = [e for e in events if e["kind"] == "rollout_stall"]
   assert stall["phase"] == phase and stall["waited_s"] >= 2, stall
   assert (events[-1]["kind"], events[-1]["code"]) == ("exit", 76)
+
+
+@pytest.mark.slow  # a 4-device process of its own compiles everything once more
+def test_staleness_0_on_its_own_devices_is_bitwise_the_synchronous_run(tmp_path):
+  """max_staleness=0 with 4 of 8 devices for rollouts (the producer thread, the versioned publish onto
+  the rollout mesh, the queue) is bitwise today's synchronous run on 4 devices (a process of its own):
+  the same parameters at round 2 and the same completions."""
+  env = cpu_env(4, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]]),
+                JAX_DEFAULT_MATMUL_PRECISION=str(jax.config.jax_default_matmul_precision))
+  args = RUN_ARGS + ["--config.steps=2"]
+  run = subprocess.run([sys.executable, "-m", "maxtrain.train", *args, f"--config.output_dir={tmp_path / 'sync'}"],
+                       cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert train.main(args + ["--config.post.rollout_devices=4", f"--config.output_dir={tmp_path / 'split'}"]) == 0
+  assert rounds(tmp_path / "sync") == rounds(tmp_path / "split")
+  assert_bitwise_equal(restore_raw(tmp_path / "sync/checkpoints", 2), restore_raw(tmp_path / "split/checkpoints", 2))
