@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain import config as config_lib
 from maxtrain.cli import train
 from maxtrain.errors import UserError
 from maxtrain.monitor.events import read_events

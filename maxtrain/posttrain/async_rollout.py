@@ -113,6 +113,15 @@ class RolloutSide:
     restored batches first (the checkpoint's), then rounds from there, sampled at position onwards."""
     self.close()
     made = [Made.from_state(d) for d in restored]
+    # A resume with a smaller post.max_staleness (or other rounds): only the batches this run would have
+    # made itself, in order, are kept; the rest are dropped (and counted), never trained on.
+    keep = 0
+    while (keep < len(made) and made[keep].round == round_ + keep
+           and made[keep].round - 1 - made[keep].version <= self.staleness):
+      keep += 1
+    self.trainer_version = version
+    self._drop(made[keep:])
+    made = made[:keep]
     self.stopping, self.error, self.first = threading.Event(), None, True
     self.items = collections.deque(made)
     self.floor = self.trainer_version = version
