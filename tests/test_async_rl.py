@@ -177,6 +177,14 @@ def test_a_hung_rollout_side_or_publish_ends_as_a_hang(fault, phase, tmp_path):
   assert (events[-1]["kind"], events[-1]["code"]) == ("exit", 76)
 
 
+
+def test_an_error_in_the_rollout_thread_ends_the_run_as_in_a_synchronous_round(tmp_path, capsys):
+  """A reward that raises, called by the producer thread: exit 2 naming it, as in the synchronous loop."""
+  code = train.main(SPLIT + ["--config.steps=2", "--config.post.reward=test_grpo:boom", f"--config.output_dir={tmp_path}"])
+  err = capsys.readouterr().err
+  assert code == 2 and "post.reward='test_grpo:boom' raised ValueError: no answer" in err, err[-2000:]
+
+
 @pytest.mark.slow  # a 4-device process of its own compiles everything once more
 def test_staleness_0_on_its_own_devices_is_bitwise_the_synchronous_run(tmp_path):
   """max_staleness=0 with 4 of 8 devices for rollouts (the producer thread, the versioned publish onto
