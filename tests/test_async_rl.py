@@ -185,6 +185,22 @@ def test_an_error_in_the_rollout_thread_ends_the_run_as_in_a_synchronous_round(t
   assert code == 2 and "post.reward='test_grpo:boom' raised ValueError: no answer" in err, err[-2000:]
 
 
+
+def test_a_rollback_drops_the_batches_of_the_abandoned_versions(tmp_path):
+  """Round 3 NaN (every update; 2 in a row roll back to round 2): the queued batches made by versions the
+  rollback abandoned are dropped and counted (a `rollout_drop` event), never trained on; the redone round 3
+  samples with the restored version 2 at the next prompt position, and the run finishes."""
+  out = tmp_path / "run"
+  assert train.main(SPLIT + ["--config.steps=4", "--config.faults.nan_at_step=3", "--config.guards.max_consecutive_bad=2",
+                             f"--config.output_dir={out}"]) == 0
+  done = rounds(out)
+  assert [r["round"] for r in done] == [1, 2, 3, 3, 4] and [r["position"] for r in done] == [0, 1, 2, 3, 4]
+  drops = [e for e in read_events(out / "events.jsonl") if e["kind"] == "rollout_drop"]
+  assert len(drops) == 1 and drops[0]["count"] >= 1 and set(drops[0]["versions"]) <= {2, 3}, drops
+  version = scalars(out, "rl/version")
+  assert version[3] == 2.0 and version[4] == 2.0  # the redone round 3 and round 4: max(floor 2, k - 2)
+
+
 @pytest.mark.slow  # a 4-device process of its own compiles everything once more
 def test_staleness_0_on_its_own_devices_is_bitwise_the_synchronous_run(tmp_path):
   """max_staleness=0 with 4 of 8 devices for rollouts (the producer thread, the versioned publish onto
