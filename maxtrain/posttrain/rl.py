@@ -76,6 +76,11 @@ class RlStepper:
 
   def start(self, state: state_lib.TrainState, step: int) -> None:
     """Before the attempt's first round: the frozen reference and the generator."""
+    if self.data.restored_in_flight:  # an asynchronous run's queue (posttrain/async_rollout.py), resumed synchronously
+      log.warning("the checkpoint holds %d rollout batches made ahead by an asynchronous run (post.max_staleness); "
+                  "this synchronous run samples its rounds itself and does not train on them",
+                  len(self.data.restored_in_flight))
+      self.data.restored_in_flight = []
     self.reference = self._reference(state)
     self.generator = make_generator(self.program, state.params)
 
