@@ -34,7 +34,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.qk_norm = False  # Per-head RMSNorm of q and k before RoPE (Qwen3); any family.
   m.attention_sinks = False  # A learned logit per head joining each softmax normaliser, no value (GPT-OSS); kernels dot, flash.
   m.o_bias = False  # A bias on the attention output projection (GPT-OSS); any family.
-  m.sliding_window = 0  # Sliding-window attention: a query sees this many latest tokens (itself included) on the family's window layers (all layers so far; Mistral); 0 = off. Kernels dot, flash, blocked skip keys outside it.
+  m.sliding_window = 0  # Sliding-window attention: a query sees this many latest tokens (itself included) on the family's window layers (all layers so far; Mistral); 0 = off. Kernels dot, flash, blocked, cudnn skip keys outside it.
   m.norm_one_plus = False  # RMSNorm as x / rms(x) * (1 + scale), the scale initialised to 0 (Gemma); any family.
   m.post_norms = False  # RMSNorm of the attention and MLP outputs before each residual add too (Gemma 2); any family.
   m.embed_scale = False  # Token embeddings times sqrt(d_model) (Gemma); any family.
