@@ -176,6 +176,7 @@ def base_config() -> ml_collections.ConfigDict:
   k.async_save = True  # Write in the background; the loop blocks only for the device-to-host copy.
   k.verify = True  # Check a checkpoint against its manifest (sizes, checksums) before restoring it.
   k.branch = False  # resume=N while newer steps exist: move them aside (renamed, an event) and continue from N; else exit 2.
+  k.resume_new_model = False  # Resume although a config.model key that changes the model's function (sliding_window, rope_*, family...) differs from the checkpoint's: a warning and an event; else exit 2.
   k.start_over_if_corrupt = False  # resume=auto and no checkpoint verifies: move them all aside and train from step 0; else exit 2.
   k.s3_connect_timeout_s = 10.0  # s3:// checkpoints: seconds to wait for a connection to the endpoint.
   k.s3_read_timeout_s = 60.0  # s3:// checkpoints: seconds to wait for a response (per read).
