@@ -35,7 +35,7 @@ from flax import nnx
 from maxtrain.errors import choice, require
 from maxtrain.models import moe_dispatch
 from maxtrain.models.layers import MLP, param
-from maxtrain.sharding import expert_dispatch
+from maxtrain.sharding import expert_dispatch, ragged_dispatch
 from maxtrain.sharding.layout import param_name
 
 ROUTERS = ("softmax", "sigmoid")
@@ -43,7 +43,9 @@ ACTIVATIONS = ("swiglu", "clamped_swiglu")
 DISPATCHES = ("capacity", "dropless")
 # Per-layer statistics a MoE layer returns (each [L] or [L, E] once stacked over layers). All but aux
 # and z are sums over tokens, so microbatches add them up; aux and z are the layer's means.
-STATS = ("aux", "z", "load", "dropped", "assignments")
+# capacity_needed: the capacity_factor capacity dispatch would need to drop nothing (a max, not a sum);
+# a2a_bytes: what the layer's expert-parallel all-to-alls send between devices (ragged_dispatch.py).
+STATS = ("aux", "z", "load", "dropped", "assignments", "capacity_needed", "a2a_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +161,13 @@ def route(x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: MoECon
   probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)  # the softmax's own for softmax
   aux = cfg.num_experts * jnp.sum(load_E / assignments * jnp.mean(probs_BTE, axis=(0, 1)))
   z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
-  return experts_BTK.astype(jnp.int32), weights_BTK, {"aux": aux, "z": z, "load": load_E, "assignments": assignments}
+  # Capacity slots are per sequence (moe_dispatch.py): the fullest (sequence, expert) queue sets the capacity
+  # that drops nothing, C = max load = capacity_factor x T x K / E.
+  T, K = experts_BTK.shape[1:]
+  seq_load_BE = jnp.sum(jax.nn.one_hot(experts_BTK, cfg.num_experts, dtype=jnp.float32), axis=(1, 2))
+  needed = jnp.max(seq_load_BE) * cfg.num_experts / (T * K)
+  return experts_BTK.astype(jnp.int32), weights_BTK, {"aux": aux, "z": z, "load": load_E, "assignments": assignments,
+                                                      "capacity_needed": needed}
 
 
 class MoE(nnx.Module):
@@ -198,16 +206,22 @@ class MoE(nnx.Module):
       biases = (self.gate_up_b[...].astype(dt), self.down_b[...].astype(dt)) if cfg.expert_bias else None
       y_BTD = _dropless_clamped(x_BTD, experts_BTK, weights_BTK, self.gate_up[...].astype(dt),
                                 self.down[...].astype(dt), biases, cfg.swiglu_alpha, cfg.swiglu_limit)
-      stats["dropped"] = jnp.float32(0.0)
+      stats["dropped"], stats["a2a_bytes"] = jnp.float32(0.0), jnp.float32(0.0)  # validate: no expert parallelism
       return y_BTD.astype(dt), stats
     weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
     if cfg.dispatch == "dropless":
-      y_BTD = moe_dispatch.dropless(x_BTD, experts_BTK, weights_BTK, *weights)
-      stats["dropped"] = jnp.float32(0.0)
+      stats["dropped"], stats["a2a_bytes"] = jnp.float32(0.0), jnp.float32(0.0)
+      parallel = ragged_dispatch.for_active_rules(moe_dispatch.grouped_swiglu, cfg.num_experts)
+      if parallel is not None:  # experts split over devices: every assignment travels to its expert and back
+        y_BTD, stats["a2a_bytes"] = parallel(x_BTD, experts_BTK, weights_BTK, *weights)
+      else:
+        y_BTD = moe_dispatch.dropless(x_BTD, experts_BTK, weights_BTK, *weights)
     else:
       capacity = cfg.capacity(x_BTD.shape[1])
       slot_BTK, kept_BTK = moe_dispatch.capacity_slots(experts_BTK, cfg.num_experts, capacity)
       stats["dropped"] = jnp.sum(~kept_BTK).astype(jnp.float32)
+      stats["a2a_bytes"] = jnp.float32(ragged_dispatch.capacity_bytes(cfg.num_experts, capacity, x_BTD.shape,
+                                                                       x_BTD.dtype.itemsize))
       local = moe_dispatch.local_experts(self.quant)
       parallel = expert_dispatch.for_active_rules(local, cfg.num_experts, capacity)
       if parallel is not None:  # experts split over devices: tokens travel to them and back

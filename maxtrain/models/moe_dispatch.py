@@ -1,7 +1,8 @@
 """How tokens reach their experts and come back: capacity slots, dispatch, the expert SwiGLUs and the
 weighted combine (capacity-based), and the sorted grouped matmul (dropless). Pure functions of arrays:
-`models/moe.py` calls them directly; `sharding/expert_dispatch.py` calls the same ones on each device
-with an all-to-all in between (expert parallelism).
+`models/moe.py` calls them directly; `sharding/expert_dispatch.py` (capacity) and
+`sharding/ragged_dispatch.py` (dropless) call the same ones on each device with all-to-alls in between
+(expert parallelism).
 
 Shape legend: B batch, T length, D model, E routed experts, K experts per token, C capacity (slots per
 expert per sequence), S = E x C slots, F expert hidden width, N = B x T x K assignments.
@@ -78,6 +79,15 @@ def experts_ffn(x_BECD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_
   return jnp.swapaxes(matmul(h_ENF, down_EFD).reshape(E, B, C, D), 0, 1)
 
 
+def grouped_swiglu(x_ND: jax.Array, group_sizes_E: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
+                   down_EFD: jax.Array) -> jax.Array:
+  """Each expert's SwiGLU on its run of the rows (sorted by expert, `group_sizes_E` long each; rows past
+  their sum come out 0): three grouped matmuls. Dropless expert parallelism runs it on the local experts."""
+  gate_NF = jax.lax.ragged_dot(x_ND, gate_EDF, group_sizes_E)
+  up_NF = jax.lax.ragged_dot(x_ND, up_EDF, group_sizes_E)
+  return jax.lax.ragged_dot(jax.nn.silu(gate_NF) * up_NF, down_EFD, group_sizes_E)
+
+
 def dropless(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array, gate_EDF: jax.Array,
              up_EDF: jax.Array, down_EFD: jax.Array) -> jax.Array:
   """No capacity: the B x T x K assignments sorted by expert, each expert's rows one group of a
@@ -88,9 +98,7 @@ def dropless(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array, g
   order_N = jnp.argsort(expert_N, stable=True)
   x_ND = x_BTD.reshape(B * T, D)[order_N // K]  # assignment n belongs to token n // K
   group_sizes_E = jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
-  gate_NF = jax.lax.ragged_dot(x_ND, gate_EDF, group_sizes_E)
-  up_NF = jax.lax.ragged_dot(x_ND, up_EDF, group_sizes_E)
-  y_ND = jax.lax.ragged_dot(jax.nn.silu(gate_NF) * up_NF, down_EFD, group_sizes_E)
+  y_ND = grouped_swiglu(x_ND, group_sizes_E, gate_EDF, up_EDF, down_EFD)
   y_BTKD = y_ND[jnp.argsort(order_N)].reshape(B, T, K, D)  # back to assignment order
   return jnp.einsum("btk,btkd->btd", weights_BTK.astype(y_ND.dtype), y_BTKD)
 

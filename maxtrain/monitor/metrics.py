@@ -2,7 +2,8 @@
 console line, and the `steps` records of the event log (`events.StepsSummary`).
 
 Every scalar the step returns is logged as `train/<name>`: new metrics need no change here. A
-per-layer metric (a 1-D array, e.g. `moe/load_entropy`) is logged as `train/<name>/layer_<i>`.
+per-layer metric (a 1-D array, e.g. `moe/load_entropy`) is logged as `train/<name>/layer_<i>`, a per-layer and
+expert one (2-D, `moe/expert_load`) as `train/<name>/layer_<i>/expert_<j>`.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ log = logging.getLogger("maxtrain")
 
 
 def scalar_tags(metrics: Mapping[str, Any]) -> dict[str, float]:
-  """`train/<name>` -> value of each metric; per-layer arrays become `train/<name>/layer_<i>`."""
+  """`train/<name>` -> value of each metric; per-layer arrays become `train/<name>/layer_<i>` (and
+  `.../expert_<j>` for [layer, expert] ones)."""
   scalars = {}
   for k, v in metrics.items():
     if getattr(v, "ndim", 0) == 1:
       scalars.update({f"train/{k}/layer_{i}": x for i, x in enumerate(v)})
+    elif getattr(v, "ndim", 0) == 2:  # per layer and expert (moe/expert_load)
+      scalars.update({f"train/{k}/layer_{i}/expert_{j}": x for i, row in enumerate(v) for j, x in enumerate(row)})
     else:
       scalars[f"train/{k}"] = v
   return scalars
@@ -102,7 +106,8 @@ class MetricsLogger:
     moe = ""
     if "moe/aux_loss" in metrics:
       moe = (f"  moe aux {metrics['moe/aux_loss']:.3f} dropped {metrics['moe/dropped_fraction']:.1%} "
-             f"max/mean load {max(metrics['moe/max_load']):.2f}")
+             f"max/mean load {max(metrics['moe/max_load']):.2f} "
+             f"dropless capacity {max(metrics['moe/capacity_needed']):.2f}")
     log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e%s%s", step, self.total_steps, metrics["loss"],
              metrics["grad_norm"], metrics["lr"], moe, speed)
     # Flushed after the logging above, so that its time is inside the steps interval (the loop's

@@ -1,0 +1,188 @@
+"""Dropless expert parallelism (sharding/ragged_dispatch.py): the exchange's offsets and sizes and the
+padded transport against a NumPy model of `lax.ragged_all_to_all`'s documented semantics, the layer under
+shard_map on 8 devices against the single-device dropless path (values and gradients), the ragged
+transport traced and lowered (XLA:CPU cannot compile it), `mesh.dcn_expert`, and the trainer's step:
+dropless expert=4 (and expert=2 x dcn_expert=2) = expert=1 over 20 steps, = capacity dispatch with a
+capacity that drops nothing, and under a skewed router capacity drops and dropless does not (metrics).
+
+Shape legend: B batch, T length, D model, E experts, K experts per token, F expert hidden width, X expert
+shards, El local experts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from maxtrain import config as config_lib
+from maxtrain.errors import UserError
+from maxtrain.models import moe as moe_lib
+from maxtrain.models import moe_dispatch
+from maxtrain.models.moe import MoEConfig
+from maxtrain.program.plan import validate
+from maxtrain.sharding import ragged_dispatch
+from maxtrain.sharding.mesh import make_mesh
+from maxtrain.sharding.rules import DEFAULT_RULES
+from tiny import TINY_MODEL
+
+T, D, F = 16, 8, 6
+
+
+def np_ragged_all_to_all(operands, outputs, input_offsets, send_sizes, output_offsets, recv_sizes):
+  """`lax.ragged_all_to_all` over X devices as its docstring states it: device i's slice j
+  (operand[input_offsets[i][j]:][:send_sizes[i][j]]) lands in device j's output at output_offsets[i][j]."""
+  X = len(operands)
+  results = [o.copy() for o in outputs]
+  for i in range(X):
+    for j in range(X):
+      n = send_sizes[i][j]
+      assert n == recv_sizes[j][i]  # the caller's contract
+      results[j][output_offsets[i][j]:output_offsets[i][j] + n] = operands[i][input_offsets[i][j]:][:n]
+  return results
+
+
+def np_plan(counts, me):
+  """The exchange of `counts[i, j, e]` rows (shard i to local expert e of shard j) by plain loops."""
+  X, _, El = counts.shape
+  sizes = counts.sum(-1)
+  input_offsets = [sum(sizes[me, :j]) for j in range(X)]
+  output_offsets = [sum(sizes[:me, j]) for j in range(X)]  # earlier senders fill shard j first
+  recv_offsets = [sum(sizes[:i, me]) for i in range(X)]
+  return_offsets = [sum(sizes[i, :me]) for i in range(X)]  # where shard i's rows for me started
+  row_expert = [e for i in range(X) for e in range(El) for _ in range(counts[i, me, e])]
+  return input_offsets, output_offsets, recv_offsets, return_offsets, row_expert
+
+
+def test_exchange_plan_matches_numpy_and_routes_every_row_there_and_back():
+  rng = np.random.default_rng(0)
+  X, El, rows = 4, 3, 40
+  counts = rng.integers(0, 4, (X, X, El))
+  counts[2, 1] = 0  # an empty message
+  plans = [jax.tree.map(np.asarray, ragged_dispatch.exchange_plan(jnp.asarray(counts), me, rows)) for me in range(X)]
+  for me, p in enumerate(plans):
+    input_offsets, output_offsets, recv_offsets, return_offsets, row_expert = np_plan(counts, me)
+    np.testing.assert_array_equal(p.input_offsets_X, input_offsets)
+    np.testing.assert_array_equal(p.output_offsets_X, output_offsets)
+    np.testing.assert_array_equal(p.recv_offsets_X, recv_offsets)
+    np.testing.assert_array_equal(p.return_offsets_X, return_offsets)
+    np.testing.assert_array_equal(p.send_sizes_X, counts[me].sum(-1))
+    np.testing.assert_array_equal(p.recv_sizes_X, counts[:, me].sum(-1))
+    np.testing.assert_array_equal(p.local_sizes_El, counts[:, me].sum(0))
+    np.testing.assert_array_equal(p.row_expert_M, row_expert + [El] * (rows - len(row_expert)))
+  # Simulated with the semantics of ragged_all_to_all: each row (tagged src, dst, expert, n) reaches its
+  # expert, and the reverse exchange puts it back in place.
+  sent = [np.array([(me, j, e, n) for j in range(X) for e in range(El) for n in range(counts[me, j, e])]).reshape(-1, 4)
+          for me in range(X)]
+  arg = lambda name: [getattr(p, name) for p in plans]
+  got = np_ragged_all_to_all(sent, [np.full((rows, 4), -1)] * X, arg("input_offsets_X"), arg("send_sizes_X"),
+                             arg("output_offsets_X"), arg("recv_sizes_X"))
+  for me, (buffer, p) in enumerate(zip(got, plans)):
+    used = p.row_expert_M < El
+    assert np.all(buffer[used, 1] == me) and np.all(buffer[used, 2] == p.row_expert_M[used])
+    assert np.all(buffer[~used] == -1) and used.sum() == counts[:, me].sum()
+  back = np_ragged_all_to_all(got, [np.zeros_like(s) for s in sent], arg("recv_offsets_X"), arg("recv_sizes_X"),
+                              arg("return_offsets_X"), arg("send_sizes_X"))
+  for a, b in zip(back, sent):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_padded_all_to_all_is_ragged_all_to_all():
+  """The CPU transport under shard_map on 4 devices gives the NumPy model's result, padding and all."""
+  rng = np.random.default_rng(1)
+  X, N, M, C = 4, 12, 20, 5
+  send = rng.integers(0, C + 1, (X, X))
+  send[0, 3] = 0
+  input_offsets = np.stack([np.cumsum(s) - s for s in send])  # contiguous runs, room left over at the end
+  output_offsets = np.cumsum(send, axis=0) - send + 1  # receivers keep row 0 and leave gaps
+  assert np.all(send.sum(0) + 1 <= M) and np.all(send.sum(1) <= N)
+  operands = rng.standard_normal((X, N, 3)).astype(np.float32)
+  outputs = np.full((X, M, 3), 7.0, np.float32)
+  ref = np_ragged_all_to_all(list(operands), list(outputs), input_offsets, send, output_offsets, send.T)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:X]), ("expert",))
+  body = lambda *a: ragged_dispatch.padded_all_to_all(*(x[0] for x in a), axis_name=("expert",), max_chunk=C)[None]
+  args = (operands, outputs, input_offsets, send, output_offsets, send.T)
+  got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert")))(
+      *(jnp.asarray(a, jnp.int32 if a.dtype.kind == "i" else a.dtype) for a in args))
+  np.testing.assert_array_equal(np.asarray(got), np.stack(ref))
+
+
+def _routed(rng, batch, E, K=2):
+  x = jnp.asarray(rng.standard_normal((batch, T, D)), jnp.float32)
+  experts, weights, _ = moe_lib.route(x, jnp.asarray(rng.standard_normal((D, E)), jnp.float32), jnp.zeros(E),
+                                      MoEConfig(num_experts=E, experts_per_token=K))
+  gate, up = (jnp.asarray(rng.standard_normal((E, D, F)), jnp.float32) for _ in range(2))
+  down = jnp.asarray(rng.standard_normal((E, F, D)), jnp.float32)
+  return x, experts, weights, gate, up, down
+
+
+def _value_and_grads(fn, cotangent):
+  return jax.jit(lambda *a: jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * cotangent), argnums=(0, 1, 2, 3, 4))(*a))
+
+
+@pytest.mark.parametrize("sizes", [{"fsdp": 2, "expert": 4}, {"data": 2, "expert": 2, "tensor": 2},
+                                   {"fsdp": 2, "expert": 2, "dcn_expert": 2}])
+def test_dropless_expert_parallel_matches_one_device(sizes):
+  """The padded transport under shard_map on 8 devices against moe_dispatch.dropless: outputs and the
+  gradients of inputs, routing weights and expert weights (FSDP, data, tensor and dcn_expert included)."""
+  rng = np.random.default_rng(2)
+  E = 8
+  x, experts, weights, gate, up, down = _routed(rng, 8, E)
+  cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  ref = _value_and_grads(lambda x, w, g, u, d: moe_dispatch.dropless(x, experts, w, g, u, d), cotangent)(
+      x, weights, gate, up, down)
+  mesh = make_mesh({"data": 1, "tensor": 1, **sizes})
+  parallel = ragged_dispatch.sharded(mesh, DEFAULT_RULES, grouped_ffn=moe_dispatch.grouped_swiglu, num_experts=E,
+                                     transport="padded")
+  with jax.set_mesh(mesh):
+    got = _value_and_grads(lambda x, w, g, u, d: parallel(x, experts, w, g, u, d)[0], cotangent)(
+        x, weights, gate, up, down)
+    moved = float(jax.jit(lambda *a: parallel(*a)[1])(x, experts, weights, gate, up, down))
+  for a, b, name in zip(jax.tree.leaves(got), jax.tree.leaves(ref), ("loss", "dx", "dweights", "dgate", "dup", "ddown")):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
+  # Bytes: the assignments whose expert lives on another expert shard than their token's, x D x 4 bytes,
+  # there and back, forward and backward, on every replica of the tokens (tensor).
+  shards = mesh.shape["expert"]
+  # A token row's shard in the expert axis: act_batch = (data, fsdp, expert), expert fastest.
+  block = np.arange(x.shape[0]) // (x.shape[0] // (mesh.shape["data"] * mesh.shape["fsdp"] * shards))
+  token_shard = (block % shards)[:, None, None]
+  away = np.sum(np.asarray(experts) // (E // shards) != token_shard)
+  assert moved == away * D * 4 * 4 * mesh.shape["tensor"]
+
+
+def test_ragged_transport_lowers_with_its_gradient():
+  """The GPU/TPU path (`lax.ragged_all_to_all`, whose transpose is JAX's) traces and lowers, forward and
+  backward; XLA:CPU cannot compile it, so it is not run here (tools/gpu_moe_dropless_check.py runs it)."""
+  rng = np.random.default_rng(3)
+  E = 8
+  x, experts, weights, gate, up, down = _routed(rng, 8, E)
+  mesh = make_mesh({"data": 1, "fsdp": 2, "expert": 4, "tensor": 1})
+  parallel = ragged_dispatch.sharded(mesh, DEFAULT_RULES, grouped_ffn=moe_dispatch.grouped_swiglu, num_experts=E,
+                                     transport="ragged")
+  with jax.set_mesh(mesh):
+    text = _value_and_grads(lambda x, w, g, u, d: parallel(x, experts, w, g, u, d)[0], x).lower(
+        x, weights, gate, up, down).as_text()
+  assert text.count("ragged_all_to_all") >= 4  # there and back, and both transposed
+  assert ragged_dispatch.transport_for("cpu") == "padded" and ragged_dispatch.transport_for("gpu") == "ragged"
+
+
+def test_validation_allows_dropless_expert_parallelism_and_dcn_expert():
+  def plan(*args):
+    return validate(config_lib.load(TINY_MODEL + list(args)), 8, require_data=False)
+
+  moe = ["--config.model.moe.num_experts=4", "--config.model.moe.dispatch=dropless"]
+  assert plan(*moe, "--config.mesh.expert=4", "--config.mesh.fsdp=2").layout.shards("experts") == 4
+  p = plan(*moe, "--config.mesh.expert=2", "--config.mesh.dcn_expert=2", "--config.mesh.fsdp=2")
+  assert p.layout.shards("experts") == 4 and p.mesh.granules == 2
+  with pytest.raises(UserError, match=r"does not divide config.model.moe.num_experts=6"):
+    plan("--config.model.moe.num_experts=6", "--config.mesh.expert=4", "--config.mesh.fsdp=2")
+  with pytest.raises(UserError, match=r"activation='clamped_swiglu'.*without expert parallelism"):
+    plan(*moe, "--config.model.moe.activation=clamped_swiglu", "--config.mesh.expert=4", "--config.mesh.fsdp=2")
+  mesh = make_mesh({"data": 1, "fsdp": 2, "expert": 2, "tensor": 1, "dcn_expert": 2})
+  # granule-major: the expert axis is (dcn_expert, expert) with the granule slowest
+  ids = [d.id for d in mesh.devices[0, 0, 0, :, 0, 0]]
+  assert mesh.shape["expert"] == 4 and max(ids[:2]) < 4 <= min(ids[2:])
