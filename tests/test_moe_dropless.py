@@ -124,8 +124,8 @@ def _value_and_grads(fn, cotangent):
   return jax.jit(lambda *a: jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * cotangent), argnums=(0, 1, 2, 3, 4))(*a))
 
 
-@pytest.mark.parametrize("sizes", [{"fsdp": 2, "expert": 4}, {"data": 2, "expert": 2, "tensor": 2},
-                                   {"fsdp": 2, "expert": 2, "dcn_expert": 2}])
+# expert=4 x fsdp=2 runs in the train-step test below.
+@pytest.mark.parametrize("sizes", [{"data": 2, "expert": 2, "tensor": 2}, {"fsdp": 2, "expert": 2, "dcn_expert": 2}])
 def test_dropless_expert_parallel_matches_one_device(sizes):
   """The padded transport under shard_map on 8 devices against moe_dispatch.dropless: outputs and the
   gradients of inputs, routing weights and expert weights (FSDP, data, tensor and dcn_expert included)."""
@@ -138,10 +138,15 @@ def test_dropless_expert_parallel_matches_one_device(sizes):
   mesh = make_mesh({"data": 1, "tensor": 1, **sizes})
   parallel = ragged_dispatch.sharded(mesh, DEFAULT_RULES, grouped_ffn=moe_dispatch.grouped_swiglu, num_experts=E,
                                      transport="padded")
+
+  def loss_and_bytes(x, w, g, u, d):
+    y, moved = parallel(x, experts, w, g, u, d)
+    return jnp.sum(y * cotangent), moved
+
   with jax.set_mesh(mesh):
-    got = _value_and_grads(lambda x, w, g, u, d: parallel(x, experts, w, g, u, d)[0], cotangent)(
+    (loss, moved), grads = jax.jit(jax.value_and_grad(loss_and_bytes, argnums=(0, 1, 2, 3, 4), has_aux=True))(
         x, weights, gate, up, down)
-    moved = float(jax.jit(lambda *a: parallel(*a)[1])(x, experts, weights, gate, up, down))
+  got = (loss, grads)
   for a, b, name in zip(jax.tree.leaves(got), jax.tree.leaves(ref), ("loss", "dx", "dweights", "dgate", "dup", "ddown")):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
   # Bytes: the assignments whose expert lives on another expert shard than their token's, x D x 4 bytes,
@@ -151,7 +156,7 @@ def test_dropless_expert_parallel_matches_one_device(sizes):
   block = np.arange(x.shape[0]) // (x.shape[0] // (mesh.shape["data"] * mesh.shape["fsdp"] * shards))
   token_shard = (block % shards)[:, None, None]
   away = np.sum(np.asarray(experts) // (E // shards) != token_shard)
-  assert moved == away * D * 4 * 4 * mesh.shape["tensor"]
+  assert float(moved) == away * D * 4 * 4 * mesh.shape["tensor"]
 
 
 def test_ragged_transport_lowers_with_its_gradient():
@@ -186,3 +191,94 @@ def test_validation_allows_dropless_expert_parallelism_and_dcn_expert():
   # granule-major: the expert axis is (dcn_expert, expert) with the granule slowest
   ids = [d.id for d in mesh.devices[0, 0, 0, :, 0, 0]]
   assert mesh.shape["expert"] == 4 and max(ids[:2]) < 4 <= min(ids[2:])
+
+
+# ---- the train step: 20 steps on 8 devices, one compile per configuration ---------------------------------
+# 4 experts, top 2, seq_len 32: capacity_factor 2.0 gives C = T slots (nothing can drop), 1.0 gives T / 2.
+STEP_MOE = ["--config.model.num_layers=1", "--config.model.moe.num_experts=4", "--config.model.moe.expert_d_ff=16", "--config.model.moe.bias_update_rate=0",
+            "--config.optimizer.lr=0.01", "--config.optimizer.warmup_steps=2", "--config.optimizer.decay_steps=20"]
+DROPLESS = ["--config.model.moe.dispatch=dropless"]
+EXPERT_1, EXPERT_4 = ["--config.mesh.fsdp=8"], ["--config.mesh.fsdp=2", "--config.mesh.expert=4"]
+STEPS = 20
+
+
+def batches(shapes: dict, steps: int) -> list[dict[str, np.ndarray]]:
+  rng = np.random.default_rng(11)
+  B, T = shapes["inputs"].shape
+  out = []
+  for _ in range(steps):
+    tokens = rng.integers(1, 200, (B, T + 1))
+    out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((B, T)),
+                "segment_ids": np.ones((B, T)), "positions": np.broadcast_to(np.arange(T), (B, T))})
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def program_of(args: tuple[str, ...]):
+  """The real train step built from `args` on 8 devices: one compile per configuration for all tests."""
+  from maxtrain.program import build as program_lib
+
+  cfg = config_lib.load(TINY_MODEL + STEP_MOE + list(args))
+  plan = validate(cfg, 8, require_data=False)
+  return program_lib.build(cfg, plan, mesh=make_mesh(plan.mesh))
+
+
+@functools.lru_cache(maxsize=None)
+def train_metrics(args: tuple[str, ...], skew: bool = False, steps: int = STEPS) -> list[dict]:
+  """Each step's metrics (on the host) of `program_of(args)` on fixed random batches; `skew`: the router
+  bias starts at +4 for expert 0 (no bias updates: it stays), so every token takes expert 0 as one of two."""
+  from maxtrain.program import state as state_lib
+  from maxtrain.runtime import faults
+
+  program = program_of(args)
+  shapes = program.abstract_batch()
+  got = []
+  with jax.set_mesh(program.mesh):
+    state = state_lib.initialize(program.state, program.mesh)
+    if skew:
+      bias = state.params["moe_blocks"]["moe"]["router_bias"]
+      bias[...] = jax.device_put(jnp.zeros(bias.shape).at[..., 0].set(4.0), bias[...].sharding)
+    for rows in batches(shapes, steps):
+      batch = {k: jax.device_put(v.astype(shapes[k].dtype), shapes[k].sharding) for k, v in rows.items()}
+      state, metrics = program.train_step(state, faults.attach(batch, faults.NONE, shapes[faults.INPUT].sharding))
+      got.append(jax.device_get(metrics))
+  return got
+
+
+def series(run: list[dict], key: str) -> np.ndarray:
+  return np.asarray([m[key] for m in run])
+
+
+def test_dropless_expert4_trains_like_expert1_and_like_capacity_that_drops_nothing():
+  one, four = train_metrics(tuple(DROPLESS + EXPERT_1)), train_metrics(tuple(DROPLESS + EXPERT_4))
+  capacity = train_metrics(tuple(EXPERT_4 + ["--config.model.moe.capacity_factor=2.0"]))
+  np.testing.assert_allclose(series(four, "loss"), series(one, "loss"), rtol=1e-5)
+  np.testing.assert_allclose(series(capacity, "loss"), series(one, "loss"), rtol=1e-5)
+  assert series(one, "loss")[-1] < series(one, "loss")[0] - 0.1  # it trains
+  for run in (one, four, capacity):
+    assert np.all(series(run, "moe/dropped") == 0)
+  # Same routing, so the same per-expert load and the same capacity dispatch would have needed.
+  np.testing.assert_array_equal(series(four, "moe/expert_load"), series(one, "moe/expert_load"))
+  assert series(four, "moe/expert_load")[0].sum() == 8 * 32 * 2  # B x T x K
+  np.testing.assert_allclose(series(four, "moe/capacity_needed"), series(one, "moe/capacity_needed"), rtol=1e-6)
+  assert np.all(series(one, "moe/capacity_needed") >= 1.0)  # the fullest queue is at least the mean
+  assert np.all(series(one, "moe/all_to_all_bytes") == 0)
+  # Capacity: every slot of the [B, E, C=T, D] fp32 buffers, 3/4 of each device's leaving it, there and back,
+  # forward and backward. Ragged: only the assignments (B x T x K = half the slots here) that leave their
+  # device, whole rows of D fp32 x 4; with 4 expert shards about 3/4 of them.
+  capacity_bytes = 4 * (8 * 4 * 32 * 32 * 4) * 3 / 4
+  assert np.all(series(capacity, "moe/all_to_all_bytes") == capacity_bytes)
+  moved = series(four, "moe/all_to_all_bytes")
+  assert np.all(moved % (32 * 4 * 4) == 0) and np.all((0.3 < moved / capacity_bytes) & (moved / capacity_bytes < 0.7))
+
+
+def test_skewed_router_capacity_drops_and_dropless_does_not():
+  dropless = train_metrics(tuple(DROPLESS + EXPERT_4), skew=True, steps=1)[0]
+  capacity = train_metrics(tuple(EXPERT_4 + ["--config.model.moe.capacity_factor=1.0"]), skew=True, steps=1)[0]
+  # Expert 0 takes every token: 32 per sequence against C = 16 slots, so capacity drops at least 16 per
+  # sequence; it would have needed capacity_factor 32 x 4 / (32 x 2) = 2.
+  for run in (dropless, capacity):
+    np.testing.assert_array_equal(run["moe/expert_load"][:, 0], [8 * 32])
+    np.testing.assert_allclose(run["moe/capacity_needed"], [2.0])
+  assert dropless["moe/dropped"] == 0 and dropless["moe/dropped_fraction"] == 0
+  assert capacity["moe/dropped"] >= 8 * 16 and capacity["moe/dropped_fraction"] >= 0.25
