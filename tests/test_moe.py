@@ -215,9 +215,7 @@ def test_validation_names_the_keys():
   ep = ["--config.mesh.expert=4", "--config.mesh.fsdp=2"]
   with pytest.raises(UserError, match=r"splits experts over mesh.expert=4, but config.model.moe.num_experts=0"):
     plan(*ep)
-  with pytest.raises(UserError, match=r"dispatch='dropless' needs ragged all-to-all"):
-    plan(*ep, *moe, "--config.model.moe.dispatch=dropless")
-  with pytest.raises(UserError, match=r"capacity slots are per whole sequence"):
+  with pytest.raises(UserError, match=r"routes whole sequences per device"):
     plan("--config.mesh.expert=2", "--config.mesh.context=2", "--config.mesh.fsdp=2", *moe)
   assert plan(*ep, *moe).layout.shards("experts") == 4
 
