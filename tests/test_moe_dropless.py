@@ -282,3 +282,16 @@ def test_skewed_router_capacity_drops_and_dropless_does_not():
     np.testing.assert_allclose(run["moe/capacity_needed"], [2.0])
   assert dropless["moe/dropped"] == 0 and dropless["moe/dropped_fraction"] == 0
   assert capacity["moe/dropped"] >= 8 * 16 and capacity["moe/dropped_fraction"] >= 0.25
+
+
+def test_microbatches_take_the_max_of_capacity_needed():
+  """microbatch.accumulate sums every part but a `*_max` one (the MoE capacity needed), whose max it keeps."""
+  from maxtrain.program import microbatch
+
+  def sums_and_grads(params, batch):
+    return {"count": jnp.sum(batch), "moe_capacity_needed_max": jnp.max(batch, axis=0)}, params * jnp.sum(batch)
+
+  batch = jnp.asarray([[1.0, 5.0], [3.0, 2.0], [2.0, 1.0], [0.5, 4.0]])  # microbatches: rows 0, 2 and rows 1, 3
+  sums, grads = microbatch.accumulate(sums_and_grads, jnp.float32(2.0), batch, 2)
+  np.testing.assert_array_equal(np.asarray(sums["moe_capacity_needed_max"]), [3.0, 5.0])
+  assert float(sums["count"]) == float(jnp.sum(batch)) and float(grads) == 2 * float(jnp.sum(batch))
