@@ -295,3 +295,11 @@ def test_microbatches_take_the_max_of_capacity_needed():
   sums, grads = microbatch.accumulate(sums_and_grads, jnp.float32(2.0), batch, 2)
   np.testing.assert_array_equal(np.asarray(sums["moe_capacity_needed_max"]), [3.0, 5.0])
   assert float(sums["count"]) == float(jnp.sum(batch)) and float(grads) == 2 * float(jnp.sum(batch))
+
+
+def test_per_expert_load_goes_to_tensorboard_tags_only():
+  from maxtrain.monitor.metrics import scalar_tags, table_tags
+
+  metrics = {"loss": np.float32(2.0), "moe/max_load": np.asarray([1.5]), "moe/expert_load": np.asarray([[3.0, 5.0]])}
+  assert scalar_tags(metrics) == {"train/loss": 2.0, "train/moe/max_load/layer_0": 1.5}  # the gauges' share
+  assert table_tags(metrics) == {"train/moe/expert_load/layer_0/expert_0": 3.0, "train/moe/expert_load/layer_0/expert_1": 5.0}
