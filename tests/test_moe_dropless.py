@@ -133,7 +133,7 @@ def test_dropless_expert_parallel_matches_one_device(sizes):
   E = 8
   x, experts, weights, gate, up, down = _routed(rng, 8, E)
   cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
-  ref = _value_and_grads(lambda x, w, g, u, d: moe_dispatch.dropless(x, experts, w, g, u, d), cotangent)(
+  ref = _value_and_grads(lambda x, w, g, u, d: moe_dispatch.dropless(x, experts, w, (g, u, d)), cotangent)(
       x, weights, gate, up, down)
   mesh = make_mesh({"data": 1, "tensor": 1, **sizes})
   parallel = ragged_dispatch.sharded(mesh, DEFAULT_RULES, grouped_ffn=moe_dispatch.grouped_swiglu, num_experts=E,
@@ -157,6 +157,37 @@ def test_dropless_expert_parallel_matches_one_device(sizes):
   token_shard = (block % shards)[:, None, None]
   away = np.sum(np.asarray(experts) // (E // shards) != token_shard)
   assert float(moved) == away * D * 4 * 4 * mesh.shape["tensor"]
+
+
+def test_gpt_oss_experts_expert_parallel_match_one_device():
+  """GPT-OSS's fused clamped-SwiGLU experts with biases on every matmul, dropless over expert=2 x fsdp=2 x
+  tensor=2 (interleaved gate_up columns split over tensor, the down bias added once after their sum)
+  against the single-device path: outputs and every gradient."""
+  rng = np.random.default_rng(4)
+  E = 4
+  x, experts, weights, _, _, _ = _routed(rng, 8, E)
+  gate_up = jnp.asarray(rng.standard_normal((E, D, 2 * F)), jnp.float32)
+  down = jnp.asarray(rng.standard_normal((E, F, D)), jnp.float32)
+  gate_up_b, down_b = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((E, 2 * F), (E, D)))
+  cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  ffn = functools.partial(moe_dispatch.grouped_clamped_swiglu, alpha=1.702, limit=1.5)  # the clamp bites
+
+  def grads(fn):
+    loss = lambda x, w, *ws: jnp.sum(fn(x, w, *ws) * cotangent)
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))
+
+  ref = grads(lambda x, w, *ws: moe_dispatch.dropless(x, experts, w, ws, ffn))(x, weights, gate_up, down, gate_up_b, down_b)
+  mesh = make_mesh({"data": 1, "fsdp": 2, "expert": 2, "tensor": 2})
+  parallel = ragged_dispatch.sharded(mesh, DEFAULT_RULES, grouped_ffn=ffn, num_experts=E, transport="padded",
+                                     weight_logical=ragged_dispatch.CLAMPED_LOGICAL + ragged_dispatch.CLAMPED_BIAS_LOGICAL)
+  with jax.set_mesh(mesh):
+    got = grads(lambda x, w, *ws: parallel(x, experts, w, *ws)[0])(x, weights, gate_up, down, gate_up_b, down_b)
+  names = ("loss", "dx", "dweights", "dgate_up", "ddown", "dgate_up_b", "ddown_b")
+  for a, b, name in zip(jax.tree.leaves(got), jax.tree.leaves(ref), names):
+    # The tensor shards' partial sums add in another order: fp32 rounding of the largest terms, and for
+    # the loss, of its x.size terms of O(1) (a random walk: sqrt of the count).
+    scale = np.sqrt(x.size) if name == "loss" else max(1.0, float(np.max(np.abs(b))))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * scale, err_msg=name)
 
 
 def test_ragged_transport_lowers_with_its_gradient():
@@ -185,8 +216,6 @@ def test_validation_allows_dropless_expert_parallelism_and_dcn_expert():
   assert p.layout.shards("experts") == 4 and p.mesh.granules == 2
   with pytest.raises(UserError, match=r"does not divide config.model.moe.num_experts=6"):
     plan("--config.model.moe.num_experts=6", "--config.mesh.expert=4", "--config.mesh.fsdp=2")
-  with pytest.raises(UserError, match=r"activation='clamped_swiglu'.*without expert parallelism"):
-    plan(*moe, "--config.model.moe.activation=clamped_swiglu", "--config.mesh.expert=4", "--config.mesh.fsdp=2")
   mesh = make_mesh({"data": 1, "fsdp": 2, "expert": 2, "tensor": 1, "dcn_expert": 2})
   # granule-major: the expert axis is (dcn_expert, expert) with the granule slowest
   ids = [d.id for d in mesh.devices[0, 0, 0, :, 0, 0]]

@@ -53,7 +53,7 @@ def main() -> int:
 
   ok = True
   with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
-    ref = jax.tree.leaves(value_and_grads(lambda x, w, *ws: moe_dispatch.dropless(x, experts, w, *ws))(
+    ref = jax.tree.leaves(value_and_grads(lambda x, w, *ws: moe_dispatch.dropless(x, experts, w, ws))(
         x, weights, gate, up, down))
     for transport in ("ragged", "padded"):
       parallel = ragged_dispatch.sharded(mesh, plan.layout.rules, grouped_ffn=moe_dispatch.grouped_swiglu,

@@ -239,8 +239,7 @@ def stage_config(cfg: ml_collections.ConfigDict, batch_size: int, seq_len: int) 
 
 
 def _validate_expert_parallel(moe: Any, layout: Layout, mesh_layout: mesh_lib.MeshLayout) -> None:
-  """Expert parallelism needs routed experts that divide over the expert shards, the plain SwiGLU experts
-  for dropless dispatch, and whole sequences per device."""
+  """Expert parallelism needs routed experts that divide over the expert shards and whole sequences per device."""
   shards = layout.shards("experts")
   if shards == 1:
     return
@@ -249,9 +248,6 @@ def _validate_expert_parallel(moe: Any, layout: Layout, mesh_layout: mesh_lib.Me
           "or make that mesh axis 1")
   require(moe.num_experts % shards == 0, f"{where} ({shards} shards), which does not divide "
           f"config.model.moe.num_experts={moe.num_experts}: make the expert shards a divisor of it")
-  require(moe.dispatch == "capacity" or moe.get("activation", "swiglu") == "swiglu",
-          f"{where}: config.model.moe.activation={moe.get('activation')!r} (GPT-OSS's fused experts) runs without "
-          "expert parallelism only. Make that mesh axis 1, or use model.moe.activation=swiglu.")
   require(layout.shards("act_length") == 1, f"{where} and sequences over {layout.describe('act_length')}: expert "
           "parallelism routes whole sequences per device (capacity slots are per sequence). Use one of the two.")
 

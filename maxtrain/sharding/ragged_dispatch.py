@@ -15,8 +15,9 @@ Per device, per layer (under `jax.shard_map`, the same specs as `expert_dispatch
      "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU"), so on CPU `padded_all_to_all` runs
      the same exchange, with the same arguments and result, as a `lax.all_to_all` of per-destination
      buffers of W rows (the worst case, so still dropless; X x W rows move instead of the payload);
-  4. received rows sorted by local expert, the `grouped_ffn` (models/moe_dispatch.grouped_swiglu:
-     `lax.ragged_dot`) on them, unsorted, and the reverse exchange puts each row back where it came from;
+  4. received rows sorted by local expert, the `grouped_ffn` (models/moe_dispatch.grouped_swiglu, or
+     GPT-OSS's grouped_clamped_swiglu with its biases: `lax.ragged_dot`) on them, unsorted, and the reverse
+     exchange puts each row back where it came from;
   5. this device's routing weights combine the K outputs of each token.
 The gradient is JAX's own: `ragged_all_to_all`'s transpose is the reverse ragged exchange, the padded
 one's is made of gathers, all-to-alls and scatters.
@@ -37,8 +38,13 @@ import jax.numpy as jnp
 from maxtrain.sharding import expert_dispatch
 from maxtrain.sharding import rules as rules_lib
 
-# (x_MD rows sorted by local expert, group_sizes_El, gate_ElDF, up_ElDF, down_ElFD) -> y_MD
-GroupedFFN = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+# (x_MD rows sorted by local expert, group_sizes_El, row_expert_M, expert weights, reduce) -> y_MD, where
+# `reduce` sums partial outputs over the devices splitting the experts' hidden dim (models/moe_dispatch.py).
+GroupedFFN = Callable[..., jax.Array]
+SWIGLU_LOGICAL = (expert_dispatch.GATE_LOGICAL, expert_dispatch.GATE_LOGICAL, expert_dispatch.DOWN_LOGICAL)
+# GPT-OSS: gate_up [E, D, 2F], down [E, F, D], and optionally their biases [E, 2F], [E, D].
+CLAMPED_LOGICAL = (expert_dispatch.GATE_LOGICAL, expert_dispatch.DOWN_LOGICAL)
+CLAMPED_BIAS_LOGICAL = (("experts", "expert_mlp"), ("experts", "expert_embed"))
 
 
 class ExchangePlan(NamedTuple):
@@ -111,18 +117,19 @@ def transport_for(platform: str) -> str:
   return "padded" if platform == "cpu" else "ragged"
 
 
-def dropless_expert_parallel(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array, gate_EDF: jax.Array,
-                             up_EDF: jax.Array, down_EFD: jax.Array, *, grouped_ffn: GroupedFFN, num_experts: int,
-                             transport: str, expert_axes: tuple[str, ...], embed_axes: tuple[str, ...],
-                             mlp_axes: tuple[str, ...], token_axes: tuple[str, ...],
+def dropless_expert_parallel(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array,
+                             *expert_weights: jax.Array, grouped_ffn: GroupedFFN, num_experts: int, transport: str,
+                             weight_logical: tuple[tuple[str | None, ...], ...], expert_axes: tuple[str, ...],
+                             embed_axes: tuple[str, ...], mlp_axes: tuple[str, ...], token_axes: tuple[str, ...],
                              replicas: int) -> tuple[jax.Array, jax.Array]:
   """The shard_map body: (y_BTD of this device's tokens, the bytes of token rows all devices' exchanges
-  send to other devices in this layer's forward and backward, replicated)."""
+  send to other devices in this layer's forward and backward, replicated). `expert_weights`: this
+  device's experts' weights, their logical axes `weight_logical`."""
   if embed_axes:  # FSDP: gather the model dim of this device's experts (backward: reduce-scatter)
-    gather = functools.partial(jax.lax.all_gather, axis_name=embed_axes, tiled=True)
-    gate_EDF, up_EDF, down_EFD = gather(gate_EDF, axis=1), gather(up_EDF, axis=1), gather(down_EFD, axis=2)
+    expert_weights = tuple(jax.lax.all_gather(w, embed_axes, axis=logical.index("expert_embed"), tiled=True)
+                           if "expert_embed" in logical else w for w, logical in zip(expert_weights, weight_logical))
   B, T, K = experts_BTK.shape
-  D, El = x_BTD.shape[-1], gate_EDF.shape[0]
+  D, El = x_BTD.shape[-1], expert_weights[0].shape[0]
   X = num_experts // El
   W = B * T * min(K, El)
   expert_N = experts_BTK.reshape(-1)
@@ -135,10 +142,10 @@ def dropless_expert_parallel(x_BTD: jax.Array, experts_BTK: jax.Array, weights_B
   exchange = functools.partial(TRANSPORTS[transport], axis_name=expert_axes, max_chunk=W)
   x_MD = exchange(x_ND, jnp.zeros((X * W, D), x_ND.dtype), plan.input_offsets_X, plan.send_sizes_X,
                   plan.output_offsets_X, plan.recv_sizes_X)
-  order_M = jnp.argsort(plan.row_expert_M, stable=True)  # unused rows (expert El) last: ragged_dot leaves them 0
-  y_MD = grouped_ffn(x_MD[order_M], plan.local_sizes_El, gate_EDF, up_EDF, down_EFD)
-  if mlp_axes:  # each tensor shard summed its own part of the hidden dim
-    y_MD = jax.lax.psum(y_MD, mlp_axes)
+  order_M = jnp.argsort(plan.row_expert_M, stable=True)  # unused rows (expert El) last, never sent back
+  # each tensor shard sums its own part of the hidden dim: `reduce` adds them up
+  reduce = functools.partial(jax.lax.psum, axis_name=mlp_axes) if mlp_axes else None
+  y_MD = grouped_ffn(x_MD[order_M], plan.local_sizes_El, plan.row_expert_M[order_M], expert_weights, reduce)
   y_MD = y_MD[jnp.argsort(order_M)]
   y_ND = exchange(y_MD, jnp.zeros_like(x_ND), plan.recv_offsets_X, plan.recv_sizes_X, plan.return_offsets_X,
                   plan.send_sizes_X)
@@ -151,23 +158,26 @@ def dropless_expert_parallel(x_BTD: jax.Array, experts_BTK: jax.Array, weights_B
 
 
 def sharded(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh, rules: rules_lib.Rules, *,
-            grouped_ffn: GroupedFFN, num_experts: int, transport: str) -> Callable:
+            grouped_ffn: GroupedFFN, num_experts: int, transport: str,
+            weight_logical: tuple[tuple[str | None, ...], ...] = SWIGLU_LOGICAL) -> Callable:
   """`dropless_expert_parallel` under shard_map on `mesh`, its specs from `rules`: a function of global
-  arrays (x_BTD, experts_BTK, weights_BTK, gate, up, down) -> (y_BTD, bytes)."""
+  arrays (x_BTD, experts_BTK, weights_BTK, *expert weights of `weight_logical`) -> (y_BTD, bytes)."""
   axes = lambda logical: rules_lib.mesh_axes(rules[logical])
   spec = lambda logical: rules_lib.logical_to_mesh(logical, rules)
   token_axes = tuple(a for logical in expert_dispatch.TOKENS_LOGICAL if logical for a in axes(logical))
   body = functools.partial(dropless_expert_parallel, grouped_ffn=grouped_ffn, num_experts=num_experts,
-                           transport=transport, expert_axes=axes("experts"), embed_axes=axes("expert_embed"),
+                           transport=transport, weight_logical=weight_logical,
+                           expert_axes=axes("experts"), embed_axes=axes("expert_embed"),
                            mlp_axes=axes("expert_mlp"), token_axes=token_axes,
                            replicas=math.prod(mesh.shape.values()) // math.prod(mesh.shape[a] for a in token_axes))
   routing = spec(expert_dispatch.ROUTING_LOGICAL)
-  gate, down = spec(expert_dispatch.GATE_LOGICAL), spec(expert_dispatch.DOWN_LOGICAL)
-  return jax.shard_map(body, mesh=mesh, in_specs=(spec(expert_dispatch.TOKENS_LOGICAL), routing, routing, gate, gate, down),
+  return jax.shard_map(body, mesh=mesh, in_specs=(spec(expert_dispatch.TOKENS_LOGICAL), routing, routing,
+                                                  *map(spec, weight_logical)),
                        out_specs=(spec(expert_dispatch.TOKENS_LOGICAL), jax.sharding.PartitionSpec()))
 
 
-def for_active_rules(grouped_ffn: GroupedFFN, num_experts: int) -> Callable | None:
+def for_active_rules(grouped_ffn: GroupedFFN, num_experts: int,
+                     weight_logical: tuple[tuple[str | None, ...], ...] = SWIGLU_LOGICAL) -> Callable | None:
   """Dropless expert-parallel dispatch when the active rules split `experts` over mesh axes of total
   size > 1 in the current mesh, with the transport of the default backend; None otherwise."""
   rules = rules_lib.active()
@@ -175,7 +185,7 @@ def for_active_rules(grouped_ffn: GroupedFFN, num_experts: int) -> Callable | No
   if rules is None or mesh.empty or expert_dispatch.expert_shards(mesh, rules) == 1:
     return None
   return sharded(mesh, rules, grouped_ffn=grouped_ffn, num_experts=num_experts,
-                 transport=transport_for(jax.default_backend()))
+                 transport=transport_for(jax.default_backend()), weight_logical=weight_logical)
 
 
 def capacity_bytes(num_experts: int, capacity: int, x_shape: tuple[int, ...], itemsize: int) -> float:
