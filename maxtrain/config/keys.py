@@ -116,10 +116,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.expert = 1  # Expert parallel: routed experts split over it, tokens sent to them by all-to-all; data parallel elsewhere.
   c.mesh.pipeline = 1  # Pipeline stages (circular pipeline over the layer stack, docs/sharding.md); 1 = no pipeline.
   # The five above lay out one granule (a node: NVLink/NeuronLink/ICI); these lay out the granules
-  # (across the network). At most one of all nine may be -1.
+  # (across the network). At most one of all ten may be -1.
   c.mesh.dcn_pipeline = 1  # Pipeline stages across nodes: only stage-boundary activations cross the network.
   c.mesh.dcn_data = 1  # Data-parallel replicas across nodes.
   c.mesh.dcn_fsdp = 1  # FSDP across nodes (parameters sharded over the network too).
+  c.mesh.dcn_expert = 1  # Expert parallelism across nodes: the MoE all-to-alls cross the network (experts too many for one node).
   c.mesh.rules = "default"  # Sharding rule set (logical axis -> mesh axes), of maxtrain/sharding/rules.py RULE_SETS.
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.microbatches = 1  # Microbatches each forward pass streams through the stages (>= stages when pipelined).
