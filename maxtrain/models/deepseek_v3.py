@@ -6,8 +6,8 @@ scaling the softmax too (model.mla.softmax_mscale).
 
 HF `DeepseekV3ForCausalLM`: the experts one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, as
 transformers 4.x and 5.x save them), stacked; the MoE layers' HF indices start after the dense ones.
-Published checkpoints are FP8 with block scales (`quantization_config`, `weight_scale_inv`): refused by name
-(exit 2; dequantise with transformers first). Multi-token prediction layers (`num_nextn_predict_layers`,
+Published checkpoints are FP8 with block scales (`quantization_config`, `weight_scale_inv`): dequantised on
+import (interop/dequant.py). Multi-token prediction layers (`num_nextn_predict_layers`,
 HF layer `num_hidden_layers`) are not read: HF's class has no place for them either.
 """
 
@@ -68,10 +68,6 @@ def _int(hf: dict, where: str, field: str, *, allow_zero: bool = False, default=
 
 
 def _pieces_in(hf: dict, where: str) -> dict:
-  if hf.get("quantization_config"):
-    method = (hf["quantization_config"] or {}).get("quant_method", "?")
-    raise hf_adapter.refuse(where, "quantization_config.quant_method", method, "quantized weights (FP8 with block "
-                            "scales) are not read: dequantise with transformers first, save_pretrained, convert that")
   hf_adapter.refuse_bias(hf, where)
   layers = hf["num_hidden_layers"]
   dense = _int(hf, where, "first_k_dense_replace", allow_zero=True, default=0)

@@ -9,8 +9,8 @@ softmax over the chosen (= maxtrain's softmax router with norm_topk_prob).
 
 HF `GptOssForCausalLM`: the tensors are read as transformers writes them (`mlp.experts.gate_up_proj`
 [E, D, 2F] = maxtrain's layout, `mlp.router.{weight,bias}`, `self_attn.sinks`). Published checkpoints hold
-the experts in MXFP4 (`quantization_config`, `*_blocks` / `*_scales`): refused by name (exit 2); dequantise
-them with transformers first (`Mxfp4Config(dequantize=True)`, then save_pretrained).
+the experts in MXFP4 (`quantization_config`, `*_blocks` / `*_scales`): dequantised on import
+(interop/dequant.py).
 """
 
 from __future__ import annotations
@@ -49,10 +49,6 @@ def _number(hf: dict, where: str, field: str, default, kind: type):
 
 
 def _pieces_in(hf: dict, where: str) -> dict:
-  if hf.get("quantization_config"):
-    method = (hf["quantization_config"] or {}).get("quant_method", "?")
-    raise hf_adapter.refuse(where, "quantization_config.quant_method", method, "quantized experts (MXFP4) are not "
-                            "read: load with transformers' Mxfp4Config(dequantize=True), save_pretrained, convert that")
   if hf.get("attention_bias", True) is not True:
     raise hf_adapter.refuse(where, "attention_bias", hf["attention_bias"], "GPT-OSS has q, k, v and o biases")
   window = hf.get("sliding_window") or 0
