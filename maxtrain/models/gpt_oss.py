@@ -41,6 +41,19 @@ TENSORS = {
 }
 
 
+# gpt-oss-20b's config.json as `from-hf` reads it (tests/test_families.py checks that), the family's defaults
+# (registry.Family.defaults; a literal: config/loader.py reads it without importing this module).
+DEFAULTS = {
+    "num_layers": 24, "d_model": 2880, "num_heads": 64, "num_kv_heads": 8, "head_dim": 64, "d_ff": 2880,
+    "vocab_size": 201088, "max_seq_len": 131072, "norm_eps": 1e-5, "tie_embeddings": False, "sliding_window": 128,
+    "rope_theta": 150000.0, "rope_scaling": "yarn", "rope_scaling_factor": 32.0, "rope_original_max_len": 4096,
+    "rope_beta_fast": 32.0, "rope_beta_slow": 1.0, "rope_truncate": False,
+    "moe.num_experts": 32, "moe.experts_per_token": 4, "moe.num_shared_experts": 0, "moe.expert_d_ff": 2880,
+    "moe.first_dense_layers": 0, "moe.router": "softmax", "moe.norm_topk_prob": True, "moe.dispatch": "dropless",
+    "moe.activation": "clamped_swiglu", "moe.expert_bias": True, "moe.swiglu_alpha": 1.702, "moe.swiglu_limit": 7.0,
+}
+
+
 def _number(hf: dict, where: str, field: str, default, kind: type):
   value = hf.get(field, default)
   if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -103,5 +116,6 @@ class _AlternatingFamily(Family):
 
 
 FAMILY = _AlternatingFamily(name="gpt_oss", pieces=PIECES, window_layers="alternate", validate=_validate,
+                defaults=DEFAULTS,
                 hf=hf_adapter.HFAdapter(ARCHITECTURE, "gpt_oss", _pieces_in, _pieces_out, tensors=TENSORS,
                                         rope_types=("default", "yarn")))
