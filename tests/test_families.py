@@ -511,6 +511,30 @@ def test_a_windowed_family_resumes_bitwise_after_sigkill(store, tmp_path):
   assert losses(tmp_path / "b") == losses(tmp_path / "a")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_a_moe_family_resumes_bitwise_after_sigkill(family, store, tmp_path):
+  """gpt_oss (window 8 < seq_len 32 on its even layers, sinks) and deepseek_v3 (MLA, the aux-loss-free bias
+  moving), both from their family's defaults under tiny keys, under flash: SIGKILLed after step 3 (checkpoints
+  every 2 steps) and restarted, the run ends bitwise where the one that never stopped does, the same loss at
+  every step."""
+  from test_checkpoint import assert_bitwise_equal, losses, restore_raw, trainer
+  from tiny import TINY_MODEL
+
+  keys = GPT_OSS_KEYS if family == "gpt_oss" else DEEPSEEK_KEYS + ["--config.model.attention_block_q=8",
+                                                                   "--config.model.attention_block_kv=8"]
+  base = TINY_MODEL + keys + [f"--config.data.path={store}", "--config.model.attention=flash",
+                              "--config.checkpoint.every_steps=2", "--config.log_every=1", "--config.steps=4"]
+  a = trainer(base + [f"--config.output_dir={tmp_path / 'a'}"], devices=1)
+  assert a.returncode == 0, a.stderr[-3000:]
+  b1 = trainer(base + [f"--config.output_dir={tmp_path / 'b'}", "--config.faults.kill_at_step=3"], devices=1)
+  assert b1.returncode == -9, b1.stderr[-3000:]
+  b2 = trainer(base + [f"--config.output_dir={tmp_path / 'b'}"], devices=1)
+  assert b2.returncode == 0 and "restored step 2" in b2.stderr, b2.stderr[-3000:]
+  assert_bitwise_equal(restore_raw(tmp_path / "a/checkpoints", 4), restore_raw(tmp_path / "b/checkpoints", 4))
+  assert losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
 def test_linear_rope_scaling_matches_transformers(tmp_path):
   """rope_type `linear` (position interpolation, factor 4) read, computed and written back: logits within 1e-4
   of transformers' both ways (written in the 4.x spelling, which transformers 5 reads)."""
@@ -648,10 +672,51 @@ def test_gpt_oss_flash_equals_dot():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * np.abs(np.asarray(b)).max() + 1e-9)
 
 
+def test_deepseek_v3_flash_equals_dot():
+  """The same random deepseek_v3 model (MLA: v narrower than q.k, padded for the kernels; YaRN's softmax mscale;
+  two documents) under dot and flash: the same loss (rtol 1e-5) and gradients."""
+  from flax import nnx
+
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 128, (2, 64))
+  segments = np.ones((2, 64), np.int32)
+  segments[0, 40:] = 2
+  positions = np.where(segments == 2, np.arange(64) - 40, np.arange(64))
+  moe = dict(num_experts=4, experts_per_token=2, expert_d_ff=32, router="sigmoid", first_dense_layers=1,
+             num_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, dispatch="dropless")
+  mla = dict(kv_lora_rank=16, q_lora_rank=24, rope_head_dim=8, nope_head_dim=16, v_head_dim=12, rope_interleave=True,
+             softmax_mscale=1.2, latent_cache=False)
+  make = lambda kernel: _model("deepseek_v3", attention=kernel, attention_block_q=16,
+                               attention_block_kv=16, moe={**base_moe(), **moe}, mla=mla)
+  _, params = registry.abstract(make("dot"))
+  params = jax.tree.map(lambda a: jnp.asarray(0.1 * rng.standard_normal(a.shape), a.dtype), params)
+  losses, grads = {}, {}
+  for kernel in ("dot", "flash"):
+    graphdef, _ = registry.abstract(make(kernel))
+
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(tokens[:, :-1], segments[:, :-1], positions[:, :-1])
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+    losses[kernel], grads[kernel] = jax.jit(jax.value_and_grad(loss))(params)
+  np.testing.assert_allclose(float(losses["flash"]), float(losses["dot"]), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads["flash"]), jax.tree.leaves(grads["dot"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * np.abs(np.asarray(b)).max() + 1e-9)
+
+
 def base_moe() -> dict:
   from maxtrain import config as config_lib
 
   return config_lib.base_config().model.moe.to_dict()
+
+
+DEEPSEEK_KEYS = TINY_SHAPES + [
+    "--config.model.family=deepseek_v3", "--config.model.mla.kv_lora_rank=16", "--config.model.mla.q_lora_rank=16",
+    "--config.model.mla.rope_head_dim=8", "--config.model.mla.nope_head_dim=8", "--config.model.mla.v_head_dim=8",
+    "--config.model.moe.num_experts=4", "--config.model.moe.router=sigmoid", "--config.model.moe.first_dense_layers=1",
+    "--config.model.moe.num_shared_experts=1", "--config.model.moe.n_group=2", "--config.model.moe.topk_group=1",
+    "--config.model.moe.routed_scaling_factor=2.5", "--config.model.moe.expert_d_ff=32",
+    "--config.model.moe.dispatch=dropless", "--config.model.moe.bias_update_rate=0.001"]
 
 
 def test_deepseek_v3_trains_through_the_entry_point(store, tmp_path, capsys):
@@ -661,13 +726,7 @@ def test_deepseek_v3_trains_through_the_entry_point(store, tmp_path, capsys):
   from tiny import TINY_MODEL
 
   out = tmp_path / "run"
-  keys = TINY_SHAPES + ["--config.model.family=deepseek_v3", "--config.model.mla.kv_lora_rank=16", "--config.model.mla.q_lora_rank=16",
-          "--config.model.mla.rope_head_dim=8", "--config.model.mla.nope_head_dim=8", "--config.model.mla.v_head_dim=8",
-          "--config.model.moe.num_experts=4", "--config.model.moe.router=sigmoid", "--config.model.moe.first_dense_layers=1",
-          "--config.model.moe.num_shared_experts=1", "--config.model.moe.n_group=2", "--config.model.moe.topk_group=1",
-          "--config.model.moe.routed_scaling_factor=2.5", "--config.model.moe.expert_d_ff=32",
-          "--config.model.moe.dispatch=dropless", "--config.model.moe.bias_update_rate=0.001"]
-  args = TINY_MODEL + keys + [f"--config.data.path={store}", "--config.steps=6", f"--config.output_dir={out}",
+  args = TINY_MODEL + DEEPSEEK_KEYS + [f"--config.data.path={store}", "--config.steps=6", f"--config.output_dir={out}",
                               "--config.log_every=2", "--config.optimizer.lr=0.01", "--config.optimizer.warmup_steps=1"]
   losses, _ = train_losses(args, out, capsys)
   assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
