@@ -7,7 +7,13 @@ this file sets only how it trains. Check it fits:
   python -m maxtrain.compile --config=configs/deepseek_v3_671b.py --config.hardware=h200x8 --devices 256 \
       --device-memory-gb 131
 
-`HARDWARE` refines the generic presets of maxtrain/config/hardware.py for this model (per node).
+`HARDWARE` refines the generic presets of maxtrain/config/hardware.py for this model (per node): each node's 8
+GPUs split the routed experts (`mesh.expert`, 32 of 256 per GPU, tokens sent by all-to-all over NVLink), and
+the nodes shard every parameter FSDP-style (`mesh.dcn_fsdp`: 32 nodes hold 1/32 each). Not a pipeline: the
+circular pipeline (configs/llama3_405b.py) does not run MoE layers yet (program/plan.py refuses them), and
+expert parallelism needs capacity dispatch (fixed-size messages) until dropless dispatch crosses devices.
+The fp32 state is 20 B a parameter (weights, two Adam moments, the guarded update's copy), 13.4 TB, so 32
+nodes is about the fewest: docs/fitting.md has the estimate and the compiled figures.
 """
 
 from maxtrain.config import base_config
