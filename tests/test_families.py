@@ -248,6 +248,13 @@ def test_from_hf_picks_the_family_and_its_pieces(converted):
   family, root, _ = converted
   model = open_source(root / "mt").model
   assert model["family"] == family
+  # its config.py preset loads back to the same keys: the family's published defaults fill none of them, also
+  # where the tiny model's value is base_config()'s (num_kv_heads 2; gpt_oss's default is 8)
+  from maxtrain import config as config_lib
+
+  loaded = config_lib.load([f"--config={root / 'mt' / 'config.py'}"]).model.to_dict()
+  assert {k: loaded[k] for k in model if k not in ("param_dtype",)} == {k: v for k, v in model.items()
+                                                                       if k not in ("param_dtype",)}
   assert (model.get("head_dim"), model.get("sliding_window", 0)) == {"qwen2": (0, 0), "qwen3": (16, 0),
                                                                        "mistral": (0, 6), "qwen3_moe": (16, 0),
                                                                        "gpt_oss": (16, 6), "deepseek_v3": (0, 0),
