@@ -7,6 +7,7 @@ comment beside it (`key_docs` reads those comments back for `--help` and the doc
 from __future__ import annotations
 
 import ast
+import contextvars
 import functools
 import inspect
 import io
@@ -14,6 +15,11 @@ import textwrap
 import tokenize
 
 import ml_collections
+
+# `model.*` values (dotted under model.) of the family whose published model a config file starts from: the
+# loader (config/loader.py) sets them while the file runs, so its base_config() is that model's and whatever
+# the file sets stays its own. Empty (llama, and every caller outside the loader): the keys as declared below.
+FAMILY_BASE: contextvars.ContextVar[dict] = contextvars.ContextVar("family_base", default={})
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -25,7 +31,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_every = 10  # Console line and TensorBoard scalars every N steps.
 
   c.model = m = ml_collections.ConfigDict()
-  m.family = "llama"  # Model family (docs/models.md): llama | qwen2 (q/k/v biases) | qwen3 (qk-norm) | mistral (sliding window on every layer) | gemma2 (Gemma's norms, soft-capping, alternating windows); see docs/models.md for all; a family's pieces are on whatever the keys below say.
+  m.family = "llama"  # Model family (docs/models.md): llama | qwen2 (q/k/v biases) | qwen3 (qk-norm) | mistral (sliding window on every layer) | gemma2 (Gemma's norms, soft-capping, alternating windows); see docs/models.md for all; a family's pieces are on whatever the keys below say; qwen3_moe, gpt_oss, deepseek_v3 default the keys below to their published model's (every key set in a file or on the command line wins).
   m.num_layers = 4  # Decoder blocks.
   m.d_model = 256  # Residual stream width.
   m.num_heads = 4  # Query heads; head_dim = d_model / num_heads unless model.head_dim is set.
@@ -291,7 +297,17 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.batches = 4  # Validation batches (of data.batch_size) per eval.
   c.eval.tasks = ""  # lm-eval tasks run with each eval, comma-separated (e.g. pycode_mc,pycode_ppl); "" = none.
   c.eval.tasks_include_path = ""  # A folder of extra lm-eval YAML tasks for eval.tasks; "" = the shipped ones only.
+  _set_model_keys(c, FAMILY_BASE.get())
   return c
+
+
+def _set_model_keys(c: ml_collections.ConfigDict, values: dict) -> None:
+  for key, value in values.items():
+    *sections, leaf = key.split(".")
+    node = c.model
+    for section in sections:
+      node = node[section]
+    node[leaf] = value
 
 
 def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:

@@ -40,6 +40,10 @@ class Family:
   module: Callable[..., nnx.Module] = decoder.Decoder  # (ModelConfig, *, rngs) -> the model
   window_layers: str = "all"  # WINDOW_PATTERNS: the layers model.sliding_window applies to
   validate: Callable[[Any], None] = lambda m: None  # family-specific UserErrors on config.model
+  # `config.model` keys (dotted below model.) of the family's published model: what `model.family=X` alone
+  # gives, under every key a config file or the command line sets. The module's `DEFAULTS` literal, which
+  # config/loader.py reads without importing the module (config loads without jax); {}: the declared keys.
+  defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> float:
     """Model FLOPs of one training token (ModelConfig.train_flops_per_token's convention); an "alternate"
