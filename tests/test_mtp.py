@@ -2,6 +2,7 @@
 packed batch, gradients into the MTP parameters, training through the entry point (the loss falls, per-depth
 metrics in TensorBoard, bitwise resume), and speculative greedy decoding drafted by it equal to plain greedy."""
 
+import functools
 from pathlib import Path
 
 import jax
@@ -18,10 +19,13 @@ T, V = 64, 96
 DOC = 40  # the packed batch: one document of positions 0..39, a second of 40..63
 
 
-def tiny_model(mtp_layers: int = 2, weight: float = 0.5, **kw):
+@functools.cache
+def tiny_model(mtp_layers: int = 2):
+  """1 layer, d_model 64, `mtp_layers` depths (loss weight 0.5), initialised in one jit (op by op: seconds)."""
   cfg = ModelConfig(num_layers=1, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, vocab_size=V, max_seq_len=T,
-                    attention="dot", mtp_layers=mtp_layers, mtp_loss_weight=weight, **kw)
-  return registry.build(cfg, rngs=nnx.Rngs(params=0))
+                    attention="dot", mtp_layers=mtp_layers, mtp_loss_weight=0.5)
+  graphdef, state = nnx.split(jax.jit(lambda: registry.build(cfg, rngs=nnx.Rngs(params=0)))())
+  return nnx.merge(graphdef, state)
 
 
 def packed_batch(b: int = 2) -> dict[str, jnp.ndarray]:
@@ -37,6 +41,13 @@ def packed_batch(b: int = 2) -> dict[str, jnp.ndarray]:
           "loss_mask": jnp.asarray(loss_mask)}
 
 
+def jitted(module, fn):
+  """fn(module, *args), jitted (op by op the model takes seconds)."""
+  graphdef, state = nnx.split(module)
+  call = jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
+  return lambda *args: call(state, *args)
+
+
 def numpy_mtp_ce(model, batch) -> list[tuple[float, float]]:
   """Per depth k: (the sum of -log p(token i+k+1) over the positions i whose token i+k+1 is a counted target of
   i's own document, their count), from the model's pieces: the embedding, norms, projection and head in NumPy,
@@ -47,13 +58,15 @@ def numpy_mtp_ce(model, batch) -> list[tuple[float, float]]:
   inputs, targets = np.asarray(batch["inputs"]), np.asarray(batch["targets"])
   mask = np.asarray(batch["loss_mask"])
   embed, head = np.asarray(model.embed[...]), np.asarray(model.head[...])
-  h = np.asarray(model.features(batch["inputs"], batch["segment_ids"], batch["positions"])[0])
+  h = np.asarray(jitted(model, lambda m, *a: m.features(*a)[0])(batch["inputs"], batch["segment_ids"],
+                                                                  batch["positions"]))
   out = []
   for k, layer in enumerate(model.mtp, start=1):
     nxt = np.concatenate([inputs[:, k:], np.zeros_like(inputs[:, :k])], axis=1)
     x = np.concatenate([rms(embed[nxt], np.asarray(layer.enorm.scale[...])),
                         rms(h, np.asarray(layer.hnorm.scale[...]))], -1) @ np.asarray(layer.eh_proj[...])
-    h = np.asarray(layer.block(jnp.asarray(x), batch["segment_ids"], batch["positions"])[0])
+    h = np.asarray(jitted(layer.block, lambda b, *a: b(*a)[0])(jnp.asarray(x), batch["segment_ids"],
+                                                                batch["positions"]))
     logits = rms(h, np.asarray(layer.norm.scale[...])) @ head
     logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) \
         - logits.max(-1, keepdims=True)
@@ -69,7 +82,7 @@ def numpy_mtp_ce(model, batch) -> list[tuple[float, float]]:
 
 
 def test_mtp_loss_equals_numpy_shifted_cross_entropy():
-  model = tiny_model(mtp_layers=2, weight=0.5)
+  model = tiny_model(2)
   batch = packed_batch()
   graphdef, params = nnx.split(model)
   objective, parts = jax.jit(lambda p: step_lib.loss_sums(graphdef, p, batch))(params)
@@ -86,7 +99,7 @@ def test_mtp_loss_equals_numpy_shifted_cross_entropy():
 
 
 def test_gradients_reach_every_mtp_parameter_and_mtp_off_is_the_plain_model():
-  model = tiny_model(mtp_layers=1)
+  model = tiny_model(2)
   batch = packed_batch()
   graphdef, params = nnx.split(model)
   grads = jax.jit(jax.grad(lambda p: step_lib.loss_sums(graphdef, p, batch)[0]))(params)
@@ -99,5 +112,70 @@ def test_gradients_reach_every_mtp_parameter_and_mtp_off_is_the_plain_model():
   assert all(v > 0 for v in mtp.values()), mtp
   # The MTP modules come after every other parameter: with them off the same seed builds the same model.
   named = lambda state: {param_name(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state)}
-  plain, full = named(nnx.state(tiny_model(mtp_layers=0))), named(nnx.state(model))
+  plain, full = named(nnx.state(tiny_model(0))), named(nnx.state(model))
   assert plain and all(np.array_equal(x, full[n]) for n, x in plain.items())
+
+
+def test_speculative_refuses_what_it_cannot_draft():
+  from maxtrain.errors import UserError
+  from maxtrain.inference import speculative
+  from maxtrain.inference.sampling import Sampling
+
+  with pytest.raises(UserError, match="model.mtp_layers=0"):
+    speculative.check(tiny_model(0).cfg, Sampling())
+  with pytest.raises(UserError, match="--temperature=0.7"):
+    speculative.check(tiny_model(2).cfg, Sampling(temperature=0.7))
+
+
+MTP_RUN = ["--config.model.mtp_layers=1", "--config.model.mtp_loss_weight=0.3", "--config.eval.every_steps=0",
+           "--config.log_every=1", "--config.checkpoint.every_steps=4", "--config.optimizer.lr=0.01",
+           "--config.optimizer.warmup_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def mtp_run(store, tmp_path_factory):
+  """8 steps of the tiny model with one MTP depth through the entry point (8 devices), checkpoints at 4 and 8."""
+  from maxtrain.cli import train
+  from tiny import TINY_MODEL
+
+  run = tmp_path_factory.mktemp("mtp") / "a"
+  assert train.main(TINY_MODEL + MTP_RUN + [f"--config.data.path={store}", "--config.steps=8",
+                                            f"--config.output_dir={run}"]) == 0
+  return run
+
+
+def test_training_with_mtp_falls_logs_each_depth_and_resumes_bitwise(mtp_run, store, tmp_path):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  from maxtrain.cli import train
+  from test_checkpoint import assert_bitwise_equal, losses, restore_raw
+  from tiny import TINY_MODEL
+
+  events = EventAccumulator(str(mtp_run / "tensorboard"))
+  events.Reload()
+  main = [e.value for e in events.Scalars("train/loss")]
+  mtp = [e.value for e in events.Scalars("train/mtp/loss_1")]
+  assert len(main) == len(mtp) == 8 and main[-1] < main[0] - 0.3 and mtp[-1] < mtp[0] - 0.3, (main, mtp)
+  # Stopped after step 4 of the same schedule, then resumed by a second run: bitwise the run that never stopped.
+  base = TINY_MODEL + MTP_RUN + [f"--config.data.path={store}", f"--config.output_dir={tmp_path / 'b'}"]
+  assert train.main(base + ["--config.steps=4", "--config.optimizer.decay_steps=8"]) == 0
+  assert train.main(base + ["--config.steps=8"]) == 0
+  assert_bitwise_equal(restore_raw(mtp_run / "checkpoints", 8), restore_raw(tmp_path / "b/checkpoints", 8))
+  assert losses(tmp_path / "b") == losses(mtp_run)
+
+
+def test_mtp_speculative_greedy_equals_plain_greedy(mtp_run, capsys):
+  """The production path (`load`: the run's 8-device mesh, prompt copies fill the batch shards): the drafted text
+  is plain greedy's, token for token; the entry point prints the acceptance rate."""
+  from maxtrain.cli import generate
+  from maxtrain.inference import sampling, speculative
+
+  generator, tokenizer, _ = sampling.load(str(mtp_run))
+  prompts = [tokenizer.encode("def main(argv):\n  "), tokenizer.encode("import jax\n")]
+  plain, _ = generator.generate(prompts, 24, sampling.Sampling())
+  drafted, stats = speculative.SpeculativeGenerator(generator).generate(prompts, 24)
+  assert drafted == plain and all(len(p) == 24 for p in plain)
+  assert 0 <= stats["acceptance_rate"] <= 1 and 24 <= stats["verify_calls"] * 2
+  assert generate.main(["--checkpoint", str(mtp_run), "--prompt", "def f(x):", "--max-new-tokens", "8",
+                        "--draft", "mtp"]) == 0
+  assert "mtp draft: acceptance rate" in capsys.readouterr().err

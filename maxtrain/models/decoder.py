@@ -148,7 +148,8 @@ class ModelConfig:
     2 matmuls x 2 FLOPs x N x H x (T + 1) / 2 forward, x 3 for training. Norms, RoPE and softmax
     are not counted (they are not matmuls; the convention of PaLM's MFU).
     MoE layers count their active parameters: the router, experts_per_token routed experts and the
-    shared experts (what one token is multiplied by), not all experts.
+    shared experts (what one token is multiplied by), not all experts. Multi-token prediction depths count
+    as one more layer, their projection and the output head each.
     """
     n, k, h, d = self.num_heads, self.num_kv_heads, self.head_dim, self.d_model
     attention_params = d * n * h * 2 + d * k * h * 2
@@ -161,6 +162,10 @@ class ModelConfig:
     matmul_params = (self.num_layers * attention_params + (self.num_layers - num_moe) * 3 * d * self.d_ff
                      + num_moe * moe_ffn + d * self.vocab_size)
     attention = self.num_layers * 3 * 2 * n * h * mean_keys_x2
+    if self.mtp_layers:  # each MTP depth: eh_proj [2D, D], one layer (MoE when the last one is), the head again
+      matmul_params += self.mtp_layers * (2 * d * d + attention_params + (moe_ffn if num_moe else 3 * d * self.d_ff)
+                                          + d * self.vocab_size)
+      attention += self.mtp_layers * 3 * 2 * n * h * mean_keys_x2
     return 6.0 * matmul_params + attention
 
   @classmethod
