@@ -14,6 +14,7 @@ from flax import nnx
 from maxtrain.models import registry
 from maxtrain.models.decoder import ModelConfig
 from maxtrain.program import step as step_lib
+from maxtrain.sharding.layout import param_name
 
 T, V = 64, 96
 DOC = 40  # the packed batch: one document of positions 0..39, a second of 40..63
@@ -179,3 +180,30 @@ def test_mtp_speculative_greedy_equals_plain_greedy(mtp_run, capsys):
   assert generate.main(["--checkpoint", str(mtp_run), "--prompt", "def f(x):", "--max-new-tokens", "8",
                         "--draft", "mtp"]) == 0
   assert "mtp draft: acceptance rate" in capsys.readouterr().err
+
+
+def test_mtp_speculative_greedy_of_a_random_deepseek_v3_equals_plain_greedy():
+  """MLA with the latent cache, a dense layer then a dropless MoE one, and the MTP depth a MoE layer too: random
+  weights (a varied text), one device; the drafted text is plain greedy's."""
+  from maxtrain.inference import sampling, speculative
+  from test_families import _model, base_moe
+
+  moe = {**base_moe(), "num_experts": 4, "dispatch": "dropless", "router": "sigmoid", "first_dense_layers": 1,
+         "num_shared_experts": 1}
+  mla = dict(kv_lora_rank=16, q_lora_rank=24, rope_head_dim=8, nope_head_dim=16, v_head_dim=12, rope_interleave=True,
+             softmax_mscale=1.0, latent_cache=True)
+  cfg = _model("deepseek_v3", moe=moe, mla=mla, mtp_layers=1, attention="dot")
+  graphdef, params = registry.abstract(cfg)
+  assert "mtp/0/block/moe/router" in {param_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)}
+  rng = np.random.default_rng(5)
+  params = jax.tree.map(lambda a: jnp.asarray(0.2 * rng.standard_normal(a.shape), a.dtype), params)
+  generator = sampling.Generator(nnx.merge(graphdef, params), jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)),
+                                 None)
+  prompts = [list(rng.integers(0, 128, 7)), list(rng.integers(0, 128, 12))]
+  plain, _ = generator.generate(prompts, 20, sampling.Sampling())
+  drafted, stats = speculative.SpeculativeGenerator(generator).generate(prompts, 20)
+  assert drafted == plain and len(set(plain[0] + plain[1])) > 5, plain
+  assert 0 <= stats["acceptance_rate"] <= 1
+  with pytest.raises(speculative.UserError, match="dispatch=dropless"):
+    speculative.check(_model("deepseek_v3", moe={**moe, "dispatch": "capacity", "num_experts": 8,
+                                                 "capacity_factor": 1.0}, mla=mla, mtp_layers=1), sampling.Sampling())

@@ -39,6 +39,11 @@ def check(cfg: Any, sampling: Sampling) -> None:
   if sampling.temperature != 0:
     raise UserError(f"--draft=mtp with --temperature={sampling.temperature}: speculative decoding here is greedy "
                     "only; use --temperature=0")
+  moe = cfg.moe
+  if moe.num_experts and moe.dispatch == "capacity" and moe.capacity(2) < 2:
+    raise UserError(f"--draft=mtp: model.moe.dispatch=capacity keeps {moe.capacity(2)} slot(s) per expert for the "
+                    "2-token verify call, so it could drop a token one-token decoding keeps (a different text); use "
+                    "--config.model.moe.dispatch=dropless or a larger model.moe.capacity_factor")
   if cfg.sliding_window:
     raise UserError(f"--draft=mtp: model.sliding_window={cfg.sliding_window} keeps a ring cache that a rejected "
                     "draft cannot roll back; decode without --draft")
@@ -105,7 +110,7 @@ class SpeculativeGenerator:
       return carry[6][:, :num_tokens], carry[8], carry[9]
 
     self._prefill = jax.jit(prefill, static_argnums=(2, 3))
-    self._decode = jax.jit(decode_loop, static_argnums=(7, 8), donate_argnums=(3, 4, 5, 6))
+    self._decode = jax.jit(decode_loop, static_argnums=(7, 8))
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
                eos_ids: Sequence[int] = (), vocab_limit: int | None = None) -> tuple[list[list[int]], dict]:
@@ -116,11 +121,12 @@ class SpeculativeGenerator:
     vocab_limit = vocab_limit or g.cfg.vocab_size
     eos, out, calls, accepted = set(eos_ids), [], 0, 0
     prefill_s = decode_s = 0.0
+    # The verify call writes up to slot P + N, the token buffer one further; one length for every prompt: the
+    # decode loop compiles once (the prefill once per prompt length).
+    length = max(len(p) for p in prompts) + max_new_tokens + 2
     with jax.set_mesh(g.mesh):
       for prompt in prompts:
         tokens_BT = np.tile(np.asarray(prompt, np.int32)[None], (g.batch_multiple, 1))
-        # the verify call writes up to slot P + N, the token buffer one further
-        length = len(prompt) + max_new_tokens + 2
         t0 = time.monotonic()
         state = self._prefill(g.params, tokens_BT, length, vocab_limit)
         jax.block_until_ready(state)
