@@ -207,3 +207,107 @@ def test_mtp_speculative_greedy_of_a_random_deepseek_v3_equals_plain_greedy():
   with pytest.raises(speculative.UserError, match="dispatch=dropless"):
     speculative.check(_model("deepseek_v3", moe={**moe, "dispatch": "capacity", "num_experts": 8,
                                                  "capacity_factor": 1.0}, mla=mla, mtp_layers=1), sampling.Sampling())
+
+
+@pytest.fixture(scope="module")
+def hf_with_mtp(tmp_path_factory):
+  """A random transformers DeepseekV3ForCausalLM of 3 layers saved as a 2-layer model with one MTP layer, as the
+  published checkpoints hold it: layer 2's tensors plus enorm, hnorm, eh_proj, shared_head.norm and the copies of
+  the embedding and the head; num_nextn_predict_layers=1. Returns (dir, the 3-layer torch model, MTP tensors)."""
+  import json
+
+  import torch
+  from safetensors.torch import load_file, save_file
+  from test_families import make_family_model
+
+  root = tmp_path_factory.mktemp("hf_mtp")
+  hf = make_family_model(root / "hf3", "deepseek_v3", num_hidden_layers=3)
+  d = hf.config.hidden_size
+  torch.manual_seed(2)
+  extra = {"model.layers.2.enorm.weight": 1 + 0.1 * torch.randn(d), "model.layers.2.hnorm.weight": 1 + 0.1 * torch.randn(d),
+           "model.layers.2.eh_proj.weight": 0.2 * torch.randn(d, 2 * d),
+           "model.layers.2.shared_head.norm.weight": 1 + 0.1 * torch.randn(d)}
+  # as save_pretrained writes them (transformers 5 holds the experts fused in memory, one tensor per expert on disk)
+  tensors = {}
+  for f in sorted((root / "hf3").glob("*.safetensors")):
+    tensors.update(load_file(str(f)))
+  tensors.update(extra)
+  tensors["model.layers.2.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+  tensors["model.layers.2.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+  out = root / "hf"
+  out.mkdir()
+  save_file(tensors, str(out / "model.safetensors"))
+  config = json.loads((root / "hf3" / "config.json").read_text())
+  (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2, "num_nextn_predict_layers": 1}))
+  return out, hf, extra
+
+
+def test_from_hf_reads_deepseek_mtp_layer_against_transformers_and_to_hf_drops_it(hf_with_mtp, tmp_path, caplog):
+  """from-hf maps the MTP layer (its MoE block included) to model.mtp_layers=1: the depth's logits equal the same
+  computation in torch with transformers' own decoder layer (atol 1e-4 x the logits' scale); to-hf leaves it out
+  with a logged line; a config without it (num_nextn_predict_layers=0) ignores it with a logged line."""
+  import json
+  import logging
+
+  import torch
+
+  from maxtrain.interop import hf_export, hf_import
+  from maxtrain.interop.sources import open_source
+  from test_interop import maxtrain_model
+
+  hf_dir, hf, extra = hf_with_mtp
+  hf_import.from_hf(hf_dir, tmp_path / "mt")
+  source = open_source(tmp_path / "mt")
+  assert source.model["mtp_layers"] == 1 and "mtp/0/block/moe/gate" in source.names()
+  model = maxtrain_model(source)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, hf.config.vocab_size, (2, 12)).astype(np.int32)
+  seg, pos = np.ones_like(tokens), np.broadcast_to(np.arange(12), tokens.shape)
+  graphdef, state = nnx.split(model)
+  ours = np.asarray(jax.jit(lambda s: (lambda m: m._logits(m.mtp_features(m.features(tokens, seg, pos)[0], tokens, seg,
+                                                                          pos)[0]))(nnx.merge(graphdef, s)))(state))
+
+  # torch: layer 1's output, the final norm: h0; then layer 2 (transformers' DeepseekV3DecoderLayer) fed
+  # eh_proj([enorm(embed(next token)); hnorm(h0)]), the shared head's norm and the head.
+  def rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + hf.config.rms_norm_eps) * w
+
+  layers, captured = hf.model.layers, {}
+  first = lambda out: out[0] if isinstance(out, tuple) else out
+  hook = layers[1].register_forward_hook(lambda mod, args, out: captured.update(h=first(out)))
+  t = torch.tensor(tokens)
+  with torch.no_grad():
+    hf(t)
+    hook.remove()
+    h0 = hf.model.norm(captured["h"])
+    nxt = torch.cat([t[:, 1:], torch.zeros_like(t[:, :1])], 1)
+    x = torch.cat([rms(hf.model.embed_tokens(nxt), extra["model.layers.2.enorm.weight"]),
+                   rms(h0, extra["model.layers.2.hnorm.weight"])], -1) @ extra["model.layers.2.eh_proj.weight"].T
+
+    def feed(mod, args, kwargs):
+      return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    hook = layers[2].register_forward_pre_hook(feed, with_kwargs=True)
+    hf.model.norm.weight.copy_(extra["model.layers.2.shared_head.norm.weight"])
+    ref = hf(t).logits.numpy()
+    hook.remove()
+  V = hf.config.vocab_size
+  np.testing.assert_allclose(ours[:, :-1, :V], ref[:, :-1], rtol=0, atol=1e-4 * np.abs(ref).max())
+
+  caplog.set_level(logging.INFO, logger="maxtrain")
+  hf_export.to_hf(tmp_path / "mt", tmp_path / "hf2")
+  assert "dropped the" in caplog.text and "multi-token-prediction" in caplog.text
+  from maxtrain.interop.safetensors_io import Reader
+
+  assert not [n for n in Reader(tmp_path / "hf2").names() if n.startswith("model.layers.2.")]
+  assert json.loads((tmp_path / "hf2" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+  # The same checkpoint, its config counting no MTP layer: the layer is not read, and said so.
+  config = json.loads((hf_dir / "config.json").read_text())
+  (hf_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+  caplog.clear()
+  try:
+    assert open_source(hf_dir).model["mtp_layers"] == 0
+  finally:
+    (hf_dir / "config.json").write_text(json.dumps(config))
+  assert "not read (model.layers.2." in caplog.text
