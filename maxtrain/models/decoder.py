@@ -409,13 +409,14 @@ class Decoder(nnx.Module):
     return x_BTD, moe_stats
 
   def mtp_features(self, x_BTD: jax.Array, tokens_BT: jax.Array, segment_ids_BT: jax.Array,
-                   positions_BT: jax.Array) -> list[jax.Array]:
+                   positions_BT: jax.Array, order: Any = None) -> list[jax.Array]:
     """Per multi-token-prediction depth k = 1..K (models/mtp.py), the normed hidden states [B, T, D] whose head
     predicts token t_{i+k+1} at position i; `x_BTD` is `features`' output, `tokens_BT` the inputs (the depth
-    reads the embedding of t_{i+k}: the inputs shifted by k, padded with token 0 past the end)."""
+    reads the embedding of t_{i+k}: the inputs shifted by k, padded with token 0 past the end); `order`: the
+    sequence order of the length dim's positions (context parallelism's layout; None: natural)."""
     out, h_BTD = [], x_BTD
     for k, layer in enumerate(self.mtp, start=1):
-      e_BTD = self._embed(mtp_lib.shift_left(tokens_BT, k))
+      e_BTD = self._embed(mtp_lib.shift_left(tokens_BT, k, order=order))
       h_BTD, normed_BTD, _ = layer(h_BTD, e_BTD, segment_ids_BT, positions_BT)
       out.append(normed_BTD)
     return out

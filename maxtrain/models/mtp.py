@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from maxtrain.models.layers import project
@@ -52,18 +53,29 @@ class MTPLayer(nnx.Module):
     return x_BTD, self.norm(x_BTD), cache
 
 
-def shift_left(a_BT: jax.Array, k: int, fill: int | bool = 0) -> jax.Array:
-  """a[:, i + k] at position i; `fill` past the end."""
+def shift_left(a_BT: jax.Array, k: int, fill: int | bool = 0, order: np.ndarray | None = None) -> jax.Array:
+  """The element k tokens later in the sequence at each position; `fill` past the end. `order`: the sequence
+  order of the array's positions (position j holds token order[j]: the context-parallel layout,
+  sharding/context_attention.py zigzag_order), None: the natural order."""
   if k == 0:
     return a_BT
-  pad = jnp.full((a_BT.shape[0], k), fill, a_BT.dtype)
-  return jnp.concatenate([a_BT[:, k:], pad], axis=1)
+  if order is None:
+    pad = jnp.full((a_BT.shape[0], k), fill, a_BT.dtype)
+    return jnp.concatenate([a_BT[:, k:], pad], axis=1)
+  order = np.asarray(order)
+  later, inverse = order + k, np.argsort(order)  # token order[j] + k is at position inverse[order[j] + k]
+  inside = later < len(order)
+  index = np.where(inside, inverse[np.minimum(later, len(order) - 1)], 0)
+  return jnp.where(jnp.asarray(inside)[None], jnp.take(a_BT, jnp.asarray(index), axis=1),
+                   jnp.asarray(fill, a_BT.dtype))
 
 
-def depth_targets(batch: dict[str, jax.Array], k: int) -> tuple[jax.Array, jax.Array]:
+def depth_targets(batch: dict[str, jax.Array], k: int, order: np.ndarray | None = None) -> tuple[jax.Array, jax.Array]:
   """(targets, loss mask) of depth k (1-based): position i predicts targets[i + k] = token t_{i+k+1}, counted where
-  that target is a loss token and still in position i's document (same segment), and inside the sequence."""
-  targets_BT = shift_left(batch["targets"], k)
-  same_BT = shift_left(batch["segment_ids"], k, -1) == batch["segment_ids"]
-  mask_BT = shift_left(batch["loss_mask"].astype(jnp.float32), k) * same_BT.astype(jnp.float32)
+  that target is a loss token and still in position i's document (same segment), and inside the sequence;
+  `order`: as `shift_left`'s."""
+  shift = lambda a, fill=0: shift_left(a, k, fill, order)
+  targets_BT = shift(batch["targets"])
+  same_BT = shift(batch["segment_ids"], -1) == batch["segment_ids"]
+  mask_BT = shift(batch["loss_mask"].astype(jnp.float32)) * same_BT.astype(jnp.float32)
   return targets_BT, mask_BT

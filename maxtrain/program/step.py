@@ -20,7 +20,7 @@ from maxtrain.optim import optimizer as optim
 from maxtrain.models import moe as moe_lib
 from maxtrain.models import mtp as mtp_lib
 from maxtrain.models.moe import MoEConfig
-from maxtrain.sharding import pipeline as pipeline_lib
+from maxtrain.sharding import context_attention, pipeline as pipeline_lib
 from maxtrain.sharding import rules as sharding_rules
 from maxtrain.program.state import TrainState
 
@@ -62,9 +62,12 @@ def mtp_parts(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, x_BTD: ja
   if not model.cfg.mtp_layers:
     return {}
   parts = {}
-  features = model.mtp_features(x_BTD, batch["inputs"], batch["segment_ids"], batch["positions"])
+  # Context parallelism lays each sequence out in its load-balancing order (program/batch.py context_order):
+  # "k tokens later" is counted in the sequence's own order.
+  order = context_attention.zigzag_order(x_BTD.shape[1], length_shards) if length_shards > 1 else None
+  features = model.mtp_features(x_BTD, batch["inputs"], batch["segment_ids"], batch["positions"], order)
   for k, h_BTD in enumerate(features, start=1):
-    targets_BT, mask_BT = mtp_lib.depth_targets(batch, k)
+    targets_BT, mask_BT = mtp_lib.depth_targets(batch, k, order)
     ce_BT, _ = _head(model, h_BTD, targets_BT, chunk_tokens, batch_shards, length_shards)
     parts[f"mtp_ce_{k}"], parts[f"mtp_count_{k}"] = jnp.sum(ce_BT * mask_BT), jnp.sum(mask_BT)
   return parts
