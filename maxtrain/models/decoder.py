@@ -7,6 +7,8 @@ num_heads (`head_dim`), sliding-window attention (`sliding_window`, on the layer
 The layers form up to two stacks: `blocks` (dense SwiGLU: all layers of a dense model, the first
 `model.moe.first_dense_layers` of a MoE one) then `moe_blocks` (mixture of experts, `models/moe.py`).
 Each stack is scanned on its own (`model.scan_layers`), so compile time stays independent of depth.
+`model.mtp_layers` > 0 adds multi-token-prediction depths after them (`mtp`, models/mtp.py): `mtp_features` in
+training, `mtp_decode` over its own cache as a speculative draft.
 
 One model, several modes: training and evaluation call the model on whole sequences; generation
 (`inference/sampling.py`) calls `decode` with a KV cache (`init_cache`): a prefill of the prompts, then
