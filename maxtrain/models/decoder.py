@@ -201,7 +201,7 @@ def validate(m: Any) -> None:
     require((m.d_model // m.num_heads) % 2 == 0,
             f"head_dim = model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even for RoPE")
   require(m.sliding_window >= 0, f"config.model.sliding_window={m.sliding_window}: must be >= 0 (0: off)")
-  require(m.sliding_window == 0 or m.attention not in ("cudnn", "nki"),
+  require(m.sliding_window == 0 or m.attention != "nki",
           f"config.model.attention={m.attention} has no sliding window: use model.attention=flash, blocked or dot "
           f"with model.sliding_window={m.sliding_window}")
   require(not m.get("attention_sinks") or m.attention in ("dot", "flash", "auto"),

@@ -61,6 +61,7 @@ CRASH = "crash"  # An attempt died: code, reason (written by the supervisor or a
 RESTART = "restart"  # Supervisor launches a new attempt (its `attempt`); backoff_s, reason.
 EXIT = "exit"  # A process is exiting: code (see DESIGN.md exit codes).
 DATA_REPEAT = "data_repeat"  # A source was read past data.max_epochs: source, epochs, max_epochs.
+MODEL_CHANGE = "resume_model_change"  # Resumed under config.model keys that change the model's function (checkpoint.resume_new_model): changes.
 DATA_CHANGE = "data_change"  # Resumed on other post-training data (post.resume_new_data): change.
 
 KINDS = (JOB_START, COMPILE_START, COMPILE_END, FIRST_STEP, STEPS, EVAL, CHECKPOINT_SAVE_START, CHECKPOINT_BLOCKED,

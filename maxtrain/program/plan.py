@@ -239,16 +239,17 @@ def stage_config(cfg: ml_collections.ConfigDict, batch_size: int, seq_len: int) 
 
 
 def _validate_expert_parallel(moe: Any, layout: Layout, mesh_layout: mesh_lib.MeshLayout) -> None:
-  """Expert parallelism needs routed experts, fixed-capacity messages and whole sequences per device."""
-  if layout.shards("experts") == 1:
+  """Expert parallelism needs routed experts that divide over the expert shards and whole sequences per device."""
+  shards = layout.shards("experts")
+  if shards == 1:
     return
   where = f"mesh {mesh_layout.describe()} splits experts over {layout.describe('experts')}"
   require(moe.num_experts > 0, f"{where}, but config.model.moe.num_experts=0 (a dense model): set model.moe.num_experts "
           "or make that mesh axis 1")
-  require(moe.dispatch == "capacity", f"{where}: config.model.moe.dispatch={moe.dispatch!r} needs ragged all-to-all "
-          "messages, which maxtrain does not implement (XLA:CPU cannot run them). Use model.moe.dispatch=capacity.")
-  require(layout.shards("act_length") == 1, f"{where} and sequences over {layout.describe('act_length')}: capacity "
-          "slots are per whole sequence. Use one of the two.")
+  require(moe.num_experts % shards == 0, f"{where} ({shards} shards), which does not divide "
+          f"config.model.moe.num_experts={moe.num_experts}: make the expert shards a divisor of it")
+  require(layout.shards("act_length") == 1, f"{where} and sequences over {layout.describe('act_length')}: expert "
+          "parallelism routes whole sequences per device (capacity slots are per sequence). Use one of the two.")
 
 
 def _validate_fleet(cfg: ml_collections.ConfigDict, num_processes: int) -> None:
