@@ -72,6 +72,8 @@ def base_config() -> ml_collections.ConfigDict:
   m.attention_block_kv = 128  # flash: key columns per block.
   m.param_dtype = "float32"  # Storage dtype of parameters.
   m.compute_dtype = "float32"  # Matmul dtype (bf16 on accelerators; fp32 is faster on CPU).
+  m.mtp_layers = 0  # Multi-token prediction depths (DeepSeek-V3: 1): depth k predicts token t+k+1 through one more block of the family (models/mtp.py); 0 = off.
+  m.mtp_loss_weight = 0.3  # Weight of the mean over depths of the MTP cross-entropy in the objective (DeepSeek-V3: 0.3, later 0.1).
   m.loss_chunk_tokens = -1  # Chunked cross-entropy, tokens per device per chunk (no full [B,T,V] logits); 0 = off; -1 = auto (2048 when vocab_size >= 4096).
   m.quantization = "none"  # Low-precision matmuls: none | fp8 (E4M3 forward, E5M2 gradients; H100/H200, CPU emulated) | int8 (forward only); docs/low_precision.md.
   m.quant_kinds = "attention,mlp,experts"  # Matmul kinds model.quantization applies to, of attention, mlp, experts, head.

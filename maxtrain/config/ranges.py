@@ -104,6 +104,7 @@ RANGES: dict[str, Range] = {
     "model.moe.capacity_factor": above(0), "model.moe.aux_loss_weight": WEIGHT,
     "model.moe.router_z_loss_weight": WEIGHT, "model.moe.bias_update_rate": WEIGHT,
     "model.moe.collapse_entropy": FRACTION, "model.moe.collapse_steps": COUNT0,
+    "model.mtp_layers": COUNT0, "model.mtp_loss_weight": WEIGHT,  # 0 = no multi-token prediction
     # mesh and pipeline
     **{f"mesh.{axis}": MESH for axis, size in base_config().mesh.items() if isinstance(size, int)},  # every axis
     "pipeline.microbatches": COUNT, "pipeline.repeats": COUNT,

@@ -7,8 +7,10 @@ scaling the softmax too (model.mla.softmax_mscale).
 HF `DeepseekV3ForCausalLM`: the experts one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, as
 transformers 4.x and 5.x save them), stacked; the MoE layers' HF indices start after the dense ones.
 Published checkpoints are FP8 with block scales (`quantization_config`, `weight_scale_inv`): dequantised on
-import (interop/dequant.py). Multi-token prediction layers (`num_nextn_predict_layers`,
-HF layer `num_hidden_layers`) are not read: HF's class has no place for them either.
+import (interop/dequant.py). Multi-token prediction layers (`num_nextn_predict_layers`: HF layer
+`num_hidden_layers` + j; enorm, hnorm, eh_proj, shared_head.norm and a MoE layer) become `model.mtp_layers` depths
+(models/mtp.py; names: hf_adapter.mtp_tensors) when the checkpoint holds them (transformers' save_pretrained writes
+none); `to-hf` leaves them out, said in a logged line: transformers' class has no place for them.
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ def _pieces_in(hf: dict, where: str) -> dict:
                   v_head_dim=_int(hf, where, "v_head_dim"), rope_interleave=bool(hf.get("rope_interleave", True)),
                   softmax_mscale=softmax_mscale)
   return {"family": "deepseek_v3", "moe": dataclasses.asdict(moe), "mla": dataclasses.asdict(mla), "head_dim": 0,
-          "num_kv_heads": hf["num_attention_heads"]}
+          "num_kv_heads": hf["num_attention_heads"],
+          "mtp_layers": _int(hf, where, "num_nextn_predict_layers", allow_zero=True, default=0)}
 
 
 def _pieces_out(m: dict, where: str) -> dict:

@@ -265,7 +265,7 @@ def update_router_bias(params: nnx.State, load_LE: jax.Array, rate: float) -> nn
 
   def update(path, leaf):
     name = param_name(path)
-    if not is_router_bias(name):
+    if not is_router_bias(name) or name.startswith("mtp/"):  # an MTP depth's MoE keeps its bias (load_LE has no row)
       return leaf
     if leaf.ndim == 2:
       return leaf + step_LE
