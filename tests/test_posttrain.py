@@ -1,5 +1,6 @@
 """Post-training through the real entry point, one short run per RL algorithm of the registry (the
-tiny model, 2 rounds; the runs share the process's persistent compilation cache), plus what the plan
+tiny model, 2 rounds; the runs share the process's persistent compilation cache), each resumed bitwise
+(PPO and DAPO after a SIGKILL) and each rolling back a NaN round and a gradient-norm spike, plus what the plan
 knows of the mode: a cosine schedule in an RL run decays over its optimizer updates (the learning rate
 read at the last update), several weighted rewards each logged on their own, DAPO's dynamic sampling
 draws, `maxtrain.compile` compiles the RL step, and a pipelined mesh is exit 2 for RL."""
