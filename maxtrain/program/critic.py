@@ -10,7 +10,7 @@ before t and s_t their summed log-probability under the policy (the prefix's lik
 known before token t is drawn). Why e: on a terminal reward the value of a prefix is mostly whether the
 sample has strayed from what the policy would say, which the features h do not show linearly. On the
 arithmetic task from the SFT checkpoint (docs/post_training.md) a least-squares fit of the Monte Carlo
-returns on h alone predicts held-out prompts worse than a constant (explained variance -0.04 to -0.09),
+returns on h alone predicts held-out prompts worse than a constant (explained variance -0.02 to -0.09),
 on e alone it explains +0.17. So w learns at 1/100 of the head's rate (W_LR_RATIO): at the same rate its
 256 noisy directions drown e (explained variance -0.05 instead of +0.17 over the same rollouts).
 
