@@ -1,12 +1,18 @@
 """Post-training through the real entry point, one short run per RL algorithm of the registry (the
-tiny model, 2 rounds; the runs share the process's persistent compilation cache), plus what the plan
+tiny model, 2 rounds; the runs share the process's persistent compilation cache), each resumed bitwise
+(PPO and DAPO after a SIGKILL) and each rolling back a NaN round and a gradient-norm spike, plus what the plan
 knows of the mode: a cosine schedule in an RL run decays over its optimizer updates (the learning rate
 read at the last update), several weighted rewards each logged on their own, DAPO's dynamic sampling
 draws, `maxtrain.compile` compiles the RL step, and a pipelined mesh is exit 2 for RL."""
 
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +24,7 @@ from maxtrain.cli import train
 from maxtrain.monitor.events import read_events
 from maxtrain.posttrain import algorithms
 from maxtrain.posttrain.rl import ROLLOUTS_FILE
-from test_checkpoint import assert_bitwise_equal, restore_raw
+from test_checkpoint import REPO, assert_bitwise_equal, restore_raw
 from tiny import TINY_MODEL
 
 P, G = 4, 4
@@ -51,6 +57,18 @@ def scalars(out):
 
 def rounds(out):
   return [json.loads(line) for line in (out / ROLLOUTS_FILE).read_text().splitlines()]
+
+
+# Their state differs from GRPO's (SIGKILLed in test_grpo.py): PPO's critic, DAPO's dynamic sampling draws.
+SIGKILLED = ("ppo", "dapo")
+
+
+def child_env():
+  """A child process that imports this directory's reward functions and compiles this process's programs."""
+  import jax
+
+  return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]]),
+          "JAX_DEFAULT_MATMUL_PRECISION": str(jax.config.jax_default_matmul_precision)}
 
 
 @pytest.mark.parametrize("name", sorted(algorithms.ALGORITHMS))
@@ -110,22 +128,42 @@ def test_each_algorithm_runs_through_the_entry_point(name, tmp_path, capsys):
     value_loss, explained = [v for _, v in tb["rl/value_loss"]], [v for _, v in tb["rl/explained_variance"]]
     assert np.mean(value_loss[-3:]) < 0.6 * value_loss[0], value_loss
     assert explained[0] == 0.0 and all(math.isfinite(v) and v <= 1 for v in explained)
-  # Resumed from the round before the last (DAPO: its dynamic sampling moved the prompt position by its
-  # draws): the last round samples the same completions and ends bit for bit where the run did.
-  again = tmp_path / "resumed"
-  shutil.copytree(out, again)
-  shutil.rmtree(again / "checkpoints" / str(steps))
-  (again / ROLLOUTS_FILE).write_text("")
-  assert train.main(args(again)) == 0
-  assert rounds(again) == done[-1:]
-  assert_bitwise_equal(restore_raw(out / "checkpoints", steps), restore_raw(again / "checkpoints", steps))
-  if name == "reinforce_pp":  # the guards inside another algorithm: a NaN round is skipped, then rolled back
-    faulty = tmp_path / "faulty"
-    assert train.main(args(faulty, "--config.faults.nan_at_step=2", "--config.guards.max_consecutive_bad=2")) == 0
-    kinds = [(r["kind"], r["step"], r.get("update")) for r in read_events(faulty / "events.jsonl")
-             if r["kind"] in ("nan_skip", "rollback")]
-    assert kinds == [("nan_skip", 2, 1), ("nan_skip", 2, 2), ("rollback", 1, None)]
-    assert [(r["round"], r["position"]) for r in rounds(faulty)] == [(1, 0), (2, 1), (2, 2)]
+  if name in SIGKILLED:
+    # SIGKILLed after the last round (its checkpoint not written), resumed: the last round samples the same
+    # completions again and ends bit for bit where the run did, the critic's tree and Adam state included.
+    killed, kill = tmp_path / "killed", f"--config.faults.kill_at_step={steps}"
+    run = subprocess.run([sys.executable, "-m", "maxtrain.train", *args(killed, kill)], cwd=REPO, env=child_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+    assert not (killed / "checkpoints" / str(steps)).exists()
+    assert train.main(args(killed, kill)) == 0  # the fault fires once
+    assert rounds(killed) == done + done[-1:]
+    assert_bitwise_equal(restore_raw(out / "checkpoints", steps), restore_raw(killed / "checkpoints", steps))
+  else:
+    # Resumed in process from the round before the last (their state is GRPO's, whose SIGKILL test is in
+    # test_grpo.py): the last round samples the same completions and ends bit for bit where the run did.
+    again = tmp_path / "resumed"
+    shutil.copytree(out, again)
+    shutil.rmtree(again / "checkpoints" / str(steps))
+    (again / ROLLOUTS_FILE).write_text("")
+    assert train.main(args(again)) == 0
+    assert rounds(again) == done[-1:]
+    assert_bitwise_equal(restore_raw(out / "checkpoints", steps), restore_raw(again / "checkpoints", steps))
+  # The guards inside the algorithm: round 2 is NaN (both updates skipped in graph, then a rollback to round
+  # 1's checkpoint); round 3's gradients are x1e4, a gradient-norm spike past the 2-update warmup (rolled
+  # back to round 2's); the redone rounds draw the next prompts, and the run ends at its last round.
+  faulty = tmp_path / "faulty"
+  assert train.main(args(faulty, "--config.steps=3", "--config.faults.nan_at_step=2", "--config.guards.max_consecutive_bad=2",
+                         "--config.faults.spike_at_step=3", "--config.faults.spike_factor=1e4",
+                         "--config.guards.spike_warmup=2", "--config.guards.spike_action=rollback")) == 0
+  kinds = [(r["kind"], r["step"], r.get("update")) for r in read_events(faulty / "events.jsonl")
+           if r["kind"] in ("nan_skip", "spike", "rollback")]
+  assert kinds == [("nan_skip", 2, 1), ("nan_skip", 2, 2), ("rollback", 1, None), ("spike", 3, 1), ("rollback", 2, None)]
+  positions = [(r["round"], r["position"]) for r in rounds(faulty)]
+  draws = 2 if name == "dapo" else 1  # DAPO may draw twice a round (post.max_draws=2 here)
+  assert [r for r, _ in positions] == [1, 2, 2, 3, 3] and all(b > a for (_, a), (_, b) in zip(positions, positions[1:]))
+  assert positions[0][1] == 0 and positions[-1][1] <= 4 * draws
+  assert json.loads((faulty / "summary.json").read_text())["steps"] == 3
 
 
 @pytest.mark.parametrize("name", ["grpo", "ppo"])

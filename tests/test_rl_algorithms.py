@@ -269,3 +269,34 @@ def test_bad_algorithm_settings_are_user_errors():
     algorithms.resolve(post_cfg("--config.post.clip_eps_high=-0.5"))
   with pytest.raises(UserError, match="post.overlong_buffer=9"):
     algorithms.resolve(post_cfg("--config.post.algorithm=dapo", "--config.post.overlong_buffer=9"))
+
+
+def test_ppo_critic_values_match_numpy():
+  """V_t = w . h_t + u . e_t + b with e_t from the completion tokens before t only (program/critic.py)."""
+  from maxtrain.program import critic
+
+  rng = np.random.default_rng(7)
+  B, D, L = 3, 5, 6
+  mask = np.zeros((B, T), np.float32)
+  for row, (start, n) in enumerate([(1, 4), (0, 7), (3, 2)]):  # completions at different offsets and lengths
+    mask[row, start:start + n] = 1.0
+  logp = rng.normal(-1.0, 0.5, (B, T)).astype(np.float32)
+  x = rng.normal(0, 1, (B, T, D)).astype(np.float32)
+  head = {"w": rng.normal(0, 0.1, D).astype(np.float32), "u": np.array([0.3, -0.5, 0.7], np.float32),
+          "b": np.float32(0.2)}
+  got = np.asarray(critic.values(head, jnp.asarray(x), jnp.asarray(logp), jnp.asarray(mask), L))
+  expected = np.zeros((B, T))
+  for row in range(B):
+    s = k = 0.0
+    for t in range(T):
+      e = np.array([s, np.exp(s), k / L])
+      expected[row, t] = x[row, t] @ head["w"] + e @ head["u"] + head["b"]
+      if mask[row, t]:  # token t joins the prefix of the positions after it
+        s, k = s + float(logp[row, t]), k + 1
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+  # The critic's optimizer: w (the features' weights) moves at 1/100 of the head's rate.
+  tx = critic.with_critic(dataclasses.make_dataclass("O", [("tx", object)])(tx=None), D, 1e-2).tx.critic_tx
+  params = {"w": jnp.zeros(D), "u": jnp.zeros(3), "b": jnp.zeros(())}
+  updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+  np.testing.assert_allclose(np.asarray(updates["w"]), -1e-4, rtol=1e-3)
+  np.testing.assert_allclose(np.asarray(updates["u"]), -1e-2, rtol=1e-3)

@@ -291,7 +291,7 @@ def base_config() -> ml_collections.ConfigDict:
   p.gamma = 1.0  # rl, ppo: GAE discount per token.
   p.lam = 0.95  # rl, ppo: GAE lambda (1 = Monte Carlo returns, 0 = one-step TD).
   p.value_clip = 0.2  # rl, ppo: the new value is clipped to old value +- value_clip in the value loss.
-  p.critic_lr = 1e-3  # rl, ppo: Adam learning rate of the critic (a value head on the policy's features), constant.
+  p.critic_lr = 1e-2  # rl, ppo: Adam learning rate of the critic's value head (its weights on the features: 1/100 of it), constant.
   p.temperature = 1.0  # rl: rollout sampling temperature (1 = the policy itself).
   p.negate_reward = False  # rl: train on minus the reward (a control: the reward must drive learning).
   p.log_rollouts = False  # rl: append each round's prompts, completions and rewards to <output_dir>/rollouts.jsonl.

@@ -39,13 +39,13 @@ def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: dict, **chu
   return -ce_BT
 
 
-def make_values(graphdef: nnx.GraphDef, rules: sharding_rules.Rules | None = None,
+def make_values(graphdef: nnx.GraphDef, max_new_tokens: int, rules: sharding_rules.Rules | None = None,
                 **chunking) -> Callable[[nnx.State, dict, dict], jax.Array]:
   """values(params, critic head, batch) -> V per position, fp32 [B, T] (the critic at the rollout)."""
   def values(params, head, batch):
     with sharding_rules.activate(rules):
-      x_BTD = step_lib.head_losses_and_features(graphdef, params, batch, **chunking)[4]
-      return critic_lib.values(head, x_BTD)
+      ce_BT, _, _, _, x_BTD = step_lib.head_losses_and_features(graphdef, params, batch, **chunking)
+      return critic_lib.values(head, x_BTD, -ce_BT, batch["loss_mask"], max_new_tokens)
   return values
 
 
@@ -78,8 +78,9 @@ def make_rl_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, algorithm: 
     logp_BT = -ce_BT
     old = jax.lax.stop_gradient(logp_BT) if on_policy else batch["old_logp"]
     loss, metrics = algorithm.loss(logp_BT, old, batch["ref_logp"], batch["advantages"], batch["loss_mask"], hp)
-    v_loss, v_metrics = algorithm.value_loss(critic_lib.values(head, x_BTD), batch["old_values"], batch["returns"],
-                                             batch["loss_mask"], hp)
+    # The prefix features from this pass's log-probs, as `make_values` reads them at the rollout.
+    v_BT = critic_lib.values(head, x_BTD, logp_BT, batch["loss_mask"], hp.max_new_tokens)
+    v_loss, v_metrics = algorithm.value_loss(v_BT, batch["old_values"], batch["returns"], batch["loss_mask"], hp)
     return loss + v_loss, (loss, {**metrics, **v_metrics})
 
   def rl_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
@@ -151,7 +152,7 @@ def build(program: Any, algorithm: Algorithm, hp: Hyper, *, on_policy: bool) -> 
                      in_shardings=(spec.shardings.params, batch_shardings), out_shardings=rows)
   values = None
   if algorithm.critic:
-    values = jax.jit(make_values(spec.graphdef, layout.rules, **chunking),
+    values = jax.jit(make_values(spec.graphdef, hp.max_new_tokens, layout.rules, **chunking),
                      in_shardings=(spec.shardings.params, spec.shardings.opt_state.params, batch_shardings),
                      out_shardings=rows)
   guards_cfg = program.cfg.guards

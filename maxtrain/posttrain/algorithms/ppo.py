@@ -1,9 +1,9 @@
 """PPO with a critic (Schulman et al. 2017; the RLHF recipe of Ouyang et al. 2022): advantages from a
 learned value function by GAE, instead of a group baseline.
 
-The critic (`program/critic.py`) is a value head on the policy's final features, V_t = w . h_t + b (the
-features' gradient stopped: its loss moves only the head), a second parameter tree with its own Adam
-state, checkpointed with the policy. Per completion token t (the position whose target is token t of
+The critic (`program/critic.py`) is a value head on the policy's final features and on the log-probability
+of the completion so far, V_t = w . h_t + u . e_t + b (their gradient stopped: its loss moves only the
+head), a second parameter tree with its own Adam state, checkpointed with the policy. Per completion token t (the position whose target is token t of
 the completion), with the KL to the reference in the reward (k1, from the rollout) and the sequence
 reward R at the last token:
   r_t = -kl_coef (old_t - ref_t) + [t = last] R
