@@ -24,6 +24,8 @@ gradient by `jax.vjp`) and, per microbatch on the last stage, returning the stag
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -80,15 +82,33 @@ def slots(schedule: Schedule) -> int:
   return min(schedule.microbatches, 2 * schedule.stages - 1)
 
 
-def value_and_grad(objective: Objective, params: Any, batch: dict[str, jax.Array],
-                   schedule: Schedule) -> tuple[dict[str, jax.Array], Any]:
-  """(parts, gradient of the objective) as `jax.value_and_grad(objective, has_aux=True)` gives them, with the
-  model's layer stack run in 1F1B order over `schedule.stages` stages and `schedule.microbatches`
-  microbatches of the batch's rows. The objective must be a sum over rows (microbatches add up)."""
-  s_, m_ = schedule.stages, schedule.microbatches
+@dataclasses.dataclass(frozen=True)
+class _Split:
+  """The model as `value_and_grad` found it: its layer-stack function (pipeline.LayersFn), and which parameter
+  leaves (in `jax.tree.leaves` order) are the stack's (in the stack's own leaf order) and which the rest."""
+  layers: pipeline_lib.LayersFn
+  stack_def: Any  # the stack's tree structure
+  stack_index: list[int]
+  rest_index: list[int]
+  treedef: Any  # the parameters' tree structure
+
+  def parts(self, params: Any) -> tuple[list, list]:
+    leaves = jax.tree.leaves(params)
+    return [leaves[i] for i in self.stack_index], [leaves[i] for i in self.rest_index]
+
+  def rebuild(self, stack: list, rest: list) -> Any:
+    out: list[Any] = [None] * (len(stack) + len(rest))
+    for i, w in zip(self.stack_index + self.rest_index, stack + rest):
+      out[i] = w
+    return jax.tree.unflatten(self.treedef, out)
+
+
+def _before_the_stack(objective: Objective, params: Any, batch: dict[str, jax.Array]) -> tuple[Any, ...]:
+  """(the stack's input x [B, T, D], its pullback to the parameters, the stack's segment ids and positions,
+  the _Split): the model traced with the stack replaced by the identity (what follows it is dead code here)."""
   found: list[dict[str, Any]] = []
 
-  def before(p):  # the stack's input as a function of the parameters; the rest of the model is dead code here
+  def before(p):
     box: dict[str, Any] = {}
 
     def capture(layers, stacked, x_BTD, segment_ids_BT, positions_BT):
@@ -103,84 +123,85 @@ def value_and_grad(objective: Objective, params: Any, batch: dict[str, jax.Array
     found.append(box)
     return box["x"], box["ids"]
 
-  x_BTD, pull_before, (segment_ids_BT, positions_BT) = jax.vjp(before, params, has_aux=True)
+  x_BTD, pull, (segment_ids_BT, positions_BT) = jax.vjp(before, params, has_aux=True)
   assert len(found) == 1, f"1f1b pipelines one layer stack; the model ran {len(found)} under it"
-  layers, stack_index = found[0]["layers"], found[0]["stack_index"]
-  stack_def = jax.tree.structure(found[0]["stacked"])
-  leaves, treedef = jax.tree.flatten(params)
-  in_stack = set(stack_index)
-  rest_index = [i for i in range(len(leaves)) if i not in in_stack]
-  stack, rest = [leaves[i] for i in stack_index], [leaves[i] for i in rest_index]
+  box, (leaves, treedef) = found[0], jax.tree.flatten(params)
+  rest_index = [i for i in range(len(leaves)) if i not in set(box["stack_index"])]
+  split = _Split(box["layers"], jax.tree.structure(box["stacked"]), box["stack_index"], rest_index, treedef)
+  return x_BTD, pull, segment_ids_BT, positions_BT, split
 
-  def rebuild(stack: list, rest: list) -> Any:
-    out = [None] * len(leaves)
-    for i, w in zip(stack_index + rest_index, stack + rest):
-      out[i] = w
-    return jax.tree.unflatten(treedef, out)
 
-  split = lambda a: pipeline_lib._split(a, m_)
-  xs, segs, poss = split(x_BTD), split(segment_ids_BT), split(positions_BT)
+def _stage(model: _Split, objective: Objective, schedule: Schedule, parts_shape: Any, stack: list, rest: list,
+           xs: jax.Array, segs: jax.Array, poss: jax.Array, rows: dict[str, jax.Array], tab: jax.Array) -> tuple:
+  """One stage's 1F1B (under shard_map over `pipeline`): the tick loop of its rows of `tab`. Returns this stage's
+  layer gradients, the rest's (and the objective's parts) summed over stages, and stage 0's input gradients."""
+  s_, m_, k_ = schedule.stages, schedule.microbatches, slots(schedule)
+  s = jax.lax.axis_index(AXIS)
+  last = s == s_ - 1
+  varying = lambda t: jax.tree.map(lambda a: jax.lax.pcast(a, AXIS, to="varying"), t)
+  # Differentiate varying copies: the cotangent of a stage-invariant input would be psum'd every tick.
+  rest, xs = varying(rest), varying(xs)
+
+  def forward(stack, x, i):  # this stage's layers [L/S, ...] on microbatch i
+    stage = jax.tree.unflatten(model.stack_def, [w[:, None] for w in stack])  # [L/S, R = 1, ...]
+    return model.layers(stage, 0, x, segs[i], poss[i])
+
+  def after(rest, y, i):  # the model after the stack on microbatch i (the last stage's loss head)
+    with pipeline_lib.substitute(lambda *_: y):
+      return objective(model.rebuild(stack, rest), jax.tree.map(lambda a: a[i], rows))
+
+  zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
+  add_if = lambda ok, total, new: jax.tree.map(lambda a, b: jnp.where(ok, a + b, a), total, new)
+
+  def tick(carry, tab_t):
+    recv_x, recv_g, saved, d_stack, d_rest, parts, dxs = carry
+    f, b = tab_t[s, 0], tab_t[s, 1]
+    fi, bi = jnp.clip(f, 0, m_ - 1), jnp.clip(b, 0, m_ - 1)
+    # forward slot: a new microbatch on stage 0, the previous stage's output elsewhere; keep its input
+    x = jnp.where(s == 0, xs[fi], recv_x)
+    y = forward(stack, x, fi)
+    saved = saved.at[fi % k_].set(jnp.where(f >= 0, x, saved[fi % k_]))
+    # the loss head on the last stage, in the tick of the microbatch's forward
+    _, pull_after, parts_i = jax.vjp(lambda r, y: after(r, y, fi), rest, y, has_aux=True)
+    head = last & (f >= 0)
+    d_rest_i, dy = pull_after(jnp.where(head, 1.0, 0.0).astype(jnp.float32))
+    parts, d_rest = add_if(head, parts, parts_i), add_if(head, d_rest, d_rest_i)
+    # backward slot: recompute the stage from its saved input, pull the next stage's gradient through it
+    _, pull = jax.vjp(lambda w, x: forward(w, x, bi), stack, saved[bi % k_])
+    d_stack_i, dx = pull(jnp.where(last, dy.astype(recv_g.dtype), recv_g))
+    d_stack = add_if(b >= 0, d_stack, d_stack_i)
+    dxs = dxs.at[bi].set(jnp.where((b >= 0) & (s == 0), dx, dxs[bi]))
+    recv_x, recv_g = jax.lax.ppermute(y, AXIS, _ring(s_, 1)), jax.lax.ppermute(dx, AXIS, _ring(s_, -1))
+    return (recv_x, recv_g, saved, d_stack, d_rest, parts, dxs), None
+
+  init = (zeros(xs[0]), zeros(xs[0]), zeros(xs[:k_]), zeros(stack), zeros(rest),
+          varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), parts_shape)), zeros(xs))
+  (_, _, _, d_stack, d_rest, parts, dxs), _ = jax.lax.scan(tick, init, tab)
+  # Only the last stage ran the head: the sums over stages are its values (in fp32: see pipeline.run).
+  total = lambda t: jax.tree.map(lambda a: jax.lax.psum(a.astype(jnp.float32), AXIS).astype(a.dtype), t)
+  return d_stack, total(d_rest), total(parts), dxs[None]
+
+
+def _ring(stages: int, step: int) -> list[tuple[int, int]]:
+  return [(i, (i + step) % stages) for i in range(stages)]
+
+
+def value_and_grad(objective: Objective, params: Any, batch: dict[str, jax.Array],
+                   schedule: Schedule) -> tuple[dict[str, jax.Array], Any]:
+  """(parts, gradient of the objective) as `jax.value_and_grad(objective, has_aux=True)` gives them, with the
+  model's layer stack run in 1F1B order over `schedule.stages` stages and `schedule.microbatches`
+  microbatches of the batch's rows. The objective must be a sum over rows (microbatches add up)."""
+  x_BTD, pull_before, segment_ids_BT, positions_BT, model = _before_the_stack(objective, params, batch)
+  split = lambda a: pipeline_lib._split(a, schedule.microbatches)
   rows = jax.tree.map(split, batch)
   with pipeline_lib.substitute(lambda _layers, _stacked, x_BTD, *_: x_BTD):  # the parts' shapes
     parts_shape = jax.eval_shape(lambda p, r: objective(p, r)[1], params, jax.tree.map(lambda a: a[0], rows))
-  k_ = slots(schedule)
-  down = [(i, (i + 1) % s_) for i in range(s_)]
-  up = [((i + 1) % s_, i) for i in range(s_)]
-
-  def stage_body(stack, rest, xs, segs, poss, rows, tab):
-    s = jax.lax.axis_index(AXIS)
-    last = s == s_ - 1
-    varying = lambda t: jax.tree.map(lambda a: jax.lax.pcast(a, AXIS, to="varying"), t)
-    # Differentiate varying copies: the cotangent of a stage-invariant input would be psum'd every tick.
-    rest = varying(rest)
-    xs = varying(xs)
-
-    def forward(stack, x, i):  # this stage's layers [L/S, ...] on microbatch i
-      stage = jax.tree.unflatten(stack_def, [w[:, None] for w in stack])  # [L/S, R = 1, ...]
-      return layers(stage, 0, x, segs[i], poss[i])
-
-    def after(rest, y, i):  # the model after the stack on microbatch i (the last stage's loss head)
-      rows_i = jax.tree.map(lambda a: a[i], rows)
-      with pipeline_lib.substitute(lambda *_: y):
-        return objective(rebuild(stack, rest), rows_i)
-
-    zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
-    masked = lambda ok, new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-    def tick(carry, tab_t):
-      recv_x, recv_g, saved, d_stack, d_rest, parts, dxs = carry
-      f, b = tab_t[s, 0], tab_t[s, 1]
-      fi, bi = jnp.clip(f, 0, m_ - 1), jnp.clip(b, 0, m_ - 1)
-      # forward slot: a new microbatch on stage 0, the previous stage's output elsewhere
-      x = jnp.where(s == 0, xs[fi], recv_x)
-      y = forward(stack, x, fi)
-      saved = saved.at[fi % k_].set(jnp.where(f >= 0, x, saved[fi % k_]))
-      # the loss head on the last stage, in the tick of the microbatch's forward
-      _, pull_after, parts_i = jax.vjp(lambda r, y: after(r, y, fi), rest, y, has_aux=True)
-      head = last & (f >= 0)
-      d_rest_i, dy = pull_after(jnp.where(head, 1.0, 0.0).astype(jnp.float32))
-      parts = masked(head, jax.tree.map(jnp.add, parts, parts_i), parts)
-      d_rest = masked(head, jax.tree.map(jnp.add, d_rest, d_rest_i), d_rest)
-      # backward slot: recompute the stage from its saved input, pull the gradient from the next stage through
-      _, pull = jax.vjp(lambda w, x: forward(w, x, bi), stack, saved[bi % k_])
-      g = jnp.where(last, dy.astype(recv_g.dtype), recv_g)
-      d_stack_i, dx = pull(g)
-      d_stack = masked(b >= 0, jax.tree.map(jnp.add, d_stack, d_stack_i), d_stack)
-      dxs = dxs.at[bi].set(jnp.where((b >= 0) & (s == 0), dx, dxs[bi]))
-      recv_x, recv_g = jax.lax.ppermute(y, AXIS, down), jax.lax.ppermute(dx, AXIS, up)
-      return (recv_x, recv_g, saved, d_stack, d_rest, parts, dxs), None
-
-    init = (zeros(xs[0]), zeros(xs[0]), zeros(xs[:k_]), zeros(stack), zeros(rest),
-            varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), parts_shape)), zeros(xs))
-    (_, _, _, d_stack, d_rest, parts, dxs), _ = jax.lax.scan(tick, init, tab)
-    # Only the last stage ran the head: the sums over stages are its values (in fp32: see pipeline.run).
-    total = lambda t: jax.tree.map(lambda a: jax.lax.psum(a.astype(jnp.float32), AXIS).astype(a.dtype), t)
-    return d_stack, total(d_rest), total(parts), dxs[None]
-
-  specs = ([P(AXIS)] * len(stack), [P()] * len(rest), P(), P(), P(), P(), P())
-  fn = jax.shard_map(stage_body, in_specs=specs,
+  stack, rest = model.parts(params)
+  body = functools.partial(_stage, model, objective, schedule, parts_shape)
+  # The stored [L, ...] stack is split contiguously over `pipeline`: with R = 1 each stage's block is its layers.
+  fn = jax.shard_map(body, in_specs=([P(AXIS)] * len(stack), [P()] * len(rest), P(), P(), P(), P(), P()),
                      out_specs=([P(AXIS)] * len(stack), [P()] * len(rest), P(), P(AXIS)), axis_names={AXIS})
-  d_stack, d_rest, parts, dxs = fn(stack, rest, xs, segs, poss, rows, jnp.asarray(table(schedule)))
+  d_stack, d_rest, parts, dxs = fn(stack, rest, split(x_BTD), split(segment_ids_BT), split(positions_BT), rows,
+                                   jnp.asarray(table(schedule)))
   (d_before,) = pull_before(pipeline_lib._merge(dxs[0]).astype(x_BTD.dtype))
-  grads = jax.tree.map(jnp.add, d_before, rebuild(d_stack, d_rest))
-  return parts, grads
+  return parts, jax.tree.map(jnp.add, d_before, model.rebuild(d_stack, d_rest))
