@@ -61,7 +61,8 @@ class Schedule:
     return "(2S-2)/(M+2S-2)" if self.kind == "1f1b" else "(S-1)/(R*M+S-1)"
 
   def describe(self) -> str:
-    return (f"{self.kind}: {self.stages} stages x {self.repeats} repeat(s), {self.microbatches} microbatches: "
+    return (f"{self.stages} stages x {self.repeats} repeat(s), {self.microbatches} microbatches"
+            + ("" if self.kind == "gpipe" else f", schedule {self.kind}") + ": "
             f"{self.iterations} iterations, bubble {self.formula} = {self.bubble:.4f}"
             + ("; stage remat" if self.stage_remat or self.kind == "1f1b" else ""))
 
