@@ -1,6 +1,6 @@
 """Pipeline schedules (maxtrain/sharding/schedules.py): the host tables' idle slots equal each schedule's bubble
 formula and 1F1B keeps O(S) stage inputs where gpipe keeps all M; 1F1B's hand-written backward gives gpipe's
-gradient (with gradient accumulation); settings not built are refused before compiling. Training 20 steps like
+gradient (tensor and data parallel inside the stages, gradient accumulation); settings not built are refused before compiling. Training 20 steps like
 the model without a pipeline, and resuming bitwise: tests/test_pipeline_parallel.py (`pipeline4xfsdp2_1f1b`)."""
 
 import re
@@ -56,7 +56,8 @@ def test_1f1b_holds_O_S_microbatches_gpipe_all_M():
 
 
 def _loss_and_grads(kind: str, *extra: str):
-  cfg = config_lib.load(MODEL + ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.pipeline.microbatches=4",
+  cfg = config_lib.load(MODEL + ["--config.mesh.pipeline=2", "--config.mesh.tensor=2", "--config.mesh.data=2",
+                                 "--config.mesh.fsdp=1", "--config.pipeline.microbatches=4",
                                  f"--config.pipeline.schedule={kind}", "--config.optimizer.grad_accum_steps=2", *extra])
   program = build_lib.program_for(cfg, jax.devices(), require_data=False)
   rng = np.random.default_rng(0)
@@ -79,8 +80,8 @@ def _loss_and_grads(kind: str, *extra: str):
 
 
 def test_1f1b_gradient_equals_gpipes():
-  """One step's loss and gradient (pipeline=4 x fsdp=2, M = 4, 2 accumulation steps, z-loss, a loss mask and two
-  documents per row). Both sum the same per-microbatch f32 terms in another order (and 1f1b recomputes each
+  """One step's loss and gradient (pipeline=2 x tensor=2 x data=2, M = 4 > 2S - 1 slots, 2 accumulation steps,
+  z-loss, a loss mask and two documents per row; pipeline=4 x fsdp=2: tests/test_pipeline_parallel.py). Both sum the same per-microbatch f32 terms in another order (and 1f1b recomputes each
   stage's forward): reassociating a sum of n terms moves it by at most (n - 1) eps of the sum of their magnitudes;
   with n <= M x 2 accumulation steps = 8 terms per gradient entry, each itself a reduction over <= 16 rows' tokens
   of this batch, the bound is 8 x 16 x eps = 1.5e-5 of the largest entry of a leaf."""

@@ -3,10 +3,11 @@ temporaries (XLA's memory_analysis; one SPMD program, so each stage's) and, from
 (maxtrain/sharding/schedules.py), the bubble and the microbatches each stage holds. BENCHMARKS.md's and
 docs/sharding.md's schedule tables.
 
-  python tools/pipeline_schedules.py [--microbatches 4,8,16] [--config.key=value ...]
+  python tools/pipeline_schedules.py [--microbatches 4,8,16] [--rows 4] [--config.key=value ...]
 
 Runs on 8 fake CPU devices (set here): pipeline=4 x fsdp=2, 4 layers (one per stage), d_model 256, d_ff 1024,
-64 tokens, batch 32 (fixed tokens per step: a microbatch is 32/M sequences). Only compiles (nothing runs).
+64 tokens, `model.remat=none`; a microbatch is `--rows` sequences (batch rows x M: the microbatch fixed, so what
+a schedule holds per microbatch shows as M grows; `--rows 0`: batch 32 whatever M). Only compiles (nothing runs).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from maxtrain.sharding import schedules  # noqa: E402
 
 MODEL = ["--config.model.num_layers=4", "--config.model.d_model=256", "--config.model.num_heads=4",
          "--config.model.num_kv_heads=4", "--config.model.d_ff=1024", "--config.model.vocab_size=512",
-         "--config.data.seq_len=64", "--config.data.batch_size=32", "--config.mesh.pipeline=4", "--config.mesh.fsdp=2",
+         "--config.data.seq_len=64", "--config.mesh.pipeline=4", "--config.mesh.fsdp=2",
          "--config.model.remat=none"]
 VARIANTS = {"gpipe": ["--config.pipeline.schedule=gpipe"],
             "gpipe + stage_remat": ["--config.pipeline.schedule=gpipe", "--config.pipeline.stage_remat=true"],
@@ -36,12 +37,15 @@ VARIANTS = {"gpipe": ["--config.pipeline.schedule=gpipe"],
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--microbatches", default="4,8,16")
+  parser.add_argument("--rows", type=int, default=4, help="sequences per microbatch (0: batch 32 for every M)")
   args, extra = parser.parse_known_args()
   print(f"jax {jax.__version__}, {platform.processor() or platform.machine()}, {jax.device_count()} CPU devices")
   print(f"{'schedule':20} {'M':>3} {'temp MiB':>9} {'bubble':>7}  held microbatches per stage")
   for m in (int(x) for x in args.microbatches.split(",")):
     for name, variant in VARIANTS.items():
-      cfg = config_lib.load(MODEL + variant + [f"--config.pipeline.microbatches={m}"] + extra)
+      batch = args.rows * m if args.rows else 32
+      cfg = config_lib.load(MODEL + variant + [f"--config.pipeline.microbatches={m}", f"--config.data.batch_size={batch}"]
+                            + extra)
       program = build_lib.program_for(cfg, jax.devices(), require_data=False)
       memory = program.lower().compile().memory_analysis()
       tab = schedules.table(program.plan.pipeline)
