@@ -108,3 +108,19 @@ def test_schedules_not_built_are_refused_before_compiling(args, message):
                                  "--config.pipeline.microbatches=4", *args])
   with pytest.raises(UserError, match=re.escape(message)):
     validate(cfg, 8, require_data=False)
+
+
+def test_the_estimate_reports_1f1b_per_stage():
+  """tools/estimate.py under 1f1b: the table's bubble and held microbatches per stage, and saved activations of
+  min(M, 2S - 1) stage inputs, less than gpipe's with stage remat once M > 2S - 1."""
+  from maxtrain.aot import estimate
+
+  args = ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.data.batch_size=32", "--config.model.remat=full"]
+  one = estimate.estimate(config_lib.load(MODEL + args + ["--config.pipeline.microbatches=16",
+                                                          "--config.pipeline.schedule=1f1b"]), 8).pipeline
+  gpipe = estimate.estimate(config_lib.load(MODEL + args + ["--config.pipeline.microbatches=16",
+                                                            "--config.pipeline.stage_remat=true"]), 8).pipeline
+  assert one["schedule"] == "1f1b" and one["bubble_fraction"] == pytest.approx(6 / 22)
+  assert [s["live_passes"] for s in one["per_stage"]] == [7, 5, 3, 1]
+  assert [s["live_passes"] for s in gpipe["per_stage"]] == [16] * 4
+  assert one["max_stage_saved_bytes"] < gpipe["max_stage_saved_bytes"]
