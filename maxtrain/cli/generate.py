@@ -1,10 +1,12 @@
 """Entry point: `python -m maxtrain.generate --checkpoint RUN_OR_PATH --prompt TEXT [--prompt TEXT ...]
-[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--config.KEY=VALUE ...]`.
+[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--draft mtp] [--config.KEY=VALUE ...]`.
 
 RUN_OR_PATH: a run's output dir, a checkpoint step dir, a converted checkpoint or a Hugging Face dir.
 The model runs on the mesh of the run's saved config (the training defaults for other sources), with
 any `--config.mesh.*` overrides, e.g. `--config.mesh.tensor=2`.
-Prints each prompt's continuation and the decode speed. Exit 2 on bad input.
+Prints each prompt's continuation and the decode speed. `--draft mtp`: greedy speculative decoding drafted by the
+model's multi-token-prediction module (model.mtp_layers > 0): the same text, and the draft's acceptance rate printed.
+Exit 2 on bad input.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--top-k", type=int, default=0, help="0 = off")
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--draft", choices=("none", "mtp"), default="none",
+                 help="mtp: speculative greedy decoding drafted by the model's MTP module (inference/speculative.py)")
   return p
 
 
@@ -71,6 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_lengths(prompts, args.max_new_tokens, generator.cfg.max_seq_len, args.checkpoint)
     eos = {tokenizer.eos_id} | ({source.eos_id} if isinstance(source.eos_id, int) else set(source.eos_id or ()))
     rule = sampling.Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.draft == "mtp":
+      from maxtrain.inference import speculative
+
+      speculative.check(generator.cfg, rule)
+      generator = speculative.SpeculativeGenerator(generator)
     outputs, stats = generator.generate(prompts, args.max_new_tokens, rule, eos_ids=sorted(eos),
                                         vocab_limit=min(source.vocab_size, generator.cfg.vocab_size))
   except UserError as e:
@@ -79,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   for prompt, out in zip(args.prompt, outputs):
     print(prompt + tokenizer.decode(out))
     print("-" * 40)
+  if "acceptance_rate" in stats:
+    print(f"mtp draft: acceptance rate {stats['acceptance_rate']:.3f} ({stats['verify_calls']} verify calls, "
+          f"{stats['tokens']} tokens)", file=sys.stderr)
   print(f"decode: {stats['tokens']} tokens in {stats['decode_s']:.2f}s, {stats['tokens_per_s']:.1f} tokens/s "
         f"(prefill {stats['prefill_s']:.2f}s, compile included)", file=sys.stderr)
   return 0

@@ -14,6 +14,7 @@ hold; process 0 also writes the index, the configs and the tokenizer. No process
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -25,12 +26,21 @@ from maxtrain.interop import hf_config, names as names_lib, safetensors_io
 from maxtrain.interop.sources import HFSource, open_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+log = logging.getLogger("maxtrain")
 
 
 def _pieces(source, dtype: str) -> list[tuple[names_lib.Piece, safetensors_io.TensorInfo]]:
   """(piece, HF tensor) in writing order: parameter kind by kind (the family's tensor order), layers in order."""
-  out, tensors = [], hf_config.tensors(source.model)
+  # The multi-token-prediction depths (model.mtp_layers): transformers' classes have no place for them (DeepSeek-V3's
+  # loads num_hidden_layers layers and drops the rest), so they are left out, and said so.
+  mtp = [n for n in source.names() if n.startswith("mtp/")]
+  if mtp:
+    log.warning("to-hf: dropped the %d parameters of the model.mtp_layers=%s multi-token-prediction depth(s) (%s ...): "
+                "the Hugging Face class has no place for them", len(mtp), source.model.get("mtp_layers"), mtp[0])
+  out, tensors = [], hf_config.tensors({**source.model, "mtp_layers": 0})
   for name in source.names():
+    if name.startswith("mtp/"):
+      continue
     shape, stored = source.info(name)
     target = stored if dtype == "keep" else dtype
     base = names_lib.split_layer(name)[0]

@@ -37,9 +37,10 @@ def mapping(name: str, tensors: dict[str, Mapping] = MAPPINGS) -> Mapping:
 
 
 def split_layer(name: str) -> tuple[str, int | None]:
-  """'blocks/3/attn/wq' (model.scan_layers=False) -> ('blocks/attn/wq', 3); other names -> (name, None)."""
+  """'blocks/3/attn/wq' (model.scan_layers=False) -> ('blocks/attn/wq', 3), an MTP depth's 'mtp/0/eh_proj' ->
+  ('mtp/eh_proj', 0); other names -> (name, None)."""
   parts = name.split("/")
-  if len(parts) > 2 and parts[0] in ("blocks", "moe_blocks") and parts[1].isdigit():
+  if len(parts) > 2 and parts[0] in ("blocks", "moe_blocks", "mtp") and parts[1].isdigit():
     return "/".join([parts[0], *parts[2:]]), int(parts[1])
   return name, None
 

@@ -11,7 +11,9 @@ checkpoint kinds also `read_slice(name, index)`, which reads only that box (what
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,18 @@ import ml_collections
 import numpy as np
 
 from maxtrain.errors import UserError
-from maxtrain.interop import hf_config, names as names_lib, params_store, safetensors_io
-from maxtrain.models import registry
+from maxtrain.interop import dequant, hf_config, names as names_lib, params_store
+from maxtrain.models import hf_adapter, registry
 from maxtrain.sharding.layout import param_name
 
 IGNORED_HF = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed, never read
+log = logging.getLogger("maxtrain")
+
+
+def _layer_index(hf_name: str) -> int | None:
+  """'model.layers.61.eh_proj.weight' -> 61; None for a name outside the layers."""
+  match = re.match(r"model\.layers\.(\d+)\.", hf_name)
+  return int(match.group(1)) if match else None
 
 
 def param_shapes(model: dict[str, Any], dtype: str = "float32") -> dict[str, tuple[int, ...]]:
@@ -41,18 +50,47 @@ class HFSource:
     self.dir = Path(hf_dir)
     self.hf = hf_config.read(self.dir)
     self.model = hf_config.to_model_keys(self.hf, str(self.dir / "config.json"), vocab_multiple)
-    self.reader = safetensors_io.Reader(self.dir)
+    # a quantized checkpoint (FP8 block scales, MXFP4 experts) read as the tensors it encodes
+    self.reader = dequant.open_reader(self.dir, self.hf, str(self.dir / "config.json"))
     self.vocab_size = self.hf["vocab_size"]
     self.bos_id, self.eos_id = self.hf.get("bos_token_id"), self.hf.get("eos_token_id")
     self.tokenizer = str(self.dir / "tokenizer.json") if (self.dir / "tokenizer.json").is_file() else ""
-    self.shapes = param_shapes(self.model)
-    self.tensors = hf_config.tensors(self.model)
+    self._layout()
+    layers = self.model["num_layers"]
+    if self.model.get("mtp_layers") and f"model.layers.{layers}.eh_proj.weight" not in self.reader.names():
+      # transformers' save_pretrained writes no MTP layer even when config.json counts one
+      log.warning("%s: config.json has %d multi-token-prediction layer(s) but no model.layers.%d.* tensors: "
+                  "imported without them (model.mtp_layers=0)", self.dir, self.model["mtp_layers"], layers)
+      self.model["mtp_layers"] = 0
+      self._layout()
     expected = {p.hf_name for n in self.shapes for p in names_lib.pieces(n, self.shapes[n], self.vocab_size, self.tensors)}
     extra = [n for n in self.reader.names() if n not in expected and not n.endswith(IGNORED_HF)
              and not (n == "lm_head.weight" and self.model["tie_embeddings"])]
+    # Layers past num_hidden_layers: multi-token-prediction layers (DeepSeek-V3's model.layers.61). Read when
+    # model.mtp_layers counts them (their copies of the shared embedding and head excepted), else left out: said so.
+    beyond = [n for n in extra if _layer_index(n) is not None and _layer_index(n) >= layers]
+    if beyond:
+      kept = self.model.get("mtp_layers", 0)
+      mtp = [n for n in beyond if _layer_index(n) < layers + kept]
+      unplaced = [n for n in mtp if not n.endswith(hf_adapter.MTP_SHARED_COPIES)]
+      if unplaced:
+        raise UserError(f"{self.dir}: tensor {unplaced[0]} has no place in maxtrain's multi-token-prediction layer "
+                        "(models/mtp.py)")
+      if len(mtp) < len(beyond):
+        skipped = [n for n in beyond if n not in mtp]
+        log.warning("%s: %d tensor(s) of layers past num_hidden_layers=%d not read (%s ...): multi-token-prediction "
+                    "layers beyond model.mtp_layers=%d", self.dir, len(skipped), layers, skipped[0], kept)
+      if mtp:
+        log.info("%s: %s not read: the multi-token-prediction depths share the main model's embedding and head",
+                 self.dir, ", ".join(mtp))
+      extra = [n for n in extra if n not in beyond]
     if extra:
       raise UserError(f"{self.dir}: tensor {extra[0]} ({len(extra)} unexpected in all) has no place in the "
                       f"maxtrain model of {self.hf.get('architectures')} that config.json describes")
+
+  def _layout(self) -> None:
+    self.shapes = param_shapes(self.model)
+    self.tensors = hf_config.tensors(self.model)
 
   def names(self) -> list[str]:
     return list(self.shapes)

@@ -7,6 +7,8 @@ num_heads (`head_dim`), sliding-window attention (`sliding_window`, on the layer
 The layers form up to two stacks: `blocks` (dense SwiGLU: all layers of a dense model, the first
 `model.moe.first_dense_layers` of a MoE one) then `moe_blocks` (mixture of experts, `models/moe.py`).
 Each stack is scanned on its own (`model.scan_layers`), so compile time stays independent of depth.
+`model.mtp_layers` > 0 adds multi-token-prediction depths after them (`mtp`, models/mtp.py): `mtp_features` in
+training, `mtp_decode` over its own cache as a speculative draft.
 
 One model, several modes: training and evaluation call the model on whole sequences; generation
 (`inference/sampling.py`) calls `decode` with a KV cache (`init_cache`): a prefill of the prompts, then
@@ -30,6 +32,7 @@ from maxtrain.errors import choice, require
 from maxtrain.models.attention import layer as attention
 from maxtrain.models import mla as mla_lib
 from maxtrain.models import moe as moe_lib
+from maxtrain.models import mtp as mtp_lib
 from maxtrain.models import quant as quant_lib
 from maxtrain.models.attention.layer import Attention, CacheWrite, KVCache
 from maxtrain.models.layers import ACTIVATIONS, MLP, RMSNorm, Rope, param, project
@@ -119,6 +122,8 @@ class ModelConfig:
   moe: MoEConfig = MoEConfig()
   mla: mla_lib.MLAConfig = mla_lib.MLAConfig()  # model.mla.*: multi-head latent attention when kv_lora_rank > 0
   quant: quant_lib.QuantConfig = quant_lib.QuantConfig()  # model.quantization and model.quant_*
+  mtp_layers: int = 0  # multi-token prediction depths (models/mtp.py); 0: none
+  mtp_loss_weight: float = 0.3  # their loss's weight in the objective (DeepSeek-V3: 0.3, then 0.1)
 
   @property
   def head_dim(self) -> int:
@@ -145,7 +150,8 @@ class ModelConfig:
     2 matmuls x 2 FLOPs x N x H x (T + 1) / 2 forward, x 3 for training. Norms, RoPE and softmax
     are not counted (they are not matmuls; the convention of PaLM's MFU).
     MoE layers count their active parameters: the router, experts_per_token routed experts and the
-    shared experts (what one token is multiplied by), not all experts.
+    shared experts (what one token is multiplied by), not all experts. Multi-token prediction depths count
+    as one more layer, their projection and the output head each.
     """
     n, k, h, d = self.num_heads, self.num_kv_heads, self.head_dim, self.d_model
     attention_params = d * n * h * 2 + d * k * h * 2
@@ -158,6 +164,10 @@ class ModelConfig:
     matmul_params = (self.num_layers * attention_params + (self.num_layers - num_moe) * 3 * d * self.d_ff
                      + num_moe * moe_ffn + d * self.vocab_size)
     attention = self.num_layers * 3 * 2 * n * h * mean_keys_x2
+    if self.mtp_layers:  # each MTP depth: eh_proj [2D, D], one layer (MoE when the last one is), the head again
+      matmul_params += self.mtp_layers * (2 * d * d + attention_params + (moe_ffn if num_moe else 3 * d * self.d_ff)
+                                          + d * self.vocab_size)
+      attention += self.mtp_layers * 3 * 2 * n * h * mean_keys_x2
     return 6.0 * matmul_params + attention
 
   @classmethod
@@ -236,6 +246,9 @@ def validate(m: Any) -> None:
     choice(f"model.{key}", m[key], DTYPES)
   moe_lib.validate(m)
   mla_lib.validate(m)
+  require(m.get("mtp_layers", 0) >= 0, f"config.model.mtp_layers={m.get('mtp_layers')}: must be >= 0 (0: off)")
+  require(m.get("mtp_loss_weight", 0.0) >= 0,
+          f"config.model.mtp_loss_weight={m.get('mtp_loss_weight')}: must be >= 0")
   # The chunked loss runs by default from CHUNK_MIN_VOCAB (program/loss.py) up: the head check needs the resolved size.
   quant_lib.validate(m, m.loss_chunk_tokens if m.loss_chunk_tokens >= 0 else int(m.vocab_size >= 4096))
 
@@ -317,6 +330,14 @@ class Decoder(nnx.Module):
     if not cfg.tie_embeddings:
       self.head = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                         ("embed", "vocab"), cfg.param_dtype)
+    if cfg.mtp_layers:  # after every other parameter: the default model's initial values do not move
+      norm = functools.partial(RMSNorm, cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs,
+                               one_plus=cfg.norm_one_plus)
+      self.mtp = nnx.List([
+          mtp_lib.MTPLayer(cfg.d_model, Block(cfg, rngs, moe=num_moe > 0, layer=cfg.num_layers + j), norm,
+                           init_std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
+                           rngs=rngs)
+          for j in range(cfg.mtp_layers)])
 
   def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
     """Returns fp32 logits [B, T, V] (training computes the loss from `features` and `head_weights`
@@ -364,6 +385,11 @@ class Decoder(nnx.Module):
     Left-padded prompts: a slot holds a real token iff `valid`; a token's RoPE position counts only the
     real tokens before it, so every row computes what it would alone (the full forward pass of its
     tokens: tests/test_generate.py). Remat is off (nothing is differentiated)."""
+    x_BTD, cache = self.decode_features(tokens_BT, valid_BT, cache)
+    return self._logits(x_BTD), cache
+
+  def decode_features(self, tokens_BT: jax.Array, valid_BT: jax.Array, cache: "Cache") -> tuple[jax.Array, "Cache"]:
+    """`decode`'s final-norm hidden states [B, T, D] in place of its logits (what an MTP draft reads)."""
     t = tokens_BT.shape[1]
     valid_BS = jax.lax.dynamic_update_slice_in_dim(cache.valid_BS, valid_BT.astype(jnp.bool_), cache.length, axis=1)
     positions_BT = jax.lax.dynamic_slice_in_dim(jnp.cumsum(valid_BS, axis=1, dtype=jnp.int32) - 1, cache.length, t,
@@ -371,7 +397,7 @@ class Decoder(nnx.Module):
     write = CacheWrite(valid_BS=valid_BS, start=cache.length, fresh=cache.fresh)
     # A prefill's padding is its own segment (0): real tokens never see it.
     x_BTD, _, kv = self._forward(tokens_BT, valid_BT.astype(jnp.int32), positions_BT, cache.kv, write)
-    return self._logits(x_BTD), Cache(kv, valid_BS, cache.length + t, fresh=False)
+    return x_BTD, Cache(kv, valid_BS, cache.length + t, fresh=False)
 
   def head_weights(self) -> jax.Array:
     """The output head [D, V] at the parameter dtype (the embedding transposed when tied)."""
@@ -384,12 +410,53 @@ class Decoder(nnx.Module):
     x_BTD, moe_stats, _ = self._forward(tokens_BT, segment_ids_BT, positions_BT, None, None)
     return x_BTD, moe_stats
 
-  def _forward(self, tokens_BT, segment_ids_BT, positions_BT, kv: dict | None, write: CacheWrite | None):
+  def mtp_features(self, x_BTD: jax.Array, tokens_BT: jax.Array, segment_ids_BT: jax.Array,
+                   positions_BT: jax.Array, order: Any = None) -> list[jax.Array]:
+    """Per multi-token-prediction depth k = 1..K (models/mtp.py), the normed hidden states [B, T, D] whose head
+    predicts token t_{i+k+1} at position i; `x_BTD` is `features`' output, `tokens_BT` the inputs (the depth
+    reads the embedding of t_{i+k}: the inputs shifted by k, padded with token 0 past the end); `order`: the
+    sequence order of the length dim's positions (context parallelism's layout; None: natural)."""
+    out, h_BTD = [], x_BTD
+    for k, layer in enumerate(self.mtp, start=1):
+      e_BTD = self._embed(mtp_lib.shift_left(tokens_BT, k, order=order))
+      h_BTD, normed_BTD, _ = layer(h_BTD, e_BTD, segment_ids_BT, positions_BT)
+      out.append(normed_BTD)
+    return out
+
+  def mtp_decode(self, h_BTD: jax.Array, next_tokens_BT: jax.Array, cache: "Cache") -> tuple[jax.Array, "Cache"]:
+    """Depth 1 over the cache: fp32 logits [B, T, V] of the token after next at the cache's next T slots, from
+    the main model's normed hidden states `h_BTD` there and the tokens that follow them; `cache` is the depth's own
+    (`init_mtp_cache`), every slot valid (speculative decoding runs unpadded rows)."""
+    t = h_BTD.shape[1]
+    valid_BS = jax.lax.dynamic_update_slice_in_dim(cache.valid_BS, jnp.ones(h_BTD.shape[:2], jnp.bool_),
+                                                   cache.length, axis=1)
+    positions_BT = jnp.broadcast_to(cache.length + jnp.arange(t, dtype=jnp.int32), h_BTD.shape[:2])
+    write = CacheWrite(valid_BS=valid_BS, start=cache.length, fresh=cache.fresh)
+    _, normed_BTD, kv = self.mtp[0](h_BTD, self._embed(next_tokens_BT), jnp.ones(h_BTD.shape[:2], jnp.int32),
+                                   positions_BT, cache.kv["mtp"], write)
+    return self._logits(normed_BTD), Cache({"mtp": kv}, valid_BS, cache.length + t, fresh=False)
+
+  def init_mtp_cache(self, batch: int, length: int) -> "Cache":
+    """An empty cache of `length` slots for depth 1's block (`mtp_decode`)."""
+    cfg = self.cfg
+    if cfg.mla.enabled and cfg.mla.latent_cache:
+      shapes = [(batch, length, 1, cfg.mla.kv_lora_rank), (batch, length, 1, cfg.mla.rope_head_dim)]
+    else:
+      heads = (cfg.num_heads, cfg.mla.head_dim) if cfg.mla.enabled else (cfg.num_kv_heads, cfg.head_dim)
+      shapes = [(batch, length, *heads)] * 2
+    kv = KVCache(*(jnp.zeros(s, cfg.compute_dtype) for s in shapes))
+    return Cache({"mtp": kv}, jnp.zeros((batch, length), jnp.bool_), jnp.zeros((), jnp.int32), fresh=True)
+
+  def _embed(self, tokens_BT: jax.Array) -> jax.Array:
     cfg = self.cfg
     x_BTD = self.embed[...].astype(cfg.compute_dtype)[tokens_BT]
     if cfg.embed_scale:  # Gemma: times sqrt(d_model), rounded to the compute dtype as transformers does
       x_BTD = x_BTD * jnp.asarray(cfg.d_model**0.5, cfg.compute_dtype)
-    x_BTD = sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
+    return sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
+
+  def _forward(self, tokens_BT, segment_ids_BT, positions_BT, kv: dict | None, write: CacheWrite | None):
+    cfg = self.cfg
+    x_BTD = self._embed(tokens_BT)
     moe_stats: dict[str, jax.Array] = {}
     new_kv = None if kv is None else {}
     for name in ("blocks", "moe_blocks"):

@@ -60,6 +60,30 @@ TENSORS = {
 
 
 
+# Multi-token prediction depths (models/mtp.py, `model.mtp_layers`) as DeepSeek-V3's published checkpoints hold
+# them: depth j is HF layer num_hidden_layers + j; its block is named as the model's last layer is, besides these.
+MTP_TENSORS = {
+    "mtp/enorm/scale": Mapping("model.layers.{}.enorm.weight", 0),
+    "mtp/hnorm/scale": Mapping("model.layers.{}.hnorm.weight", 0),
+    "mtp/eh_proj": Mapping("model.layers.{}.eh_proj.weight", 1),
+    "mtp/norm/scale": Mapping("model.layers.{}.shared_head.norm.weight", 0),
+}
+# What those layers hold besides: copies of the embedding and the head, which the depths share with the main model
+# (read from its own names; the copies are not read).
+MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def mtp_tensors(m: dict, tensors: dict[str, Mapping]) -> dict[str, Mapping]:
+  """The names of the MTP depths' parameters ('mtp/<j>/block/attn/wq' is 'mtp/block/attn/wq' of layer j): the block's
+  from the family's names of its last stack (`moe_blocks/` when the model has MoE layers, as models/decoder.py
+  builds the depths' blocks), every layer index counted from num_layers."""
+  moe = m.get("moe") or {}
+  stack = "moe_blocks/" if moe.get("num_experts") and moe.get("first_dense_layers", 0) < m["num_layers"] else "blocks/"
+  out = {f"mtp/block/{k[len(stack):]}": v for k, v in tensors.items() if k.startswith(stack)}
+  out.update(MTP_TENSORS)
+  return {k: dataclasses.replace(v, layer_offset=m["num_layers"]) for k, v in out.items()}
+
+
 def stack_tensors(stack: str, tensors: dict[str, Mapping] = TENSORS) -> dict[str, Mapping]:
   """The per-layer names of `blocks/` for another stack of the decoder (`moe_blocks/`: a MoE model's layers)."""
   return {f"{stack}/{k.split('/', 1)[1]}": m for k, m in tensors.items() if k.startswith("blocks/")}
@@ -173,7 +197,8 @@ class HFAdapter:
   expresses: tuple[str, ...] = ()
 
   def tensors_of(self, m: dict) -> dict[str, Mapping]:
-    return self.tensors_for(m) if self.tensors_for else self.tensors
+    tensors = self.tensors_for(m) if self.tensors_for else self.tensors
+    return {**tensors, **mtp_tensors(m, tensors)} if m.get("mtp_layers") else tensors
 
   def to_model_keys(self, hf: dict, where: str, vocab_multiple: int) -> dict[str, Any]:
     """`config.model` keys equal to this HF model; the vocabulary padded up to a multiple of `vocab_multiple`."""

@@ -18,8 +18,9 @@ from maxtrain.program import loss, microbatch, update as update_lib
 from maxtrain.runtime import faults
 from maxtrain.optim import optimizer as optim
 from maxtrain.models import moe as moe_lib
+from maxtrain.models import mtp as mtp_lib
 from maxtrain.models.moe import MoEConfig
-from maxtrain.sharding import pipeline as pipeline_lib
+from maxtrain.sharding import context_attention, pipeline as pipeline_lib
 from maxtrain.sharding import schedules
 from maxtrain.sharding import rules as sharding_rules
 from maxtrain.program.state import TrainState
@@ -43,11 +44,34 @@ def head_losses_and_features(graphdef: nnx.GraphDef, params: nnx.State, batch: B
   """`head_losses` and the features the head reads, [B, T, D] (a critic's value head reads them too)."""
   model = nnx.merge(graphdef, params)
   x_BTD, moe_stats = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
-  ce_BT, log_z_BT = loss.head_losses(x_BTD, model.head_weights(), batch["targets"], chunk_tokens=chunk_tokens,
-                                     compute_dtype=model.cfg.compute_dtype, batch_shards=batch_shards,
-                                     length_shards=length_shards, quant=model.cfg.quant.for_kind("head"),
-                                     logit_cap=model.cfg.final_logit_softcap)
+  ce_BT, log_z_BT = _head(model, x_BTD, batch["targets"], chunk_tokens, batch_shards, length_shards)
   return ce_BT, log_z_BT, moe_stats, model.cfg.moe, x_BTD
+
+
+def _head(model, x_BTD, targets_BT, chunk_tokens, batch_shards, length_shards) -> tuple[jax.Array, jax.Array]:
+  return loss.head_losses(x_BTD, model.head_weights(), targets_BT, chunk_tokens=chunk_tokens,
+                          compute_dtype=model.cfg.compute_dtype, batch_shards=batch_shards,
+                          length_shards=length_shards, quant=model.cfg.quant.for_kind("head"),
+                          logit_cap=model.cfg.final_logit_softcap)
+
+
+def mtp_parts(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, x_BTD: jax.Array, *, chunk_tokens: int = 0,
+              batch_shards: int = 1, length_shards: int = 1) -> dict[str, jax.Array]:
+  """Per multi-token-prediction depth k (models/mtp.py): `mtp_ce_k`, the sum of its cross-entropy over its valid
+  positions (`mtp.depth_targets`), and `mtp_count_k`, their number; {} without MTP. `x_BTD`: the main features."""
+  model = nnx.merge(graphdef, params)
+  if not model.cfg.mtp_layers:
+    return {}
+  parts = {}
+  # Context parallelism lays each sequence out in its load-balancing order (program/batch.py context_order):
+  # "k tokens later" is counted in the sequence's own order.
+  order = context_attention.zigzag_order(x_BTD.shape[1], length_shards) if length_shards > 1 else None
+  features = model.mtp_features(x_BTD, batch["inputs"], batch["segment_ids"], batch["positions"], order)
+  for k, h_BTD in enumerate(features, start=1):
+    targets_BT, mask_BT = mtp_lib.depth_targets(batch, k, order)
+    ce_BT, _ = _head(model, h_BTD, targets_BT, chunk_tokens, batch_shards, length_shards)
+    parts[f"mtp_ce_{k}"], parts[f"mtp_count_{k}"] = jnp.sum(ce_BT * mask_BT), jnp.sum(mask_BT)
+  return parts
 
 
 def _moe_parts(moe_stats: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:
@@ -58,23 +82,32 @@ def _moe_parts(moe_stats: dict[str, jax.Array], count: jax.Array) -> dict[str, j
   microbatch)."""
   return {"moe_aux": jnp.mean(moe_stats["aux"]) * count, "moe_z": jnp.mean(moe_stats["z"]) * count,
           "moe_load": moe_stats["load"], "moe_dropped": jnp.sum(moe_stats["dropped"]),
-          "moe_assignments": jnp.sum(moe_stats["assignments"])}
+          "moe_assignments": jnp.sum(moe_stats["assignments"]), "moe_a2a_bytes": jnp.sum(moe_stats["a2a_bytes"]),
+          # per layer [L]; the one part microbatches combine by their max (microbatch.py: the `_max` suffix)
+          "moe_capacity_needed_max": moe_stats["capacity_needed"]}
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, z_loss: float = 0.0, *,
-              chunk_tokens: int = 0, batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
+              chunk_tokens: int = 0, batch_shards: int = 1, length_shards: int = 1,
+              with_mtp: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(objective summed over loss tokens, its parts): sums, not means, so that microbatches add up.
 
   objective = sum of (cross-entropy + z_loss * log(Z)^2) over loss tokens; the z term keeps the
   softmax normaliser near 1 (PaLM), which keeps bf16 logits well conditioned. A MoE model adds
   aux_loss_weight x its load-balancing loss and router_z_loss_weight x its router z-loss (`_moe_parts`),
-  the weights of the model's own config.
+  the weights of the model's own config; a model with multi-token prediction (`with_mtp`) its `mtp_parts`.
   """
-  ce_BT, log_z_BT, moe_stats, moe = head_losses(graphdef, params, batch, chunk_tokens=chunk_tokens,
-                                           batch_shards=batch_shards, length_shards=length_shards)
+  chunking = dict(chunk_tokens=chunk_tokens, batch_shards=batch_shards, length_shards=length_shards)
+  ce_BT, log_z_BT, moe_stats, moe, x_BTD = head_losses_and_features(graphdef, params, batch, **chunking)
   mask_BT = batch["loss_mask"].astype(jnp.float32)
   parts = {"ce": jnp.sum(ce_BT * mask_BT), "z": jnp.sum(jnp.square(log_z_BT) * mask_BT), "count": jnp.sum(mask_BT)}
   objective = parts["ce"] + z_loss * parts["z"]
+  mtp = mtp_parts(graphdef, params, batch, x_BTD, **chunking) if with_mtp else {}
+  if mtp:  # DeepSeek-V3: weight x the mean over depths of each depth's CE summed and divided by the main count
+    parts.update(mtp)
+    depths = len(mtp) // 2
+    cfg = nnx.merge(graphdef, params).cfg
+    objective = objective + cfg.mtp_loss_weight / depths * sum(mtp[f"mtp_ce_{k}"] for k in range(1, depths + 1))
   if moe_stats:
     parts.update(_moe_parts(moe_stats, parts["count"]))
     objective = objective + moe.aux_loss_weight * parts["moe_aux"] + moe.router_z_loss_weight * parts["moe_z"]
@@ -82,11 +115,15 @@ def loss_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, z_loss: f
 
 
 def moe_metrics(parts: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:
-  """The MoE metrics of a step's summed parts: the two losses (unweighted), the share of dropped
-  assignments, and per MoE layer [L] the load entropy / log E and the max / mean expert load."""
+  """The MoE metrics of a step's summed parts: the two losses (unweighted), the dropped assignments (count
+  and share), the bytes the expert-parallel all-to-alls sent between devices, per MoE layer [L] the load
+  entropy / log E, the max / mean expert load and the capacity_factor that would have dropped nothing,
+  and per layer and expert [L, E] the assignments (tokens per expert)."""
   load_LE = parts["moe_load"]
   return {"moe/aux_loss": parts["moe_aux"] / count, "moe/router_z_loss": parts["moe_z"] / count,
           "moe/dropped_fraction": parts["moe_dropped"] / jnp.maximum(parts["moe_assignments"], 1.0),
+          "moe/dropped": parts["moe_dropped"], "moe/all_to_all_bytes": parts["moe_a2a_bytes"],
+          "moe/capacity_needed": parts["moe_capacity_needed_max"], "moe/expert_load": load_LE,
           "moe/load_entropy": moe_lib.load_entropy(load_LE),
           "moe/max_load": jnp.max(load_LE, axis=-1) / jnp.maximum(jnp.mean(load_LE, axis=-1), 1e-9)}
 
@@ -114,7 +151,15 @@ def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z
     metrics["z_loss"] = z_loss * parts["z"] / count  # the term added to the objective
   if "moe_load" in parts:
     metrics.update(moe_metrics(parts, count), moe_load=parts["moe_load"])
+  metrics.update(mtp_metrics(parts))
   return metrics, grads
+
+
+def mtp_metrics(parts: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """`mtp/loss_<k>`: depth k's mean cross-entropy over its own valid positions (TensorBoard `train/mtp/loss_<k>`)."""
+  depths = sum(1 for name in parts if name.startswith("mtp_ce_"))
+  return {f"mtp/loss_{k}": parts[f"mtp_ce_{k}"] / jnp.maximum(parts[f"mtp_count_{k}"], 1.0)
+          for k in range(1, depths + 1)}
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_loss: float = 0.0,
@@ -151,8 +196,9 @@ def make_eval_step(graphdef: nnx.GraphDef, rules: sharding_rules.Rules | None = 
   """(sum of token losses, loss tokens) of a batch: sums, so batches add up."""
   def eval_step(params: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
     with sharding_rules.activate(rules), pipeline_lib.activate(pipeline):
+      # the main model's loss only: the MTP depths would add compute to a number no one reads
       _, parts = loss_sums(graphdef, params, batch, chunk_tokens=chunk_tokens, batch_shards=batch_shards,
-                           length_shards=length_shards)
+                           length_shards=length_shards, with_mtp=False)
     return parts["ce"], parts["count"]
 
   return eval_step
