@@ -54,6 +54,9 @@ MESHES = {
         "--config.mesh.pipeline=2", "--config.mesh.tensor=2", "--config.mesh.data=2", "--config.mesh.fsdp=1",
         "--config.pipeline.repeats=2", "--config.pipeline.microbatches=4", "--config.optimizer.grad_accum_steps=2",
         "--config.model.loss_chunk_tokens=16"],
+    # 1F1B (sharding/schedules.py) with M = 8 > 2S - 1: its saved stage inputs wrap around their 7 slots
+    "pipeline4xfsdp2_1f1b": ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.pipeline.microbatches=8",
+                             "--config.pipeline.schedule=1f1b", "--config.model.remat=full"],
 }
 
 
@@ -116,7 +119,7 @@ def runs():
   return {name: _train(name) for name in MESHES}
 
 
-@pytest.mark.parametrize("name", ["pipeline4xfsdp2", "pipeline2xtensor2xdata2_repeats2"])
+@pytest.mark.parametrize("name", ["pipeline4xfsdp2", "pipeline2xtensor2xdata2_repeats2", "pipeline4xfsdp2_1f1b"])
 def test_pipeline_trains_like_no_pipeline(runs, name):
   ref, run = runs["reference"], runs[name]
   assert run.program.plan.pipeline is not None and run.program.plan.pipeline.stages == int(name[8])
@@ -236,6 +239,22 @@ def test_checkpoints_move_between_stage_counts_bitwise(runs, tmp_path):
       loss = runs[names[target]].step(state, rows)
       np.testing.assert_allclose(loss, runs["reference"].losses[STEPS], rtol=1e-5)
   ckpt.close()
+
+
+def test_1f1b_resumes_bitwise(runs, tmp_path):
+  """The 1f1b run's state after STEPS steps saves and restores bitwise, and its next step gives the loss the run
+  gave without the round trip, exactly."""
+  run = runs["pipeline4xfsdp2_1f1b"]
+  assert run.program.plan.pipeline.kind == "1f1b"
+  ckpt = Checkpointer(run.program.cfg.checkpoint, str(tmp_path))
+  with jax.set_mesh(run.program.mesh):
+    ckpt.save(STEPS, jax.device_put(run.state, run.program.state.shardings), {}, run.program.cfg,
+              dict(run.program.mesh.shape))
+  ckpt.close()
+  ckpt = Checkpointer(run.program.cfg.checkpoint, str(tmp_path / "restore"))
+  state = _assert_restores(ckpt, tmp_path / str(STEPS), run, run.state)
+  ckpt.close()
+  assert run.step(state, _batches(run.program.cfg, STEPS + 1)[STEPS]) == run.losses[STEPS]
 
 
 def test_bubble_is_reported_by_the_estimate():

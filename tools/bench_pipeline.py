@@ -1,6 +1,7 @@
 """CPU time per train step of the circular pipeline as its microbatches grow, at fixed tokens per step:
 
-  python tools/bench_pipeline.py [--microbatches 4,8,16] [--repeats 1,2] [--rounds 5] [--config.key=value ...]
+  python tools/bench_pipeline.py [--microbatches 4,8,16] [--repeats 1,2] [--schedules gpipe,1f1b] [--rounds 5]
+                                 [--config.key=value ...]
 
 On 8 fake CPU devices, `mesh.pipeline=4 x mesh.fsdp=2` (by default), one compiled step per
 (microbatches, repeats) variant, all built first and then timed in alternation (`timing.interleaved`:
@@ -33,10 +34,10 @@ BASE = ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.model.num_
         "--config.data.batch_size=32", "--config.model.scan_unroll=1"]
 
 
-def build(rest: list[str], microbatches: int, repeats: int, steps: int):
+def build(rest: list[str], microbatches: int, repeats: int, steps: int, schedule: str = "gpipe"):
   """A callable running `steps` compiled steps of the variant, and its schedule."""
   cfg = config_lib.load(BASE + rest + [f"--config.pipeline.microbatches={microbatches}",
-                                       f"--config.pipeline.repeats={repeats}"])
+                                       f"--config.pipeline.repeats={repeats}", f"--config.pipeline.schedule={schedule}"])
   program = program_lib.program_for(cfg, jax.devices())
   state = state_lib.initialize(program.state, program.mesh)
   data = Data(cfg, program.batch_shardings)
@@ -58,25 +59,29 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--microbatches", default="4,8,16", help="comma-separated pipeline.microbatches")
   parser.add_argument("--repeats", default="1,2", help="comma-separated pipeline.repeats")
+  parser.add_argument("--schedules", default="gpipe", help="comma-separated pipeline.schedule (1f1b: repeats 1 only)")
   parser.add_argument("--steps", type=int, default=3, help="steps per timed call")
   parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; medians are reported")
   args, rest = parser.parse_known_args()
   variants, schedules = {}, {}
-  for r in map(int, args.repeats.split(",")):
-    for m in map(int, args.microbatches.split(",")):
-      name = f"M={m} R={r}"
-      variants[name], schedules[name], cfg = build(rest, m, r, args.steps)
+  for kind in args.schedules.split(","):
+    for r in map(int, args.repeats.split(",")):
+      for m in map(int, args.microbatches.split(",")):
+        if kind == "1f1b" and r > 1:
+          continue
+        name = f"M={m} R={r}" + ("" if kind == "gpipe" else f" {kind}")
+        variants[name], schedules[name], cfg = build(rest, m, r, args.steps, kind)
   print(f"machine: {platform.machine()} {os.cpu_count()} cores, {jax.device_count()} x {jax.devices()[0].device_kind}; "
         f"python {platform.python_version()}, jax {jax.__version__}; load average {os.getloadavg()[0]:.2f} at start")
   print(f"model: {cfg.model.num_layers} layers, d_model {cfg.model.d_model}; batch {cfg.data.batch_size} x "
         f"{cfg.data.seq_len} tokens per step (fixed); {args.rounds} alternating rounds of {args.steps} steps")
   results = timing.interleaved(variants, args.rounds, warmup=1)
   first = next(iter(results))
-  print(f"{'variant':>10} {'CPU s/step':>11} {'vs ' + first:>12} {'wall s/step':>12} {'bubble':>8} {'iterations':>10}")
+  print(f"{'variant':>15} {'CPU s/step':>11} {'vs ' + first:>12} {'wall s/step':>12} {'bubble':>8} {'iterations':>10}")
   for name, t in results.items():
     s = schedules[name]
     ratios = [c / f for c, f in zip(t.cpus, results[first].cpus)]  # per round: the two ran back to back
-    print(f"{name:>10} {t.cpu / args.steps:11.3f} {statistics.median(ratios):12.3f} {t.wall / args.steps:12.3f} "
+    print(f"{name:>15} {t.cpu / args.steps:11.3f} {statistics.median(ratios):12.3f} {t.wall / args.steps:12.3f} "
           f"{s.bubble:8.4f} {s.iterations:10d}")
   print(f"load average at end: {os.getloadavg()[0]:.2f}")
 

@@ -16,6 +16,7 @@ import ml_collections
 
 from maxtrain.errors import UserError
 from maxtrain.program.fit import Memory, entry_buffers  # noqa: F401 (Memory: this module's figures)
+from maxtrain.sharding import schedules
 from maxtrain.sharding.mesh import AXES
 from maxtrain.program.plan import Plan
 
@@ -100,8 +101,11 @@ class CompileReport:
     if not schedule:
       return []
     layers = self.cfg.model.num_layers // schedule.stages
+    held = [int(x) for x in schedules.held(schedules.table(schedule))]
     return [f"  per stage       {self.memory.peak / GiB:9.3f} GiB  on each of the {schedule.stages} stages ({layers} "
-            f"layers each; one SPMD program, the same buffers on every stage): max {self.memory.peak / GiB:.3f} GiB"]
+            f"layers each; one SPMD program, the same buffers on every stage): max {self.memory.peak / GiB:.3f} GiB",
+            f"  activations     {self.memory.temporaries / GiB:9.3f} GiB  per stage (temporaries); {schedule.kind} holds "
+            f"{held} microbatches' activations per stage (schedule table, bubble {schedules.bubble(schedules.table(schedule)):.4f})"]
 
   def describe(self) -> str:
     from maxtrain.aot.estimate import boundary_bytes  # imports the model: after the backend is set up

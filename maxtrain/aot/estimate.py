@@ -32,6 +32,7 @@ from maxtrain.models import registry
 from maxtrain.models.decoder import ModelConfig
 from maxtrain.monitor import memory
 from maxtrain.program.build import loss_chunk_tokens
+from maxtrain.sharding import schedules
 from maxtrain.sharding.layout import Layout, named_leaves
 from maxtrain.program.plan import validate
 
@@ -277,7 +278,12 @@ def _pipeline(plan: Any, num_layers: int, saved: int, microbatch_bytes: int,
   if schedule.stage_remat:
     per_iteration, recompute = microbatch_bytes // m_, per_iteration
     allocated = per_iteration * its + 2 * microbatch_bytes + recompute
-  stages = [{"stage": s, "layers": num_layers // s_, "live_passes": r_ * m_,
+  live = [r_ * m_] * s_
+  if schedule.kind == "1f1b":  # saved stage inputs in a ring of slots; each backward recomputes one microbatch
+    live = [int(x) for x in schedules.held(schedules.table(schedule))]
+    per_iteration, recompute = microbatch_bytes // m_, per_iteration
+    allocated = per_iteration * schedules.slots(schedule) + 2 * microbatch_bytes + recompute
+  stages = [{"stage": s, "layers": num_layers // s_, "live_passes": live[s],
              "useful_saved_bytes": per_iteration * r_ * m_, "saved_bytes": allocated,
              "held_iterations": 2 * its - 1 - 2 * s} for s in range(s_)]
   figures = {**schedule.to_json(), "boundary_bytes": 2 * its * shard_bytes // m_,

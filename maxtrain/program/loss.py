@@ -66,7 +66,9 @@ def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Arra
   """Per-token cross-entropy and log partition function log Z (the z-loss input), fp32."""
   logits_BTV = logits_BTV.astype(jnp.float32)
   log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-  target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+  # A masked sum, not a gather: the same value (one term, the rest exact zeros), and XLA's SPMD partitioner
+  # aborts on this gather with the vocab dim sharded over tensor inside the 1f1b stage loop (sharding/schedules.py).
+  target_logit_BT = jnp.sum(jnp.where(_target_mask(targets_BT, logits_BTV.shape[-1]), logits_BTV, 0.0), axis=-1)
   return log_z_BT - target_logit_BT, log_z_BT
 
 

@@ -226,12 +226,15 @@ def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: Ba
   """The circular pipeline's arithmetic, and what it does not support (docs/sharding.md), before compiling.
   None when the mesh has one stage."""
   p, m = cfg.pipeline, cfg.model
+  choice("pipeline.schedule", p.schedule, pipeline_lib.SCHEDULES)
   require(p.microbatches >= 1 and p.repeats >= 1, f"config.pipeline.microbatches={p.microbatches}, pipeline.repeats="
           f"{p.repeats}: both must be >= 1")
   stages = layout.shards("layers")
   if stages == 1:
     require(p.repeats == 1 and p.microbatches == 1, f"config.pipeline.microbatches={p.microbatches}, pipeline.repeats="
             f"{p.repeats} without a pipeline ({mesh_text}): set mesh.pipeline (or mesh.dcn_pipeline) > 1, or leave both at 1")
+    require(p.schedule == "gpipe", f"config.pipeline.schedule={p.schedule!r} without a pipeline ({mesh_text}): set "
+            "mesh.pipeline (or mesh.dcn_pipeline) > 1, or leave pipeline.schedule=gpipe")
     return None
   where = f"{mesh_text}: a pipeline of {layout.describe('layers')} stages"
   require(m.num_layers % (stages * p.repeats) == 0,
@@ -252,8 +255,13 @@ def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: Ba
   bad = [text for hit, text in unsupported if hit]
   require(not bad, f"{where}: the pipeline does not support {', '.join(bad)}. Set mesh.pipeline=1 (and "
           "mesh.dcn_pipeline=1), or change those settings (docs/sharding.md lists what the pipeline supports).")
+  require(p.schedule in pipeline_lib.BUILT, f"{where}: config.pipeline.schedule={p.schedule!r} is not built yet; "
+          f"set pipeline.schedule to one of {', '.join(pipeline_lib.BUILT)}")
+  require(p.schedule != "1f1b" or p.repeats == 1, f"{where}: config.pipeline.schedule='1f1b' with pipeline.repeats="
+          f"{p.repeats}: 1f1b runs one layer group per stage (interleaved_1f1b is not built yet); set "
+          "pipeline.repeats=1 or pipeline.schedule=gpipe")
   return pipeline_lib.Schedule(stages=stages, microbatches=p.microbatches, repeats=p.repeats,
-                               stage_remat=p.stage_remat)
+                               stage_remat=p.stage_remat, kind=p.schedule)
 
 
 def _validate_stages(cfg: ml_collections.ConfigDict, layout: Layout, mesh_text: str, num_processes: int) -> None:

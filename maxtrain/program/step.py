@@ -21,6 +21,7 @@ from maxtrain.models import moe as moe_lib
 from maxtrain.models import mtp as mtp_lib
 from maxtrain.models.moe import MoEConfig
 from maxtrain.sharding import context_attention, pipeline as pipeline_lib
+from maxtrain.sharding import schedules
 from maxtrain.sharding import rules as sharding_rules
 from maxtrain.program.state import TrainState
 
@@ -134,8 +135,11 @@ def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z
   and `moe_load`, the [L, E] assignments per layer and expert that the router bias follows) and the
   gradient of the mean objective over the batch's loss tokens."""
   def sums_and_grads(p, b):
-    objective = lambda p: loss_sums(graphdef, p, b, z_loss, chunk_tokens=chunk_tokens,
-                                    batch_shards=batch_shards, length_shards=length_shards)
+    objective = lambda p, b=b: loss_sums(graphdef, p, b, z_loss, chunk_tokens=chunk_tokens,
+                                         batch_shards=batch_shards, length_shards=length_shards)
+    schedule = pipeline_lib.active()
+    if schedule is not None and schedule.kind == "1f1b":  # the backward written by the schedule, not autodiff
+      return schedules.value_and_grad(objective, p, b, schedule)
     (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(p)
     return parts, grads
 

@@ -27,6 +27,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 AXIS = "pipeline"
+# pipeline.schedule: the order of the forward and backward passes (sharding/schedules.py builds 1f1b).
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb", "auto")
+BUILT = ("gpipe", "1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,23 +38,36 @@ class Schedule:
   microbatches: int  # M
   repeats: int  # R: circular repeats
   stage_remat: bool = False  # the model recomputes a stage's layers in the backward from the stage's input
+  kind: str = "gpipe"  # pipeline.schedule: gpipe (this module) or 1f1b (sharding/schedules.py)
 
   @property
   def iterations(self) -> int:
+    """Loop iterations: of the forward scan (gpipe; the backward runs as many), or ticks (1f1b: one forward
+    and one backward slot each, a microbatch's round trip through the S stages takes 2S - 1 of them)."""
+    if self.kind == "1f1b":
+      return self.microbatches + 2 * self.stages - 2
     return self.repeats * self.microbatches + self.stages - 1
 
   @property
   def bubble(self) -> float:
-    """The share of each stage's iterations spent idle (fill and drain)."""
+    """The share of each stage's forward and backward slots spent idle (fill and drain): what
+    schedules.table counts (tested equal)."""
+    if self.kind == "1f1b":
+      return (2 * self.stages - 2) / self.iterations
     return (self.stages - 1) / self.iterations
 
+  @property
+  def formula(self) -> str:
+    return "(2S-2)/(M+2S-2)" if self.kind == "1f1b" else "(S-1)/(R*M+S-1)"
+
   def describe(self) -> str:
-    return (f"{self.stages} stages x {self.repeats} repeat(s), {self.microbatches} microbatches: "
-            f"{self.iterations} iterations, bubble (S-1)/(R*M+S-1) = {self.bubble:.4f}"
-            + ("; stage remat" if self.stage_remat else ""))
+    return (f"{self.stages} stages x {self.repeats} repeat(s), {self.microbatches} microbatches"
+            + ("" if self.kind == "gpipe" else f", schedule {self.kind}") + ": "
+            f"{self.iterations} iterations, bubble {self.formula} = {self.bubble:.4f}"
+            + ("; stage remat" if self.stage_remat or self.kind == "1f1b" else ""))
 
   def to_json(self) -> dict[str, Any]:
-    return {"stages": self.stages, "microbatches": self.microbatches, "repeats": self.repeats,
+    return {"schedule": self.kind, "stages": self.stages, "microbatches": self.microbatches, "repeats": self.repeats,
             "iterations": self.iterations, "bubble_fraction": self.bubble, "stage_remat": self.stage_remat}
 
 
@@ -70,6 +86,21 @@ def activate(schedule: Schedule | None) -> Iterator[None]:
     yield
   finally:
     _ACTIVE.reset(token)
+
+
+# Set while sharding/schedules.py traces the model: `run` hands the layer stack to it instead of running it.
+_STACK: contextvars.ContextVar[Callable[..., jax.Array] | None] = contextvars.ContextVar("maxtrain_stack", default=None)
+
+
+@contextlib.contextmanager
+def substitute(hook: Callable[..., jax.Array]) -> Iterator[None]:
+  """Within the block `run(layers, stacked, x, segment_ids, positions, schedule)` returns
+  `hook(layers, stacked, x, segment_ids, positions)`."""
+  token = _STACK.set(hook)
+  try:
+    yield
+  finally:
+    _STACK.reset(token)
 
 
 def _split(x_B: jax.Array, m: int) -> jax.Array:
@@ -97,6 +128,9 @@ def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Ar
   one that recomputes only slices and reshapes, models/decoder.py), the residual is the loop-invariant stage
   weights, kept once. With R = 1 the index is the constant 0 (tests: the saved residuals; compiled temp
   memory: tools/pipeline_memory.py, docs/sharding.md)."""
+  hook = _STACK.get()
+  if hook is not None:
+    return hook(layers, stacked, x_BTD, segment_ids_BT, positions_BT)
   s_, m_, r_ = schedule.stages, schedule.microbatches, schedule.repeats
   grouped = jax.tree.map(lambda w: w.reshape((r_, s_, -1) + w.shape[1:]), stacked)
   xs, segs, poss = (_split(a, m_) for a in (x_BTD, segment_ids_BT, positions_BT))
@@ -131,7 +165,7 @@ def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Ar
       return (recv, buf, out), None
 
     init = (varying(jnp.zeros_like(xs[0])), varying(jnp.zeros_like(xs)), varying(jnp.zeros_like(xs)))
-    (_, _, out), _ = jax.lax.scan(body, init, jnp.arange(schedule.iterations))
+    (_, _, out), _ = jax.lax.scan(body, init, jnp.arange(r_ * m_ + s_ - 1))  # gpipe order (also the forward-only eval of 1f1b)
     return out[None]
 
   fn = jax.shard_map(stage, in_specs=(P(None, AXIS), P(), P(), P()), out_specs=P(AXIS), axis_names={AXIS})

@@ -1,0 +1,57 @@
+"""Per-stage activation memory of the pipeline schedules as the microbatches grow: the compiled step's
+temporaries (XLA's memory_analysis; one SPMD program, so each stage's) and, from the schedule table
+(maxtrain/sharding/schedules.py), the bubble and the microbatches each stage holds. BENCHMARKS.md's and
+docs/sharding.md's schedule tables.
+
+  python tools/pipeline_schedules.py [--microbatches 4,8,16] [--rows 4] [--config.key=value ...]
+
+Runs on 8 fake CPU devices (set here): pipeline=4 x fsdp=2, 4 layers (one per stage), d_model 256, d_ff 1024,
+64 tokens, `model.remat=none`; a microbatch is `--rows` sequences (batch rows x M: the microbatch fixed, so what
+a schedule holds per microbatch shows as M grows; `--rows 0`: batch 32 whatever M). Only compiles (nothing runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+from maxtrain.config import loader as config_lib  # noqa: E402
+from maxtrain.program import build as build_lib  # noqa: E402
+from maxtrain.sharding import schedules  # noqa: E402
+
+MODEL = ["--config.model.num_layers=4", "--config.model.d_model=256", "--config.model.num_heads=4",
+         "--config.model.num_kv_heads=4", "--config.model.d_ff=1024", "--config.model.vocab_size=512",
+         "--config.data.seq_len=64", "--config.mesh.pipeline=4", "--config.mesh.fsdp=2",
+         "--config.model.remat=none"]
+VARIANTS = {"gpipe": ["--config.pipeline.schedule=gpipe"],
+            "gpipe + stage_remat": ["--config.pipeline.schedule=gpipe", "--config.pipeline.stage_remat=true"],
+            "1f1b": ["--config.pipeline.schedule=1f1b"]}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--microbatches", default="4,8,16")
+  parser.add_argument("--rows", type=int, default=4, help="sequences per microbatch (0: batch 32 for every M)")
+  args, extra = parser.parse_known_args()
+  print(f"jax {jax.__version__}, {platform.processor() or platform.machine()}, {jax.device_count()} CPU devices")
+  print(f"{'schedule':20} {'M':>3} {'temp MiB':>9} {'bubble':>7}  held microbatches per stage")
+  for m in (int(x) for x in args.microbatches.split(",")):
+    for name, variant in VARIANTS.items():
+      batch = args.rows * m if args.rows else 32
+      cfg = config_lib.load(MODEL + variant + [f"--config.pipeline.microbatches={m}", f"--config.data.batch_size={batch}"]
+                            + extra)
+      program = build_lib.program_for(cfg, jax.devices(), require_data=False)
+      memory = program.lower().compile().memory_analysis()
+      tab = schedules.table(program.plan.pipeline)
+      print(f"{name:20} {m:3d} {memory.temp_size_in_bytes / 2**20:9.2f} {schedules.bubble(tab):7.4f}  "
+            f"{[int(x) for x in schedules.held(tab)]}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
