@@ -34,7 +34,9 @@ def base_config() -> ml_collections.ConfigDict:
   m.qk_norm = False  # Per-head RMSNorm of q and k before RoPE (Qwen3); any family.
   m.attention_sinks = False  # A learned logit per head joining each softmax normaliser, no value (GPT-OSS); kernels dot, flash.
   m.o_bias = False  # A bias on the attention output projection (GPT-OSS); any family.
-  m.sliding_window = 0  # Sliding-window attention: a query sees this many latest tokens (itself included) on the family's window layers (all layers so far; Mistral); 0 = off. Kernels dot, flash, blocked skip keys outside it.
+  m.sliding_window = 0  # Sliding-window attention: a query sees this many latest tokens (itself included) on the family's window layers (its pattern, or model.window_pattern's); 0 = off. Kernels dot, flash, blocked skip keys outside it.
+  m.window_pattern = 0  # Layer pattern of the window: layer i is global (full attention) iff (i + 1) % this == 0, the others local (Gemma 3: 6 = 5 local : 1 global; 2 alternates); 0 = the family's pattern; any family (layers then unscanned).
+  m.rope_local_theta = 0.0  # RoPE base of the local (window-pattern) layers, unscaled (Gemma 3: 10000 beside a global rope_theta of 1e6); 0 = rope_theta and rope_scaling on every layer; any family.
   m.norm_one_plus = False  # RMSNorm as x / rms(x) * (1 + scale), the scale initialised to 0 (Gemma); any family.
   m.post_norms = False  # RMSNorm of the attention and MLP outputs before each residual add too (Gemma 2); any family.
   m.embed_scale = False  # Token embeddings times sqrt(d_model) (Gemma); any family.

@@ -125,7 +125,8 @@ class CacheWrite:
 
 class Attention(nnx.Module):
   """Pieces (each optional, any family): `head_dim` (default d_model / num_heads), q/k/v biases
-  (`qkv_bias`, Qwen2), per-head RMSNorm of q and k before RoPE (`qk_norm_eps` not None, Qwen3), and a
+  (`qkv_bias`, Qwen2), per-head RMSNorm of q and k before RoPE (`qk_norm_eps` not None, Qwen3; Gemma 3's
+  (1 + w) norm with `qk_norm_one_plus`), and a
   sliding `window` (a query sees the `window` latest keys, itself included; 0: all, Mistral), Gemma 2's
   `query_pre_attn_scalar` (scores scaled by its -1/2 power instead of head_dim's: q is multiplied by
   sqrt(head_dim / it), so every kernel keeps its own head_dim^-1/2) and `logit_cap` (attention-score
@@ -135,7 +136,8 @@ class Attention(nnx.Module):
                init_std: float, out_std: float, param_dtype, compute_dtype, kernel: str = "dot",
                block_q: int = 128, block_kv: int = 128, rngs: nnx.Rngs, quant=None, head_dim: int | None = None,
                qkv_bias: bool = False, qk_norm_eps: float | None = None, window: int = 0, sinks: bool = False,
-               o_bias: bool = False, query_pre_attn_scalar: float = 0.0, logit_cap: float = 0.0):
+               o_bias: bool = False, query_pre_attn_scalar: float = 0.0, logit_cap: float = 0.0,
+               qk_norm_one_plus: bool = False):
     head_dim = head_dim or d_model // num_heads
     self.q_mult = (head_dim / query_pre_attn_scalar) ** 0.5 if query_pre_attn_scalar else 1.0
     self.logit_cap = logit_cap
@@ -157,8 +159,8 @@ class Attention(nnx.Module):
       self.sinks = param(rngs, nnx.initializers.zeros, (num_heads,), ("heads",), param_dtype)
     self.qk_norm = qk_norm_eps is not None
     if self.qk_norm:
-      self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps, param_dtype=param_dtype, rngs=rngs)
-      self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps, param_dtype=param_dtype, rngs=rngs)
+      self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps, param_dtype=param_dtype, rngs=rngs, one_plus=qk_norm_one_plus)
+      self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps, param_dtype=param_dtype, rngs=rngs, one_plus=qk_norm_one_plus)
     self.rope_theta = rope_theta
     self.compute_dtype = compute_dtype
     self.quant = quant  # models/quant.py Quant of the projections, or None
