@@ -24,7 +24,7 @@ from maxtrain.models.decoder import ModelConfig
 from maxtrain.models.hf_adapter import HFAdapter
 
 # The families, each a module of models/ holding FAMILY (the order of --help and docs/models.md).
-_MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3", "gemma2")
+_MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3", "gemma2", "gemma3")
 DEFAULT = "llama"  # config.model.family's default (config/keys.py), and the family of keys without one
 # which layers a family's sliding window covers: "all" (Mistral), "alternate" (even layers; GPT-OSS, Gemma 2:
 # their layers are unscanned, model.scan_layers=False, each Block with its own static window); a period
