@@ -120,14 +120,19 @@ def _model(family: str, **keys):
   from maxtrain import config as config_lib
 
   m = config_lib.base_config().model
-  m.update(dict(family=family, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96, vocab_size=128,
-                max_seq_len=64, **keys))
+  m.update({**dict(family=family, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96, vocab_size=128,
+                  max_seq_len=64), **keys})
   return registry.model_config(m)
 
 
-def test_flash_equals_dot_with_a_window_shorter_than_the_sequence():
-  """The same random Mistral-family model (window 12 < T = 64, two documents) under the dot and flash kernels:
-  the same loss (rtol 1e-5) and gradients."""
+# gemma3: 3 layers of pattern 3 (local, local, global), local RoPE base 1e4 beside a global 1e6, (1 + w) qk-norm
+GEMMA3_KEYS = dict(num_layers=3, window_pattern=3, head_dim=16, rope_theta=1e6, rope_local_theta=1e4)
+
+
+@pytest.mark.parametrize("family,keys", [("mistral", {}), ("gemma3", GEMMA3_KEYS)])
+def test_flash_equals_dot_with_a_window_shorter_than_the_sequence(family, keys):
+  """The same random model (window 12 < T = 64, two documents; Mistral: every layer, Gemma 3: its local layers)
+  under the dot and flash kernels: the same loss (rtol 1e-5) and gradients."""
   from flax import nnx
 
   losses, grads = {}, {}
@@ -136,10 +141,10 @@ def test_flash_equals_dot_with_a_window_shorter_than_the_sequence():
   segments = np.ones((2, 64), np.int32)
   segments[0, 40:] = 2
   positions = np.where(segments == 2, np.arange(64) - 40, np.arange(64))
-  _, params = registry.abstract(_model("mistral", sliding_window=12))
+  _, params = registry.abstract(_model(family, sliding_window=12, **keys))
   params = jax.tree.map(lambda a: jnp.asarray(0.1 * rng.standard_normal(a.shape), a.dtype), params)
   for kernel in ("dot", "flash"):
-    cfg = _model("mistral", sliding_window=12, attention=kernel, attention_block_q=16, attention_block_kv=16)
+    cfg = _model(family, sliding_window=12, attention=kernel, attention_block_q=16, attention_block_kv=16, **keys)
     graphdef, _ = registry.abstract(cfg)
 
     def loss(p):
@@ -191,6 +196,13 @@ HF_FAMILIES = {  # family: (config class, model class, config kwargs)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=12, sliding_window=6, attn_logit_softcapping=GEMMA_ATTN_CAP,
         final_logit_softcapping=GEMMA_FINAL_CAP, tie_word_embeddings=True)),
+    # Gemma 2's pieces plus the (1 + w) qk-norm, 3 layers of pattern 3 (local, local, global: the 5 : 1 rule's
+    # period, shortened) with 6-token windows, a local RoPE base (1e4) beside a linear-scaled global one (1e6)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=12, sliding_window=6, num_hidden_layers=3, sliding_window_pattern=3,
+        tie_word_embeddings=True, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
 }
 
 
@@ -251,12 +263,12 @@ def test_from_hf_picks_the_family_and_its_pieces(converted):
   assert (model.get("head_dim"), model.get("sliding_window", 0)) == {"qwen2": (0, 0), "qwen3": (16, 0),
                                                                        "mistral": (0, 6), "qwen3_moe": (16, 0),
                                                                        "gpt_oss": (16, 6), "deepseek_v3": (0, 0),
-                                                                       "gemma2": (16, 6)}[family]
+                                                                       "gemma2": (16, 6), "gemma3": (16, 6)}[family]
   cfg = registry.model_config(model)
   assert (cfg.qkv_bias, cfg.qk_norm, cfg.head_dim) == {"qwen2": (True, False, 8), "qwen3": (False, True, 16),
                                                        "mistral": (False, False, 8), "qwen3_moe": (False, True, 16),
                                                        "gpt_oss": (True, False, 16), "deepseek_v3": (False, False, 8),
-                                                       "gemma2": (False, False, 16)}[family]
+                                                       "gemma2": (False, False, 16), "gemma3": (False, True, 16)}[family]
   moe = cfg.moe
   assert (moe.num_experts, moe.experts_per_token, moe.expert_d_ff, moe.norm_topk_prob, moe.dispatch) == {
       "qwen3_moe": (8, 2, 24, True, "dropless"), "gpt_oss": (8, 2, 48, True, "dropless"),
@@ -271,6 +283,12 @@ def test_from_hf_picks_the_family_and_its_pieces(converted):
             cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.tie_embeddings, cfg.scan_layers) == (
                 True, True, True, "gelu_tanh", 12.0, GEMMA_ATTN_CAP, GEMMA_FINAL_CAP, True, False)
     assert [cfg.layer_window(i) for i in range(4)] == [6, 0, 6, 0]
+  if family == "gemma3":
+    assert (cfg.norm_one_plus, cfg.post_norms, cfg.embed_scale, cfg.query_pre_attn_scalar, cfg.attn_logit_softcap,
+            cfg.scan_layers, cfg.window_pattern, cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor,
+            cfg.rope_local_theta) == (True, True, True, 12.0, 0.0, False, 3, 1e6, "linear", 4.0, 1e4)
+    assert [cfg.layer_window(i) for i in range(6)] == [6, 6, 0, 6, 6, 0]
+    assert [cfg.layer_rope(i).theta for i in range(3)] == [1e4, 1e4, 1e6]
   if family == "deepseek_v3":
     assert (moe.router, moe.n_group, moe.topk_group, moe.routed_scaling_factor, moe.num_shared_experts,
             moe.first_dense_layers) == ("sigmoid", 4, 2, 2.5, 1, 1)
@@ -327,7 +345,9 @@ def test_converted_logits_equal_transformers(converted):
   assert np.abs(maxtrain_logits(model, x)[..., :VOCAB] - want).max() <= TOL
   graphdef, params = nnx.split(model)
   changes = {"mistral": [dict(sliding_window=0)], "gpt_oss": [dict(sliding_window=0)],  # each must matter here
-             "gemma2": [dict(sliding_window=0), dict(attn_logit_softcap=0.0), dict(final_logit_softcap=0.0)]}
+             "gemma2": [dict(sliding_window=0), dict(attn_logit_softcap=0.0), dict(final_logit_softcap=0.0)],
+             "gemma3": [dict(sliding_window=0), dict(window_pattern=2), dict(rope_local_theta=0.0),
+                        dict(norm_one_plus=False)]}
   for change in changes.get(family, []):
     other = registry.abstract(dataclasses.replace(model.cfg, **change))[0]
     assert np.abs(maxtrain_logits(nnx.merge(other, params), x)[..., :VOCAB] - want).max() > 100 * TOL, change
@@ -342,6 +362,14 @@ def test_transformers_4_and_5_spellings_read_alike(converted):
   v5 = json.loads((root / "hf" / "config.json").read_text())
   assert "rope_parameters" in v5
   v4 = {k: v for k, v in v5.items() if k not in ("rope_parameters", "layer_types")}
+  if family == "gemma3":  # 4.x Gemma 3: the global RoPE at the top, the local base apart, the pattern as a period
+    full, local = v5["rope_parameters"]["full_attention"], v5["rope_parameters"]["sliding_attention"]
+    v4 = {k: v for k, v in v4.items() if k != "_sliding_window_pattern"}
+    v4.update(rope_theta=full["rope_theta"], rope_scaling={k: v for k, v in full.items() if k != "rope_theta"},
+              rope_local_base_freq=local["rope_theta"], sliding_window_pattern=v5["_sliding_window_pattern"],
+              hidden_act=v5["hidden_activation"], transformers_version="4.50.0")
+    assert hf_config.to_model_keys(v4, "v4") == hf_config.to_model_keys(v5, "v5")
+    return
   v4.update(rope_theta=v5["rope_parameters"]["rope_theta"], rope_scaling=None, transformers_version="4.51.3")
   if family == "gemma2":  # 4.x Gemma 2 wrote both activation fields and no layer_types (even layers slide)
     v4.update(hidden_act=v5["hidden_activation"])
@@ -375,6 +403,11 @@ REFUSED = [  # (family, field changed, value, the field the one-line error names
     ("gemma2", "hidden_activation", "gelu", "hidden_activation"),
     ("gemma2", "attention_bias", True, "attention_bias"),
     ("gemma2", "final_logit_softcapping", "30", "final_logit_softcapping"),
+    ("gemma3", "layer_types", ["sliding_attention", "full_attention", "sliding_attention"], "layer_types"),
+    ("gemma3", "rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": 1e6}, "sliding_attention": {
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters.sliding_attention.rope_type"),
+    ("gemma3", "use_bidirectional_attention", True, "use_bidirectional_attention"),
+    ("gemma3", "architectures", ["Gemma3ForConditionalGeneration"], "architectures"),
 ]
 
 
@@ -483,7 +516,7 @@ def test_decode_memory_of_a_window_layer_is_window_sized(converted):
     stack = cache.kv.get(name)
     if stack is not None:
       slots += [kv.k_BSKH.shape[-3] for kv in stack] if isinstance(stack, list) else [stack.k_BSKH.shape[2]] * stack.k_BSKH.shape[0]
-  windows = {"mistral": [6, 6], "gpt_oss": [6, 40], "gemma2": [6, 40]}.get(family, [40, 40])
+  windows = {"mistral": [6, 6], "gpt_oss": [6, 40], "gemma2": [6, 40], "gemma3": [6, 6, 40]}.get(family, [40, 40])
   assert slots == windows, (family, slots)
   assert cache.valid_BS.shape == (2, 40)
 
@@ -733,5 +766,23 @@ def test_gemma2_trains_through_the_entry_point(store, tmp_path, capsys):
                        "--config.model.loss_chunk_tokens=16", f"--config.data.path={store}", "--config.steps=6",
                        f"--config.output_dir={out}", "--config.log_every=2", "--config.optimizer.lr=0.01",
                        "--config.optimizer.warmup_steps=1"]
+  losses, _ = train_losses(args, out, capsys)
+  assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
+
+
+def test_gemma3_trains_through_the_entry_point(store, tmp_path, capsys):
+  """gemma3 (Gemma 2's pieces, (1 + w) qk-norm) with 3 layers of pattern 3 (local, local, global), a window of 8 <
+  data.seq_len = 32 on the local layers, a local RoPE base beside the global one, under the flash kernel: the
+  entry point trains it and the loss falls."""
+  from tiny import TINY_MODEL
+
+  out = tmp_path / "run"
+  args = TINY_MODEL + ["--config.model.family=gemma3", "--config.model.num_layers=3", "--config.model.head_dim=16",
+                       "--config.model.sliding_window=8", "--config.model.window_pattern=3",
+                       "--config.model.rope_theta=1000000.0", "--config.model.rope_local_theta=10000.0",
+                       "--config.model.tie_embeddings=True", "--config.model.attention=flash",
+                       "--config.model.attention_block_q=8", "--config.model.attention_block_kv=8",
+                       f"--config.data.path={store}", "--config.steps=6", f"--config.output_dir={out}",
+                       "--config.log_every=2", "--config.optimizer.lr=0.01", "--config.optimizer.warmup_steps=1"]
   losses, _ = train_losses(args, out, capsys)
   assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
