@@ -129,10 +129,12 @@ def _model(family: str, **keys):
 GEMMA3_KEYS = dict(num_layers=3, window_pattern=3, head_dim=16, rope_theta=1e6, rope_local_theta=1e4)
 
 
-@pytest.mark.parametrize("family,keys", [("mistral", {}), ("gemma3", GEMMA3_KEYS)])
+@pytest.mark.parametrize("family,keys", [("mistral", {}), ("gemma3", GEMMA3_KEYS),
+                                         ("gemma2", dict(head_dim=16, query_pre_attn_scalar=12, attn_logit_softcap=0.05))])
 def test_flash_equals_dot_with_a_window_shorter_than_the_sequence(family, keys):
-  """The same random model (window 12 < T = 64, two documents; Mistral: every layer, Gemma 3: its local layers)
-  under the dot and flash kernels: the same loss (rtol 1e-5) and gradients."""
+  """The same random model (window 12 < T = 64, two documents; Mistral: every layer, Gemma 3: its local layers,
+  Gemma 2: its even layers, the attention scores soft-capped) under the dot and flash kernels: the same loss
+  (rtol 1e-5) and gradients."""
   from flax import nnx
 
   losses, grads = {}, {}
@@ -455,20 +457,52 @@ def test_to_hf_refuses_a_piece_the_class_cannot_express():
 
 
 def test_attention_softcap_refuses_the_kernels_without_it():
-  """Soft-capping runs in the dot kernel only: an explicit flash / blocked / cudnn is a UserError naming the key
-  (exit 2 before compiling); auto and dot pass."""
+  """Soft-capping runs in the dot and flash kernels: an explicit blocked / cudnn / nki is a UserError naming the
+  key (exit 2 before compiling); auto, dot and flash pass."""
   from maxtrain import config as config_lib
   from maxtrain.errors import UserError
 
   m = config_lib.base_config().model
   m.attn_logit_softcap = 50.0
-  for kernel in ("flash", "blocked", "cudnn"):
+  for kernel in ("blocked", "cudnn", "nki"):
     m.attention = kernel
     with pytest.raises(UserError, match=f"model.attention={kernel} has no attention logit soft-capping"):
       registry.validate(m)
-  for kernel in ("auto", "dot"):
+  for kernel in ("auto", "dot", "flash"):
     m.attention = kernel
     registry.validate(m)
+
+
+def test_attention_softcap_in_dot_and_flash_matches_the_reference():
+  """c tanh(s / c) on the scaled scores (c = 1.5, where the tiny scores saturate it) with a window of 21 over
+  T = 72 and two documents: dot and flash against NumPy (values, at the window test's tolerance), flash's
+  gradients (its own backward: dS times 1 - tanh^2) against the dot kernel's autodiff; the cap matters."""
+  t, window, cap = 72, 21, 1.5
+  rng = np.random.default_rng(11)
+  b, n, kv, h = 2, 4, 2, 8
+  q, k, v = (rng.standard_normal((b, t, m, h)).astype(np.float32) for m in (n, kv, kv))
+  segments = np.ones((b, t), np.int32)
+  segments[1, t // 3:] = 2
+  g = n // kv
+  kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+  scores = cap * np.tanh(np.einsum("bqnh,bknh->bnqk", q.astype(np.float64), kk) / np.sqrt(h) / cap)
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  visible = (j <= i) & (i - j < window) & (segments[:, :, None] == segments[:, None, :])[:, None]
+  scores = np.where(visible, scores, -np.inf)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  want = np.einsum("bnqk,bknh->bqnh", p / p.sum(-1, keepdims=True), vv)
+  assert np.abs(want - _window_reference(q, k, v, segments, window)).max() > 1e-2  # the cap changes the output
+  kernels = {"dot": lambda *a: dot_product_attention(*a, jnp.asarray(segments), window=window, logit_cap=cap),
+             "flash": lambda *a: fa.flash_attention(*a, jnp.asarray(segments), block_q=16, block_kv=16, window=window,
+                                                    logit_cap=cap)}
+  cotangent = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32))
+  grads = {}
+  for name, kernel in kernels.items():
+    out, grads[name] = jax.jit(lambda q, k, v, kernel=kernel: (lambda o, f: (o, f(cotangent)))(
+        *jax.vjp(kernel, q, k, v)))(q, k, v)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=2e-5, err_msg=name)
+  for a, b_ in zip(grads["flash"], grads["dot"]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=0, atol=1e-4 * np.abs(np.asarray(b_)).max())
 
 
 def train_losses(args: list[str], out: Path, capsys) -> tuple[list[float], object]:
@@ -755,7 +789,7 @@ def test_mla_latent_cache_decode_equals_the_uncompressed_one():
 
 def test_gemma2_trains_through_the_entry_point(store, tmp_path, capsys):
   """gemma2 (Gemma's norms, GELU-tanh GLU, embedding scale, query_pre_attn_scalar) with a window of 8 <
-  data.seq_len = 32 on its even layers and both soft-caps on, kernel auto (dot: soft-capping), the chunked loss
+  data.seq_len = 32 on its even layers and both soft-caps on, kernel auto (flash: soft-capped), the chunked loss
   forced on (its capped backward): the entry point trains it and the loss falls."""
   from tiny import TINY_MODEL
 

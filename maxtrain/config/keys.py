@@ -42,7 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.embed_scale = False  # Token embeddings times sqrt(d_model) (Gemma); any family.
   m.query_pre_attn_scalar = 0.0  # Attention scores scaled by this^-1/2 instead of head_dim^-1/2 (Gemma 2); 0 = head_dim.
   m.mlp_activation = "silu"  # The dense MLP's gate activation: silu (SwiGLU) | gelu_tanh (Gemma's GELU-tanh GLU); MoE experts keep theirs.
-  m.attn_logit_softcap = 0.0  # Attention scores c * tanh(s / c) before the mask (Gemma 2: 50); 0 = off. Kernel dot only (auto runs dot); decoding too.
+  m.attn_logit_softcap = 0.0  # Attention scores c * tanh(s / c) before the mask (Gemma 2: 50); 0 = off. Kernels dot and flash (forward and backward; auto runs flash where it would pick blocked or cudnn); decoding too.
   m.final_logit_softcap = 0.0  # Output logits c * tanh(z / c), in the loss (plain and chunked) and in generation (Gemma 2: 30); 0 = off.
   m.num_kv_heads = 2  # Key/value heads (grouped-query attention); divides num_heads.
   m.d_ff = 768  # SwiGLU hidden width.

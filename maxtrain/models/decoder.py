@@ -221,9 +221,9 @@ def validate(m: Any) -> None:
   choice("model.mlp_activation", m.get("mlp_activation", "silu"), tuple(ACTIVATIONS))
   for key in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
     require(m.get(key, 0.0) >= 0, f"config.model.{key}={m.get(key)}: must be >= 0 (0: off)")
-  require(not m.get("attn_logit_softcap") or m.attention in ("dot", "auto"),
-          f"config.model.attention={m.attention} has no attention logit soft-capping (only dot has): use "
-          f"model.attention=dot or auto with model.attn_logit_softcap={m.get('attn_logit_softcap')}")
+  require(not m.get("attn_logit_softcap") or m.attention in ("dot", "flash", "auto"),
+          f"config.model.attention={m.attention} has no attention logit soft-capping (dot and flash have): use "
+          f"model.attention=flash, dot or auto with model.attn_logit_softcap={m.get('attn_logit_softcap')}")
   require(not m.get("attn_logit_softcap") or not m.mla.kv_lora_rank,
           "config.model.attn_logit_softcap: multi-head latent attention (model.mla.kv_lora_rank > 0) has no "
           "soft-capping; set model.attn_logit_softcap=0")

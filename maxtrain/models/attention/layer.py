@@ -130,7 +130,8 @@ class Attention(nnx.Module):
   sliding `window` (a query sees the `window` latest keys, itself included; 0: all, Mistral), Gemma 2's
   `query_pre_attn_scalar` (scores scaled by its -1/2 power instead of head_dim's: q is multiplied by
   sqrt(head_dim / it), so every kernel keeps its own head_dim^-1/2) and `logit_cap` (attention-score
-  soft-capping: the dot kernel and decoding only; validate refuses the others, `auto` runs dot)."""
+  soft-capping: the dot and flash kernels and decoding; validate refuses the others, `auto` runs flash where it
+  would pick blocked or cudnn)."""
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, *, rope_theta: float,
                init_std: float, out_std: float, param_dtype, compute_dtype, kernel: str = "dot",
@@ -255,23 +256,21 @@ class Attention(nnx.Module):
   def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT) -> jax.Array:
     # Under context parallelism the window is a mask on explicit per-document positions (every causal block
     # pair is visited: correct, but the work does not shrink with the window there).
-    context_parallel = context_attention.for_active_rules(functools.partial(flash_attention_qkv, window=self.window),
-                                                          block_q=self.block_q, block_kv=self.block_kv)
+    context_parallel = context_attention.for_active_rules(
+        functools.partial(flash_attention_qkv, window=self.window, logit_cap=self.logit_cap), block_q=self.block_q,
+        block_kv=self.block_kv)
     # No positions: a prefill's prompt, in natural (not zigzag) order, attends whole on every device.
     if context_parallel is not None and positions_BT is not None:  # the sequence is split over devices
-      if self.has_sinks or self.logit_cap:
-        raise ValueError("attention sinks or logit soft-capping under context parallelism (mesh.context > 1) are "
-                         "not supported")
+      if self.has_sinks:
+        raise ValueError("attention sinks under context parallelism (mesh.context > 1) are not supported")
       return context_parallel(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
     kernel, w = resolve_kernel(self.kernel, q_BTNH.shape[1], backend=jax.default_backend(), dtype=q_BTNH.dtype,
                                head_dim=q_BTNH.shape[3], window=self.window), self.window
-    if kernel in ("blocked", "cudnn") and self.has_sinks:  # `auto`'s choice has no sinks; flash has them
-      kernel = "flash"
-    if self.logit_cap:  # only dot soft-caps (validate refused an explicit other kernel): `auto` runs it
-      kernel = "dot"
+    if kernel in ("blocked", "cudnn") and (self.has_sinks or self.logit_cap):  # `auto`'s choice lacks them; flash
+      kernel = "flash"  # has both (validate refused an explicit other kernel)
     if kernel == "flash":
       return flash_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, block_q=self.block_q, block_kv=self.block_kv,
-                             window=w, sinks_N=self._sinks())
+                             window=w, sinks_N=self._sinks(), logit_cap=self.logit_cap)
     if kernel == "blocked":
       return blocked_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=w)
     if kernel == "cudnn":
