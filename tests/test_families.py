@@ -734,7 +734,8 @@ def test_deepseek_v3_trains_through_the_entry_point(store, tmp_path, capsys):
 
 def test_moe_families_flops_count_their_attention():
   """FLOPs per token: deepseek_v3 counts MLA's projections and q.k / p.v widths (against a hand count), gpt_oss
-  windows half its layers (between the all-windowed and the unwindowed counts, at their mean for 2 layers)."""
+  windows half its layers (between the all-windowed and the unwindowed counts, at their mean for 2 layers),
+  gemma3 five of its six."""
   import math
 
   moe = {**base_moe(), "num_experts": 4, "dispatch": "dropless"}
@@ -751,6 +752,9 @@ def test_moe_families_flops_count_their_attention():
   all_windowed, unwindowed = oss.train_flops_per_token(T), dataclasses.replace(oss, sliding_window=0).train_flops_per_token(T)
   assert all_windowed < registry.flops_per_token(oss, T) < unwindowed
   assert math.isclose(registry.flops_per_token(oss, T), (all_windowed + unwindowed) / 2)
+  gemma3 = _model("gemma3", sliding_window=8, num_layers=6)  # its default pattern: 5 local layers, 1 global
+  all_windowed, unwindowed = gemma3.train_flops_per_token(T), dataclasses.replace(gemma3, sliding_window=0).train_flops_per_token(T)
+  assert math.isclose(registry.flops_per_token(gemma3, T), unwindowed + (all_windowed - unwindowed) * 5 / 6)
 
 
 def test_mla_latent_cache_decode_equals_the_uncompressed_one():
