@@ -454,6 +454,11 @@ def test_to_hf_refuses_a_piece_the_class_cannot_express():
   gemma = write(family="gemma2", sliding_window=8, attn_logit_softcap=50.0, num_layers=3)
   assert (gemma["layer_types"], gemma["attn_logit_softcapping"], gemma["final_logit_softcapping"]) == (
       ["sliding_attention", "full_attention", "sliding_attention"], 50.0, None)
+  gemma3 = write(family="gemma3", sliding_window=8, num_layers=7, rope_theta=1e6, rope_local_theta=1e4)
+  assert (gemma3["layer_types"], gemma3["sliding_window_pattern"], gemma3["rope_local_base_freq"]) == (
+      ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"], 6, 1e4)
+  with pytest.raises(UserError, match="model.rope_local_theta=0.0: Gemma 3 scales the global layers' RoPE only"):
+    write(family="gemma3", rope_scaling="linear", rope_scaling_factor=8.0)
 
 
 def test_attention_softcap_refuses_the_kernels_without_it():

@@ -25,7 +25,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_every = 10  # Console line and TensorBoard scalars every N steps.
 
   c.model = m = ml_collections.ConfigDict()
-  m.family = "llama"  # Model family (docs/models.md): llama | qwen2 (q/k/v biases) | qwen3 (qk-norm) | mistral (sliding window on every layer) | gemma2 (Gemma's norms, soft-capping, alternating windows); see docs/models.md for all; a family's pieces are on whatever the keys below say.
+  m.family = "llama"  # Model family (docs/models.md): llama | qwen2 (q/k/v biases) | qwen3 (qk-norm) | mistral (sliding window on every layer) | gemma2 (Gemma's norms, soft-capping, alternating windows) | gemma3 (Gemma 2's pieces, (1 + w) qk-norm, 5 local : 1 global windows, local RoPE base); see docs/models.md for all; a family's pieces are on whatever the keys below say.
   m.num_layers = 4  # Decoder blocks.
   m.d_model = 256  # Residual stream width.
   m.num_heads = 4  # Query heads; head_dim = d_model / num_heads unless model.head_dim is set.
