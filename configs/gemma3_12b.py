@@ -2,12 +2,13 @@
 head_dim 256, (1 + w) qk-norm, GELU-tanh GLU 15360, vocabulary 262208 tied, query_pre_attn_scalar 256; five
 local layers with a 1024-token window and RoPE base 1e4, then one global layer with RoPE base 1e6 scaled
 linearly by 8), on LLaMA 3 8B's training recipe (configs/llama3_8b.py) at 8192 tokens per sequence, so the
-local layers' window is shorter than the sequence and flash skips the key blocks outside it. The layers are
-unscanned (each its own window and RoPE): a compile takes longer than a scanned preset's. Continue a
-published checkpoint (`Gemma3ForCausalLM`) with `python -m maxtrain.convert from-hf`; check the fit first:
+local layers' window is shorter than the sequence and flash skips the key blocks outside it. Continue a
+published checkpoint (`Gemma3ForCausalLM`) with `python -m maxtrain.convert from-hf`. The layers are unscanned
+(each its own window and RoPE), and XLA:CPU's AOT figure for unscanned layers ignores model.remat, so the fit
+is checked on a scanned stand-in with the same parameters and activations (docs/fitting.md, the flags there):
 
   python -m maxtrain.compile --config=configs/gemma3_12b.py --config.hardware=h100x8 --devices 8 \
-      --device-memory-gb 80
+      --device-memory-gb 80 --config.model.family=llama --config.model.scan_layers=True ...
 """
 
 from pathlib import Path
@@ -30,4 +31,7 @@ def get_config():
   return c
 
 
-HARDWARE = load_file(_BASE)[1]  # the 8B's per-node batch and microbatch sizes
+# The 8B's per-node layout; per GPU half the 8B's sequences at once: Gemma 3's vocabulary and d_ff are larger,
+# and at 4 sequences per H100 XLA:CPU's compiled peak leaves 7% of 80 GB (docs/fitting.md has the table).
+HARDWARE = {**load_file(_BASE)[1], "h100x8": {"data.batch_size": 64, "optimizer.microbatch_size": 2},
+            "h200x8": {"data.batch_size": 64, "optimizer.microbatch_size": 4}}
