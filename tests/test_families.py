@@ -829,3 +829,43 @@ def test_gemma3_trains_through_the_entry_point(store, tmp_path, capsys):
                        "--config.log_every=2", "--config.optimizer.lr=0.01", "--config.optimizer.warmup_steps=1"]
   losses, _ = train_losses(args, out, capsys)
   assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
+
+
+def test_gemma3_context4_equals_context1(monkeypatch):
+  """The same random gemma3 model (3 layers of pattern 3: a window of 12 < T = 64 on two, two documents per row)
+  on fsdp=2 x context=4 (the zigzag token order, flash on each shard against gathered keys, the window a mask
+  on explicit positions) and unsharded: the same loss (rtol 1e-5) and gradients."""
+  from flax import nnx
+
+  from maxtrain.sharding import context_attention as ca
+  from maxtrain.sharding import rules as rules_lib
+  from maxtrain.sharding.mesh import make_mesh
+
+  rng = np.random.default_rng(5)
+  tokens = rng.integers(0, 128, (2, 65))
+  segments = np.ones((2, 65), np.int32)
+  segments[0, 40:] = 2
+  positions = np.where(segments == 2, np.arange(65) - 40, np.arange(65))
+  cfg = _model("gemma3", sliding_window=12, attention="flash", attention_block_q=8, attention_block_kv=8,
+               **GEMMA3_KEYS)
+  graphdef, params = registry.abstract(cfg)
+  params = jax.tree.map(lambda a: jnp.asarray(0.1 * rng.standard_normal(a.shape), a.dtype), params)
+
+  def loss(p, inputs, targets, seg, pos):
+    logits = nnx.merge(graphdef, p)(inputs, seg, pos)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+
+  args = (tokens[:, :-1], tokens[:, 1:], segments[:, :-1], positions[:, :-1])
+  want, want_grads = jax.jit(jax.value_and_grad(loss))(params, *args)
+  mesh = make_mesh({"data": 1, "fsdp": 2, "context": 4, "tensor": 1}, jax.devices()[:8])
+  order = ca.zigzag_order(64, 4)
+  traced = []  # the shards of every context-parallel attention traced
+  sharded = ca.sharded
+  monkeypatch.setattr(ca, "sharded", lambda mesh, rules, **kw: traced.append(mesh.shape["context"]) or
+                      sharded(mesh, rules, **kw))
+  with rules_lib.activate(rules_lib.DEFAULT_RULES), jax.set_mesh(mesh):
+    got, grads = jax.jit(jax.value_and_grad(loss))(params, *(jnp.asarray(a[:, order]) for a in args))
+  assert traced and set(traced) == {4}
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * np.abs(np.asarray(b)).max() + 1e-9)
