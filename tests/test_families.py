@@ -457,6 +457,7 @@ def test_to_hf_refuses_a_piece_the_class_cannot_express():
   gemma3 = write(family="gemma3", sliding_window=8, num_layers=7, rope_theta=1e6, rope_local_theta=1e4)
   assert (gemma3["layer_types"], gemma3["sliding_window_pattern"], gemma3["rope_local_base_freq"]) == (
       ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"], 6, 1e4)
+  assert write(family="gemma3", sliding_window=0, max_seq_len=512)["sliding_window"] == 512  # no window: T's
   with pytest.raises(UserError, match="model.rope_local_theta=0.0: Gemma 3 scales the global layers' RoPE only"):
     write(family="gemma3", rope_scaling="linear", rope_scaling_factor=8.0)
 

@@ -79,7 +79,10 @@ def _pieces_out(m: dict, where: str) -> dict:
   if rope_local is None and m.get("rope_scaling", "none") != "none":  # HF scales the global layers only
     raise hf_adapter.refuse(where, "model.rope_local_theta", 0.0, "Gemma 3 scales the global layers' RoPE only: "
                             "set model.rope_local_theta (the local layers' base) to export a scaled RoPE")
-  return {**out, "sliding_window_pattern": pattern, "layer_types": layer_types(pattern, m["num_layers"]),
+  # No window: one as long as the model's longest sequence (the same math); transformers' Gemma 3 needs a number
+  window = m.get("sliding_window") or m["max_seq_len"]
+  return {**out, "sliding_window": window, "sliding_window_pattern": pattern,
+          "layer_types": layer_types(pattern, m["num_layers"]),
           "rope_local_base_freq": rope_local or m["rope_theta"], "use_bidirectional_attention": False}
 
 
