@@ -41,6 +41,11 @@ class Aborted(Exception):
   used up): exit 3, which a supervisor does not restart (a bitwise resume would replay the same batches)."""
 
 
+class Stalled(Exception):
+  """An asynchronous side of the run (a weight publish, the RL rollout producer) made no progress within
+  its timeout (post.sync_timeout_s): exit 76 like a watchdog hang, restartable from the last checkpoint."""
+
+
 class UserCodeExit(RuntimeError):
   """User code (a reward function, a task) called sys.exit or raised KeyboardInterrupt inside the run:
   a crash with its own code (exit 1, restarted like any crash), never a finish. The message names it."""
@@ -48,7 +53,7 @@ class UserCodeExit(RuntimeError):
 
 def exit_code(error: BaseException) -> int:
   """The process exit code for an exception that ends a run (1 = crash for anything unexpected)."""
-  for kind, code in ((UserError, EXIT_BAD_INPUT), (Preempted, EXIT_PREEMPTED), (Aborted, EXIT_ABORTED),
+  for kind, code in ((UserError, EXIT_BAD_INPUT), (Preempted, EXIT_PREEMPTED), (Aborted, EXIT_ABORTED), (Stalled, EXIT_HANG),
                      (KeyboardInterrupt, EXIT_INTERRUPTED)):
     if isinstance(error, kind):
       return code

@@ -262,6 +262,13 @@ def test_from_hf_picks_the_family_and_its_pieces(converted):
   family, root, _ = converted
   model = open_source(root / "mt").model
   assert model["family"] == family
+  # its config.py preset loads back to the same keys: the family's published defaults fill none of them, also
+  # where the tiny model's value is base_config()'s (num_kv_heads 2; gpt_oss's default is 8)
+  from maxtrain import config as config_lib
+
+  loaded = config_lib.load([f"--config={root / 'mt' / 'config.py'}"]).model.to_dict()
+  assert {k: loaded[k] for k in model if k not in ("param_dtype",)} == {k: v for k, v in model.items()
+                                                                       if k not in ("param_dtype",)}
   assert (model.get("head_dim"), model.get("sliding_window", 0)) == {"qwen2": (0, 0), "qwen3": (16, 0),
                                                                        "mistral": (0, 6), "qwen3_moe": (16, 0),
                                                                        "gpt_oss": (16, 6), "deepseek_v3": (0, 0),
@@ -397,9 +404,11 @@ REFUSED = [  # (family, field changed, value, the field the one-line error names
     ("mistral", "hidden_act", "gelu", "hidden_act"),
     ("qwen3_moe", "mlp_only_layers", [0], "mlp_only_layers"),
     ("qwen3_moe", "decoder_sparse_step", 2, "decoder_sparse_step"),
-    ("gpt_oss", "quantization_config", {"quant_method": "mxfp4"}, "quantization_config.quant_method"),
+    ("gpt_oss", "quantization_config", {"quant_method": "gptq"}, "quantization_config.quant_method"),
     ("gpt_oss", "layer_types", ["full_attention", "sliding_attention"], "layer_types"),
-    ("deepseek_v3", "quantization_config", {"quant_method": "fp8"}, "quantization_config.quant_method"),
+    ("deepseek_v3", "quantization_config", {"quant_method": "fp8", "weight_block_size": [128]},
+     "quantization_config.weight_block_size"),
+    ("deepseek_v3", "quantization_config", {"quant_method": "fp8", "fmt": "e5m2"}, "quantization_config.fmt"),
     ("deepseek_v3", "n_group", 3, "n_group"),
     ("gemma2", "layer_types", ["full_attention", "sliding_attention"], "layer_types"),
     ("gemma2", "hidden_activation", "gelu", "hidden_activation"),
@@ -582,6 +591,30 @@ def test_a_windowed_family_resumes_bitwise_after_sigkill(store, tmp_path):
   assert losses(tmp_path / "b") == losses(tmp_path / "a")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_a_moe_family_resumes_bitwise_after_sigkill(family, store, tmp_path):
+  """gpt_oss (window 8 < seq_len 32 on its even layers, sinks) and deepseek_v3 (MLA, the aux-loss-free bias
+  moving), both from their family's defaults under tiny keys, under flash: SIGKILLed after step 3 (checkpoints
+  every 2 steps) and restarted, the run ends bitwise where the one that never stopped does, the same loss at
+  every step."""
+  from test_checkpoint import assert_bitwise_equal, losses, restore_raw, trainer
+  from tiny import TINY_MODEL
+
+  keys = GPT_OSS_KEYS if family == "gpt_oss" else DEEPSEEK_KEYS + ["--config.model.attention_block_q=8",
+                                                                   "--config.model.attention_block_kv=8"]
+  base = TINY_MODEL + keys + [f"--config.data.path={store}", "--config.model.attention=flash",
+                              "--config.checkpoint.every_steps=2", "--config.log_every=1", "--config.steps=4"]
+  a = trainer(base + [f"--config.output_dir={tmp_path / 'a'}"], devices=1)
+  assert a.returncode == 0, a.stderr[-3000:]
+  b1 = trainer(base + [f"--config.output_dir={tmp_path / 'b'}", "--config.faults.kill_at_step=3"], devices=1)
+  assert b1.returncode == -9, b1.stderr[-3000:]
+  b2 = trainer(base + [f"--config.output_dir={tmp_path / 'b'}"], devices=1)
+  assert b2.returncode == 0 and "restored step 2" in b2.stderr, b2.stderr[-3000:]
+  assert_bitwise_equal(restore_raw(tmp_path / "a/checkpoints", 4), restore_raw(tmp_path / "b/checkpoints", 4))
+  assert losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
 def test_linear_rope_scaling_matches_transformers(tmp_path):
   """rope_type `linear` (position interpolation, factor 4) read, computed and written back: logits within 1e-4
   of transformers' both ways (written in the 4.x spelling, which transformers 5 reads)."""
@@ -607,13 +640,19 @@ def test_linear_rope_scaling_matches_transformers(tmp_path):
     assert np.abs(back(torch.tensor(x)).logits.numpy() - want).max() <= TOL
 
 
+# What a tiny run of a family with published defaults (model.family=gpt_oss alone is gpt-oss-20b) sets besides
+# TINY_MODEL's widths: a byte-sized vocabulary, short RoPE tables, 2 experts a token (the families' RoPE stays).
+TINY_SHAPES = ["--config.model.vocab_size=384", "--config.model.max_seq_len=256",
+               "--config.model.moe.experts_per_token=2"]
+
+
 def test_a_moe_family_trains_through_the_entry_point(store, tmp_path, capsys):
   """qwen3_moe (qk-norm, every layer 4 experts, top 2 not renormalised, dropless dispatch): the real entry
   point trains it and the loss falls; the MoE statistics reach TensorBoard."""
   from tiny import TINY_MODEL
 
   out = tmp_path / "run"
-  args = TINY_MODEL + [f"--config.data.path={store}", "--config.steps=8", f"--config.output_dir={out}",
+  args = TINY_MODEL + TINY_SHAPES + [f"--config.data.path={store}", "--config.steps=8", f"--config.output_dir={out}",
                        "--config.log_every=2", "--config.model.family=qwen3_moe", "--config.model.head_dim=16",
                        "--config.model.moe.num_experts=4", "--config.model.moe.experts_per_token=2",
                        "--config.model.moe.expert_d_ff=32", "--config.model.moe.norm_topk_prob=False",
@@ -661,7 +700,7 @@ def test_attention_sinks_in_dot_and_flash_match_the_reference():
   assert np.abs(np.asarray(grads["dot"][3])).max() > 1e-3  # the sinks get a gradient
 
 
-GPT_OSS_KEYS = ["--config.model.family=gpt_oss", "--config.model.head_dim=16", "--config.model.sliding_window=8",
+GPT_OSS_KEYS = TINY_SHAPES + ["--config.model.family=gpt_oss", "--config.model.head_dim=16", "--config.model.sliding_window=8",
                 "--config.model.moe.num_experts=4", "--config.model.moe.expert_d_ff=32",
                 "--config.model.moe.activation=clamped_swiglu", "--config.model.moe.expert_bias=True",
                 "--config.model.moe.dispatch=dropless", "--config.model.moe.swiglu_limit=2.0",
@@ -713,10 +752,51 @@ def test_gpt_oss_flash_equals_dot():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * np.abs(np.asarray(b)).max() + 1e-9)
 
 
+def test_deepseek_v3_flash_equals_dot():
+  """The same random deepseek_v3 model (MLA: v narrower than q.k, padded for the kernels; YaRN's softmax mscale;
+  two documents) under dot and flash: the same loss (rtol 1e-5) and gradients."""
+  from flax import nnx
+
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 128, (2, 64))
+  segments = np.ones((2, 64), np.int32)
+  segments[0, 40:] = 2
+  positions = np.where(segments == 2, np.arange(64) - 40, np.arange(64))
+  moe = dict(num_experts=4, experts_per_token=2, expert_d_ff=32, router="sigmoid", first_dense_layers=1,
+             num_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, dispatch="dropless")
+  mla = dict(kv_lora_rank=16, q_lora_rank=24, rope_head_dim=8, nope_head_dim=16, v_head_dim=12, rope_interleave=True,
+             softmax_mscale=1.2, latent_cache=False)
+  make = lambda kernel: _model("deepseek_v3", attention=kernel, attention_block_q=16,
+                               attention_block_kv=16, moe={**base_moe(), **moe}, mla=mla)
+  _, params = registry.abstract(make("dot"))
+  params = jax.tree.map(lambda a: jnp.asarray(0.1 * rng.standard_normal(a.shape), a.dtype), params)
+  losses, grads = {}, {}
+  for kernel in ("dot", "flash"):
+    graphdef, _ = registry.abstract(make(kernel))
+
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(tokens[:, :-1], segments[:, :-1], positions[:, :-1])
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+    losses[kernel], grads[kernel] = jax.jit(jax.value_and_grad(loss))(params)
+  np.testing.assert_allclose(float(losses["flash"]), float(losses["dot"]), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads["flash"]), jax.tree.leaves(grads["dot"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * np.abs(np.asarray(b)).max() + 1e-9)
+
+
 def base_moe() -> dict:
   from maxtrain import config as config_lib
 
   return config_lib.base_config().model.moe.to_dict()
+
+
+DEEPSEEK_KEYS = TINY_SHAPES + [
+    "--config.model.family=deepseek_v3", "--config.model.mla.kv_lora_rank=16", "--config.model.mla.q_lora_rank=16",
+    "--config.model.mla.rope_head_dim=8", "--config.model.mla.nope_head_dim=8", "--config.model.mla.v_head_dim=8",
+    "--config.model.moe.num_experts=4", "--config.model.moe.router=sigmoid", "--config.model.moe.first_dense_layers=1",
+    "--config.model.moe.num_shared_experts=1", "--config.model.moe.n_group=2", "--config.model.moe.topk_group=1",
+    "--config.model.moe.routed_scaling_factor=2.5", "--config.model.moe.expert_d_ff=32",
+    "--config.model.moe.dispatch=dropless", "--config.model.moe.bias_update_rate=0.001"]
 
 
 def test_deepseek_v3_trains_through_the_entry_point(store, tmp_path, capsys):
@@ -726,13 +806,7 @@ def test_deepseek_v3_trains_through_the_entry_point(store, tmp_path, capsys):
   from tiny import TINY_MODEL
 
   out = tmp_path / "run"
-  keys = ["--config.model.family=deepseek_v3", "--config.model.mla.kv_lora_rank=16", "--config.model.mla.q_lora_rank=16",
-          "--config.model.mla.rope_head_dim=8", "--config.model.mla.nope_head_dim=8", "--config.model.mla.v_head_dim=8",
-          "--config.model.moe.num_experts=4", "--config.model.moe.router=sigmoid", "--config.model.moe.first_dense_layers=1",
-          "--config.model.moe.num_shared_experts=1", "--config.model.moe.n_group=2", "--config.model.moe.topk_group=1",
-          "--config.model.moe.routed_scaling_factor=2.5", "--config.model.moe.expert_d_ff=32",
-          "--config.model.moe.dispatch=dropless", "--config.model.moe.bias_update_rate=0.001"]
-  args = TINY_MODEL + keys + [f"--config.data.path={store}", "--config.steps=6", f"--config.output_dir={out}",
+  args = TINY_MODEL + DEEPSEEK_KEYS + [f"--config.data.path={store}", "--config.steps=6", f"--config.output_dir={out}",
                               "--config.log_every=2", "--config.optimizer.lr=0.01", "--config.optimizer.warmup_steps=1"]
   losses, _ = train_losses(args, out, capsys)
   assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
@@ -870,3 +944,78 @@ def test_gemma3_context4_equals_context1(monkeypatch):
   np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * np.abs(np.asarray(b)).max() + 1e-9)
+
+
+# The published config.json of each family with defaults (the fields from-hf reads; Hugging Face hub copies).
+PUBLISHED = {
+    "deepseek_v3": {  # deepseek-ai/DeepSeek-V3
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+        "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
+        "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+        "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "rope_theta": 10000, "attention_bias": False,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"}},
+    "gpt_oss": {  # openai/gpt-oss-20b
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 150000, "sliding_window": 128,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "swiglu_limit": 7.0, "tie_word_embeddings": False, "router_aux_loss_coef": 0.9, "attention_bias": True,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "hidden_act": "silu"},
+    "qwen3_moe": {  # Qwen/Qwen3-30B-A3B
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "rope_scaling": None, "tie_word_embeddings": False,
+        "attention_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48,
+        "hidden_act": "silu"},
+}
+
+
+def _model_key(cfg, key: str):
+  node = cfg.model
+  for part in key.split("."):
+    node = node[part]
+  return node
+
+
+def test_a_family_alone_is_its_published_model(tmp_path):
+  """`model.family=X` alone gives the published model (the family's defaults, equal to what from-hf makes of
+  the published config.json); a key on the command line or in a config file overrides its default, also one
+  set to base_config()'s own value; llama (the default run) has no defaults: its config is base_config()."""
+  from maxtrain import config as config_lib
+  from maxtrain.config.loader import family_defaults
+  from maxtrain.interop import hf_config
+
+  assert family_defaults(registry.DEFAULT) == {}  # the default run's config is as it was
+  assert {f for f in registry.names() if registry.get(f).defaults} == set(PUBLISHED)
+  for family in registry.names():
+    defaults = registry.get(family).defaults
+    assert family_defaults(family) == defaults, family  # the loader's reading of the literal = the registry's
+    cfg = config_lib.load([f"--config.model.family={family}"])
+    assert {k: _model_key(cfg, k) for k in defaults} == defaults, family
+    if family in PUBLISHED:
+      imported = hf_config.to_model_keys(PUBLISHED[family], family, vocab_multiple=1)
+      flat = {**{k: v for k, v in imported.items() if not isinstance(v, dict)},
+              **{f"{s}.{k}": v for s in ("moe", "mla") for k, v in (imported.get(s) or {}).items()}}
+      assert {k: flat.get(k, _model_key(config_lib.base_config(), k)) for k in defaults} == pytest.approx(defaults)
+      registry.validate(cfg.model)  # the published model is a valid config
+  cfg = config_lib.load(["--config.model.family=gpt_oss", "--config.model.d_model=64", "--config.model.moe.num_experts=4"])
+  assert (cfg.model.d_model, cfg.model.moe.num_experts, cfg.model.num_heads) == (64, 4, 64)
+  preset = tmp_path / "tiny_oss.py"
+  preset.write_text("from maxtrain.config import base_config\n\n\ndef get_config():\n  c = base_config()\n"
+                    "  c.model.family = 'gpt_oss'\n  c.model.num_kv_heads = 2  # base_config()'s value, set on purpose\n"
+                    "  c.model.moe.expert_d_ff = 32\n  return c\n")
+  for argv in ([f"--config={preset}"], [f"--config={preset}", "--config.model.family=gpt_oss"]):
+    cfg = config_lib.load(argv)
+    assert (cfg.model.num_kv_heads, cfg.model.moe.expert_d_ff, cfg.model.d_model, cfg.model.sliding_window) == (
+        2, 32, 2880, 128), argv
+  cfg = config_lib.load([f"--config={preset}", "--config.model.family=llama"])  # the command line's family wins
+  assert (cfg.model.family, cfg.model.d_model, cfg.model.moe.expert_d_ff) == ("llama", 256, 32)

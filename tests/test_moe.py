@@ -215,9 +215,7 @@ def test_validation_names_the_keys():
   ep = ["--config.mesh.expert=4", "--config.mesh.fsdp=2"]
   with pytest.raises(UserError, match=r"splits experts over mesh.expert=4, but config.model.moe.num_experts=0"):
     plan(*ep)
-  with pytest.raises(UserError, match=r"dispatch='dropless' needs ragged all-to-all"):
-    plan(*ep, *moe, "--config.model.moe.dispatch=dropless")
-  with pytest.raises(UserError, match=r"capacity slots are per whole sequence"):
+  with pytest.raises(UserError, match=r"routes whole sequences per device"):
     plan("--config.mesh.expert=2", "--config.mesh.context=2", "--config.mesh.fsdp=2", *moe)
   assert plan(*ep, *moe).layout.shards("experts") == 4
 
@@ -388,7 +386,8 @@ TINY = TINY_MODEL + MOE + ["--config.data.seq_len=64", "--config.eval.every_step
 EXPERT_1 = ["--config.mesh.fsdp=8"]
 EXPERT_4 = ["--config.mesh.fsdp=2", "--config.mesh.expert=4"]
 MOE_TAGS = ("train/moe/aux_loss", "train/moe/router_z_loss", "train/moe/dropped_fraction",
-            "train/moe/load_entropy/layer_0", "train/moe/max_load/layer_1")
+            "train/moe/load_entropy/layer_0", "train/moe/max_load/layer_1", "train/moe/dropped",
+            "train/moe/capacity_needed/layer_1", "train/moe/expert_load/layer_0/expert_3")
 
 
 def scalars(out, tag):
@@ -428,6 +427,9 @@ def test_expert4_trains_like_expert1_and_its_checkpoint_restores_elsewhere(store
     a, b = scalars(tmp_path / "one", tag), scalars(tmp_path / "four", tag)
     np.testing.assert_allclose([b[s] for s in a], list(a.values()), rtol=1e-5, atol=1e-7, err_msg=tag)
   assert max(scalars(tmp_path / "one", "train/moe/dropped_fraction").values()) > 0  # drops happened
+  # All-to-all bytes: none on one expert shard; on four, capacity's whole slot buffers every step (the same).
+  assert set(scalars(tmp_path / "one", "train/moe/all_to_all_bytes").values()) == {0.0}
+  assert len(set(scalars(tmp_path / "four", "train/moe/all_to_all_bytes").values()) - {0.0}) == 1
   saved = restore_raw(tmp_path / "four" / "checkpoints", 20)
   ref_params = restore_raw(tmp_path / "one" / "checkpoints", 20)["params"]
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(saved["params"]), jax.tree.leaves(ref_params)):

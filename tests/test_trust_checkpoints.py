@@ -277,6 +277,20 @@ def test_a_changed_spike_window_on_resume_exits_2(store, run, capsys, caplog):
   assert entries(run / "checkpoints") == ["2", "4"]
 
 
+def test_a_resume_under_other_model_math_exits_2_unless_asked(store, run, capsys, caplog):
+  # Same parameter tree, another function: a sliding window switched on (DESIGN rule 1).
+  code, out = run_main(args(store, run, 6, "--config.model.sliding_window=8"), capsys, caplog)
+  assert_exit(code, out, 2, "model.sliding_window: 0 -> 8", "checkpoint.resume_new_model=True", "init_from")
+  assert entries(run / "checkpoints") == ["2", "4"]
+  # Asked for: it resumes at step 4, on the record; a key of how it is computed (the kernel) needs nothing.
+  code, out = run_main(args(store, run, 6, "--config.model.sliding_window=8", "--config.model.attention=dot",
+                            "--config.checkpoint.resume_new_model=True"), capsys, caplog)
+  assert code == 0, out
+  changes = [e for e in read_events(run / "events.jsonl") if e["kind"] == "resume_model_change"]
+  assert [c["changes"] for c in changes] == [["model.sliding_window: 0 -> 8"]]
+  assert entries(run / "checkpoints") == ["2", "4", "6"]
+
+
 def test_resuming_a_dense_checkpoint_as_moe_blames_the_model(store, run, capsys, caplog):
   code, out = run_main(args(store, run, 6, "--config.model.moe.num_experts=4"), capsys, caplog)
   assert_exit(code, out, 2, "does not fit this model", "parameters differ", "blocks/", "vs model")

@@ -29,9 +29,11 @@ def test_cudnn_call_masks_packed_documents_like_the_reference():
     out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, seg), q, kk, v)
     return [out, *vjp(dout)]
 
-  via_xla = lambda q, k, v, seg: vendor_attention.cudnn_attention(q, k, v, seg, implementation="xla")
-  for got, want in zip(value_and_grads(via_xla), value_and_grads(dot_product_attention)):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  for window in (0, 7):  # 7 < the documents' lengths here: the window, not the documents, cuts the keys
+    via_xla = lambda q, k, v, seg: vendor_attention.cudnn_attention(q, k, v, seg, window=window, implementation="xla")
+    reference = lambda q, k, v, seg: dot_product_attention(q, k, v, seg, window=window)
+    for got, want in zip(value_and_grads(via_xla), value_and_grads(reference)):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_selection_and_refusals():
@@ -42,7 +44,7 @@ def test_selection_and_refusals():
   assert {resolve_kernel("auto", t, backend="gpu", dtype=jnp.bfloat16) for t in lengths} == {"cudnn"}
   assert {resolve_kernel("auto", t, backend="gpu", dtype=jnp.float32) for t in lengths} == {"blocked", "flash"}
   assert resolve_kernel("auto", 8192, backend="gpu", dtype=jnp.bfloat16, head_dim=12) == "flash"  # not a multiple of 8
-  assert resolve_kernel("auto", 8192, backend="gpu", dtype=jnp.bfloat16, window=4096) == "flash"  # cuDNN gets no window
+  assert resolve_kernel("auto", 8192, backend="gpu", dtype=jnp.bfloat16, window=4096) == "cudnn"  # cuDNN's own window
   assert {resolve_kernel("auto", t, backend="neuron", dtype=jnp.bfloat16) for t in lengths} == {"blocked", "flash"}
   x = jnp.zeros((1, 8, 2, 4))
   seg = jnp.ones((1, 8), jnp.int32)

@@ -14,6 +14,8 @@
 #   LAYERS=8 STEPS=20 tools/gpu_bench.sh
 #   QUANT=fp8 tools/gpu_bench.sh       # FP8 only
 #   QUANT=none OFFLOAD="none host" tools/gpu_bench.sh   # bf16, the optimizer state on the device, then in host memory
+#   QUANT=none WINDOW=4096 tools/gpu_bench.sh           # Mistral's 4096-token sliding window on every layer
+#   ATTENTION=flash tools/gpu_bench.sh                  # another model.attention than auto (cuDNN on a GPU)
 #
 # Dependencies: a CUDA jax must already be importable (`pip install -U "jax[cuda12]"` or the
 # machine's image); maxtrain's other pure-Python dependencies come from wheels in $WHEELS
@@ -62,7 +64,8 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
       "$PY" tools/bench.py --steps "${STEPS:-10}" --config=configs/llama3_8b.py --config.hardware= \
           --config.runtime.platform=gpu --config.model.compute_dtype=bfloat16 \
           --config.model.quantization="$quant" --config.optimizer.offload="$offload" \
-          --config.model.num_layers="${LAYERS:-4}" --config.data.corpus=python-stdlib --config.data.tokenizer=byte \
+          --config.model.num_layers="${LAYERS:-4}" --config.model.attention="${ATTENTION:-auto}" \
+          --config.model.sliding_window="${WINDOW:-0}" --config.data.corpus=python-stdlib --config.data.tokenizer=byte \
           --config.data.seq_len=8192 --config.data.batch_size="$((2 * num_gpus))" \
           --config.mesh.fsdp=-1 --config.optimizer.microbatch_size=0 --config.optimizer.grad_accum_steps=1
     done

@@ -216,13 +216,17 @@ def _inactive_experts(table: list[Param], m: ModelConfig) -> int:
   return 0 if not m.moe.enabled else routed - routed * m.moe.experts_per_token // m.moe.num_experts
 
 
-def _mean_ffn_width(m: ModelConfig) -> int:
+def _mean_ffn_width(m: ModelConfig, expert_shards: int = 1) -> int:
   """The feed-forward hidden width per token, averaged over layers: d_ff for a dense layer; for a MoE
-  layer the expert slots a token fills (x capacity_factor with capacity dispatch) plus shared experts."""
+  layer the expert slots a token fills (x capacity_factor with capacity dispatch) plus shared experts.
+  Dropless over X > 1 expert shards sizes each device's receive buffer for the worst case
+  (sharding/ragged_dispatch.py): X x min(k, E / X) rows per local token."""
   moe, num_moe = m.moe, m.moe.num_moe_layers(m.num_layers)
   if not num_moe:
     return m.d_ff
   slots = moe.experts_per_token * (moe.capacity_factor if moe.dispatch == "capacity" else 1.0)
+  if moe.dispatch == "dropless" and expert_shards > 1:
+    slots = expert_shards * min(moe.experts_per_token, moe.num_experts // expert_shards)
   moe_width = round((slots + moe.num_shared_experts) * moe.expert_d_ff)
   return ((m.num_layers - num_moe) * m.d_ff + num_moe * moe_width) // m.num_layers
 
@@ -340,7 +344,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   grad_accumulators = _grad_accumulators(table, m, layout) if k > 1 else 0
 
   v_t, h_t = m.vocab_size // layout.shards("act_vocab"), m.num_heads // layout.shards("act_heads")
-  kv_t, f_t = m.num_kv_heads // layout.shards("act_kv_heads"), _mean_ffn_width(m) // layout.shards("act_mlp")
+  kv_t, f_t = m.num_kv_heads // layout.shards("act_kv_heads"), _mean_ffn_width(m, layout.shards("experts")) // layout.shards("act_mlp")
   tokens = b * seq_local
   attention_saved = _attention_bytes(m, b, seq, h_t, kv_t, c_bytes, context)[0]
   # One layer's weights when all-gathered over the embed dim's shards (FSDP): split over the others only

@@ -23,7 +23,7 @@ from maxtrain.checkpoint.cadence import Cadence
 from maxtrain.checkpoint.local import LocalSave, LocalTier
 from maxtrain.checkpoint.storage import Checkpointer, Restored, SaveTiming, _param_shapes, validate_tiers
 from maxtrain.errors import UserError
-from maxtrain.models import quant
+from maxtrain.models import quant, registry
 from maxtrain.monitor import events as ev
 from maxtrain.runtime.kv import KeyValue
 
@@ -203,6 +203,7 @@ class Checkpoints:
     return self.store.read_meta(path)
 
   def restore(self, path: Path, state_spec: Any) -> Restored:
+    self._check_model(path, state_spec)
     t0 = time.monotonic()
     if self.resume_tier == tiers.LOCAL and Path(path).parent == self.local.root:
       state, data_state = self.local.restore(path, state_spec.abstract, state_spec.shardings)
@@ -222,6 +223,26 @@ class Checkpoints:
       log.warning("%s", note)
     self._abandon_after(restored.step, f"resumed from step {restored.step}")
     return restored
+
+  def _check_model(self, path: Path, state_spec: Any) -> None:
+    """DESIGN rule 1 for the model: a step saved under other model math (same parameter tree, another function:
+    a sliding window, a RoPE base, another family) is exit 2 naming the keys before anything is restored,
+    unless checkpoint.resume_new_model (then on the record). Another parameter tree is left to the restore,
+    which names the parameters. The local tier also refuses such a step by its config hash; this catches the
+    durable tier and an explicit resume path."""
+    meta = self.read_meta(path)
+    if meta.get("param_shapes", {}) != _param_shapes(state_spec.abstract):
+      return
+    changes = registry.math_changes(meta.get("config", {}).get("model", {}), config_lib.redacted(self.cfg)["model"])
+    if not changes:
+      return
+    if not self.cfg.checkpoint.resume_new_model:
+      raise UserError(f"checkpoint {path} was saved under another model ({'; '.join(changes)}): its parameters "
+                      "would compute another function. Resume with the saved values, start a new run from its "
+                      "parameters (checkpoint.init_from), or set --config.checkpoint.resume_new_model=True to go on "
+                      "deliberately.")
+    log.warning("resuming %s under changed model keys (checkpoint.resume_new_model): %s", path, "; ".join(changes))
+    self.events.emit(ev.MODEL_CHANGE, None, path=str(path), changes=changes)
 
   def promote(self, restored: Restored) -> None:
     """Called once the restored state was accepted (its data state set: every check passed). Resumed from a

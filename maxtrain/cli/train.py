@@ -14,8 +14,8 @@ import time
 from typing import Sequence
 
 from maxtrain import config as config_lib
-from maxtrain.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_CRASH, EXIT_INTERRUPTED, EXIT_PREEMPTED, Aborted,
-                             Preempted, UserCodeExit, UserError)
+from maxtrain.errors import (EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_CRASH, EXIT_HANG, EXIT_INTERRUPTED, EXIT_PREEMPTED,
+                             Aborted, Preempted, Stalled, UserCodeExit, UserError)
 from maxtrain.runtime import preemption
 
 
@@ -48,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   except Aborted as e:
     print(f"maxtrain: aborted: {e}", file=sys.stderr)
     return EXIT_ABORTED
+  except Stalled as e:  # the async RL rollout side or its weight publish hung: restartable like a hang
+    print(f"maxtrain: hang: {e}", file=sys.stderr)
+    return EXIT_HANG
   except UserCodeExit as e:  # a reward's sys.exit: a crash (restarted), never a finish; named, no traceback
     print(f"maxtrain: crash: {e}", file=sys.stderr)
     return EXIT_CRASH

@@ -7,6 +7,7 @@ comment beside it (`key_docs` reads those comments back for `--help` and the doc
 from __future__ import annotations
 
 import ast
+import contextvars
 import functools
 import inspect
 import io
@@ -14,6 +15,11 @@ import textwrap
 import tokenize
 
 import ml_collections
+
+# `model.*` values (dotted under model.) of the family whose published model a config file starts from: the
+# loader (config/loader.py) sets them while the file runs, so its base_config() is that model's and whatever
+# the file sets stays its own. Empty (llama, and every caller outside the loader): the keys as declared below.
+FAMILY_BASE: contextvars.ContextVar[dict] = contextvars.ContextVar("family_base", default={})
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -25,7 +31,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_every = 10  # Console line and TensorBoard scalars every N steps.
 
   c.model = m = ml_collections.ConfigDict()
-  m.family = "llama"  # Model family (docs/models.md): llama | qwen2 (q/k/v biases) | qwen3 (qk-norm) | mistral (sliding window on every layer) | gemma2 (Gemma's norms, soft-capping, alternating windows) | gemma3 (Gemma 2's pieces, (1 + w) qk-norm, 5 local : 1 global windows, local RoPE base); see docs/models.md for all; a family's pieces are on whatever the keys below say.
+  m.family = "llama"  # Model family (docs/models.md): llama | qwen2 (q/k/v biases) | qwen3 (qk-norm) | mistral (sliding window on every layer) | gemma2 (Gemma's norms, soft-capping, alternating windows) | gemma3 (Gemma 2's pieces, (1 + w) qk-norm, 5 local : 1 global windows, local RoPE base); see docs/models.md for all; a family's pieces are on whatever the keys below say; qwen3_moe, gpt_oss, deepseek_v3 default the keys below to their published model's (every key set in a file or on the command line wins).
   m.num_layers = 4  # Decoder blocks.
   m.d_model = 256  # Residual stream width.
   m.num_heads = 4  # Query heads; head_dim = d_model / num_heads unless model.head_dim is set.
@@ -34,7 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.qk_norm = False  # Per-head RMSNorm of q and k before RoPE (Qwen3); any family.
   m.attention_sinks = False  # A learned logit per head joining each softmax normaliser, no value (GPT-OSS); kernels dot, flash.
   m.o_bias = False  # A bias on the attention output projection (GPT-OSS); any family.
-  m.sliding_window = 0  # Sliding-window attention: a query sees this many latest tokens (itself included) on the family's window layers (its pattern, or model.window_pattern's); 0 = off. Kernels dot, flash, blocked skip keys outside it.
+  m.sliding_window = 0  # Sliding-window attention: a query sees this many latest tokens (itself included) on the family's window layers (its pattern, or model.window_pattern's); 0 = off. Kernels dot, flash, blocked, cudnn skip keys outside it.
   m.window_pattern = 0  # Layer pattern of the window: layer i is global (full attention) iff (i + 1) % this == 0, the others local (Gemma 3: 6 = 5 local : 1 global; 2 alternates); 0 = the family's pattern; any family (layers then unscanned).
   m.rope_local_theta = 0.0  # RoPE base of the local (window-pattern) layers, unscaled (Gemma 3: 10000 beside a global rope_theta of 1e6); 0 = rope_theta and rope_scaling on every layer; any family.
   m.norm_one_plus = False  # RMSNorm as x / rms(x) * (1 + scale), the scale initialised to 0 (Gemma); any family.
@@ -118,10 +124,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.expert = 1  # Expert parallel: routed experts split over it, tokens sent to them by all-to-all; data parallel elsewhere.
   c.mesh.pipeline = 1  # Pipeline stages (circular pipeline over the layer stack, docs/sharding.md); 1 = no pipeline.
   # The five above lay out one granule (a node: NVLink/NeuronLink/ICI); these lay out the granules
-  # (across the network). At most one of all nine may be -1.
+  # (across the network). At most one of all ten may be -1.
   c.mesh.dcn_pipeline = 1  # Pipeline stages across nodes: only stage-boundary activations cross the network.
   c.mesh.dcn_data = 1  # Data-parallel replicas across nodes.
   c.mesh.dcn_fsdp = 1  # FSDP across nodes (parameters sharded over the network too).
+  c.mesh.dcn_expert = 1  # Expert parallelism across nodes: the MoE all-to-alls cross the network (experts too many for one node).
   c.mesh.rules = "default"  # Sharding rule set (logical axis -> mesh axes), of maxtrain/sharding/rules.py RULE_SETS.
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.microbatches = 1  # Microbatches each forward pass streams through the stages (>= stages when pipelined).
@@ -178,6 +185,7 @@ def base_config() -> ml_collections.ConfigDict:
   k.async_save = True  # Write in the background; the loop blocks only for the device-to-host copy.
   k.verify = True  # Check a checkpoint against its manifest (sizes, checksums) before restoring it.
   k.branch = False  # resume=N while newer steps exist: move them aside (renamed, an event) and continue from N; else exit 2.
+  k.resume_new_model = False  # Resume although a config.model key that changes the model's function (sliding_window, rope_*, family...) differs from the checkpoint's: a warning and an event; else exit 2.
   k.start_over_if_corrupt = False  # resume=auto and no checkpoint verifies: move them all aside and train from step 0; else exit 2.
   k.s3_connect_timeout_s = 10.0  # s3:// checkpoints: seconds to wait for a connection to the endpoint.
   k.s3_read_timeout_s = 60.0  # s3:// checkpoints: seconds to wait for a response (per read).
@@ -243,6 +251,8 @@ def base_config() -> ml_collections.ConfigDict:
   f.kill_at_step = -1  # SIGKILL itself after this step (kill -9: no exit record, no save).
   f.kill_every_steps = 0  # SIGKILL itself after every N steps of an attempt (crashes at a known rate), up to kill_times; 0 = off.
   f.kill_times = 0  # How many kill_every_steps kills in the whole run.
+  f.rollout_hang_at_step = -1  # RL with an async rollout side: its producer blocks forever before the rollout of this round (post.sync_timeout_s must fire).
+  f.publish_stall_at_step = -1  # RL with an async rollout side: the weight publish after this round never completes (post.sync_timeout_s must fire).
 
   c.guards = g = ml_collections.ConfigDict()
   g.max_consecutive_bad = 3  # Non-finite steps (GRPO: optimizer updates) in a row (each skipped in-graph) before a rollback.
@@ -285,13 +295,29 @@ def base_config() -> ml_collections.ConfigDict:
   p.temperature = 1.0  # rl: rollout sampling temperature (1 = the policy itself).
   p.negate_reward = False  # rl: train on minus the reward (a control: the reward must drive learning).
   p.log_rollouts = False  # rl: append each round's prompts, completions and rewards to <output_dir>/rollouts.jsonl.
+  p.rollout_devices = 0  # rl: the last N local devices only generate rollouts, on a mesh of their own (fsdp over them); 0 = on the trainer's mesh.
+  p.max_staleness = 0  # rl: policy versions a round's rollouts lag its update (round k trains on version k-1-N's); 0 = synchronous (bitwise today's run).
+  p.correction = "none"  # rl: off-policy correction of the loss by the rollout's own log-probs: none | tis (truncated) | mis (masked) | decoupled (PPO, AReaL).
+  p.is_cap = 2.0  # rl: the importance-weight cap of post.correction (tis: weights truncated at it; mis: tokens outside [1/cap, cap] masked; decoupled: above it masked).
+  p.rollout_dtype = ""  # rl with rollout_devices: the rollout mesh's parameter and matmul dtype ("" = the trainer's model.*_dtype; bfloat16).
+  p.sync_timeout_s = 300.0  # rl with rollout_devices or max_staleness: seconds a weight publish or a rollout batch may take before the run ends as a hang (exit 76).
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 50  # Eval loss on the validation store every N steps (and at the end); 0: end only.
   c.eval.batches = 4  # Validation batches (of data.batch_size) per eval.
   c.eval.tasks = ""  # lm-eval tasks run with each eval, comma-separated (e.g. pycode_mc,pycode_ppl); "" = none.
   c.eval.tasks_include_path = ""  # A folder of extra lm-eval YAML tasks for eval.tasks; "" = the shipped ones only.
+  _set_model_keys(c, FAMILY_BASE.get())
   return c
+
+
+def _set_model_keys(c: ml_collections.ConfigDict, values: dict) -> None:
+  for key, value in values.items():
+    *sections, leaf = key.split(".")
+    node = c.model
+    for section in sections:
+      node = node[section]
+    node[leaf] = value
 
 
 def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:

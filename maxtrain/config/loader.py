@@ -1,10 +1,13 @@
-"""Loading a config: the file (`--config=PATH`, default configs/default.py), its hardware preset
-(`hardware.py`, then the file's own `HARDWARE`), then the `--config.a.b=value` overrides, in order.
-Validation lives in `maxtrain/program/plan.py`, next to what it checks."""
+"""Loading a config: the family's published model (`model.family`'s defaults), the file (`--config=PATH`,
+default configs/default.py) over them, its hardware preset (`hardware.py`, then the file's own `HARDWARE`),
+then the `--config.a.b=value` overrides, in order. Validation lives in `maxtrain/program/plan.py`, next to
+what it checks."""
 
 from __future__ import annotations
 
+import ast
 import difflib
+import functools
 import importlib.util
 import logging
 from pathlib import Path
@@ -13,12 +16,13 @@ from typing import Any, Sequence
 import ml_collections
 
 from maxtrain.config import hardware, ranges
-from maxtrain.config.keys import base_config, flat_keys
+from maxtrain.config.keys import FAMILY_BASE, base_config, flat_keys
 from maxtrain.errors import UserError
 
 log = logging.getLogger("maxtrain")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.py"
+MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 
 
 def _unknown_key(key: str, cfg: ml_collections.ConfigDict, where: str = "") -> UserError:
@@ -78,9 +82,43 @@ def set_override(cfg: ml_collections.ConfigDict, key: str, text: str) -> None:
   node[parts[-1]] = _parse_value(key, text, node[parts[-1]])
 
 
-def load_file(path: str | Path) -> tuple[ml_collections.ConfigDict, dict[str, dict[str, Any]]]:
-  """The config of a preset file and its model-specific hardware presets (`HARDWARE`, may be absent)."""
-  path = Path(path)
+@functools.cache
+def family_defaults(family: str) -> dict[str, Any]:
+  """The `config.model` keys (dotted below model.) of the family's published model: the `DEFAULTS` literal of
+  maxtrain/models/<family>.py, which the registry serves as `Family.defaults`, read here without importing it
+  (config/ loads without jax and sits below models/; tests/test_families.py checks the two agree). {} for a
+  family without (llama: the declared keys are its defaults) and for an unknown name (validation names it)."""
+  source = MODELS_DIR / f"{family}.py"
+  if not family.isidentifier() or not source.is_file():
+    return {}
+  for node in ast.parse(source.read_text()).body:
+    if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["DEFAULTS"]:
+      return ast.literal_eval(node.value)
+  return {}
+
+
+def load_file(path: str | Path, family: str | None = None) -> tuple[ml_collections.ConfigDict, dict[str, dict[str, Any]]]:
+  """The config of a preset file and its model-specific hardware presets (`HARDWARE`, may be absent). The file
+  starts from the published model of `family` (the command line's model.family), else of the family it sets
+  itself (then it runs twice: once to learn it): `base_config()` returns that model's keys while it runs, so
+  every key the file sets overrides the family's defaults and every key it leaves is the published one."""
+  defaults = family_defaults(family) if family else {}
+  cfg, presets = _run_file(Path(path), defaults)
+  if family is None and not FAMILY_BASE.get() and family_defaults(cfg.model.family):
+    cfg, presets = _run_file(Path(path), family_defaults(cfg.model.family))
+  return cfg, presets
+
+
+def _run_file(path: Path, defaults: dict[str, Any]) -> tuple[ml_collections.ConfigDict, dict[str, dict[str, Any]]]:
+  token = FAMILY_BASE.set(defaults) if defaults else None
+  try:
+    return _exec_file(path)
+  finally:
+    if token is not None:
+      FAMILY_BASE.reset(token)
+
+
+def _exec_file(path: Path) -> tuple[ml_collections.ConfigDict, dict[str, dict[str, Any]]]:
   if not path.is_file():
     raise UserError(f"--config={path}: no such file. Configs live in {REPO_ROOT / 'configs'}.")
   spec = importlib.util.spec_from_file_location(f"maxtrain_config_{path.stem}", path)
@@ -157,7 +195,8 @@ def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
   """The config file, its hardware preset (`hardware`, from the file or the command line), then the
   `--config.a.b=value` overrides, in order; locked."""
   path, overrides = parse_args(argv)
-  cfg, model_presets = load_file(path)
+  # model.family on the command line: the file starts from that family's published model (the last one wins)
+  cfg, model_presets = load_file(path, next((v for k, v in reversed(overrides) if k == "model.family"), None))
   # The hardware preset goes first so that every explicit --config.* override wins over it.
   apply_hardware(cfg, next((v for k, v in reversed(overrides) if k == "hardware"), cfg.hardware), model_presets)
   for key, value in overrides:

@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 from typing import Callable, Iterable
 
-import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy (np.dtype('bfloat16'))
+import ml_dtypes  # registers bfloat16 with numpy (np.dtype('bfloat16')); float8 dtypes
 import numpy as np
 
 from maxtrain.errors import UserError
@@ -26,6 +26,8 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 ST_DTYPES = {v: k for k, v in DTYPES.items()}
+# Stored dtypes read only as the raw halves of a quantized pair (interop/dequant.py), never as a parameter.
+RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "U8": np.uint8}
 MAX_HEADER_BYTES = 100 * 2**20
 
 
@@ -76,13 +78,19 @@ class Reader:
     row_shape = info.shape[1:]
     return self._read(name, start * math.prod(row_shape), (stop - start, *row_shape))
 
+  def read_raw_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+    """Rows of a tensor in its stored dtype, the quantized ones (RAW_DTYPES) included."""
+    info = self.entries[name][1]
+    dtype = RAW_DTYPES[info.dtype] if info.dtype in RAW_DTYPES else self.info(name).dtype
+    return self._read(name, start * math.prod(info.shape[1:]), (stop - start, *info.shape[1:]), dtype)
+
   def read(self, name: str) -> np.ndarray:
     return self._read(name, 0, self.info(name).shape)
 
-  def _read(self, name: str, first: int, shape: tuple[int, ...]) -> np.ndarray:
+  def _read(self, name: str, first: int, shape: tuple[int, ...], dtype: object = None) -> np.ndarray:
     """`shape`'s worth of elements from element `first` on."""
     path, _, offset = self.entries[name]
-    out = np.empty(shape, self.info(name).dtype)
+    out = np.empty(shape, dtype or self.info(name).dtype)
     with open(path, "rb") as f:
       f.seek(offset + first * out.itemsize)
       if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:

@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 
 from maxtrain.errors import UserError
-from maxtrain.interop import hf_config, names as names_lib, params_store, safetensors_io
+from maxtrain.interop import dequant, hf_config, names as names_lib, params_store
 from maxtrain.models import registry
 from maxtrain.sharding.layout import param_name
 
@@ -41,7 +41,8 @@ class HFSource:
     self.dir = Path(hf_dir)
     self.hf = hf_config.read(self.dir)
     self.model = hf_config.to_model_keys(self.hf, str(self.dir / "config.json"), vocab_multiple)
-    self.reader = safetensors_io.Reader(self.dir)
+    # a quantized checkpoint (FP8 block scales, MXFP4 experts) read as the tensors it encodes
+    self.reader = dequant.open_reader(self.dir, self.hf, str(self.dir / "config.json"))
     self.vocab_size = self.hf["vocab_size"]
     self.bos_id, self.eos_id = self.hf.get("bos_token_id"), self.hf.get("eos_token_id")
     self.tokenizer = str(self.dir / "tokenizer.json") if (self.dir / "tokenizer.json").is_file() else ""

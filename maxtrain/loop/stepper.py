@@ -102,6 +102,10 @@ def make_stepper(cfg: ml_collections.ConfigDict, program: program_lib.Program, s
                  metrics: Any, out_dir: Path, compile_fn: Callable, starting_state: Callable) -> Any:
   """The stepper of the plan's mode, with its data (built here: bad data is exit 2 before compiling)."""
   mode = program.plan.mode
+  if mode == "rl" and (cfg.post.rollout_devices or cfg.post.max_staleness):  # rollouts on their own thread (and devices)
+    from maxtrain.posttrain.async_rollout import AsyncRlStepper
+
+    return AsyncRlStepper(cfg, program, faults, metrics, out_dir, starting_state, metrics.events)
   if mode == "rl":
     return RlStepper(cfg, program, faults, metrics, out_dir, starting_state)
   data = SftData(cfg, program.batch_shardings) if mode == "sft" else Data(cfg, program.batch_shardings)

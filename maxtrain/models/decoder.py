@@ -212,7 +212,7 @@ def validate(m: Any) -> None:
           f"config.model.window_pattern={m.get('window_pattern')}: must be >= 0 (0: the family's pattern)")
   require(m.get("rope_local_theta", 0.0) >= 0,
           f"config.model.rope_local_theta={m.get('rope_local_theta')}: must be >= 0 (0: local layers use rope_theta)")
-  require(m.sliding_window == 0 or m.attention not in ("cudnn", "nki"),
+  require(m.sliding_window == 0 or m.attention != "nki",
           f"config.model.attention={m.attention} has no sliding window: use model.attention=flash, blocked or dot "
           f"with model.sliding_window={m.sliding_window}")
   require(not m.get("attention_sinks") or m.attention in ("dot", "flash", "auto"),

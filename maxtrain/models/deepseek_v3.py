@@ -6,8 +6,8 @@ scaling the softmax too (model.mla.softmax_mscale).
 
 HF `DeepseekV3ForCausalLM`: the experts one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, as
 transformers 4.x and 5.x save them), stacked; the MoE layers' HF indices start after the dense ones.
-Published checkpoints are FP8 with block scales (`quantization_config`, `weight_scale_inv`): refused by name
-(exit 2; dequantise with transformers first). Multi-token prediction layers (`num_nextn_predict_layers`,
+Published checkpoints are FP8 with block scales (`quantization_config`, `weight_scale_inv`): dequantised on
+import (interop/dequant.py). Multi-token prediction layers (`num_nextn_predict_layers`,
 HF layer `num_hidden_layers`) are not read: HF's class has no place for them either.
 """
 
@@ -60,6 +60,23 @@ def _tensors(m: dict) -> dict[str, Mapping]:
   return out
 
 
+# DeepSeek-V3 (671B, 37B active)'s config.json as `from-hf` reads it (tests/test_families.py checks that), the
+# family's defaults (registry.Family.defaults; a literal: config/loader.py reads it without importing this).
+# Multi-token prediction (num_nextn_predict_layers 1) is a training choice, not set here.
+DEFAULTS = {
+    "num_layers": 61, "d_model": 7168, "num_heads": 128, "num_kv_heads": 128, "head_dim": 0, "d_ff": 18432,
+    "vocab_size": 129280, "max_seq_len": 163840, "norm_eps": 1e-6, "tie_embeddings": False,
+    "rope_theta": 10000.0, "rope_scaling": "yarn", "rope_scaling_factor": 40.0, "rope_original_max_len": 4096,
+    "rope_beta_fast": 32.0, "rope_beta_slow": 1.0, "rope_truncate": True, "rope_attention_factor": 1.0,
+    "moe.num_experts": 256, "moe.experts_per_token": 8, "moe.num_shared_experts": 1, "moe.expert_d_ff": 2048,
+    "moe.first_dense_layers": 3, "moe.router": "sigmoid", "moe.norm_topk_prob": True, "moe.dispatch": "dropless",
+    "moe.n_group": 8, "moe.topk_group": 4, "moe.routed_scaling_factor": 2.5, "moe.activation": "swiglu",
+    "moe.expert_bias": False, "mla.kv_lora_rank": 512, "mla.q_lora_rank": 1536, "mla.rope_head_dim": 64,
+    "mla.nope_head_dim": 128, "mla.v_head_dim": 128, "mla.rope_interleave": True,
+    "mla.softmax_mscale": 1.3688879454113936,  # YaRN's mscale_all_dim 1 at factor 40: 0.1 ln 40 + 1
+}
+
+
 def _int(hf: dict, where: str, field: str, *, allow_zero: bool = False, default=None) -> int:
   value = hf.get(field, default)
   if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
@@ -68,10 +85,6 @@ def _int(hf: dict, where: str, field: str, *, allow_zero: bool = False, default=
 
 
 def _pieces_in(hf: dict, where: str) -> dict:
-  if hf.get("quantization_config"):
-    method = (hf["quantization_config"] or {}).get("quant_method", "?")
-    raise hf_adapter.refuse(where, "quantization_config.quant_method", method, "quantized weights (FP8 with block "
-                            "scales) are not read: dequantise with transformers first, save_pretrained, convert that")
   hf_adapter.refuse_bias(hf, where)
   layers = hf["num_hidden_layers"]
   dense = _int(hf, where, "first_k_dense_replace", allow_zero=True, default=0)
@@ -147,6 +160,6 @@ class _MLAFamily(Family):
     return cfg.train_flops_per_token(seq_len) - gqa + mla
 
 
-FAMILY = _MLAFamily(name="deepseek_v3", pieces={}, validate=_validate,
+FAMILY = _MLAFamily(name="deepseek_v3", pieces={}, validate=_validate, defaults=DEFAULTS,
                 hf=hf_adapter.HFAdapter(ARCHITECTURE, "deepseek_v3", _pieces_in, _pieces_out, tensors_for=_tensors,
                                         rope_types=("default", "yarn")))

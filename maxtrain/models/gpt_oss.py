@@ -9,8 +9,8 @@ softmax over the chosen (= maxtrain's softmax router with norm_topk_prob).
 
 HF `GptOssForCausalLM`: the tensors are read as transformers writes them (`mlp.experts.gate_up_proj`
 [E, D, 2F] = maxtrain's layout, `mlp.router.{weight,bias}`, `self_attn.sinks`). Published checkpoints hold
-the experts in MXFP4 (`quantization_config`, `*_blocks` / `*_scales`): refused by name (exit 2); dequantise
-them with transformers first (`Mxfp4Config(dequantize=True)`, then save_pretrained).
+the experts in MXFP4 (`quantization_config`, `*_blocks` / `*_scales`): dequantised on import
+(interop/dequant.py).
 """
 
 from __future__ import annotations
@@ -41,6 +41,19 @@ TENSORS = {
 }
 
 
+# gpt-oss-20b's config.json as `from-hf` reads it (tests/test_families.py checks that), the family's defaults
+# (registry.Family.defaults; a literal: config/loader.py reads it without importing this module).
+DEFAULTS = {
+    "num_layers": 24, "d_model": 2880, "num_heads": 64, "num_kv_heads": 8, "head_dim": 64, "d_ff": 2880,
+    "vocab_size": 201088, "max_seq_len": 131072, "norm_eps": 1e-5, "tie_embeddings": False, "sliding_window": 128,
+    "rope_theta": 150000.0, "rope_scaling": "yarn", "rope_scaling_factor": 32.0, "rope_original_max_len": 4096,
+    "rope_beta_fast": 32.0, "rope_beta_slow": 1.0, "rope_truncate": False,
+    "moe.num_experts": 32, "moe.experts_per_token": 4, "moe.num_shared_experts": 0, "moe.expert_d_ff": 2880,
+    "moe.first_dense_layers": 0, "moe.router": "softmax", "moe.norm_topk_prob": True, "moe.dispatch": "dropless",
+    "moe.activation": "clamped_swiglu", "moe.expert_bias": True, "moe.swiglu_alpha": 1.702, "moe.swiglu_limit": 7.0,
+}
+
+
 def _number(hf: dict, where: str, field: str, default, kind: type):
   value = hf.get(field, default)
   if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -49,10 +62,6 @@ def _number(hf: dict, where: str, field: str, default, kind: type):
 
 
 def _pieces_in(hf: dict, where: str) -> dict:
-  if hf.get("quantization_config"):
-    method = (hf["quantization_config"] or {}).get("quant_method", "?")
-    raise hf_adapter.refuse(where, "quantization_config.quant_method", method, "quantized experts (MXFP4) are not "
-                            "read: load with transformers' Mxfp4Config(dequantize=True), save_pretrained, convert that")
   if hf.get("attention_bias", True) is not True:
     raise hf_adapter.refuse(where, "attention_bias", hf["attention_bias"], "GPT-OSS has q, k, v and o biases")
   window = hf.get("sliding_window") or 0
@@ -107,5 +116,6 @@ class _AlternatingFamily(Family):
 
 
 FAMILY = _AlternatingFamily(name="gpt_oss", pieces=PIECES, window_layers="alternate", validate=_validate,
+                defaults=DEFAULTS,
                 hf=hf_adapter.HFAdapter(ARCHITECTURE, "gpt_oss", _pieces_in, _pieces_out, tensors=TENSORS,
                                         rope_types=("default", "yarn")))

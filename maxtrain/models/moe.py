@@ -25,8 +25,9 @@ each update by `bias_update_rate` x sign(mean load - load_e) from the measured p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from flax import nnx
 from maxtrain.errors import choice, require
 from maxtrain.models import moe_dispatch
 from maxtrain.models.layers import MLP, param
-from maxtrain.sharding import expert_dispatch
+from maxtrain.sharding import expert_dispatch, ragged_dispatch
 from maxtrain.sharding.layout import param_name
 
 ROUTERS = ("softmax", "sigmoid")
@@ -43,7 +44,9 @@ ACTIVATIONS = ("swiglu", "clamped_swiglu")
 DISPATCHES = ("capacity", "dropless")
 # Per-layer statistics a MoE layer returns (each [L] or [L, E] once stacked over layers). All but aux
 # and z are sums over tokens, so microbatches add them up; aux and z are the layer's means.
-STATS = ("aux", "z", "load", "dropped", "assignments")
+# capacity_needed: the capacity_factor capacity dispatch would need to drop nothing (a max, not a sum);
+# a2a_bytes: what the layer's expert-parallel all-to-alls send between devices (ragged_dispatch.py).
+STATS = ("aux", "z", "load", "dropped", "assignments", "capacity_needed", "a2a_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +162,13 @@ def route(x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: MoECon
   probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)  # the softmax's own for softmax
   aux = cfg.num_experts * jnp.sum(load_E / assignments * jnp.mean(probs_BTE, axis=(0, 1)))
   z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
-  return experts_BTK.astype(jnp.int32), weights_BTK, {"aux": aux, "z": z, "load": load_E, "assignments": assignments}
+  # Capacity slots are per sequence (moe_dispatch.py): the fullest (sequence, expert) queue sets the capacity
+  # that drops nothing, C = max load = capacity_factor x T x K / E.
+  T, K = experts_BTK.shape[1:]
+  seq_load_BE = jnp.sum(jax.nn.one_hot(experts_BTK, cfg.num_experts, dtype=jnp.float32), axis=(1, 2))
+  needed = jnp.max(seq_load_BE) * cfg.num_experts / (T * K)
+  return experts_BTK.astype(jnp.int32), weights_BTK, {"aux": aux, "z": z, "load": load_E, "assignments": assignments,
+                                                      "capacity_needed": needed}
 
 
 class MoE(nnx.Module):
@@ -194,20 +203,30 @@ class MoE(nnx.Module):
     experts_BTK, weights_BTK, stats = route(x_BTD, self.router[...], self.router_bias[...], cfg,
                                             self.router_b[...] if cfg.expert_bias else None)
     x_BTD = x_BTD.astype(dt)
-    if self.fused:  # validate: dropless only
-      biases = (self.gate_up_b[...].astype(dt), self.down_b[...].astype(dt)) if cfg.expert_bias else None
-      y_BTD = _dropless_clamped(x_BTD, experts_BTK, weights_BTK, self.gate_up[...].astype(dt),
-                                self.down[...].astype(dt), biases, cfg.swiglu_alpha, cfg.swiglu_limit)
-      stats["dropped"] = jnp.float32(0.0)
-      return y_BTD.astype(dt), stats
-    weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
-    if cfg.dispatch == "dropless":
-      y_BTD = moe_dispatch.dropless(x_BTD, experts_BTK, weights_BTK, *weights)
-      stats["dropped"] = jnp.float32(0.0)
+    if cfg.dispatch == "dropless":  # GPT-OSS's fused experts too (validate: dropless only)
+      if self.fused:
+        weights = tuple(w[...].astype(dt) for w in (self.gate_up, self.down))
+        logical = ragged_dispatch.CLAMPED_LOGICAL
+        if cfg.expert_bias:
+          weights += (self.gate_up_b[...].astype(dt), self.down_b[...].astype(dt))
+          logical += ragged_dispatch.CLAMPED_BIAS_LOGICAL
+        ffn = _clamped_ffn(cfg.swiglu_alpha, cfg.swiglu_limit)
+      else:
+        weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
+        logical, ffn = ragged_dispatch.SWIGLU_LOGICAL, moe_dispatch.grouped_swiglu
+      stats["dropped"], stats["a2a_bytes"] = jnp.float32(0.0), jnp.float32(0.0)
+      parallel = ragged_dispatch.for_active_rules(ffn, cfg.num_experts, logical)
+      if parallel is not None:  # experts split over devices: every assignment travels to its expert and back
+        y_BTD, stats["a2a_bytes"] = parallel(x_BTD, experts_BTK, weights_BTK, *weights)
+      else:
+        y_BTD = moe_dispatch.dropless(x_BTD, experts_BTK, weights_BTK, weights, ffn)
     else:
+      weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
       capacity = cfg.capacity(x_BTD.shape[1])
       slot_BTK, kept_BTK = moe_dispatch.capacity_slots(experts_BTK, cfg.num_experts, capacity)
       stats["dropped"] = jnp.sum(~kept_BTK).astype(jnp.float32)
+      stats["a2a_bytes"] = jnp.float32(ragged_dispatch.capacity_bytes(cfg.num_experts, capacity, x_BTD.shape,
+                                                                       x_BTD.dtype.itemsize))
       local = moe_dispatch.local_experts(self.quant)
       parallel = expert_dispatch.for_active_rules(local, cfg.num_experts, capacity)
       if parallel is not None:  # experts split over devices: tokens travel to them and back
@@ -220,28 +239,10 @@ class MoE(nnx.Module):
     return y_BTD.astype(dt), stats
 
 
-def _dropless_clamped(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array, gate_up_ED2F: jax.Array,
-                      down_EFD: jax.Array, biases: tuple[jax.Array, jax.Array] | None, alpha: float,
-                      limit: float) -> jax.Array:
-  """GPT-OSS's experts, dropless (moe_dispatch.dropless's sort and grouped matmuls): the clamped SwiGLU over
-  the interleaved gate_up columns, each expert's biases added to its rows."""
-  B, T, K = experts_BTK.shape
-  E, D = gate_up_ED2F.shape[0], x_BTD.shape[-1]
-  expert_N = experts_BTK.reshape(-1)
-  order_N = jnp.argsort(expert_N, stable=True)
-  x_ND = x_BTD.reshape(B * T, D)[order_N // K]
-  group_sizes_E = jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
-  gate_up_N2F = jax.lax.ragged_dot(x_ND, gate_up_ED2F, group_sizes_E)
-  if biases is not None:
-    gate_up_N2F = gate_up_N2F + biases[0][expert_N[order_N]]
-  gate_NF = jnp.minimum(gate_up_N2F[:, 0::2], limit)
-  up_NF = jnp.clip(gate_up_N2F[:, 1::2], -limit, limit)
-  h_NF = (up_NF + 1) * gate_NF * jax.nn.sigmoid(alpha * gate_NF)
-  y_ND = jax.lax.ragged_dot(h_NF, down_EFD, group_sizes_E)
-  if biases is not None:
-    y_ND = y_ND + biases[1][expert_N[order_N]]
-  y_BTKD = y_ND[jnp.argsort(order_N)].reshape(B, T, K, D)
-  return jnp.einsum("btk,btkd->btd", weights_BTK.astype(y_ND.dtype), y_BTKD)
+@functools.lru_cache(maxsize=None)
+def _clamped_ffn(alpha: float, limit: float) -> Callable:
+  """GPT-OSS's grouped experts with their constants bound (one function per pair, so traces can share it)."""
+  return functools.partial(moe_dispatch.grouped_clamped_swiglu, alpha=alpha, limit=limit)
 
 
 def load_entropy(load_LE: jax.Array) -> jax.Array:

@@ -1,7 +1,8 @@
 """How tokens reach their experts and come back: capacity slots, dispatch, the expert SwiGLUs and the
 weighted combine (capacity-based), and the sorted grouped matmul (dropless). Pure functions of arrays:
-`models/moe.py` calls them directly; `sharding/expert_dispatch.py` calls the same ones on each device
-with an all-to-all in between (expert parallelism).
+`models/moe.py` calls them directly; `sharding/expert_dispatch.py` (capacity) and
+`sharding/ragged_dispatch.py` (dropless) call the same ones on each device with all-to-alls in between
+(expert parallelism).
 
 Shape legend: B batch, T length, D model, E routed experts, K experts per token, C capacity (slots per
 expert per sequence), S = E x C slots, F expert hidden width, N = B x T x K assignments.
@@ -78,19 +79,54 @@ def experts_ffn(x_BECD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_
   return jnp.swapaxes(matmul(h_ENF, down_EFD).reshape(E, B, C, D), 0, 1)
 
 
-def dropless(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array, gate_EDF: jax.Array,
-             up_EDF: jax.Array, down_EFD: jax.Array) -> jax.Array:
+def _local(reduce):
+  return (lambda y: y) if reduce is None else reduce
+
+
+def grouped_swiglu(x_ND: jax.Array, group_sizes_E: jax.Array, expert_N: jax.Array, weights: tuple[jax.Array, ...],
+                   reduce=None) -> jax.Array:
+  """Each expert's SwiGLU on its run of the rows (sorted by expert, `group_sizes_E` long each; rows past
+  their sum come out 0): three grouped matmuls of weights (gate_EDF, up_EDF, down_EFD). `expert_N` (each
+  row's expert) is unused here; `reduce` sums the partial outputs of a hidden dim split over devices.
+  Dropless expert parallelism runs it on the local experts (sharding/ragged_dispatch.py)."""
+  del expert_N
+  gate_EDF, up_EDF, down_EFD = weights
+  gate_NF = jax.lax.ragged_dot(x_ND, gate_EDF, group_sizes_E)
+  up_NF = jax.lax.ragged_dot(x_ND, up_EDF, group_sizes_E)
+  return _local(reduce)(jax.lax.ragged_dot(jax.nn.silu(gate_NF) * up_NF, down_EFD, group_sizes_E))
+
+
+def grouped_clamped_swiglu(x_ND: jax.Array, group_sizes_E: jax.Array, expert_N: jax.Array,
+                           weights: tuple[jax.Array, ...], reduce=None, *, alpha: float, limit: float) -> jax.Array:
+  """GPT-OSS's experts on sorted rows: weights (gate_up_ED2F, down_EFD) or with their biases (..., gate_up_b_E2F,
+  down_b_ED), each row's biases those of its expert `expert_N` (rows past the groups: any, their output is
+  0 before the bias and cut off by the caller). The clamped SwiGLU over the interleaved gate_up columns
+  (gate even, up odd): (clip(up, -limit, limit) + 1) x g x sigmoid(alpha x g), g = min(gate, limit)."""
+  gate_up_ED2F, down_EFD = weights[:2]
+  biases = weights[2:]
+  gate_up_N2F = jax.lax.ragged_dot(x_ND, gate_up_ED2F, group_sizes_E)
+  take = lambda b_EX: jnp.take(b_EX, expert_N, axis=0, mode="clip")
+  if biases:
+    gate_up_N2F = gate_up_N2F + take(biases[0])
+  gate_NF = jnp.minimum(gate_up_N2F[:, 0::2], limit)
+  up_NF = jnp.clip(gate_up_N2F[:, 1::2], -limit, limit)
+  h_NF = (up_NF + 1) * gate_NF * jax.nn.sigmoid(alpha * gate_NF)
+  y_ND = _local(reduce)(jax.lax.ragged_dot(h_NF, down_EFD, group_sizes_E))
+  return y_ND + take(biases[1]) if biases else y_ND  # once, after the partial sums over the hidden dim
+
+
+def dropless(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array, expert_weights: tuple[jax.Array, ...],
+             grouped_ffn=grouped_swiglu) -> jax.Array:
   """No capacity: the B x T x K assignments sorted by expert, each expert's rows one group of a
-  grouped matmul (`lax.ragged_dot`), unsorted and combined. Every assignment is computed."""
+  grouped matmul (`lax.ragged_dot`: `grouped_ffn` of `expert_weights`), unsorted and combined. Every
+  assignment is computed."""
   B, T, K = experts_BTK.shape
-  E, D = gate_EDF.shape[0], x_BTD.shape[-1]
+  E, D = expert_weights[0].shape[0], x_BTD.shape[-1]
   expert_N = experts_BTK.reshape(-1)
   order_N = jnp.argsort(expert_N, stable=True)
   x_ND = x_BTD.reshape(B * T, D)[order_N // K]  # assignment n belongs to token n // K
   group_sizes_E = jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
-  gate_NF = jax.lax.ragged_dot(x_ND, gate_EDF, group_sizes_E)
-  up_NF = jax.lax.ragged_dot(x_ND, up_EDF, group_sizes_E)
-  y_ND = jax.lax.ragged_dot(jax.nn.silu(gate_NF) * up_NF, down_EFD, group_sizes_E)
+  y_ND = grouped_ffn(x_ND, group_sizes_E, expert_N[order_N], expert_weights)
   y_BTKD = y_ND[jnp.argsort(order_N)].reshape(B, T, K, D)  # back to assignment order
   return jnp.einsum("btk,btkd->btd", weights_BTK.astype(y_ND.dtype), y_BTKD)
 

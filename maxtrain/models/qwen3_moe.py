@@ -32,6 +32,17 @@ TENSORS = {
 }
 
 
+# Qwen3-30B-A3B's config.json as `from-hf` reads it (tests/test_families.py checks that), the family's defaults
+# (registry.Family.defaults; a literal: config/loader.py reads it without importing this module).
+DEFAULTS = {
+    "num_layers": 48, "d_model": 2048, "num_heads": 32, "num_kv_heads": 4, "head_dim": 128, "d_ff": 6144,
+    "vocab_size": 151936, "max_seq_len": 40960, "norm_eps": 1e-6, "tie_embeddings": False,
+    "rope_theta": 1000000.0, "rope_scaling": "none",
+    "moe.num_experts": 128, "moe.experts_per_token": 8, "moe.num_shared_experts": 0, "moe.expert_d_ff": 768,
+    "moe.first_dense_layers": 0, "moe.router": "softmax", "moe.norm_topk_prob": True, "moe.dispatch": "dropless",
+}
+
+
 def _int(hf: dict, where: str, *fields: str) -> int:
   """The first of `fields` present (transformers 5.x renames some: num_experts -> num_local_experts)."""
   for field in fields:
@@ -89,5 +100,5 @@ def _validate(m) -> None:
           "set model.moe.num_experts (Qwen3-30B-A3B: 128) or use model.family=qwen3")
 
 
-FAMILY = Family(name="qwen3_moe", pieces={"qk_norm": True}, validate=_validate,
+FAMILY = Family(name="qwen3_moe", pieces={"qk_norm": True}, validate=_validate, defaults=DEFAULTS,
                 hf=hf_adapter.HFAdapter(ARCHITECTURE, "qwen3_moe", _pieces_in, _pieces_out, tensors=TENSORS))

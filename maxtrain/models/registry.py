@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import json
 from typing import Any, Callable
 
 import jax
@@ -41,6 +42,10 @@ class Family:
   window_layers: str = "all"  # WINDOW_PATTERNS: the layers model.sliding_window applies to
   window_pattern: int = 0  # model.window_pattern's value when the key is 0 (Gemma 3: 6); 0: window_layers
   validate: Callable[[Any], None] = lambda m: None  # family-specific UserErrors on config.model
+  # `config.model` keys (dotted below model.) of the family's published model: what `model.family=X` alone
+  # gives, under every key a config file or the command line sets. The module's `DEFAULTS` literal, which
+  # config/loader.py reads without importing the module (config loads without jax); {}: the declared keys.
+  defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> float:
     """Model FLOPs of one training token (ModelConfig.train_flops_per_token's convention); a pattern's window on
@@ -128,6 +133,35 @@ def for_architecture(hf: dict, where: str) -> Family:
 
 def param_count(state: nnx.State) -> int:
   return sum(x.size for x in jax.tree.leaves(state))
+
+
+# config.model keys that change how the model is computed or trained, not the function its parameters define:
+# a resume may change them (everything else under config.model is compared by `math_changes`).
+HOW_KEYS = frozenset({
+    "scan_layers", "scan_unroll", "remat", "attention", "attention_block_q", "attention_block_kv", "compute_dtype",
+    "param_dtype", "loss_chunk_tokens", "max_seq_len", "quantization", "quant_kinds", "quant_min_dim", "quant_margin",
+    "quant_saturate", "moe.dispatch", "moe.capacity_factor", "moe.aux_loss_weight", "moe.router_z_loss_weight",
+    "moe.bias_update_rate", "moe.collapse_entropy", "moe.collapse_steps", "mla.latent_cache", "mtp_loss_weight"})
+
+
+def math_changes(saved_model: dict, model: Any) -> list[str]:
+  """`key: saved -> now` for each config.model key outside HOW_KEYS whose value differs between a checkpoint's
+  saved config.model and this run's: the same parameters would compute another function (a sliding window,
+  RoPE base or family switched on). A key the checkpoint's config lacks (saved before it existed) is not
+  compared: its default is what that checkpoint ran."""
+  def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in (d.items() if hasattr(d, "items") else ()):
+      if hasattr(v, "items"):
+        out.update(flat(v, f"{prefix}{k}."))
+      else:
+        out[f"{prefix}{k}"] = v
+    return out
+
+  as_saved = lambda d: json.loads(json.dumps(flat(d), default=str))  # tuples -> lists, as the meta holds them
+  before, now = as_saved(saved_model), as_saved(model)
+  return [f"model.{k}: {before[k]!r} -> {now[k]!r}" for k in sorted(set(before) & set(now))
+          if k not in HOW_KEYS and before[k] != now[k]]
 
 
 # The config key that sets each logical parameter dim: what a layout error tells the user to change.

@@ -2,7 +2,8 @@
 console line, and the `steps` records of the event log (`events.StepsSummary`).
 
 Every scalar the step returns is logged as `train/<name>`: new metrics need no change here. A
-per-layer metric (a 1-D array, e.g. `moe/load_entropy`) is logged as `train/<name>/layer_<i>`.
+per-layer metric (a 1-D array, e.g. `moe/load_entropy`) is logged as `train/<name>/layer_<i>`, a per-layer and
+expert one (2-D, `moe/expert_load`) as `train/<name>/layer_<i>/expert_<j>`, to TensorBoard only.
 """
 
 from __future__ import annotations
@@ -23,14 +24,24 @@ log = logging.getLogger("maxtrain")
 
 
 def scalar_tags(metrics: Mapping[str, Any]) -> dict[str, float]:
-  """`train/<name>` -> value of each metric; per-layer arrays become `train/<name>/layer_<i>`."""
+  """`train/<name>` -> value of each metric; per-layer arrays become `train/<name>/layer_<i>`; [layer, expert]
+  tables are left to `table_tags`."""
   scalars = {}
   for k, v in metrics.items():
     if getattr(v, "ndim", 0) == 1:
       scalars.update({f"train/{k}/layer_{i}": x for i, x in enumerate(v)})
+    elif getattr(v, "ndim", 0) == 2:  # per layer and expert: TensorBoard only (`table_tags`)
+      continue
     else:
       scalars[f"train/{k}"] = v
   return scalars
+
+
+def table_tags(metrics: Mapping[str, Any]) -> dict[str, float]:
+  """`train/<name>/layer_<i>/expert_<j>` of each 2-D metric (moe/expert_load): for TensorBoard only, since a
+  large MoE has thousands (DeepSeek-V3: 58 x 256), past Prometheus's series cap, which would drop the rest."""
+  return {f"train/{k}/layer_{i}/expert_{j}": x for k, v in metrics.items() if getattr(v, "ndim", 0) == 2
+          for i, row in enumerate(v) for j, x in enumerate(row)}
 
 
 class MetricsLogger:
@@ -94,7 +105,7 @@ class MetricsLogger:
         scalars["train/mfu"] = mfu
         speed += f"  MFU {mfu:.1%}" + (" (vs a contended peak: reads high)" if self.peak_contended else "")
     scalars.update(memory.memory_scalars())
-    self.writer.scalars(step, scalars)
+    self.writer.scalars(step, {**scalars, **table_tags(metrics)})
     if self.prometheus is not None:
       self.prometheus.update(scalars)
     for sink in self.gauge_sinks:
@@ -102,7 +113,8 @@ class MetricsLogger:
     moe = ""
     if "moe/aux_loss" in metrics:
       moe = (f"  moe aux {metrics['moe/aux_loss']:.3f} dropped {metrics['moe/dropped_fraction']:.1%} "
-             f"max/mean load {max(metrics['moe/max_load']):.2f}")
+             f"max/mean load {max(metrics['moe/max_load']):.2f} "
+             f"dropless capacity {max(metrics['moe/capacity_needed']):.2f}")
     log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e%s%s", step, self.total_steps, metrics["loss"],
              metrics["grad_norm"], metrics["lr"], moe, speed)
     # Flushed after the logging above, so that its time is inside the steps interval (the loop's

@@ -93,7 +93,7 @@ class SftData:
 
   def set_state(self, state: dict) -> None:
     """The checkpoint's position, after checking it indexes this data (rule 1 of DESIGN.md)."""
-    if not set(state) <= {"step", "source"} or "step" not in state:  # a pretraining loader's state (data/loader.py)
+    if not set(state) <= {"step", "source", "in_flight"} or "step" not in state:  # a pretraining loader's state (data/loader.py)
       raise UserError("the checkpoint's data state is a pretraining loader's (token stores), not post-training "
                       "data: resume it with post.mode='' (pretraining), or start a new run in another output_dir")
     saved = state.get("source")
@@ -147,6 +147,26 @@ class PromptData(SftData):
     self.temperature = cfg.post.temperature
     self.rewards = rewards_lib.load(cfg.post.reward)  # before compiling: a bad name is exit 2 at once
     self._entropy = float("nan")  # no train tokens before the rollouts
+    # The asynchronous rollout side (posttrain/async_rollout.py), when the run has one: the rollouts it has
+    # made or started for later rounds are part of the data state (a resume trains on the same ones).
+    self.in_flight: Any = None
+    self.restored_in_flight: list[dict] = []  # the checkpoint's, until the rollout side takes them
+
+  def get_state(self) -> dict:
+    state = super().get_state()
+    if self.in_flight is not None:
+      state["in_flight"] = self.in_flight.get_state()
+    elif self.restored_in_flight:  # restored, not yet taken (the state the attempt starts from)
+      state["in_flight"] = self.restored_in_flight
+    return state
+
+  def set_state(self, state: dict) -> None:
+    super().set_state(state)
+    self.restored_in_flight = list(state.get("in_flight", []))
+
+  def close(self) -> None:
+    if self.in_flight is not None:
+      self.in_flight.close()
 
   def describe(self) -> str:
     return (f"rl: {self.source or 'arithmetic'}: {len(self.examples)} train prompts, {self.per_round} a draw; "

@@ -31,7 +31,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from maxtrain.posttrain import algorithms, rl_step, rollout as rollout_lib
+from maxtrain.posttrain import algorithms, correction, rl_step, rollout as rollout_lib
 from maxtrain.posttrain.data import PromptData, make_generator
 from maxtrain.program import state as state_lib
 
@@ -54,6 +54,7 @@ class RlStepper:
   unit = "round"
   spike_signal = "grad_norm"  # the surrogate loss is ~0 by construction: the guards watch the gradient norm
   evaluates_at_start = True  # the starting model's held-out reward is the baseline
+  reports_mismatch = False  # rl/mismatch_kl and the correction's shares without a correction (the async stepper)
 
   def __init__(self, cfg: ml_collections.ConfigDict, program: Any, faults: Any, metrics: Any, out_dir: Path,
                starting_state: Any):
@@ -75,6 +76,11 @@ class RlStepper:
 
   def start(self, state: state_lib.TrainState, step: int) -> None:
     """Before the attempt's first round: the frozen reference and the generator."""
+    if self.data.restored_in_flight:  # an asynchronous run's queue (posttrain/async_rollout.py), resumed synchronously
+      log.warning("the checkpoint holds %d rollout batches made ahead by an asynchronous run (post.max_staleness); "
+                  "this synchronous run samples its rounds itself and does not train on them",
+                  len(self.data.restored_in_flight))
+      self.data.restored_in_flight = []
     self.reference = self._reference(state)
     self.generator = make_generator(self.program, state.params)
 
@@ -95,18 +101,10 @@ class RlStepper:
     """Round `step` (1-based) at the data position; the position moves past every prompt batch drawn."""
     p, hp, data = self.cfg.post, self.hp, self.data
     t0 = time.monotonic()
-    q, draws = data.step, []
-    while True:  # one draw, or (dynamic sampling) until the round has enough groups whose rewards differ
-      draws.append(rollout_lib.sample(data, self.generator, state.params, q + len(draws), p, self.cfg.seed,
-                                      self.cfg.data.seq_len))
-      varied = sum(np.ptp(d.rewards.reshape(-1, p.group_size), axis=1).astype(bool).sum() for d in draws)
-      if not self.algorithm.dynamic_sampling or varied >= p.prompts_per_step or len(draws) >= hp.max_draws:
-        break
-    data.step = q + len(draws)
-    r = rollout_lib.select(draws, p.group_size, p.prompts_per_step, self.algorithm.dynamic_sampling)
+    r, draws = self._rollout(state, step)
     t1 = time.monotonic()
     if p.log_rollouts and jax.process_index() == 0:
-      self._log_rollouts(step, q, r)
+      self._log_rollouts(step, r.positions[0], r)
     trained = -r.rewards if p.negate_reward else r.rewards
     rows, mask = r.rows, r.rows["loss_mask"]
     host = {k: rows[k] for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
@@ -123,6 +121,11 @@ class RlStepper:
     else:
       host["advantages"] = self.algorithm.advantages(rewards_PG, host["old_logp"], host["ref_logp"], mask, hp)
     gap = rollout_lib.logprob_gap(host["old_logp"], rows["sampler_logp"], mask)
+    correction_scalars = {}
+    if p.correction != "none" or self.reports_mismatch:  # the rollout policy against the trainer's at the round's start
+      weights, correction_scalars = correction.weights(host["old_logp"], rows["sampler_logp"], mask, p.correction,
+                                                       p.is_cap)
+      host["advantages"] = (host["advantages"] * weights).astype(np.float32)
     n, per, flags = len(mask), len(mask) // p.minibatches, []
     fault = self.faults.in_graph(step)  # faults.nan_at_step / spike_at_step: every update of that round
     for _ in range(p.ppo_epochs):
@@ -145,6 +148,7 @@ class RlStepper:
                "rl/train_s": t3 - t1,  # the log-prob passes, the advantages and the updates
                "rl/rollout_tokens_per_s": float(n * len(draws) * p.max_new_tokens) / max(t1 - t0 - r.score_s, 1e-9)}
     scalars.update({f"rl/reward/{name}": float(v.mean()) for name, v in r.parts.items()})  # each on its own
+    scalars.update(correction_scalars)
     if self.algorithm.critic:  # the critic at the rollout against the round's returns (all its tokens)
       on = mask > 0
       error, returns = (host["old_values"] - host["returns"])[on], host["returns"][on]
@@ -155,6 +159,20 @@ class RlStepper:
                       "rl/sampled_reward_mean": float(r.sampled_rewards.mean())})
     self.metrics.tokens_per_step = n * self.cfg.data.seq_len * p.ppo_epochs
     return state, Outcome(metrics, scalars, flags)
+
+  def _rollout(self, state: state_lib.TrainState, step: int) -> tuple[rollout_lib.Rollout, list]:
+    """Round `step`'s rollout (and every draw made for it), sampled here with the current parameters;
+    the data position moves past every prompt batch drawn."""
+    p, data = self.cfg.post, self.data
+    q, draws = data.step, []
+    while True:  # one draw, or (dynamic sampling) until the round has enough groups whose rewards differ
+      draws.append(rollout_lib.sample(data, self.generator, state.params, q + len(draws), p, self.cfg.seed,
+                                      self.cfg.data.seq_len))
+      varied = sum(np.ptp(d.rewards.reshape(-1, p.group_size), axis=1).astype(bool).sum() for d in draws)
+      if not self.algorithm.dynamic_sampling or varied >= p.prompts_per_step or len(draws) >= self.hp.max_draws:
+        break
+    data.step = q + len(draws)
+    return rollout_lib.select(draws, p.group_size, p.prompts_per_step, self.algorithm.dynamic_sampling), draws
 
   def after_run(self, step: int, last: bool) -> None:
     pass  # the next round samples with the parameters this one made: nothing to read ahead

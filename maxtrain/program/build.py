@@ -105,14 +105,22 @@ def program_for(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], *
   devices = list(devices)
   num_processes = len({d.process_index for d in devices})
   plan = validate(cfg, len(devices), num_processes, require_data=require_data)
+  every, devices = devices, split_devices(cfg, devices)[0]  # the trainer's devices (post.rollout_devices: not the last)
   quant.check_devices(cfg.model, devices)
   offload.check_devices(cfg.optimizer, devices, cfg.runtime.platform)
   if cfg.model.remat == "offload":  # activations go to the same host memory kind
     offload.check_host_memory("model.remat=offload", devices, cfg.runtime.platform)
   table = ""
-  if cfg.model.remat == "auto":
-    cfg, table = resolve_remat(cfg, devices)
+  if cfg.model.remat == "auto":  # each candidate is planned as this program is: on every device
+    cfg, table = resolve_remat(cfg, every)
   return dataclasses.replace(build(cfg, plan, make_mesh(plan.mesh, devices)), remat_table=table)
+
+
+def split_devices(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]) -> tuple[list, list]:
+  """(the trainer's devices, the rollout side's): post.rollout_devices takes the last ones (validated by
+  `plan.validate`); without it the trainer has them all and the rollout side none."""
+  devices, n = list(devices), cfg.post.get("rollout_devices", 0)
+  return (devices[:len(devices) - n], devices[len(devices) - n:]) if n else (devices, [])
 
 
 def resolve_remat(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]) -> tuple[ml_collections.ConfigDict, str]:

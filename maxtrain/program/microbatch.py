@@ -28,8 +28,8 @@ def split(x_B: jax.Array, num_microbatches: int) -> jax.Array:
 def accumulate(sums_and_grads: Callable[[Any, Any], tuple[Any, Any]], params: Any, batch: Any,
                num_microbatches: int) -> tuple[Any, Any]:
   """`sums_and_grads(params, batch) -> (sums, grads)`, both additive over examples, summed over
-  `num_microbatches` microbatches of `batch`. Gradients accumulate in fp32 and come back in the
-  parameters' dtype."""
+  `num_microbatches` microbatches of `batch` (a `sums` dict entry named `*_max`: its maximum, >= 0).
+  Gradients accumulate in fp32 and come back in the parameters' dtype."""
   if num_microbatches == 1:
     return sums_and_grads(params, batch)
   micro = jax.tree.map(lambda x: split(x, num_microbatches), batch)
@@ -37,9 +37,15 @@ def accumulate(sums_and_grads: Callable[[Any, Any], tuple[Any, Any]], params: An
   sums_shape, grads_shape = jax.eval_shape(sums_and_grads, params, first)
   zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
 
+  def add(path, acc, x):  # a sum, or a maximum for a dict key ending in `_max` (MoE's capacity_needed)
+    key = getattr(path[-1], "key", None) if path else None
+    x = x.astype(jnp.float32)
+    return jnp.maximum(acc, x) if isinstance(key, str) and key.endswith("_max") else acc + x
+
   def body(carry, microbatch):
     sums, grads = sums_and_grads(params, microbatch)
-    return jax.tree.map(lambda acc, x: acc + x.astype(jnp.float32), carry, (sums, grads)), None
+    return (jax.tree_util.tree_map_with_path(add, carry[0], sums),
+            jax.tree.map(lambda acc, x: acc + x.astype(jnp.float32), carry[1], grads)), None
 
   (sums, grads), _ = jax.lax.scan(body, (zeros(sums_shape), zeros(grads_shape)), micro)
   grads = jax.tree.map(lambda g, s: g.astype(s.dtype), grads, grads_shape)

@@ -98,6 +98,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   require(cfg.eval.batches > 0, f"config.eval.batches={cfg.eval.batches}: must be > 0")
 
   choice("mesh.rules", cfg.mesh.rules, tuple(rules_lib.RULE_SETS))
+  num_devices -= _validate_rollout_devices(cfg, num_devices, num_processes)  # the trainer's mesh: the rest
   mesh_layout = mesh_lib.from_config(cfg.mesh, num_devices)
   layout = Layout(mesh_layout.sizes, rules_lib.get(cfg.mesh.rules))
   unused = layout.unused_axes()
@@ -166,7 +167,53 @@ def _validate_post(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchL
   require(schedule is None, f"config.post.mode={p.mode!r} with mesh {mesh_layout.describe()}: a pipeline of "
           f"{layout.describe('layers')} stages. The RL step and its rollouts do not run through the pipeline; set "
           "mesh.pipeline=1 (and mesh.dcn_pipeline=1) and shard the model with mesh.fsdp / mesh.tensor instead")
+  _validate_async(cfg)
   return mode, p.ppo_epochs * p.minibatches
+
+
+CORRECTIONS = ("none", "tis", "mis", "decoupled")  # post.correction (posttrain/correction.py)
+DYNAMIC_SAMPLING_ALGORITHMS = ("dapo",)  # post.algorithm values that draw a variable number of prompt batches a round
+
+
+def _validate_rollout_devices(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int) -> int:
+  """post.rollout_devices: how many of the run's devices generate rollouts only (the last ones), checked
+  before the trainer's mesh is laid out over the rest."""
+  n = cfg.post.get("rollout_devices", 0)
+  if not n:
+    return 0
+  require(MODES.get(cfg.post.mode) == "rl", f"config.post.rollout_devices={n} with post.mode={cfg.post.mode!r}: "
+          "a rollout mesh is for RL only; set post.rollout_devices=0")
+  require(0 < n < num_devices, f"config.post.rollout_devices={n} leaves {num_devices} - {n} = {num_devices - n} "
+          f"devices for the trainer: it must be in 0..{num_devices - 1} (0 = rollouts on the trainer's mesh)")
+  require(num_processes == 1, f"config.post.rollout_devices={n} with {num_processes} processes: the rollout mesh "
+          "is built on one host's devices only; set post.rollout_devices=0 for a multi-process run")
+  return n
+
+
+def _validate_async(cfg: ml_collections.ConfigDict) -> None:
+  """The asynchronous rollout keys (posttrain/async_rollout.py) and the correction (posttrain/correction.py)."""
+  p = cfg.post
+  require(p.max_staleness >= 0, f"config.post.max_staleness={p.max_staleness}: policy versions a rollout may lag "
+          "must be >= 0 (0 = synchronous)")
+  require(p.max_staleness <= 64, f"config.post.max_staleness={p.max_staleness}: at most 64 versions are kept in "
+          "flight; lower it")
+  choice("post.correction", p.correction, CORRECTIONS)
+  require(p.is_cap >= 1, f"config.post.is_cap={p.is_cap}: the importance-weight cap must be >= 1")
+  require(p.sync_timeout_s > 0, f"config.post.sync_timeout_s={p.sync_timeout_s}: must be > 0 (seconds)")
+  choice("post.rollout_dtype", p.rollout_dtype, ("", "float32", "bfloat16"))
+  require(not p.rollout_dtype or p.rollout_devices, f"config.post.rollout_dtype={p.rollout_dtype} without "
+          "post.rollout_devices: the dtype is the rollout mesh's; set post.rollout_devices > 0 or post.rollout_dtype=''")
+  if p.rollout_devices or p.max_staleness:
+    require(p.algorithm not in DYNAMIC_SAMPLING_ALGORITHMS, f"config.post.algorithm={p.algorithm} with "
+            f"post.rollout_devices={p.rollout_devices}, post.max_staleness={p.max_staleness}: dynamic sampling draws a "
+            "variable number of prompt batches a round, which the asynchronous rollout queue does not; set "
+            "post.rollout_devices=0 and post.max_staleness=0, or choose another algorithm")
+  # The generator records each token's log-probability under the model's own (temperature 1)
+  # distribution: at another temperature the rollout policy's log-probs are not recorded, and a weight
+  # pi_trainer / pi_rollout would compare two different distributions.
+  require(p.correction == "none" or p.temperature == 1.0, f"config.post.correction={p.correction} with "
+          f"post.temperature={p.temperature}: the rollout's log-probs are recorded at temperature 1 only, so there are "
+          "no rollout log-probs to correct by; set post.temperature=1 or post.correction=none")
 
 
 def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchLayout,
@@ -234,16 +281,17 @@ def stage_config(cfg: ml_collections.ConfigDict, batch_size: int, seq_len: int) 
 
 
 def _validate_expert_parallel(moe: Any, layout: Layout, mesh_layout: mesh_lib.MeshLayout) -> None:
-  """Expert parallelism needs routed experts, fixed-capacity messages and whole sequences per device."""
-  if layout.shards("experts") == 1:
+  """Expert parallelism needs routed experts that divide over the expert shards and whole sequences per device."""
+  shards = layout.shards("experts")
+  if shards == 1:
     return
   where = f"mesh {mesh_layout.describe()} splits experts over {layout.describe('experts')}"
   require(moe.num_experts > 0, f"{where}, but config.model.moe.num_experts=0 (a dense model): set model.moe.num_experts "
           "or make that mesh axis 1")
-  require(moe.dispatch == "capacity", f"{where}: config.model.moe.dispatch={moe.dispatch!r} needs ragged all-to-all "
-          "messages, which maxtrain does not implement (XLA:CPU cannot run them). Use model.moe.dispatch=capacity.")
-  require(layout.shards("act_length") == 1, f"{where} and sequences over {layout.describe('act_length')}: capacity "
-          "slots are per whole sequence. Use one of the two.")
+  require(moe.num_experts % shards == 0, f"{where} ({shards} shards), which does not divide "
+          f"config.model.moe.num_experts={moe.num_experts}: make the expert shards a divisor of it")
+  require(layout.shards("act_length") == 1, f"{where} and sequences over {layout.describe('act_length')}: expert "
+          "parallelism routes whole sequences per device (capacity slots are per sequence). Use one of the two.")
 
 
 def _validate_fleet(cfg: ml_collections.ConfigDict, num_processes: int) -> None:

@@ -57,7 +57,9 @@ def _moe_parts(moe_stats: dict[str, jax.Array], count: jax.Array) -> dict[str, j
   microbatch)."""
   return {"moe_aux": jnp.mean(moe_stats["aux"]) * count, "moe_z": jnp.mean(moe_stats["z"]) * count,
           "moe_load": moe_stats["load"], "moe_dropped": jnp.sum(moe_stats["dropped"]),
-          "moe_assignments": jnp.sum(moe_stats["assignments"])}
+          "moe_assignments": jnp.sum(moe_stats["assignments"]), "moe_a2a_bytes": jnp.sum(moe_stats["a2a_bytes"]),
+          # per layer [L]; the one part microbatches combine by their max (microbatch.py: the `_max` suffix)
+          "moe_capacity_needed_max": moe_stats["capacity_needed"]}
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, z_loss: float = 0.0, *,
@@ -81,11 +83,15 @@ def loss_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, z_loss: f
 
 
 def moe_metrics(parts: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:
-  """The MoE metrics of a step's summed parts: the two losses (unweighted), the share of dropped
-  assignments, and per MoE layer [L] the load entropy / log E and the max / mean expert load."""
+  """The MoE metrics of a step's summed parts: the two losses (unweighted), the dropped assignments (count
+  and share), the bytes the expert-parallel all-to-alls sent between devices, per MoE layer [L] the load
+  entropy / log E, the max / mean expert load and the capacity_factor that would have dropped nothing,
+  and per layer and expert [L, E] the assignments (tokens per expert)."""
   load_LE = parts["moe_load"]
   return {"moe/aux_loss": parts["moe_aux"] / count, "moe/router_z_loss": parts["moe_z"] / count,
           "moe/dropped_fraction": parts["moe_dropped"] / jnp.maximum(parts["moe_assignments"], 1.0),
+          "moe/dropped": parts["moe_dropped"], "moe/all_to_all_bytes": parts["moe_a2a_bytes"],
+          "moe/capacity_needed": parts["moe_capacity_needed_max"], "moe/expert_load": load_LE,
           "moe/load_entropy": moe_lib.load_entropy(load_LE),
           "moe/max_load": jnp.max(load_LE, axis=-1) / jnp.maximum(jnp.mean(load_LE, axis=-1), 1e-9)}
 

@@ -86,6 +86,10 @@ class Faults:
     log.warning("fault injection: %s at step %d", name, step)
     return True
 
+  def fire(self, name: str, step: int) -> bool:
+    """Whether the fault `name` (a config.faults key) fires at `step`, recording it as fired (once)."""
+    return self._fire(name, step)
+
   def after_step(self, step: int) -> None:
     if self.targeted and self.cfg.slow_step_s > 0:
       time.sleep(self.cfg.slow_step_s)  # the fault itself: this host's work per step takes longer

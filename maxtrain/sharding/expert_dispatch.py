@@ -15,8 +15,7 @@ in as a `LocalExperts`: sharding/ sits below models/ and imports nothing from it
      that the backward reduce-scatters their gradients; a partial sum over `tensor` is psum-ed);
   4. the reverse all-to-all, then `combine` with this device's routing weights.
 Fixed capacity makes every message the same size, which `lax.all_to_all` needs (and which runs on
-CPU); a dropless exchange would need `lax.ragged_all_to_all`, which XLA:CPU does not implement, so
-the dropless dispatch runs without expert parallelism (validate.py refuses the combination).
+CPU); the dropless exchange (`ragged_dispatch.py`) sends ragged messages.
 
 The model never names a mesh axis: `for_active_rules` returns this dispatch when the active rules
 split `experts` over mesh axes of total size > 1 in the current mesh, else None.

@@ -6,17 +6,17 @@ sequence (context parallelism, `sharding/context_attention.py`);
 tensor groups must be consecutive cores; on GPUs, one NVLink island).
 
 A mesh has two levels. `mesh.data/fsdp/expert/context/tensor` lay out the devices of one granule (a node, or a
-slice: devices joined by the fast interconnect, ICI/NVLink/NeuronLink); `mesh.dcn_data/dcn_fsdp`
-lay out the granules (across the slower data-centre network). Each mesh axis is the product of its
+slice: devices joined by the fast interconnect, ICI/NVLink/NeuronLink); `mesh.dcn_pipeline/dcn_data/dcn_fsdp/
+dcn_expert` lay out the granules (across the slower data-centre network). Each mesh axis is the product of its
 two levels, with the granule index varying slowest, so tensor parallelism never leaves a node and
-only data/FSDP collectives cross the network.
+only pipeline, data, FSDP and (with `dcn_expert`) the MoE all-to-all collectives cross the network.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -28,9 +28,11 @@ from maxtrain.errors import UserError
 # `pipeline` is the outermost, slowest-varying axis: a stage is a block of consecutive devices (whole nodes
 # when the pipeline crosses them), so only the activations at stage boundaries leave it.
 AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
-# Across granules; tensor, expert and context parallelism stay inside one (context attention all-gathers
-# keys and values and MoE layers all-to-all their tokens in every layer, which wants the fast interconnect).
-DCN_AXES = ("dcn_pipeline", "dcn_data", "dcn_fsdp")
+# Across granules; tensor and context parallelism stay inside one (context attention all-gathers keys and
+# values in every layer, which wants the fast interconnect). `dcn_expert` spreads the experts of a model too
+# large for one node's memory over nodes: its all-to-alls cross the network (DeepSeek-V3 does so over
+# InfiniBand); its granule-major order keeps the ici part of `expert` within a node.
+DCN_AXES = ("dcn_pipeline", "dcn_data", "dcn_fsdp", "dcn_expert")
 OPTIONAL = ("pipeline", "expert", "context") + DCN_AXES  # left out of descriptions when 1
 
 
@@ -61,9 +63,9 @@ class MeshLayout:
 
 
 def resolve_layout(sizes: Mapping[str, int], num_devices: int) -> MeshLayout:
-  """Fills at most one -1 axis (of all nine) with the remaining devices and checks the product.
+  """Fills at most one -1 axis (of all ten) with the remaining devices and checks the product.
   `sizes` holds `data`, `fsdp`, `tensor` and optionally `pipeline`, `expert`, `context`, `dcn_pipeline`, `dcn_data`,
-  `dcn_fsdp` (default 1)."""
+  `dcn_fsdp`, `dcn_expert` (default 1)."""
   names = AXES + DCN_AXES
   values = [int(sizes.get(a, 1)) for a in names]
   described = " x ".join(f"{a}({s})" for a, s in zip(names, values) if a not in OPTIONAL or s != 1)
@@ -83,7 +85,7 @@ def resolve_layout(sizes: Mapping[str, int], num_devices: int) -> MeshLayout:
   if math.prod(values) != num_devices:
     raise UserError(
         f"mesh: {described} = {math.prod(values)} devices, but {num_devices} are available. "
-        f"Set mesh.pipeline/data/fsdp/expert/context/tensor (x mesh.dcn_pipeline/dcn_data/dcn_fsdp) so the product is {num_devices} (one may be -1)."
+        f"Set mesh.pipeline/data/fsdp/expert/context/tensor (x mesh.dcn_pipeline/dcn_data/dcn_fsdp/dcn_expert) so the product is {num_devices} (one may be -1)."
     )
   given = dict(zip(names, values))
   return MeshLayout(ici=tuple(given[a] for a in AXES), dcn=tuple(given.get(f"dcn_{a}", 1) for a in AXES))
@@ -105,6 +107,14 @@ def granule_devices(devices: Sequence[jax.Device], per_granule: int) -> list[lis
 def from_config(mesh_cfg: Mapping[str, int], num_devices: int) -> MeshLayout:
   """The layout of the config's `mesh.*` sizes on `num_devices` devices."""
   return resolve_layout({a: mesh_cfg[a] for a in AXES + DCN_AXES if a in mesh_cfg}, num_devices)
+
+
+def fully_sharded(mesh_cfg: Any) -> None:
+  """Sets the config's mesh sizes to one FSDP axis over every device (the RL rollout side's own mesh)."""
+  for axis in AXES + DCN_AXES:
+    if axis in mesh_cfg:
+      mesh_cfg[axis] = 1
+  mesh_cfg.fsdp = -1
 
 
 def make_mesh(layout: MeshLayout | Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:

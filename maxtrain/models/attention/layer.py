@@ -58,14 +58,14 @@ def resolve_kernel(name: str, seq_len: int, *, backend: str = "", dtype=None, he
   """`auto` -> the kernel measured best: on a GPU backend in bf16/fp16, `cudnn` (one H200, LLaMA 3 8B widths at
   8192 tokens: 3.5x the step rate of `flash`, whose 128 x 128 blocks are thousands of small launches there;
   BENCHMARKS.md); elsewhere `blocked` up to BLOCKED_MAX_LEN, else flash (measured on CPU). cuDNN has no fp32
-  attention and wants head dims in multiples of 8 (128 is what ran); a sliding window stays on flash (the
-  cuDNN call here passes no window). `backend` is the backend that runs the program (jax.default_backend()),
+  attention and wants head dims in multiples of 8 (128 is what ran); a sliding window runs as cuDNN's own
+  (tools/gpu_attention_check.py checks it). `backend` is the backend that runs the program (jax.default_backend()),
   so an ahead-of-time compile on XLA:CPU for a GPU target traces flash, whose memory is linear in T as
   cuDNN's is; `nki` has not run, so `auto` never picks it."""
   if name != "auto":
     return name
   half = dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-  if backend == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128 and not window:
+  if backend == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128:
     return "cudnn"
   return "blocked" if seq_len <= BLOCKED_MAX_LEN else "flash"
 
@@ -274,7 +274,7 @@ class Attention(nnx.Module):
     if kernel == "blocked":
       return blocked_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=w)
     if kernel == "cudnn":
-      return vendor_attention.cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+      return vendor_attention.cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=w)
     if kernel == "nki":
       return vendor_attention.nki_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
     return dot_product_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=w, sinks_N=self._sinks(),

@@ -10,7 +10,8 @@ Packed documents (several per row, `segment_ids`) are masked, never attended acr
   cudnn  `jax.nn.dot_product_attention(..., implementation="cudnn", is_causal=True, mask=same_doc)`:
          cuDNN skips the causal upper triangle and applies the same-document mask, which JAX turns
          into an additive bias of B x 1 x T x S in the input dtype (128 MiB per 8192-token bf16
-         sequence, shared by all heads; 2 GiB at 32768). The packed-sequence layout of cuDNN
+         sequence, shared by all heads; 2 GiB at 32768). A sliding window is cuDNN's own
+         (`local_window_size`). The packed-sequence layout of cuDNN
          (segment offsets) is not public JAX API in jax 0.10, so it is not used.
   nki    the Neuron flash kernels `flash_fwd` / `flash_attn_bwd` (neuronxcc.nki.kernels.attention)
          take documents only as a logit bias of B x N x T x S: memory quadratic in T again. Use it to
@@ -34,14 +35,18 @@ def same_document(segment_ids_BT: jax.Array, kv_segment_ids_BS: jax.Array | None
 
 
 def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array, *,
-                    implementation: str = "cudnn") -> jax.Array:
+                    window: int = 0, implementation: str = "cudnn") -> jax.Array:
   """Causal GQA attention with document masking through `jax.nn.dot_product_attention`.
-  `implementation="xla"` runs the same call on any backend (how the mask is checked in tests)."""
+  `window` > 0: each query sees itself and the window - 1 keys before it (mask.in_window), which is cuDNN's
+  causal sliding window of length `window` (JAX's `local_window_size=(window - 1, 0)`): cuDNN skips the
+  blocks outside it. `implementation="xla"` runs the same call on any backend (how the mask is checked in
+  tests)."""
   if implementation == "cudnn" and jax.default_backend() != "gpu":
     raise UserError(f"config.model.attention=cudnn runs on NVIDIA GPUs only; this process's JAX backend is "
                     f"{jax.default_backend()!r} (ahead-of-time compiles run on XLA:CPU and cannot lower it either). "
                     "Use model.attention=flash (or auto).")
   return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=same_document(segment_ids_BT), is_causal=True,
+                                      local_window_size=(window - 1, 0) if window else None,
                                       implementation=implementation)
 
 
