@@ -50,22 +50,24 @@ def _packed(seed: int, b: int, t: int, n: int, k: int, h: int, num_docs: int = 4
   return q, kk, v, dout, seg, pos
 
 
-@pytest.mark.parametrize("sizes,block,window", [
-    ({"data": 1, "fsdp": 1, "context": 1, "tensor": 1}, 8, 0),  # 1 device: shard_map over a size-1 axis
-    ({"data": 1, "fsdp": 2, "context": 4, "tensor": 1}, 4, 0),  # the must-show mesh, 2 blocks per chunk
-    ({"data": 2, "fsdp": 1, "context": 2, "tensor": 2}, 16, 0),  # heads over tensor, blocks clamped to the chunk
-    ({"data": 1, "fsdp": 2, "context": 4, "tensor": 1}, 4, 6),  # a sliding window shorter than a document
+@pytest.mark.parametrize("sizes,block,window,cap", [
+    ({"data": 1, "fsdp": 1, "context": 1, "tensor": 1}, 8, 0, 0.0),  # 1 device: shard_map over a size-1 axis
+    ({"data": 1, "fsdp": 2, "context": 4, "tensor": 1}, 4, 0, 0.0),  # the must-show mesh, 2 blocks per chunk
+    ({"data": 2, "fsdp": 1, "context": 2, "tensor": 2}, 16, 0, 0.0),  # heads over tensor, blocks clamped to the chunk
+    ({"data": 1, "fsdp": 2, "context": 4, "tensor": 1}, 4, 6, 0.0),  # a sliding window shorter than a document
+    ({"data": 1, "fsdp": 2, "context": 4, "tensor": 1}, 4, 6, 1.5),  # and Gemma 2's score soft-capping
 ])
-def test_context_attention_matches_reference(sizes, block, window):
+def test_context_attention_matches_reference(sizes, block, window, cap):
   num = int(np.prod(list(sizes.values())))
   mesh = make_mesh(sizes, jax.devices()[:num])
   q, k, v, dout, seg, pos = _packed(0, 4, 64, 4, 2, 8)  # GQA: 2 query heads per kv head
-  out_ref, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, jnp.asarray(seg), window=window), q, k, v)
+  out_ref, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, jnp.asarray(seg), window=window,
+                                                              logit_cap=cap), q, k, v)
   grads_ref = vjp(dout)
 
   order = ca.zigzag_order(64, sizes["context"])
-  attend = ca.sharded(mesh, DEFAULT_RULES, functools.partial(flash_attention_qkv, window=window), block_q=block,
-                      block_kv=block)
+  attend = ca.sharded(mesh, DEFAULT_RULES, functools.partial(flash_attention_qkv, window=window, logit_cap=cap),
+                      block_q=block, block_kv=block)
   with jax.set_mesh(mesh):
     @jax.jit
     def run(q, k, v, seg, pos, dout):
@@ -126,9 +128,8 @@ def test_bad_context_layouts_are_refused(monkeypatch):
   with pytest.raises(UserError, match=r"attention=dot with a sequence split over .*context.*model.attention=flash"):
     plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.model.attention=dot")
   assert plan("--config.mesh.context=1", "--config.mesh.fsdp=8", "--config.model.attention=dot")
-  # ... which has no attention soft-capping (Gemma 2's), exit 2 naming the key before compiling
-  with pytest.raises(UserError, match=r"model.attn_logit_softcap=50.0 with a sequence split over .*Set mesh.context=1"):
-    plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.model.attn_logit_softcap=50.0")
+  # ... which soft-caps the scores as dot does (Gemma 2's)
+  assert plan("--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.model.attn_logit_softcap=50.0")
 
 
 # The trainer, end to end, on packed documents: seq_len 64 over the repository's sources cut into

@@ -120,14 +120,21 @@ def _model(family: str, **keys):
   from maxtrain import config as config_lib
 
   m = config_lib.base_config().model
-  m.update(dict(family=family, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96, vocab_size=128,
-                max_seq_len=64, **keys))
+  m.update({**dict(family=family, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96, vocab_size=128,
+                  max_seq_len=64), **keys})
   return registry.model_config(m)
 
 
-def test_flash_equals_dot_with_a_window_shorter_than_the_sequence():
-  """The same random Mistral-family model (window 12 < T = 64, two documents) under the dot and flash kernels:
-  the same loss (rtol 1e-5) and gradients."""
+# gemma3: 3 layers of pattern 3 (local, local, global), local RoPE base 1e4 beside a global 1e6, (1 + w) qk-norm
+GEMMA3_KEYS = dict(num_layers=3, window_pattern=3, head_dim=16, rope_theta=1e6, rope_local_theta=1e4)
+
+
+@pytest.mark.parametrize("family,keys", [("mistral", {}), ("gemma3", GEMMA3_KEYS),
+                                         ("gemma2", dict(head_dim=16, query_pre_attn_scalar=12, attn_logit_softcap=0.05))])
+def test_flash_equals_dot_with_a_window_shorter_than_the_sequence(family, keys):
+  """The same random model (window 12 < T = 64, two documents; Mistral: every layer, Gemma 3: its local layers,
+  Gemma 2: its even layers, the attention scores soft-capped) under the dot and flash kernels: the same loss
+  (rtol 1e-5) and gradients."""
   from flax import nnx
 
   losses, grads = {}, {}
@@ -136,10 +143,10 @@ def test_flash_equals_dot_with_a_window_shorter_than_the_sequence():
   segments = np.ones((2, 64), np.int32)
   segments[0, 40:] = 2
   positions = np.where(segments == 2, np.arange(64) - 40, np.arange(64))
-  _, params = registry.abstract(_model("mistral", sliding_window=12))
+  _, params = registry.abstract(_model(family, sliding_window=12, **keys))
   params = jax.tree.map(lambda a: jnp.asarray(0.1 * rng.standard_normal(a.shape), a.dtype), params)
   for kernel in ("dot", "flash"):
-    cfg = _model("mistral", sliding_window=12, attention=kernel, attention_block_q=16, attention_block_kv=16)
+    cfg = _model(family, sliding_window=12, attention=kernel, attention_block_q=16, attention_block_kv=16, **keys)
     graphdef, _ = registry.abstract(cfg)
 
     def loss(p):
@@ -191,6 +198,13 @@ HF_FAMILIES = {  # family: (config class, model class, config kwargs)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=12, sliding_window=6, attn_logit_softcapping=GEMMA_ATTN_CAP,
         final_logit_softcapping=GEMMA_FINAL_CAP, tie_word_embeddings=True)),
+    # Gemma 2's pieces plus the (1 + w) qk-norm, 3 layers of pattern 3 (local, local, global: the 5 : 1 rule's
+    # period, shortened) with 6-token windows, a local RoPE base (1e4) beside a linear-scaled global one (1e6)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=12, sliding_window=6, num_hidden_layers=3, sliding_window_pattern=3,
+        tie_word_embeddings=True, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
 }
 
 
@@ -258,12 +272,12 @@ def test_from_hf_picks_the_family_and_its_pieces(converted):
   assert (model.get("head_dim"), model.get("sliding_window", 0)) == {"qwen2": (0, 0), "qwen3": (16, 0),
                                                                        "mistral": (0, 6), "qwen3_moe": (16, 0),
                                                                        "gpt_oss": (16, 6), "deepseek_v3": (0, 0),
-                                                                       "gemma2": (16, 6)}[family]
+                                                                       "gemma2": (16, 6), "gemma3": (16, 6)}[family]
   cfg = registry.model_config(model)
   assert (cfg.qkv_bias, cfg.qk_norm, cfg.head_dim) == {"qwen2": (True, False, 8), "qwen3": (False, True, 16),
                                                        "mistral": (False, False, 8), "qwen3_moe": (False, True, 16),
                                                        "gpt_oss": (True, False, 16), "deepseek_v3": (False, False, 8),
-                                                       "gemma2": (False, False, 16)}[family]
+                                                       "gemma2": (False, False, 16), "gemma3": (False, True, 16)}[family]
   moe = cfg.moe
   assert (moe.num_experts, moe.experts_per_token, moe.expert_d_ff, moe.norm_topk_prob, moe.dispatch) == {
       "qwen3_moe": (8, 2, 24, True, "dropless"), "gpt_oss": (8, 2, 48, True, "dropless"),
@@ -278,6 +292,12 @@ def test_from_hf_picks_the_family_and_its_pieces(converted):
             cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.tie_embeddings, cfg.scan_layers) == (
                 True, True, True, "gelu_tanh", 12.0, GEMMA_ATTN_CAP, GEMMA_FINAL_CAP, True, False)
     assert [cfg.layer_window(i) for i in range(4)] == [6, 0, 6, 0]
+  if family == "gemma3":
+    assert (cfg.norm_one_plus, cfg.post_norms, cfg.embed_scale, cfg.query_pre_attn_scalar, cfg.attn_logit_softcap,
+            cfg.scan_layers, cfg.window_pattern, cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor,
+            cfg.rope_local_theta) == (True, True, True, 12.0, 0.0, False, 3, 1e6, "linear", 4.0, 1e4)
+    assert [cfg.layer_window(i) for i in range(6)] == [6, 6, 0, 6, 6, 0]
+    assert [cfg.layer_rope(i).theta for i in range(3)] == [1e4, 1e4, 1e6]
   if family == "deepseek_v3":
     assert (moe.router, moe.n_group, moe.topk_group, moe.routed_scaling_factor, moe.num_shared_experts,
             moe.first_dense_layers) == ("sigmoid", 4, 2, 2.5, 1, 1)
@@ -334,7 +354,9 @@ def test_converted_logits_equal_transformers(converted):
   assert np.abs(maxtrain_logits(model, x)[..., :VOCAB] - want).max() <= TOL
   graphdef, params = nnx.split(model)
   changes = {"mistral": [dict(sliding_window=0)], "gpt_oss": [dict(sliding_window=0)],  # each must matter here
-             "gemma2": [dict(sliding_window=0), dict(attn_logit_softcap=0.0), dict(final_logit_softcap=0.0)]}
+             "gemma2": [dict(sliding_window=0), dict(attn_logit_softcap=0.0), dict(final_logit_softcap=0.0)],
+             "gemma3": [dict(sliding_window=0), dict(window_pattern=2), dict(rope_local_theta=0.0),
+                        dict(norm_one_plus=False)]}
   for change in changes.get(family, []):
     other = registry.abstract(dataclasses.replace(model.cfg, **change))[0]
     assert np.abs(maxtrain_logits(nnx.merge(other, params), x)[..., :VOCAB] - want).max() > 100 * TOL, change
@@ -349,6 +371,14 @@ def test_transformers_4_and_5_spellings_read_alike(converted):
   v5 = json.loads((root / "hf" / "config.json").read_text())
   assert "rope_parameters" in v5
   v4 = {k: v for k, v in v5.items() if k not in ("rope_parameters", "layer_types")}
+  if family == "gemma3":  # 4.x Gemma 3: the global RoPE at the top, the local base apart, the pattern as a period
+    full, local = v5["rope_parameters"]["full_attention"], v5["rope_parameters"]["sliding_attention"]
+    v4 = {k: v for k, v in v4.items() if k != "_sliding_window_pattern"}
+    v4.update(rope_theta=full["rope_theta"], rope_scaling={k: v for k, v in full.items() if k != "rope_theta"},
+              rope_local_base_freq=local["rope_theta"], sliding_window_pattern=v5["_sliding_window_pattern"],
+              hidden_act=v5["hidden_activation"], transformers_version="4.50.0")
+    assert hf_config.to_model_keys(v4, "v4") == hf_config.to_model_keys(v5, "v5")
+    return
   v4.update(rope_theta=v5["rope_parameters"]["rope_theta"], rope_scaling=None, transformers_version="4.51.3")
   if family == "gemma2":  # 4.x Gemma 2 wrote both activation fields and no layer_types (even layers slide)
     v4.update(hidden_act=v5["hidden_activation"])
@@ -384,6 +414,11 @@ REFUSED = [  # (family, field changed, value, the field the one-line error names
     ("gemma2", "hidden_activation", "gelu", "hidden_activation"),
     ("gemma2", "attention_bias", True, "attention_bias"),
     ("gemma2", "final_logit_softcapping", "30", "final_logit_softcapping"),
+    ("gemma3", "layer_types", ["sliding_attention", "full_attention", "sliding_attention"], "layer_types"),
+    ("gemma3", "rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": 1e6}, "sliding_attention": {
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters.sliding_attention.rope_type"),
+    ("gemma3", "use_bidirectional_attention", True, "use_bidirectional_attention"),
+    ("gemma3", "architectures", ["Gemma3ForConditionalGeneration"], "architectures"),
 ]
 
 
@@ -428,23 +463,61 @@ def test_to_hf_refuses_a_piece_the_class_cannot_express():
   gemma = write(family="gemma2", sliding_window=8, attn_logit_softcap=50.0, num_layers=3)
   assert (gemma["layer_types"], gemma["attn_logit_softcapping"], gemma["final_logit_softcapping"]) == (
       ["sliding_attention", "full_attention", "sliding_attention"], 50.0, None)
+  gemma3 = write(family="gemma3", sliding_window=8, num_layers=7, rope_theta=1e6, rope_local_theta=1e4)
+  assert (gemma3["layer_types"], gemma3["sliding_window_pattern"], gemma3["rope_local_base_freq"]) == (
+      ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"], 6, 1e4)
+  assert write(family="gemma3", sliding_window=0, max_seq_len=512)["sliding_window"] == 512  # no window: T's
+  with pytest.raises(UserError, match="model.rope_local_theta=0.0: Gemma 3 scales the global layers' RoPE only"):
+    write(family="gemma3", rope_scaling="linear", rope_scaling_factor=8.0)
 
 
 def test_attention_softcap_refuses_the_kernels_without_it():
-  """Soft-capping runs in the dot kernel only: an explicit flash / blocked / cudnn is a UserError naming the key
-  (exit 2 before compiling); auto and dot pass."""
+  """Soft-capping runs in the dot and flash kernels: an explicit blocked / cudnn / nki is a UserError naming the
+  key (exit 2 before compiling); auto, dot and flash pass."""
   from maxtrain import config as config_lib
   from maxtrain.errors import UserError
 
   m = config_lib.base_config().model
   m.attn_logit_softcap = 50.0
-  for kernel in ("flash", "blocked", "cudnn"):
+  for kernel in ("blocked", "cudnn", "nki"):
     m.attention = kernel
     with pytest.raises(UserError, match=f"model.attention={kernel} has no attention logit soft-capping"):
       registry.validate(m)
-  for kernel in ("auto", "dot"):
+  for kernel in ("auto", "dot", "flash"):
     m.attention = kernel
     registry.validate(m)
+
+
+def test_attention_softcap_in_dot_and_flash_matches_the_reference():
+  """c tanh(s / c) on the scaled scores (c = 1.5, where the tiny scores saturate it) with a window of 21 over
+  T = 72 and two documents: dot and flash against NumPy (values, at the window test's tolerance), flash's
+  gradients (its own backward: dS times 1 - tanh^2) against the dot kernel's autodiff; the cap matters."""
+  t, window, cap = 72, 21, 1.5
+  rng = np.random.default_rng(11)
+  b, n, kv, h = 2, 4, 2, 8
+  q, k, v = (rng.standard_normal((b, t, m, h)).astype(np.float32) for m in (n, kv, kv))
+  segments = np.ones((b, t), np.int32)
+  segments[1, t // 3:] = 2
+  g = n // kv
+  kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+  scores = cap * np.tanh(np.einsum("bqnh,bknh->bnqk", q.astype(np.float64), kk) / np.sqrt(h) / cap)
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  visible = (j <= i) & (i - j < window) & (segments[:, :, None] == segments[:, None, :])[:, None]
+  scores = np.where(visible, scores, -np.inf)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  want = np.einsum("bnqk,bknh->bqnh", p / p.sum(-1, keepdims=True), vv)
+  assert np.abs(want - _window_reference(q, k, v, segments, window)).max() > 1e-2  # the cap changes the output
+  kernels = {"dot": lambda *a: dot_product_attention(*a, jnp.asarray(segments), window=window, logit_cap=cap),
+             "flash": lambda *a: fa.flash_attention(*a, jnp.asarray(segments), block_q=16, block_kv=16, window=window,
+                                                    logit_cap=cap)}
+  cotangent = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32))
+  grads = {}
+  for name, kernel in kernels.items():
+    out, grads[name] = jax.jit(lambda q, k, v, kernel=kernel: (lambda o, f: (o, f(cotangent)))(
+        *jax.vjp(kernel, q, k, v)))(q, k, v)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=2e-5, err_msg=name)
+  for a, b_ in zip(grads["flash"], grads["dot"]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=0, atol=1e-4 * np.abs(np.asarray(b_)).max())
 
 
 def train_losses(args: list[str], out: Path, capsys) -> tuple[list[float], object]:
@@ -492,7 +565,7 @@ def test_decode_memory_of_a_window_layer_is_window_sized(converted):
     stack = cache.kv.get(name)
     if stack is not None:
       slots += [kv.k_BSKH.shape[-3] for kv in stack] if isinstance(stack, list) else [stack.k_BSKH.shape[2]] * stack.k_BSKH.shape[0]
-  windows = {"mistral": [6, 6], "gpt_oss": [6, 40], "gemma2": [6, 40]}.get(family, [40, 40])
+  windows = {"mistral": [6, 6], "gpt_oss": [6, 40], "gemma2": [6, 40], "gemma3": [6, 6, 40]}.get(family, [40, 40])
   assert slots == windows, (family, slots)
   assert cache.valid_BS.shape == (2, 40)
 
@@ -741,7 +814,8 @@ def test_deepseek_v3_trains_through_the_entry_point(store, tmp_path, capsys):
 
 def test_moe_families_flops_count_their_attention():
   """FLOPs per token: deepseek_v3 counts MLA's projections and q.k / p.v widths (against a hand count), gpt_oss
-  windows half its layers (between the all-windowed and the unwindowed counts, at their mean for 2 layers)."""
+  windows half its layers (between the all-windowed and the unwindowed counts, at their mean for 2 layers),
+  gemma3 five of its six."""
   import math
 
   moe = {**base_moe(), "num_experts": 4, "dispatch": "dropless"}
@@ -758,6 +832,9 @@ def test_moe_families_flops_count_their_attention():
   all_windowed, unwindowed = oss.train_flops_per_token(T), dataclasses.replace(oss, sliding_window=0).train_flops_per_token(T)
   assert all_windowed < registry.flops_per_token(oss, T) < unwindowed
   assert math.isclose(registry.flops_per_token(oss, T), (all_windowed + unwindowed) / 2)
+  gemma3 = _model("gemma3", sliding_window=8, num_layers=6)  # its default pattern: 5 local layers, 1 global
+  all_windowed, unwindowed = gemma3.train_flops_per_token(T), dataclasses.replace(gemma3, sliding_window=0).train_flops_per_token(T)
+  assert math.isclose(registry.flops_per_token(gemma3, T), unwindowed + (all_windowed - unwindowed) * 5 / 6)
 
 
 def test_mla_latent_cache_decode_equals_the_uncompressed_one():
@@ -796,7 +873,7 @@ def test_mla_latent_cache_decode_equals_the_uncompressed_one():
 
 def test_gemma2_trains_through_the_entry_point(store, tmp_path, capsys):
   """gemma2 (Gemma's norms, GELU-tanh GLU, embedding scale, query_pre_attn_scalar) with a window of 8 <
-  data.seq_len = 32 on its even layers and both soft-caps on, kernel auto (dot: soft-capping), the chunked loss
+  data.seq_len = 32 on its even layers and both soft-caps on, kernel auto (flash: soft-capped), the chunked loss
   forced on (its capped backward): the entry point trains it and the loss falls."""
   from tiny import TINY_MODEL
 
@@ -809,6 +886,64 @@ def test_gemma2_trains_through_the_entry_point(store, tmp_path, capsys):
                        "--config.optimizer.warmup_steps=1"]
   losses, _ = train_losses(args, out, capsys)
   assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
+
+
+def test_gemma3_trains_through_the_entry_point(store, tmp_path, capsys):
+  """gemma3 (Gemma 2's pieces, (1 + w) qk-norm) with 3 layers of pattern 3 (local, local, global), a window of 8 <
+  data.seq_len = 32 on the local layers, a local RoPE base beside the global one, under the flash kernel: the
+  entry point trains it and the loss falls."""
+  from tiny import TINY_MODEL
+
+  out = tmp_path / "run"
+  args = TINY_MODEL + ["--config.model.family=gemma3", "--config.model.num_layers=3", "--config.model.head_dim=16",
+                       "--config.model.sliding_window=8", "--config.model.window_pattern=3",
+                       "--config.model.rope_theta=1000000.0", "--config.model.rope_local_theta=10000.0",
+                       "--config.model.tie_embeddings=True", "--config.model.attention=flash",
+                       "--config.model.attention_block_q=8", "--config.model.attention_block_kv=8",
+                       f"--config.data.path={store}", "--config.steps=6", f"--config.output_dir={out}",
+                       "--config.log_every=2", "--config.optimizer.lr=0.01", "--config.optimizer.warmup_steps=1"]
+  losses, _ = train_losses(args, out, capsys)
+  assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
+
+
+def test_gemma3_context4_equals_context1(monkeypatch):
+  """The same random gemma3 model (3 layers of pattern 3: a window of 12 < T = 64 on two, two documents per row)
+  on fsdp=2 x context=4 (the zigzag token order, flash on each shard against gathered keys, the window a mask
+  on explicit positions) and unsharded: the same loss (rtol 1e-5) and gradients."""
+  from flax import nnx
+
+  from maxtrain.sharding import context_attention as ca
+  from maxtrain.sharding import rules as rules_lib
+  from maxtrain.sharding.mesh import make_mesh
+
+  rng = np.random.default_rng(5)
+  tokens = rng.integers(0, 128, (2, 65))
+  segments = np.ones((2, 65), np.int32)
+  segments[0, 40:] = 2
+  positions = np.where(segments == 2, np.arange(65) - 40, np.arange(65))
+  cfg = _model("gemma3", sliding_window=12, attention="flash", attention_block_q=8, attention_block_kv=8,
+               **GEMMA3_KEYS)
+  graphdef, params = registry.abstract(cfg)
+  params = jax.tree.map(lambda a: jnp.asarray(0.1 * rng.standard_normal(a.shape), a.dtype), params)
+
+  def loss(p, inputs, targets, seg, pos):
+    logits = nnx.merge(graphdef, p)(inputs, seg, pos)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+
+  args = (tokens[:, :-1], tokens[:, 1:], segments[:, :-1], positions[:, :-1])
+  want, want_grads = jax.jit(jax.value_and_grad(loss))(params, *args)
+  mesh = make_mesh({"data": 1, "fsdp": 2, "context": 4, "tensor": 1}, jax.devices()[:8])
+  order = ca.zigzag_order(64, 4)
+  traced = []  # the shards of every context-parallel attention traced
+  sharded = ca.sharded
+  monkeypatch.setattr(ca, "sharded", lambda mesh, rules, **kw: traced.append(mesh.shape["context"]) or
+                      sharded(mesh, rules, **kw))
+  with rules_lib.activate(rules_lib.DEFAULT_RULES), jax.set_mesh(mesh):
+    got, grads = jax.jit(jax.value_and_grad(loss))(params, *(jnp.asarray(a[:, order]) for a in args))
+  assert traced and set(traced) == {4}
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * np.abs(np.asarray(b)).max() + 1e-9)
 
 
 # The published config.json of each family with defaults (the fields from-hf reads; Hugging Face hub copies).

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
+from maxtrain.models import registry
 from maxtrain.program import step as step_lib
-from maxtrain.models.llama import Llama, ModelConfig
+from maxtrain.models.llama import ModelConfig
 from maxtrain.monitor import mfu
 
 
@@ -24,7 +24,26 @@ PIECES = {"llama": {}, "qkv_bias": {"qkv_bias": True}, "qk_norm_head_dim": {"qk_
           "window": {"sliding_window": 24},
           # Gemma 2's pieces (elementwise but for the scalar, which only rescales q): no matmul FLOPs of their own
           "gemma": {"norm_one_plus": True, "post_norms": True, "embed_scale": True, "mlp_activation": "gelu_tanh",
-                    "query_pre_attn_scalar": 48.0, "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0}}
+                    "query_pre_attn_scalar": 48.0, "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0},
+          # whole families through the registry, their window on the local layers of their pattern only
+          # (the dot kernel: XLA counts its every score)
+          "gemma2_family": {"family": "gemma2", "attention": "dot", "sliding_window": 24, "head_dim": 96,
+                            "attn_logit_softcap": 50.0},
+          "gemma3_family": {"family": "gemma3", "attention": "dot", "sliding_window": 24, "num_layers": 3,
+                            "window_pattern": 3, "rope_local_theta": 10000.0, "rope_theta": 1e6}}
+
+
+def _config(piece: str) -> ModelConfig:
+  """The test's model: the pieces over a ModelConfig, or a family's keys through the registry."""
+  shape = dict(num_layers=2, d_model=256, num_heads=4, num_kv_heads=2, d_ff=1024, vocab_size=256, max_seq_len=64,
+               scan_layers=False)
+  if "family" not in PIECES[piece]:
+    return ModelConfig(**shape, **PIECES[piece])
+  from maxtrain import config as config_lib
+
+  m = config_lib.base_config().model
+  m.update({**shape, **PIECES[piece]})
+  return registry.model_config(m)
 
 
 @pytest.mark.parametrize("piece", PIECES)
@@ -38,10 +57,9 @@ def test_flops_formula_matches_compiled_step(piece):
   attention causal instead of full (-1.6%) or dropping the head (-6%) fails. Layers are unrolled:
   XLA's cost analysis counts a `lax.scan` (while loop) body once, not per iteration.
   """
-  cfg = ModelConfig(num_layers=2, d_model=256, num_heads=4, num_kv_heads=2, d_ff=1024, vocab_size=256,
-                    max_seq_len=64, scan_layers=False, **PIECES[piece])
+  cfg = _config(piece)
   batch_size, seq_len = 4, 64
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(params=0))))
+  graphdef, params = registry.abstract(cfg)
   tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
   batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens, "positions": tokens,
            "loss_mask": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)}
@@ -50,10 +68,10 @@ def test_flops_formula_matches_compiled_step(piece):
   grad_fn = jax.value_and_grad(lambda p, b: step_lib.loss_sums(graphdef, p, b)[0])
   step_flops = cost_flops(jax.jit(grad_fn).lower(params, batch).compile())
   n, h, layers = cfg.num_heads, cfg.head_dim, cfg.num_layers
-  # The formula's mean keys per query: (T + 1) / 2 causal, mean(min(t + 1, W)) with a window W.
-  mean_keys = np.mean(np.minimum(np.arange(1, seq_len + 1), cfg.sliding_window or seq_len))
-  full_attention_extra = layers * 3 * 2 * 2 * n * h * (seq_len - mean_keys)
-  expected = batch_size * seq_len * (cfg.train_flops_per_token(seq_len) + full_attention_extra)
+  # The formula's mean keys per query: (T + 1) / 2 causal, mean(min(t + 1, W)) on a layer with a window W.
+  mean_keys = [np.mean(np.minimum(np.arange(1, seq_len + 1), cfg.layer_window(i) or seq_len)) for i in range(layers)]
+  full_attention_extra = sum(3 * 2 * 2 * n * h * (seq_len - keys) for keys in mean_keys)
+  expected = batch_size * seq_len * (registry.flops_per_token(cfg, seq_len) + full_attention_extra)
   excess = step_flops / expected - 1.0
   print(f"XLA forward+backward {step_flops:.4g} FLOPs, formula (full attention) {expected:.4g}: excess {excess:+.2%}")
   assert 0.0 <= excess <= 0.012

@@ -15,6 +15,7 @@ import jax
 import ml_collections
 
 from maxtrain.errors import UserError
+from maxtrain.models import registry
 from maxtrain.program.fit import Memory, entry_buffers  # noqa: F401 (Memory: this module's figures)
 from maxtrain.sharding import schedules
 from maxtrain.sharding.mesh import AXES
@@ -84,8 +85,8 @@ class CompileReport:
   @property
   def loops(self) -> list[str]:
     """The loops whose bodies XLA's cost analysis counts once."""
-    loops = []
-    if self.cfg.model.scan_layers and self.cfg.model.num_layers > 1:
+    loops = []  # the family's pieces decide whether the layers are scanned (some families' are not)
+    if registry.model_config(self.cfg.model).scan_layers and self.cfg.model.num_layers > 1:
       loops.append(f"the {self.cfg.model.num_layers} scanned layers (model.scan_layers=True)")
     if self.plan.batch.num_microbatches > 1:
       loops.append(f"the {self.plan.batch.num_microbatches} microbatches (optimizer.grad_accum_steps)")

@@ -31,7 +31,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_every = 10  # Console line and TensorBoard scalars every N steps.
 
   c.model = m = ml_collections.ConfigDict()
-  m.family = "llama"  # Model family (docs/models.md): llama | qwen2 (q/k/v biases) | qwen3 (qk-norm) | mistral (sliding window on every layer) | gemma2 (Gemma's norms, soft-capping, alternating windows); see docs/models.md for all; a family's pieces are on whatever the keys below say; qwen3_moe, gpt_oss, deepseek_v3 default the keys below to their published model's (every key set in a file or on the command line wins).
+  m.family = "llama"  # Model family (docs/models.md): llama | qwen2 (q/k/v biases) | qwen3 (qk-norm) | mistral (sliding window on every layer) | gemma2 (Gemma's norms, soft-capping, alternating windows) | gemma3 (Gemma 2's pieces, (1 + w) qk-norm, 5 local : 1 global windows, local RoPE base); see docs/models.md for all; a family's pieces are on whatever the keys below say; qwen3_moe, gpt_oss, deepseek_v3 default the keys below to their published model's (every key set in a file or on the command line wins).
   m.num_layers = 4  # Decoder blocks.
   m.d_model = 256  # Residual stream width.
   m.num_heads = 4  # Query heads; head_dim = d_model / num_heads unless model.head_dim is set.
@@ -40,13 +40,15 @@ def base_config() -> ml_collections.ConfigDict:
   m.qk_norm = False  # Per-head RMSNorm of q and k before RoPE (Qwen3); any family.
   m.attention_sinks = False  # A learned logit per head joining each softmax normaliser, no value (GPT-OSS); kernels dot, flash.
   m.o_bias = False  # A bias on the attention output projection (GPT-OSS); any family.
-  m.sliding_window = 0  # Sliding-window attention: a query sees this many latest tokens (itself included) on the family's window layers (all layers so far; Mistral); 0 = off. Kernels dot, flash, blocked, cudnn skip keys outside it.
+  m.sliding_window = 0  # Sliding-window attention: a query sees this many latest tokens (itself included) on the family's window layers (its pattern, or model.window_pattern's); 0 = off. Kernels dot, flash, blocked, cudnn skip keys outside it.
+  m.window_pattern = 0  # Layer pattern of the window: layer i is global (full attention) iff (i + 1) % this == 0, the others local (Gemma 3: 6 = 5 local : 1 global; 2 alternates); 0 = the family's pattern; any family (layers then unscanned).
+  m.rope_local_theta = 0.0  # RoPE base of the local (window-pattern) layers, unscaled (Gemma 3: 10000 beside a global rope_theta of 1e6); 0 = rope_theta and rope_scaling on every layer; any family.
   m.norm_one_plus = False  # RMSNorm as x / rms(x) * (1 + scale), the scale initialised to 0 (Gemma); any family.
   m.post_norms = False  # RMSNorm of the attention and MLP outputs before each residual add too (Gemma 2); any family.
   m.embed_scale = False  # Token embeddings times sqrt(d_model) (Gemma); any family.
   m.query_pre_attn_scalar = 0.0  # Attention scores scaled by this^-1/2 instead of head_dim^-1/2 (Gemma 2); 0 = head_dim.
   m.mlp_activation = "silu"  # The dense MLP's gate activation: silu (SwiGLU) | gelu_tanh (Gemma's GELU-tanh GLU); MoE experts keep theirs.
-  m.attn_logit_softcap = 0.0  # Attention scores c * tanh(s / c) before the mask (Gemma 2: 50); 0 = off. Kernel dot only (auto runs dot); decoding too.
+  m.attn_logit_softcap = 0.0  # Attention scores c * tanh(s / c) before the mask (Gemma 2: 50); 0 = off. Kernels dot and flash (forward and backward; auto runs flash where it would pick blocked or cudnn); decoding too.
   m.final_logit_softcap = 0.0  # Output logits c * tanh(z / c), in the loss (plain and chunked) and in generation (Gemma 2: 30); 0 = off.
   m.num_kv_heads = 2  # Key/value heads (grouped-query attention); divides num_heads.
   m.d_ff = 768  # SwiGLU hidden width.

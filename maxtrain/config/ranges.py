@@ -80,6 +80,7 @@ RANGES: dict[str, Range] = {
     "model.head_dim": COUNT0, "model.sliding_window": COUNT0,  # 0 = d_model / num_heads; 0 = no window
     "model.query_pre_attn_scalar": at_least(0), "model.attn_logit_softcap": at_least(0),  # 0 = head_dim; 0 = off
     "model.final_logit_softcap": at_least(0),  # 0 = off
+    "model.window_pattern": COUNT0, "model.rope_local_theta": at_least(0),  # 0 = the family's; 0 = rope_theta
     "fit.headroom": between(0, 1, hi_open=True),  # the share of device memory remat=auto leaves free
     "model.rope_beta_fast": above(0), "model.rope_beta_slow": above(0),
     "model.rope_attention_factor": at_least(0),  # 0 = YaRN's 0.1 ln(factor) + 1

@@ -22,7 +22,8 @@ from maxtrain.sharding.layout import param_name
 log = logging.getLogger("maxtrain")
 # config.model keys that change the model's math without changing any parameter's shape.
 MATH_KEYS = ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-             "rope_original_max_len", "norm_eps", "tie_embeddings", "sliding_window")
+             "rope_original_max_len", "norm_eps", "tie_embeddings", "sliding_window", "window_pattern",
+             "rope_local_theta")
 
 
 def check_fits(source: Any, where: str, model_cfg: Any, targets: dict[str, jax.ShapeDtypeStruct]) -> None:

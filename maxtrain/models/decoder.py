@@ -98,6 +98,10 @@ class ModelConfig:
   o_bias: bool = False  # a bias on the attention output projection (GPT-OSS)
   sliding_window: int = 0  # tokens a query sees (itself included) on window layers; 0: off
   window_layers: str = "all"  # which layers use the window: the family's pattern (registry.Family)
+  # model.window_pattern: layer i is global (full attention) iff (i + 1) % it == 0, the others local (windowed);
+  # Gemma 3: 6 (5 local : 1 global). 0: the family's window_layers. Set by the key, or by the family's default.
+  window_pattern: int = 0
+  rope_local_theta: float = 0.0  # the RoPE base of local layers, plain (no rope_scaling); 0: the global RoPE
   # Gemma's pieces (any family): (1 + w) RMSNorm, norms after attention and after the MLP too, the embedding
   # times sqrt(d_model), scores scaled by query_pre_attn_scalar^-1/2 (0: head_dim's), GELU-tanh GLU, tanh
   # soft-capping of the attention scores and of the output logits (0: off)
@@ -129,11 +133,24 @@ class ModelConfig:
   def head_dim(self) -> int:
     return self.head_dim_setting or self.d_model // self.num_heads
 
+  def is_local(self, layer: int) -> bool:
+    """Whether layer `layer` is a local (window) layer of the pattern, whatever the window's size."""
+    if self.window_pattern:  # Gemma 3 (6): five local layers, then one global
+      return (layer + 1) % self.window_pattern != 0
+    if self.window_layers == "alternate":  # GPT-OSS, Gemma 2: even layers windowed, odd ones full
+      return layer % 2 == 0
+    return True
+
   def layer_window(self, layer: int) -> int:
     """The sliding window of layer `layer` (0: full causal attention)."""
-    if self.window_layers == "alternate":  # GPT-OSS: even layers windowed, odd ones full (unscanned layers)
-      return self.sliding_window if layer % 2 == 0 else 0
-    return self.sliding_window
+    return self.sliding_window if self.is_local(layer) else 0
+
+  def layer_rope(self, layer: int) -> Rope:
+    """Layer `layer`'s RoPE: a local layer's own base (`rope_local_theta`, unscaled: Gemma 3's 10k beside its
+    global 1M with linear scaling) when set, else the model's."""
+    if self.rope_local_theta and self.is_local(layer):
+      return Rope(theta=self.rope_local_theta)
+    return self.rope
 
   @property
   def rope(self) -> Rope:
@@ -201,6 +218,10 @@ def validate(m: Any) -> None:
     require((m.d_model // m.num_heads) % 2 == 0,
             f"head_dim = model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even for RoPE")
   require(m.sliding_window >= 0, f"config.model.sliding_window={m.sliding_window}: must be >= 0 (0: off)")
+  require(m.get("window_pattern", 0) >= 0,
+          f"config.model.window_pattern={m.get('window_pattern')}: must be >= 0 (0: the family's pattern)")
+  require(m.get("rope_local_theta", 0.0) >= 0,
+          f"config.model.rope_local_theta={m.get('rope_local_theta')}: must be >= 0 (0: local layers use rope_theta)")
   require(m.sliding_window == 0 or m.attention != "nki",
           f"config.model.attention={m.attention} has no sliding window: use model.attention=flash, blocked or dot "
           f"with model.sliding_window={m.sliding_window}")
@@ -210,9 +231,9 @@ def validate(m: Any) -> None:
   choice("model.mlp_activation", m.get("mlp_activation", "silu"), tuple(ACTIVATIONS))
   for key in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
     require(m.get(key, 0.0) >= 0, f"config.model.{key}={m.get(key)}: must be >= 0 (0: off)")
-  require(not m.get("attn_logit_softcap") or m.attention in ("dot", "auto"),
-          f"config.model.attention={m.attention} has no attention logit soft-capping (only dot has): use "
-          f"model.attention=dot or auto with model.attn_logit_softcap={m.get('attn_logit_softcap')}")
+  require(not m.get("attn_logit_softcap") or m.attention in ("dot", "flash", "auto"),
+          f"config.model.attention={m.attention} has no attention logit soft-capping (dot and flash have): use "
+          f"model.attention=flash, dot or auto with model.attn_logit_softcap={m.get('attn_logit_softcap')}")
   require(not m.get("attn_logit_softcap") or not m.mla.kv_lora_rank,
           "config.model.attn_logit_softcap: multi-head latent attention (model.mla.kv_lora_rank > 0) has no "
           "soft-capping; set model.attn_logit_softcap=0")
@@ -269,10 +290,11 @@ class Block(nnx.Module):
                                       kernel=cfg.attention, block_q=cfg.attention_block_q,
                                       block_kv=cfg.attention_block_kv, **common)
     else:
-      self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.rope,
+      self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rope_theta=cfg.layer_rope(layer),
                             kernel=cfg.attention, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
                             quant=cfg.quant.for_kind("attention"), head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
-                            qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, window=cfg.layer_window(layer),
+                            qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, qk_norm_one_plus=cfg.norm_one_plus,
+                            window=cfg.layer_window(layer),
                             sinks=cfg.attention_sinks, o_bias=cfg.o_bias,
                             query_pre_attn_scalar=cfg.query_pre_attn_scalar, logit_cap=cfg.attn_logit_softcap,
                             **common)

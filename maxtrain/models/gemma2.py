@@ -6,8 +6,8 @@ config.json), tied embeddings (config.json's `tie_word_embeddings`, True in ever
 sliding-window (even) and global (odd) layers: transformers' `layer_types`, "sliding_attention" iff
 (i + 1) % 2 (4.x: is_sliding = not i % 2), the same layers. Layers unscanned (each Block its own static window).
 
-Attention soft-capping runs in the dot kernel and in decoding only (docs/models.md): `model.attention=auto`
-runs dot, flash / blocked / cudnn / nki are exit 2 while `model.attn_logit_softcap` > 0.
+Attention soft-capping runs in the dot and flash kernels and in decoding (docs/models.md): `model.attention=auto`
+runs flash where it would pick blocked or cudnn; blocked / cudnn / nki are exit 2 while `model.attn_logit_softcap` > 0.
 
 HF `Gemma2ForCausalLM`: `post_attention_layernorm` is the post-attention norm here (LLaMA's MLP input norm
 is Gemma's `pre_feedforward_layernorm`); q/k/v biases, qk-norm, other layer patterns and activations are

@@ -25,10 +25,11 @@ from maxtrain.models.decoder import ModelConfig
 from maxtrain.models.hf_adapter import HFAdapter
 
 # The families, each a module of models/ holding FAMILY (the order of --help and docs/models.md).
-_MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3", "gemma2")
+_MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3", "gemma2", "gemma3")
 DEFAULT = "llama"  # config.model.family's default (config/keys.py), and the family of keys without one
 # which layers a family's sliding window covers: "all" (Mistral), "alternate" (even layers; GPT-OSS, Gemma 2:
-# their layers are unscanned, model.scan_layers=False, each Block with its own static window)
+# their layers are unscanned, model.scan_layers=False, each Block with its own static window); a period
+# (Family.window_pattern or the model.window_pattern key: Gemma 3's 6) replaces it
 WINDOW_PATTERNS = ("all", "alternate")
 
 
@@ -39,6 +40,7 @@ class Family:
   hf: HFAdapter
   module: Callable[..., nnx.Module] = decoder.Decoder  # (ModelConfig, *, rngs) -> the model
   window_layers: str = "all"  # WINDOW_PATTERNS: the layers model.sliding_window applies to
+  window_pattern: int = 0  # model.window_pattern's value when the key is 0 (Gemma 3: 6); 0: window_layers
   validate: Callable[[Any], None] = lambda m: None  # family-specific UserErrors on config.model
   # `config.model` keys (dotted below model.) of the family's published model: what `model.family=X` alone
   # gives, under every key a config file or the command line sets. The module's `DEFAULTS` literal, which
@@ -46,13 +48,14 @@ class Family:
   defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs of one training token (ModelConfig.train_flops_per_token's convention); an "alternate"
-    pattern's window on the even layers only: the count with and without it, mixed by layer count."""
-    if self.window_layers != "alternate":
-      return cfg.train_flops_per_token(seq_len)
+    """Model FLOPs of one training token (ModelConfig.train_flops_per_token's convention); a pattern's window on
+    its local layers only: the count with and without it, mixed by the share of local layers."""
+    local = sum(cfg.is_local(i) for i in range(cfg.num_layers))
     windowed = cfg.train_flops_per_token(seq_len)
+    if local == cfg.num_layers or not cfg.sliding_window:
+      return windowed
     full = dataclasses.replace(cfg, sliding_window=0).train_flops_per_token(seq_len)
-    return full + (windowed - full) * ((cfg.num_layers + 1) // 2) / cfg.num_layers
+    return full + (windowed - full) * local / cfg.num_layers
 
 
 @functools.cache
@@ -85,7 +88,8 @@ def model_config(model_cfg: Any) -> ModelConfig:
   pieces over them (a family's pieces are on whatever the keys say)."""
   family = of_keys(model_cfg)
   cfg = ModelConfig.from_config(model_cfg)
-  return dataclasses.replace(cfg, family=family.name, window_layers=family.window_layers, **family.pieces)
+  return dataclasses.replace(cfg, family=family.name, window_layers=family.window_layers,
+                             window_pattern=cfg.window_pattern or family.window_pattern, **family.pieces)
 
 
 def validate(m: Any) -> None:
@@ -93,6 +97,12 @@ def validate(m: Any) -> None:
   family = of_keys(m)
   decoder.validate(m)
   family.validate(m)
+  cfg = model_config(m)
+  kinds = {(cfg.layer_window(i), cfg.layer_rope(i)) for i in range(cfg.num_layers)}
+  if cfg.scan_layers and len(kinds) > 1:  # a scanned stack compiles one layer body: one window, one RoPE
+    raise UserError(f"config.model.window_pattern={cfg.window_pattern}: layers with different windows or RoPE "
+                    f"bases (model.sliding_window={cfg.sliding_window}, model.rope_local_theta={cfg.rope_local_theta}) "
+                    "need model.scan_layers=False")
 
 
 def build(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:

@@ -121,11 +121,6 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           f"config.model.attention={cfg.model.attention} with a sequence split over {layout.describe('act_length')}: "
           "context-parallel attention runs the flash kernel on each shard. Set model.attention=flash (or auto), "
           "or mesh.context=1.")
-  # ... and that flash core has no score soft-capping (only the dot kernel has: models/attention/layer.py).
-  require(layout.shards("act_length") == 1 or not cfg.model.get("attn_logit_softcap"),
-          f"config.model.attn_logit_softcap={cfg.model.get('attn_logit_softcap')} with a sequence split over "
-          f"{layout.describe('act_length')}: context-parallel attention (flash on each shard) has no soft-capping. "
-          "Set mesh.context=1.")
   schedule = _validate_pipeline(cfg, layout, batch, f"mesh {mesh_layout.describe()}")
   mode, updates = _validate_post(cfg, layout, batch, schedule, mesh_layout)
   return Plan(mesh=mesh_layout, layout=layout, batch=batch, pipeline=schedule, mode=mode, updates_per_step=updates,

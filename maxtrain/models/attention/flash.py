@@ -61,14 +61,14 @@ _PAD_POSITION = np.iinfo(np.int32).max
 
 def flash_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array, *,
                     block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV, window: int = 0,
-                    sinks_N: jax.Array | None = None) -> jax.Array:
+                    sinks_N: jax.Array | None = None, logit_cap: float = 0.0) -> jax.Array:
   """Causal self-attention with document masking; same inputs and result as `dot_product_attention`.
 
   Positions are implicit (0..T-1), so key blocks wholly above the causal diagonal are skipped, and with a
   sliding `window` (0: none) also those wholly before it: the work grows with the window, not with T.
   """
   return flash_attention_qkv(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, segment_ids_BT,
-                             block_q=block_q, block_kv=block_kv, window=window, sinks_N=sinks_N)
+                             block_q=block_q, block_kv=block_kv, window=window, sinks_N=sinks_N, logit_cap=logit_cap)
 
 
 def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
@@ -76,7 +76,7 @@ def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                         q_positions_BT: jax.Array | None = None, kv_positions_BS: jax.Array | None = None, *,
                         block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV,
                         block_pairs: jax.Array | None = None, window: int = 0,
-                        sinks_N: jax.Array | None = None) -> jax.Array:
+                        sinks_N: jax.Array | None = None, logit_cap: float = 0.0) -> jax.Array:
   """Attention of queries to keys where key s is visible from query t iff their segment ids are
   equal and kv_position[s] <= q_position[t].
 
@@ -96,6 +96,9 @@ def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
   than 1. The forward folds it into the final row max and sum; the backward needs nothing new for q, k, v
   (P = exp(S - lse) with the sink inside lse, and the sink column has dP = 0, so D = rowsum(dO * O) is
   unchanged) and d sink = -sum over rows of P_sink x D.
+  `logit_cap` (static; 0: off; Gemma 2's `model.attn_logit_softcap`): the scaled scores become
+  c tanh(s / c) before the mask, as in the dot kernel. The backward recomputes tanh with the scores and
+  multiplies dS by its derivative 1 - tanh^2 before the matmuls: dQ and dK take the raw scores' gradient.
   """
   b, t, n, h = q_BTNH.shape
   _, s, k, _ = k_BSKH.shape
@@ -131,8 +134,8 @@ def flash_attention_qkv(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     block_pairs = _block_pairs(num_q, num_kv, bq, bkv, s, causal_skip, window)
   has_sinks = sinks_N is not None
   sinks_KG = (sinks_N if has_sinks else jnp.zeros((n,), jnp.float32)).astype(jnp.float32).reshape(k, n // k)
-  out_QBKqGH = _flash(window, has_sinks, jnp.asarray(block_pairs, jnp.int32), q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq,
-                      kvseg_CBs, qpos_QBq, kvpos_CBs, sinks_KG)
+  out_QBKqGH = _flash(window, has_sinks, float(logit_cap), jnp.asarray(block_pairs, jnp.int32), q_QBKqGH, k_CBKsH,
+                      v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, sinks_KG)
   return out_QBKqGH.transpose(1, 0, 3, 2, 4, 5).reshape(b, tp, n, h)[:, :t]
 
 
@@ -175,10 +178,16 @@ def _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j, window: 
   return _block_mask(*ids, window)
 
 
-def _scores(q_BKqGH, k_BKsH, mask_B1q1s) -> jax.Array:
+def _scores(q_BKqGH, k_BKsH, mask_B1q1s, cap: float = 0.0) -> tuple[jax.Array, jax.Array | None]:
+  """(the block's scaled scores, soft-capped when `cap` and masked; d capped / d raw = 1 - tanh^2 when `cap`,
+  else None)."""
   scale = q_BKqGH.shape[-1] ** -0.5
   s_BKqGs = jnp.einsum("bkqgh,bksh->bkqgs", q_BKqGH, k_BKsH, preferred_element_type=jnp.float32) * scale
-  return mask_lib.apply(s_BKqGs, mask_B1q1s)
+  slope_BKqGs = None
+  if cap:
+    tanh_BKqGs = jnp.tanh(s_BKqGs / cap)
+    s_BKqGs, slope_BKqGs = cap * tanh_BKqGs, 1.0 - tanh_BKqGs * tanh_BKqGs
+  return mask_lib.apply(s_BKqGs, mask_B1q1s), slope_BKqGs
 
 
 def _take(x, i):
@@ -189,7 +198,7 @@ def _put(x, update, i):
   return jax.lax.dynamic_update_index_in_dim(x, update, i, axis=0)
 
 
-def _forward(window, has_sinks, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs,
+def _forward(window, has_sinks, cap, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs,
              sinks_KG):
   """Online softmax over the pair list. Returns out (q's dtype) and the row logsumexp (fp32), the sink
   column included when `has_sinks`."""
@@ -199,7 +208,7 @@ def _forward(window, has_sinks, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvs
     i, j = ij[0], ij[1]
     k_BKsH, v_BKsH, q_BKqGH = _take(k_CBKsH, j), _take(v_CBKsH, j), _take(q_QBKqGH, i)
     mask = _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j, window)
-    s_BKqGs = _scores(q_BKqGH, k_BKsH, mask)
+    s_BKqGs, _ = _scores(q_BKqGH, k_BKsH, mask, cap)
     m_prev, l_prev = _take(m_QBKqG, i), _take(l_QBKqG, i)
     m_new = jnp.maximum(m_prev, s_BKqGs.max(axis=-1))
     correction = jnp.exp(m_prev - m_new)
@@ -256,20 +265,21 @@ def _accurate_row_dot(x_QH: jax.Array, y_QH: jax.Array) -> jax.Array:
   return (prod + err)[..., 0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash(window, has_sinks, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, sinks_KG):
-  return _forward(window, has_sinks, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _flash(window, has_sinks, cap, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs,
+           sinks_KG):
+  return _forward(window, has_sinks, cap, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs,
                   sinks_KG)[0]
 
 
-def _flash_fwd(window, has_sinks, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs,
+def _flash_fwd(window, has_sinks, cap, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs,
                sinks_KG):
   ids = (qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs)
-  out, lse_QBKqG = _forward(window, has_sinks, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, *ids, sinks_KG)
+  out, lse_QBKqG = _forward(window, has_sinks, cap, pairs, q_QBKqGH, k_CBKsH, v_CBKsH, *ids, sinks_KG)
   return out, (pairs, q_QBKqGH, k_CBKsH, v_CBKsH, ids, out, lse_QBKqG, sinks_KG)
 
 
-def _flash_bwd(window, has_sinks, residuals, dout_QBKqGH):
+def _flash_bwd(window, has_sinks, cap, residuals, dout_QBKqGH):
   pairs, q_QBKqGH, k_CBKsH, v_CBKsH, ids, out_QBKqGH, lse_QBKqG, sinks_KG = residuals
   qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs = ids
   scale = q_QBKqGH.shape[-1] ** -0.5
@@ -282,11 +292,15 @@ def _flash_bwd(window, has_sinks, residuals, dout_QBKqGH):
     q_BKqGH, k_BKsH, v_BKsH = _take(q_QBKqGH, i), _take(k_CBKsH, j), _take(v_CBKsH, j)
     dout_BKqGH = _take(dout_QBKqGH, i)
     mask = _pair_mask(q_BKqGH, qseg_QBq, kvseg_CBs, qpos_QBq, kvpos_CBs, i, j, window)
-    p_BKqGs = jnp.exp(_scores(q_BKqGH, k_BKsH, mask) - _take(lse_QBKqG, i)[..., None])
+    s_BKqGs, slope_BKqGs = _scores(q_BKqGH, k_BKsH, mask, cap)
+    p_BKqGs = jnp.exp(s_BKqGs - _take(lse_QBKqG, i)[..., None])
     dv_BKsH = jnp.einsum("bkqgs,bkqgh->bksh", p_BKqGs.astype(dout_BKqGH.dtype), dout_BKqGH,
                          preferred_element_type=jnp.float32)
     dp_BKqGs = jnp.einsum("bkqgh,bksh->bkqgs", dout_BKqGH, v_BKsH, preferred_element_type=jnp.float32)
-    ds_BKqGs = (p_BKqGs * (dp_BKqGs - _take(d_QBKqG, i)[..., None]) * scale).astype(q_BKqGH.dtype)
+    ds_BKqGs = p_BKqGs * (dp_BKqGs - _take(d_QBKqG, i)[..., None]) * scale
+    if cap:  # through the soft-cap: d raw score = d capped x (1 - tanh^2)
+      ds_BKqGs = ds_BKqGs * slope_BKqGs
+    ds_BKqGs = ds_BKqGs.astype(q_BKqGH.dtype)
     dq_BKqGH = jnp.einsum("bkqgs,bksh->bkqgh", ds_BKqGs, k_BKsH, preferred_element_type=jnp.float32)
     dk_BKsH = jnp.einsum("bkqgs,bkqgh->bksh", ds_BKqGs, q_BKqGH, preferred_element_type=jnp.float32)
     return (_put(dq_QBKqGH, _take(dq_QBKqGH, i) + dq_BKqGH, i), _put(dk_CBKsH, _take(dk_CBKsH, j) + dk_BKsH, j),

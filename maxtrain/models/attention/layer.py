@@ -125,17 +125,20 @@ class CacheWrite:
 
 class Attention(nnx.Module):
   """Pieces (each optional, any family): `head_dim` (default d_model / num_heads), q/k/v biases
-  (`qkv_bias`, Qwen2), per-head RMSNorm of q and k before RoPE (`qk_norm_eps` not None, Qwen3), and a
+  (`qkv_bias`, Qwen2), per-head RMSNorm of q and k before RoPE (`qk_norm_eps` not None, Qwen3; Gemma 3's
+  (1 + w) norm with `qk_norm_one_plus`), and a
   sliding `window` (a query sees the `window` latest keys, itself included; 0: all, Mistral), Gemma 2's
   `query_pre_attn_scalar` (scores scaled by its -1/2 power instead of head_dim's: q is multiplied by
   sqrt(head_dim / it), so every kernel keeps its own head_dim^-1/2) and `logit_cap` (attention-score
-  soft-capping: the dot kernel and decoding only; validate refuses the others, `auto` runs dot)."""
+  soft-capping: the dot and flash kernels and decoding; validate refuses the others, `auto` runs flash where it
+  would pick blocked or cudnn)."""
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, *, rope_theta: float,
                init_std: float, out_std: float, param_dtype, compute_dtype, kernel: str = "dot",
                block_q: int = 128, block_kv: int = 128, rngs: nnx.Rngs, quant=None, head_dim: int | None = None,
                qkv_bias: bool = False, qk_norm_eps: float | None = None, window: int = 0, sinks: bool = False,
-               o_bias: bool = False, query_pre_attn_scalar: float = 0.0, logit_cap: float = 0.0):
+               o_bias: bool = False, query_pre_attn_scalar: float = 0.0, logit_cap: float = 0.0,
+               qk_norm_one_plus: bool = False):
     head_dim = head_dim or d_model // num_heads
     self.q_mult = (head_dim / query_pre_attn_scalar) ** 0.5 if query_pre_attn_scalar else 1.0
     self.logit_cap = logit_cap
@@ -157,8 +160,8 @@ class Attention(nnx.Module):
       self.sinks = param(rngs, nnx.initializers.zeros, (num_heads,), ("heads",), param_dtype)
     self.qk_norm = qk_norm_eps is not None
     if self.qk_norm:
-      self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps, param_dtype=param_dtype, rngs=rngs)
-      self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps, param_dtype=param_dtype, rngs=rngs)
+      self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps, param_dtype=param_dtype, rngs=rngs, one_plus=qk_norm_one_plus)
+      self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps, param_dtype=param_dtype, rngs=rngs, one_plus=qk_norm_one_plus)
     self.rope_theta = rope_theta
     self.compute_dtype = compute_dtype
     self.quant = quant  # models/quant.py Quant of the projections, or None
@@ -253,23 +256,21 @@ class Attention(nnx.Module):
   def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT) -> jax.Array:
     # Under context parallelism the window is a mask on explicit per-document positions (every causal block
     # pair is visited: correct, but the work does not shrink with the window there).
-    context_parallel = context_attention.for_active_rules(functools.partial(flash_attention_qkv, window=self.window),
-                                                          block_q=self.block_q, block_kv=self.block_kv)
+    context_parallel = context_attention.for_active_rules(
+        functools.partial(flash_attention_qkv, window=self.window, logit_cap=self.logit_cap), block_q=self.block_q,
+        block_kv=self.block_kv)
     # No positions: a prefill's prompt, in natural (not zigzag) order, attends whole on every device.
     if context_parallel is not None and positions_BT is not None:  # the sequence is split over devices
-      if self.has_sinks or self.logit_cap:
-        raise ValueError("attention sinks or logit soft-capping under context parallelism (mesh.context > 1) are "
-                         "not supported")
+      if self.has_sinks:
+        raise ValueError("attention sinks under context parallelism (mesh.context > 1) are not supported")
       return context_parallel(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
     kernel, w = resolve_kernel(self.kernel, q_BTNH.shape[1], backend=jax.default_backend(), dtype=q_BTNH.dtype,
                                head_dim=q_BTNH.shape[3], window=self.window), self.window
-    if kernel in ("blocked", "cudnn") and self.has_sinks:  # `auto`'s choice has no sinks; flash has them
-      kernel = "flash"
-    if self.logit_cap:  # only dot soft-caps (validate refused an explicit other kernel): `auto` runs it
-      kernel = "dot"
+    if kernel in ("blocked", "cudnn") and (self.has_sinks or self.logit_cap):  # `auto`'s choice lacks them; flash
+      kernel = "flash"  # has both (validate refused an explicit other kernel)
     if kernel == "flash":
       return flash_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, block_q=self.block_q, block_kv=self.block_kv,
-                             window=w, sinks_N=self._sinks())
+                             window=w, sinks_N=self._sinks(), logit_cap=self.logit_cap)
     if kernel == "blocked":
       return blocked_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=w)
     if kernel == "cudnn":
