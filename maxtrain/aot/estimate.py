@@ -282,6 +282,15 @@ def _pipeline(plan: Any, num_layers: int, saved: int, microbatch_bytes: int,
   return allocated, figures
 
 
+def _largest_streamed_group(table: list[Param], moments: dict[str, int], state_bytes: int, max_groups: int) -> int:
+  """Per device, the moments of the largest group the offloaded update streams through the device at once
+  (`offload.stream_groups` over the parameters in leaf order: their names sorted, as jax flattens dicts)."""
+  ordered = sorted(table, key=lambda p: p.name)
+  groups = offload.stream_groups([p.size for p in ordered], max_groups)
+  return max((sum(moments[ordered[i].label] * ordered[i].local_size * state_bytes for i in g) for g in groups),
+             default=0)
+
+
 def _grad_accumulators(table: list[Param], m: ModelConfig, layout: Layout) -> int:
   """fp32 gradient sums of gradient accumulation. XLA's sharding propagation leaves the embedding's and
   head's accumulators whole (over fsdp) when their gradients arrive in another dtype (bf16 compute, fp32
@@ -371,12 +380,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   host_optimizer_state = streamed_group = 0
   if offload.enabled(o):
     host_optimizer_state, optimizer_state = optimizer_state, 0
-    # The update streams the moments through the device one group of parameters at a time (leaf order:
-    # the names sorted, as jax flattens the parameter dicts): only the largest group's are there at once.
-    ordered = sorted(table, key=lambda p: p.name)
-    groups = offload.stream_groups([p.size for p in ordered], o.get("offload_groups", offload.DEFAULT_GROUPS))
-    streamed_group = max((sum(moments[ordered[i].label] * ordered[i].local_size * state_bytes for i in g)
-                          for g in groups), default=0)
+    streamed_group = _largest_streamed_group(table, moments, state_bytes, o.get("offload_groups", offload.DEFAULT_GROUPS))
   memory = {
       "weights": weights, "optimizer_state": optimizer_state, "other_state": other_state,
       "host_optimizer_state": host_optimizer_state, "host_activations": host_activations,
