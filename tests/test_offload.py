@@ -5,6 +5,7 @@ the compiled step, and the device bytes it frees (maxtrain/optim/offload.py)."""
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -14,7 +15,7 @@ from maxtrain.aot import compile as compile_lib
 from maxtrain.aot.estimate import estimate
 from maxtrain.cli import train
 from maxtrain.errors import UserError
-from maxtrain.optim import offload
+from maxtrain.optim import offload, optimizer as optim
 from maxtrain.program import build
 from test_checkpoint import TINY, assert_bitwise_equal, losses, restore_raw
 
@@ -238,3 +239,38 @@ def test_ppo_with_an_offloaded_optimizer_state_is_refused():
   cfg = config_lib.load(["--config=configs/rl.py", "--config.post.algorithm=ppo", "--config.optimizer.offload=host"])
   with pytest.raises(UserError, match=r"post.algorithm=ppo with optimizer.offload=host: the critic"):
     validate(cfg, 8, require_data=False)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_streamed_update_is_the_update_bitwise(name):
+  """The streamed update (each group's tx.update with zeros for the other groups' state) gives the plain
+  update's state bit for bit, for Adam's two moments and Muon's momentum, in several groups, and
+  every state leaf goes with its parameter's group. The updates too for AdamW; under Muon XLA:CPU fuses the
+  groups' programs differently and an update can round apart (Newton-Schulz amplifies it to ~1e-6 of the
+  update's scale), while the state, which carries over steps, stays bitwise."""
+  from test_optim import opt_config, random_params
+
+  params = random_params()
+  plain = optim.make(opt_config(name=name, warmup_steps=2), total_steps=10).tx
+  state = plain.init(params)
+  owners = jax.tree.leaves(offload.state_owners(plain, state, params))
+  assert sorted(set(owners)) == [-1, *range(len(jax.tree.leaves(params)))]  # counters, and every parameter
+  # Not streamed: the step counters and Muon's Newton-Schulz coefficients, a few numbers each.
+  assert all(np.size(x) <= 3 for x, o in zip(jax.tree.leaves(state), owners) if o < 0)
+  reference = jax.jit(lambda g, s, p: plain.update(g, s, p, skip=jnp.bool_(False)))
+  for groups in (4,):  # several groups (1 is the same code with one)
+    streamed = offload.streamed(plain, groups)
+    update = jax.jit(lambda g, s, p: streamed.update(g, s, p, skip=jnp.bool_(False)))
+    s_ref = s_ours = state
+    for step in range(2):  # the second from moments that are not zeros
+      grads = random_params(seed=10 + step)
+      (u_ref, s_ref), (u_ours, s_ours) = reference(grads, s_ref, params), update(grads, s_ours, params)
+      for a, b in zip(jax.tree.leaves(s_ours), jax.tree.leaves(s_ref), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+      for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_ref), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if name == "adamw":
+          assert np.array_equal(a, b)
+        else:
+          # test_optim's tolerance between two compilations of Muon (Newton-Schulz amplifies a rounding)
+          np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.max(np.abs(b)))

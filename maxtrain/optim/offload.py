@@ -119,10 +119,20 @@ def streamed(tx: optax.GradientTransformation, max_groups: int = DEFAULT_GROUPS)
 
 
 def state_owners(tx: optax.GradientTransformation, state: Any, params: Any) -> Any:
-  """The tree of `state` with, at each leaf, the index (in `jax.tree.leaves(params)` order) of the
-  parameter that leaf belongs to (Adam's mu and nu of it, Muon's momentum), or -1 (step counters)."""
-  index = jax.tree.unflatten(jax.tree.structure(params), range(len(jax.tree.leaves(params))))
-  return optax.tree_map_params(tx, lambda _, i: i, state, index, transform_non_params=lambda _: -1)
+  """The tree of `state` with, at each leaf, the index (in `jax.tree.leaves(params)` order) of the parameter
+  that leaf belongs to (Adam's mu and nu of it, Muon's momentum), or -1 (step counters). A state leaf belongs
+  to the parameter whose key path ends its own (optax keeps a parameter-shaped tree per moment, partitions
+  and masks included) and whose shape it has. `tx` is unused: the paths say it for every transform here."""
+  del tx
+  keystr = jax.tree_util.keystr
+  paths = [(keystr(path), getattr(x, "shape", None)) for path, x in jax.tree_util.tree_leaves_with_path(params)]
+
+  def owner(path, leaf) -> int:
+    text = keystr(path)
+    found = [i for i, (p, shape) in enumerate(paths) if text.endswith(p) and getattr(leaf, "shape", None) == shape]
+    return max(found, key=lambda i: len(paths[i][0]), default=-1)
+
+  return jax.tree_util.tree_map_with_path(owner, state)
 
 
 def stream_groups(sizes: Sequence[int], max_groups: int) -> list[list[int]]:
