@@ -3,8 +3,10 @@
 The state's shardings carry the `pinned_host` memory kind (`program/state.py`), so the jitted step takes
 the moments from host memory and returns them there; `streamed` wraps the optimizer so that the moments
 are moved to the device only for the update (`jax.device_put` to `jax.memory.Space.Device` just before
-it, and back to `Space.Host` just after), where XLA's host-offload passes schedule the copies (and may
-overlap them with the rest of the update). The device holds weights, gradients and activations; the
+it, and back to `Space.Host` just after), where XLA's host-offload passes schedule the copies. Left alone,
+XLA moves every moment in at once (an H200 held all of them on the device for the update), so the update is
+streamed in groups of parameters (`optimizer.offload_groups`): each group's copies in wait, by a data
+dependency, for the group before's copies out, and the device holds one group's moments at a time. The device holds weights, gradients and activations; the
 moments (2 of the 3 fp32 words per parameter with Adam) cost host memory and a host <-> device copy each
 way per step.
 
