@@ -4,6 +4,8 @@ each from the same state on the same batches, compared bitwise.
 
   python tools/offload_memory_check.py                     # LLaMA 3 8B widths, 2 layers, one 4 x 512 batch
   python tools/offload_memory_check.py --config.model.num_layers=4 --groups 1,4,16
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tools/offload_memory_check.py \
+      --config.runtime.platform=cpu --config.model.d_model=64 ...   # the same on CPU, shrunk
 
 The default config is one where the moments dominate the step (1.5B parameters, 12 GB of fp32 moments, a
 few hundred MB of activations): there an update that brings every moment to the device at once raises the
@@ -23,7 +25,7 @@ import numpy as np
 from maxtrain import config as config_lib
 from maxtrain.optim import offload
 from maxtrain.program import build, fit, state as state_lib
-from maxtrain.runtime import faults
+from maxtrain.runtime import faults, platform as platform_env
 
 DEFAULTS = ["--config=configs/llama3_8b.py", "--config.hardware=", "--config.model.num_layers=2",
             "--config.data.seq_len=512", "--config.optimizer.microbatch_size=0",
@@ -36,10 +38,10 @@ def main() -> None:
   parser.add_argument("--groups", default="1,16", help="optimizer.offload_groups values to compile with offload=host")
   parser.add_argument("--steps", type=int, default=2, help="steps run from one state to compare losses (0: none)")
   args, rest = parser.parse_known_args()
+  # The platform's XLA flags (runtime.platform, default gpu here) before the backend starts, as the trainer does.
+  platform_env.apply(config_lib.load(DEFAULTS + ["--config.runtime.platform=gpu"] + rest).runtime)
   devices = jax.devices()
-  platform = devices[0].platform
-  base = DEFAULTS + [f"--config.data.batch_size={4 * len(devices)}",
-                     f"--config.runtime.platform={'gpu' if platform == 'gpu' else 'cpu'}"] + rest
+  base = DEFAULTS + ["--config.runtime.platform=gpu", f"--config.data.batch_size={4 * len(devices)}"] + rest
   variants = [("none", ["--config.optimizer.offload=none"])]
   variants += [(f"host, {g} group(s)", ["--config.optimizer.offload=host", f"--config.optimizer.offload_groups={g}"])
                for g in args.groups.split(",")]
