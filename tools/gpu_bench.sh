@@ -7,13 +7,18 @@
 # Precisions: QUANT lists model.quantization values, each run in turn (default "none fp8": bf16, then
 # FP8 matmuls for attention, MLP and experts: docs/low_precision.md); ROUNDS > 1 alternates them again, so
 # the machine's drift shows as a spread rather than as a ratio. OFFLOAD lists optimizer.offload values
-# (default "none"; "none host" adds the rows with the optimizer state in host memory, docs/optimizers.md),
-# run for each precision.
+# (default "none"; "none host" adds the rows with the optimizer state in host memory, streamed through the
+# device in optimizer.offload_groups groups, docs/optimizers.md), run for each precision; REMAT lists
+# model.remat values (default "full", the preset's; "full offload" adds the rows with the residual and MLP input in host
+# memory, docs/fitting.md), run for each precision and offload. OFFLOAD_CHECK=1 first runs
+# tools/offload_memory_check.py (device and host bytes of offload off / all at once / streamed, and a bitwise
+# check of two steps), about a minute on one H200.
 #
 #   tools/gpu_bench.sh                 # uses the python3 that has a CUDA jax
 #   LAYERS=8 STEPS=20 tools/gpu_bench.sh
 #   QUANT=fp8 tools/gpu_bench.sh       # FP8 only
 #   QUANT=none OFFLOAD="none host" tools/gpu_bench.sh   # bf16, the optimizer state on the device, then in host memory
+#   QUANT=none OFFLOAD="none host" REMAT="full offload" OFFLOAD_CHECK=1 tools/gpu_bench.sh   # issue 40's rows
 #   QUANT=none WINDOW=4096 tools/gpu_bench.sh           # Mistral's 4096-token sliding window on every layer
 #   ATTENTION=flash tools/gpu_bench.sh                  # another model.attention than auto (cuDNN on a GPU)
 #
@@ -57,17 +62,24 @@ export PYTHONPATH=".:${PYTHONPATH:-}"
 num_gpus=$("$PY" -c 'import jax; print(jax.device_count())')
 read -r -a quants <<< "${QUANT:-none fp8}"
 read -r -a offloads <<< "${OFFLOAD:-none}"
+read -r -a remats <<< "${REMAT:-full}"
+if [[ "${OFFLOAD_CHECK:-0}" == 1 ]]; then
+  echo "== tools/offload_memory_check.py"
+  "$PY" tools/offload_memory_check.py --groups 1,16 --config.model.compute_dtype=bfloat16
+fi
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for quant in "${quants[@]}"; do
     for offload in "${offloads[@]}"; do
-      echo "== round $round: model.quantization=$quant optimizer.offload=$offload"
-      "$PY" tools/bench.py --steps "${STEPS:-10}" --config=configs/llama3_8b.py --config.hardware= \
-          --config.runtime.platform=gpu --config.model.compute_dtype=bfloat16 \
-          --config.model.quantization="$quant" --config.optimizer.offload="$offload" \
-          --config.model.num_layers="${LAYERS:-4}" --config.model.attention="${ATTENTION:-auto}" \
-          --config.model.sliding_window="${WINDOW:-0}" --config.data.corpus=python-stdlib --config.data.tokenizer=byte \
-          --config.data.seq_len=8192 --config.data.batch_size="$((2 * num_gpus))" \
-          --config.mesh.fsdp=-1 --config.optimizer.microbatch_size=0 --config.optimizer.grad_accum_steps=1
+      for remat in "${remats[@]}"; do
+        echo "== round $round: model.quantization=$quant optimizer.offload=$offload model.remat=$remat"
+        "$PY" tools/bench.py --steps "${STEPS:-10}" --config=configs/llama3_8b.py --config.hardware= \
+            --config.runtime.platform=gpu --config.model.compute_dtype=bfloat16 \
+            --config.model.quantization="$quant" --config.optimizer.offload="$offload" --config.model.remat="$remat" \
+            --config.model.num_layers="${LAYERS:-4}" --config.model.attention="${ATTENTION:-auto}" \
+            --config.model.sliding_window="${WINDOW:-0}" --config.data.corpus=python-stdlib --config.data.tokenizer=byte \
+            --config.data.seq_len=8192 --config.data.batch_size="$((2 * num_gpus))" \
+            --config.mesh.fsdp=-1 --config.optimizer.microbatch_size=0 --config.optimizer.grad_accum_steps=1
+      done
     done
   done
 done

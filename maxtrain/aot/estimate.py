@@ -159,8 +159,8 @@ COMPONENTS: dict[str, tuple[str, str]] = {
     "working_set": ("working set (peak phase)", "the larger of: the loss phase (gathered head, its full "
                     "gradient, fp32 logits) and one layer's recompute + backward (attention scores, "
                     "gathered layer weights and their full gradients)"),
-    "offload_update": ("offloaded state on device (update)", "optimizer.offload=host: the moments on the device "
-                       "for the update, beyond the activations the backward pass freed before it"),
+    "offload_update": ("offloaded state on device (update)", "optimizer.offload=host: the largest streamed group's "
+                       "moments on the device for the update, beyond the activations the backward pass freed before it"),
     "host_optimizer_state": ("optimizer state (host)", "optimizer.offload=host: the moments in host memory, on "
                              "the device only for the update"),
     "host_activations": ("offloaded activations (host)", "model.remat=offload: the named activations each layer "
@@ -292,6 +292,15 @@ def _pipeline(plan: Any, num_layers: int, saved: int, microbatch_bytes: int,
   return allocated, figures
 
 
+def _largest_streamed_group(table: list[Param], moments: dict[str, int], state_bytes: int, max_groups: int) -> int:
+  """Per device, the moments of the largest group the offloaded update streams through the device at once
+  (`offload.stream_groups` over the parameters in leaf order: their names sorted, as jax flattens dicts)."""
+  ordered = sorted(table, key=lambda p: p.name)
+  groups = offload.stream_groups([p.size for p in ordered], max_groups)
+  return max((sum(moments[ordered[i].label] * ordered[i].local_size * state_bytes for i in g) for g in groups),
+             default=0)
+
+
 def _grad_accumulators(table: list[Param], m: ModelConfig, layout: Layout) -> int:
   """fp32 gradient sums of gradient accumulation. XLA's sharding propagation leaves the embedding's and
   head's accumulators whole (over fsdp) when their gradients arrive in another dtype (bf16 compute, fp32
@@ -378,17 +387,18 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   state_copy = weights
   # optimizer.offload=host: the moments are arguments in host memory (optim/offload.py). The device holds them
   # only while the update runs, after the backward pass has freed the activations: not at the peak.
-  host_optimizer_state = 0
+  host_optimizer_state = streamed_group = 0
   if offload.enabled(o):
     host_optimizer_state, optimizer_state = optimizer_state, 0
+    streamed_group = _largest_streamed_group(table, moments, state_bytes, o.get("offload_groups", offload.DEFAULT_GROUPS))
   memory = {
       "weights": weights, "optimizer_state": optimizer_state, "other_state": other_state,
       "host_optimizer_state": host_optimizer_state, "host_activations": host_activations,
       "state_copy": state_copy, "gradients": gradients, "grad_accumulators": grad_accumulators,
       "saved_activations": saved, "working_set": max(loss_phase, layer_phase),
-      # The update phase brings the moments to the device after the backward pass freed the activations: it
-      # raises the peak only by what it exceeds them by (an H200 held 1.3x the moments there, docs/optimizers.md).
-      "offload_update": max(0, host_optimizer_state - saved - max(loss_phase, layer_phase)),
+      # The update phase brings one group's moments to the device after the backward pass freed the activations:
+      # it raises the peak only by what they exceed them by.
+      "offload_update": max(0, streamed_group - saved - max(loss_phase, layer_phase)),
   }
   notes = [] if m.remat != "auto" else [
       "model.remat=auto: the activations of the policy with the least device memory (full, or offload with "

@@ -170,6 +170,7 @@ def base_config() -> ml_collections.ConfigDict:
   o.microbatch_size = 0  # > 0: sequences per batch shard in each microbatch; sets grad_accum_steps for any node count.
   o.state_dtype = "float32"  # Dtype of optimizer moments (Adam mu and nu, Muon momentum).
   o.offload = "none"  # none | host: keep the optimizer moments in host memory (pinned_host) between steps, on the device only for the update (docs/optimizers.md).
+  o.offload_groups = 16  # offload=host: the update moves the moments to the device in at most this many groups of parameters, one group at a time (device peak: the largest group's); 1: all at once.
   o.b1 = 0.9  # Adam first-moment decay.
   o.b2 = 0.95  # Adam second-moment decay.
   o.eps = 1e-8  # Adam epsilon.

@@ -116,7 +116,7 @@ RANGES: dict[str, Range] = {
     "optimizer.lr": above(0), "optimizer.adam_lr": above(0), "optimizer.warmup_steps": COUNT0,
     "optimizer.min_lr_ratio": FRACTION, "optimizer.decay_steps": COUNT0, "optimizer.decay_fraction": Range(0, 1, lo_open=True),
     "optimizer.weight_decay": WEIGHT, "optimizer.clip_norm": WEIGHT, "optimizer.z_loss": WEIGHT,
-    "optimizer.grad_accum_steps": COUNT, "optimizer.microbatch_size": COUNT0,
+    "optimizer.grad_accum_steps": COUNT, "optimizer.microbatch_size": COUNT0, "optimizer.offload_groups": COUNT,
     "optimizer.b1": DECAY, "optimizer.b2": DECAY, "optimizer.eps": Range(0, 1, lo_open=True),
     "optimizer.muon_momentum": DECAY, "optimizer.muon_ns_steps": COUNT, "optimizer.muon_consistent_rms": WEIGHT,
     # checkpoint

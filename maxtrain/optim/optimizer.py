@@ -333,7 +333,7 @@ def make(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
   parts = [optax.clip_by_global_norm(opt_cfg.clip_norm)] if opt_cfg.clip_norm > 0 else []
   tx = _init_state_in(optax.chain(*parts, _partition_used(transforms, labels)), state_dtype)
   if offload_lib.enabled(opt_cfg):  # the moments live in host memory; on the device for the update only
-    tx = offload_lib.streamed(tx)
+    tx = offload_lib.streamed(tx, opt_cfg.get("offload_groups", offload_lib.DEFAULT_GROUPS))
   return Optimizer(tx=tx, learning_rates=learning_rates, labels=labels)
 
 
