@@ -1,8 +1,9 @@
 """Qwen3-30B-A3B-shaped mixture of experts (Qwen's published shapes: 48 layers, d_model 2048, 32 query / 4
 key-value heads of head_dim 128, per-head qk-norm, 128 SwiGLU experts of 768 with 8 per token in every layer,
 softmax router renormalised over the top 8, vocabulary 151936, RoPE theta 1e6): about 30.5B parameters, 3.3B
-active per token. Routed without drops (`model.moe.dispatch=dropless`, as transformers does), so the
-experts are not split over devices (dropless runs on the local experts). For a real tokenizer and token store;
+active per token. Routed without drops (`model.moe.dispatch=dropless`, as transformers does); the experts
+are not split over devices here (FSDP only); `--config.mesh.expert=N` splits them with dropless expert
+parallelism (a ragged all-to-all, docs/moe.md). For a real tokenizer and token store;
 continue the published checkpoint with `python -m maxtrain.convert from-hf` (its config.py has these keys).
 Check the fit first, e.g. on 2 nodes of 8 H100s:
 
