@@ -381,8 +381,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   host_optimizer_state = streamed_group = 0
   if offload.enabled(o):
     host_optimizer_state, optimizer_state = optimizer_state, 0
-    groups = o.get("offload_groups", offload.DEFAULT_GROUPS)
-    streamed_group = _largest_streamed_group(table, moments, state_bytes, groups)
+    streamed_group = _largest_streamed_group(table, moments, state_bytes, o.offload_groups)
   memory = {
       "weights": weights, "optimizer_state": optimizer_state, "other_state": other_state,
       "host_optimizer_state": host_optimizer_state, "host_activations": host_activations,
