@@ -77,8 +77,7 @@ def _assert_streamed_in_groups(gpu: str, host_args: list[str], program) -> None:
   sizes = [x.size for x in jax.tree.leaves(program.state.abstract.params)]
   groups = offload.stream_groups(sizes, program.cfg.optimizer.offload_groups)
   assert len(groups) > 2 and len(barriers) == len(groups) - 1
-  owners = jax.tree.leaves(offload.state_owners(program.optimizer.tx, program.state.abstract.opt_state,
-                                                program.state.abstract.params))
+  owners = jax.tree.leaves(offload.state_owners(program.state.abstract.opt_state, program.state.abstract.params))
   per_group = [sum(1 for o in owners if o in g) for g in groups]
   previous_out = 0
   for g, (name, count, operands) in enumerate(barriers, start=1):
@@ -253,7 +252,7 @@ def test_streamed_update_is_the_update_bitwise(name):
   params = random_params()
   plain = optim.make(opt_config(name=name, warmup_steps=2), total_steps=10).tx
   state = plain.init(params)
-  owners = jax.tree.leaves(offload.state_owners(plain, state, params))
+  owners = jax.tree.leaves(offload.state_owners(state, params))
   assert sorted(set(owners)) == [-1, *range(len(jax.tree.leaves(params)))]  # counters, and every parameter
   # Not streamed: the step counters and Muon's Newton-Schulz coefficients, a few numbers each.
   assert all(np.size(x) <= 3 for x, o in zip(jax.tree.leaves(state), owners) if o < 0)

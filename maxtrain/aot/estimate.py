@@ -160,7 +160,8 @@ COMPONENTS: dict[str, tuple[str, str]] = {
                     "gradient, fp32 logits) and one layer's recompute + backward (attention scores, "
                     "gathered layer weights and their full gradients)"),
     "offload_update": ("offloaded state on device (update)", "optimizer.offload=host: the largest streamed group's "
-                       "moments on the device for the update, beyond the activations the backward pass freed before it"),
+                       "moments on the device for the update, beyond the activations the backward pass freed "
+                       "before it"),
     "host_optimizer_state": ("optimizer state (host)", "optimizer.offload=host: the moments in host memory, on "
                              "the device only for the update"),
     "host_activations": ("offloaded activations (host)", "model.remat=offload: the named activations each layer "
@@ -390,7 +391,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   host_optimizer_state = streamed_group = 0
   if offload.enabled(o):
     host_optimizer_state, optimizer_state = optimizer_state, 0
-    streamed_group = _largest_streamed_group(table, moments, state_bytes, o.get("offload_groups", offload.DEFAULT_GROUPS))
+    streamed_group = _largest_streamed_group(table, moments, state_bytes, o.offload_groups)
   memory = {
       "weights": weights, "optimizer_state": optimizer_state, "other_state": other_state,
       "host_optimizer_state": host_optimizer_state, "host_activations": host_activations,

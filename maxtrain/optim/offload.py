@@ -6,9 +6,9 @@ are moved to the device only for the update (`jax.device_put` to `jax.memory.Spa
 it, and back to `Space.Host` just after), where XLA's host-offload passes schedule the copies. Left alone,
 XLA moves every moment in at once (an H200 held all of them on the device for the update), so the update is
 streamed in groups of parameters (`optimizer.offload_groups`): each group's copies in wait, by a data
-dependency, for the group before's copies out, and the device holds one group's moments at a time. The device holds weights, gradients and activations; the
-moments (2 of the 3 fp32 words per parameter with Adam) cost host memory and a host <-> device copy each
-way per step.
+dependency, for the group before's copies out, and the device holds one group's moments at a time. The
+device holds weights, gradients and activations; the moments (2 of the 3 fp32 words per parameter with Adam)
+cost host memory and a host <-> device copy each way per step.
 
 XLA:CPU has the `pinned_host` memory space (host and device are the same RAM there): the step compiles
 with the moments in memory space S(5) at its entry and exit and runs bitwise as without offload, but its
@@ -70,7 +70,8 @@ def host_shardings(shardings: Any) -> Any:
   return jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings)
 
 
-def streamed(tx: optax.GradientTransformation, max_groups: int = DEFAULT_GROUPS) -> optax.GradientTransformationExtraArgs:
+def streamed(tx: optax.GradientTransformation,
+             max_groups: int = DEFAULT_GROUPS) -> optax.GradientTransformationExtraArgs:
   """`tx` whose state arrives in host memory and leaves in it, streamed through the device in at most
   `max_groups` groups of parameters (`stream_groups`): each group's moments are moved in, updated and moved
   out before the next group's are moved in, so the device holds one group's moments at a time, not all of
@@ -81,18 +82,19 @@ def streamed(tx: optax.GradientTransformation, max_groups: int = DEFAULT_GROUPS)
   is done. `tx.update` runs once per group on the whole tree, with zeros in place of the other groups' state;
   each call keeps only its group's outputs and XLA removes the rest (dead code). That is exact because every
   state leaf of an optax transform here is updated from its own leaf (and the gradients: the global-norm
-  clip reads only those). The values are untouched (copies), so the update is bitwise the same.
+  clip reads only those). The values are untouched (copies): on XLA:CPU the state is bitwise the same, and
+  AdamW's updates too (Muon's can round apart: each group is its own fusion, tests/test_offload.py).
   `max_groups=1`: everything in at once."""
   def update(updates, state, params=None, **extra_args):
     leaves, treedef = jax.tree.flatten(state)
-    owner = jax.tree.leaves(state_owners(tx, state, updates))  # parameter index per state leaf, -1: none
+    owner = jax.tree.leaves(state_owners(state, updates))  # parameter index per state leaf, -1: none
     groups = stream_groups([math.prod(x.shape) for x in jax.tree.leaves(updates)], max_groups)
     param_group = [g for g, members in enumerate(groups) for _ in members]
     # The state of no parameter (step counters: scalars) is on the device throughout; every call reads it.
     shared = {i: jax.device_put(x, jax.memory.Space.Device) for i, x in enumerate(leaves) if owner[i] < 0}
     new_leaves: list[Any] = [None] * len(leaves)
     new_updates: list[Any] = [None] * len(param_group)
-    update_leaves, update_def = jax.tree.flatten(updates)
+    update_def = jax.tree.structure(updates)
     previous: list[int] = []  # the state leaves of the group before, now back in host memory
     for g in range(len(groups)):
       mine = [i for i, o in enumerate(owner) if o >= 0 and param_group[o] == g]
@@ -120,12 +122,11 @@ def streamed(tx: optax.GradientTransformation, max_groups: int = DEFAULT_GROUPS)
   return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
-def state_owners(tx: optax.GradientTransformation, state: Any, params: Any) -> Any:
+def state_owners(state: Any, params: Any) -> Any:
   """The tree of `state` with, at each leaf, the index (in `jax.tree.leaves(params)` order) of the parameter
   that leaf belongs to (Adam's mu and nu of it, Muon's momentum), or -1 (step counters). A state leaf belongs
   to the parameter whose key path ends its own (optax keeps a parameter-shaped tree per moment, partitions
-  and masks included) and whose shape it has. `tx` is unused: the paths say it for every transform here."""
-  del tx
+  and masks included) and whose shape it has (optax.tree_map_params cannot: it fails on masked partitions)."""
   keystr = jax.tree_util.keystr
   paths = [(keystr(path), getattr(x, "shape", None)) for path, x in jax.tree_util.tree_leaves_with_path(params)]
 
@@ -138,9 +139,10 @@ def state_owners(tx: optax.GradientTransformation, state: Any, params: Any) -> A
 
 
 def stream_groups(sizes: Sequence[int], max_groups: int) -> list[list[int]]:
-  """The parameters' indices (leaf order; `sizes`: their element counts) cut into at most `max_groups` consecutive groups, each of about
-  max(the largest parameter, total / max_groups) elements or fewer: the device peak of the streamed update
-  grows with the largest group, the trace and compile time with their number."""
+  """The parameters' indices (leaf order; `sizes`: their element counts) cut into at most `max_groups`
+  consecutive groups, each of about max(the largest parameter, total / max_groups) elements or fewer: the
+  device peak of the streamed update grows with the largest group, the trace and compile time with their
+  number."""
   budget = max(max(sizes, default=0), -(-sum(sizes) // max(max_groups, 1)))
   while True:
     groups: list[list[int]] = []
