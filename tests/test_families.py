@@ -723,38 +723,28 @@ def test_gpt_oss_trains_through_the_entry_point(store, tmp_path, capsys):
 def test_gpt_oss_flash_equals_dot():
   """The same random gpt_oss model (sinks non-zero, window 12 < T = 64 on layer 0, two documents) under dot and
   flash: the same loss (rtol 1e-5) and gradients, the sinks' included."""
-  from flax import nnx
-
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, 128, (2, 64))
-  segments = np.ones((2, 64), np.int32)
-  segments[0, 40:] = 2
-  positions = np.where(segments == 2, np.arange(64) - 40, np.arange(64))
   moe = dict(num_experts=4, experts_per_token=2, expert_d_ff=32, activation="clamped_swiglu", expert_bias=True,
              dispatch="dropless", swiglu_limit=2.0)
-  make = lambda kernel: _model("gpt_oss", sliding_window=12, head_dim=16, attention=kernel, attention_block_q=16,
-                               attention_block_kv=16, moe={**base_moe(), **moe})
-  _, params = registry.abstract(make("dot"))
-  params = jax.tree.map(lambda a: jnp.asarray(0.1 * rng.standard_normal(a.shape), a.dtype), params)
-  losses, grads = {}, {}
-  for kernel in ("dot", "flash"):
-    graphdef, _ = registry.abstract(make(kernel))
-
-    def loss(p):
-      logits = nnx.merge(graphdef, p)(tokens[:, :-1], segments[:, :-1], positions[:, :-1])
-      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
-
-    losses[kernel], grads[kernel] = jax.jit(jax.value_and_grad(loss))(params)
-  np.testing.assert_allclose(float(losses["flash"]), float(losses["dot"]), rtol=1e-5)
-  names = [str(p) for p, _ in jax.tree_util.tree_leaves_with_path(grads["dot"])]
-  assert any("sinks" in n for n in names)
-  for a, b in zip(jax.tree.leaves(grads["flash"]), jax.tree.leaves(grads["dot"])):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * np.abs(np.asarray(b)).max() + 1e-9)
+  grads = assert_flash_equals_dot(lambda kernel: _model("gpt_oss", sliding_window=12, head_dim=16, attention=kernel,
+                                                        attention_block_q=16, attention_block_kv=16,
+                                                        moe={**base_moe(), **moe}))
+  assert any("sinks" in str(p) for p, _ in jax.tree_util.tree_leaves_with_path(grads))
 
 
 def test_deepseek_v3_flash_equals_dot():
   """The same random deepseek_v3 model (MLA: v narrower than q.k, padded for the kernels; YaRN's softmax mscale;
   two documents) under dot and flash: the same loss (rtol 1e-5) and gradients."""
+  moe = dict(num_experts=4, experts_per_token=2, expert_d_ff=32, router="sigmoid", first_dense_layers=1,
+             num_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, dispatch="dropless")
+  mla = dict(kv_lora_rank=16, q_lora_rank=24, rope_head_dim=8, nope_head_dim=16, v_head_dim=12, rope_interleave=True,
+             softmax_mscale=1.2, latent_cache=False)
+  assert_flash_equals_dot(lambda kernel: _model("deepseek_v3", attention=kernel, attention_block_q=16,
+                                                attention_block_kv=16, moe={**base_moe(), **moe}, mla=mla))
+
+
+def assert_flash_equals_dot(make):
+  """One random model (`make(kernel)`: its config under `dot` or `flash`) on two packed documents: the same
+  loss (rtol 1e-5) and gradients (1e-4 of each leaf's largest) under both kernels; returns dot's gradients."""
   from flax import nnx
 
   rng = np.random.default_rng(0)
@@ -762,12 +752,6 @@ def test_deepseek_v3_flash_equals_dot():
   segments = np.ones((2, 64), np.int32)
   segments[0, 40:] = 2
   positions = np.where(segments == 2, np.arange(64) - 40, np.arange(64))
-  moe = dict(num_experts=4, experts_per_token=2, expert_d_ff=32, router="sigmoid", first_dense_layers=1,
-             num_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, dispatch="dropless")
-  mla = dict(kv_lora_rank=16, q_lora_rank=24, rope_head_dim=8, nope_head_dim=16, v_head_dim=12, rope_interleave=True,
-             softmax_mscale=1.2, latent_cache=False)
-  make = lambda kernel: _model("deepseek_v3", attention=kernel, attention_block_q=16,
-                               attention_block_kv=16, moe={**base_moe(), **moe}, mla=mla)
   _, params = registry.abstract(make("dot"))
   params = jax.tree.map(lambda a: jnp.asarray(0.1 * rng.standard_normal(a.shape), a.dtype), params)
   losses, grads = {}, {}
@@ -782,6 +766,7 @@ def test_deepseek_v3_flash_equals_dot():
   np.testing.assert_allclose(float(losses["flash"]), float(losses["dot"]), rtol=1e-5)
   for a, b in zip(jax.tree.leaves(grads["flash"]), jax.tree.leaves(grads["dot"])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * np.abs(np.asarray(b)).max() + 1e-9)
+  return grads["dot"]
 
 
 def base_moe() -> dict:
