@@ -317,3 +317,17 @@ def test_stage_remat_gives_the_same_gradients_in_less_memory():
   assert np.abs(grad - grad_64).max() <= 4 * floor
   np.testing.assert_allclose(grad_r, grad, rtol=1e-6, atol=1e-7)
   assert temp_r < temp
+
+
+def test_cpu_caveats_name_what_xla_cpu_gets_far_wrong():
+  """`maxtrain.compile` says when XLA:CPU's memory is known to be far from a GPU's: dropless MoE (ragged_dot
+  lowered densely) and remat in an unscanned stack (dropped); nothing for the plain scanned model."""
+  load = lambda *extra: config_lib.load(TINY_MODEL + list(extra))
+  assert compile_lib.cpu_caveats(load()) == []
+  assert compile_lib.cpu_caveats(load("--config.model.remat=full")) == []  # scanned: remat kept
+  dropless = compile_lib.cpu_caveats(load("--config.model.moe.num_experts=4", "--config.model.moe.dispatch=dropless"))
+  assert len(dropless) == 1 and "ragged_dot densely" in dropless[0] and "dispatch=capacity" in dropless[0]
+  assert compile_lib.cpu_caveats(load("--config.model.moe.num_experts=4")) == []  # capacity dispatch
+  unscanned = compile_lib.cpu_caveats(load("--config.model.scan_layers=False", "--config.model.remat=full"))
+  assert len(unscanned) == 1 and "keeps no remat" in unscanned[0]
+  assert compile_lib.cpu_caveats(load("--config.model.scan_layers=False")) == []  # remat none: nothing dropped

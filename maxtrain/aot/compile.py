@@ -27,6 +27,22 @@ CPU_CAVEAT = ("These are XLA:CPU's figures for the same sharded program: the GPU
               "schedule differently, so treat the memory as an estimate and keep a margin.")
 
 
+def cpu_caveats(cfg: ml_collections.ConfigDict) -> list[str]:
+  """Where XLA:CPU's memory for this config is known to differ from a GPU's by far (beyond CPU_CAVEAT)."""
+  model = registry.model_config(cfg.model)
+  out = []
+  if model.moe.num_experts and model.moe.dispatch == "dropless":
+    out.append("model.moe.dispatch=dropless: XLA:CPU lowers lax.ragged_dot densely (every token times every expert), "
+               "so the MoE layers' temporaries here are far above a GPU's grouped matmuls (gpt_oss_20b: ~431 GiB per "
+               "device on one node whatever the remat): read the fit from tools/estimate.py, or compile with "
+               "model.moe.dispatch=capacity as a stand-in of the same shapes.")
+  if not model.scan_layers and cfg.model.remat not in ("none", "auto") and cfg.model.num_layers > 1:
+    out.append(f"unscanned layers with model.remat={cfg.model.remat}: XLA:CPU keeps no remat in an unscanned stack "
+               "(it merges each layer's recompute back into its forward: tools/remat_unscanned.py), so the "
+               "temporaries here are those of remat=none; a scanned stand-in of the same shapes shows the fit.")
+  return out
+
+
 def backend_initialized() -> bool:
   from jax._src import xla_bridge  # no public API says whether the backends exist yet
 
@@ -139,6 +155,7 @@ class CompileReport:
         "aliased + temporaries",
         *self.stage_lines(),
         f"  {CPU_CAVEAT}",
+        *(f"  caveat: {line}" for line in cpu_caveats(cfg)),
         "FLOPs per device per step:",
         f"  model (analytic)  {self.model_flops / 1e12:12.3f} TFLOP  = train_flops_per_token x "
         f"{cfg.data.batch_size * cfg.data.seq_len} tokens / {self.num_devices} devices",
@@ -209,7 +226,8 @@ def check_fits(report: CompileReport, device_memory_gib: float) -> str:
   raise UserError(
       f"the train step needs {mem.peak / GiB:.2f} GiB per device (XLA:CPU peak: arguments {arguments / GiB:.2f} GiB "
       f"for the train state, + temporaries {mem.temporaries / GiB:.2f} GiB for activations and gradients), over "
-      f"--device-memory-gb={device_memory_gib:g}. To fit, try: {'; '.join(fixes)}.")
+      f"--device-memory-gb={device_memory_gib:g}. To fit, try: {'; '.join(fixes)}."
+      + "".join(f" Caveat: {line}" for line in cpu_caveats(cfg)))
 
 
 def neuron_lint(report: CompileReport) -> str:
