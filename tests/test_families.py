@@ -135,28 +135,8 @@ def test_flash_equals_dot_with_a_window_shorter_than_the_sequence(family, keys):
   """The same random model (window 12 < T = 64, two documents; Mistral: every layer, Gemma 3: its local layers,
   Gemma 2: its even layers, the attention scores soft-capped) under the dot and flash kernels: the same loss
   (rtol 1e-5) and gradients."""
-  from flax import nnx
-
-  losses, grads = {}, {}
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, 128, (2, 64))
-  segments = np.ones((2, 64), np.int32)
-  segments[0, 40:] = 2
-  positions = np.where(segments == 2, np.arange(64) - 40, np.arange(64))
-  _, params = registry.abstract(_model(family, sliding_window=12, **keys))
-  params = jax.tree.map(lambda a: jnp.asarray(0.1 * rng.standard_normal(a.shape), a.dtype), params)
-  for kernel in ("dot", "flash"):
-    cfg = _model(family, sliding_window=12, attention=kernel, attention_block_q=16, attention_block_kv=16, **keys)
-    graphdef, _ = registry.abstract(cfg)
-
-    def loss(p):
-      logits = nnx.merge(graphdef, p)(tokens[:, :-1], segments[:, :-1], positions[:, :-1])
-      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
-
-    losses[kernel], grads[kernel] = jax.jit(jax.value_and_grad(loss))(params)
-  np.testing.assert_allclose(float(losses["flash"]), float(losses["dot"]), rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(grads["flash"]), jax.tree.leaves(grads["dot"])):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4 * np.abs(np.asarray(b)).max() + 1e-9)
+  assert_flash_equals_dot(lambda kernel: _model(family, sliding_window=12, attention=kernel, attention_block_q=16,
+                                                attention_block_kv=16, **keys))
 
 
 # ---------------------------------------------------------------------------------------------------------
