@@ -59,7 +59,6 @@ TENSORS = {
 }
 
 
-
 # Multi-token prediction depths (models/mtp.py, `model.mtp_layers`) as DeepSeek-V3's published checkpoints hold
 # them: depth j is HF layer num_hidden_layers + j; its block is named as the model's last layer is, besides these.
 MTP_TENSORS = {
