@@ -65,7 +65,7 @@ def rollout(program, params):
 def one_device():
   """The 1-device program, its initial state (on the host), a rollout batch, and the compiled pieces."""
   cache.configure_compile_cache("")  # the persistent compilation cache, as every trainer run (below) configures it
-  cfg = tiny_cfg()
+  cfg = tiny_cfg("--config.faults.spike_at_step=1000")  # drilled: its step takes the fault input (run_step)
   program = build.program_for(cfg, jax.devices()[:1])
   state = state_lib.initialize(program.state, program.mesh)
   logprobs, train = rl_step.jit_pieces(program, clip_low=0.2, clip_high=0.2, kl_coef=0.1, on_policy=True)
@@ -105,7 +105,10 @@ def run_step(program, train, state_host, host, fault=faults.NONE):
   """One on-policy GRPO step of `state_host` (host arrays): (metrics, new params) on the host."""
   with jax.set_mesh(program.mesh):
     state = jax.device_put(state_host, program.state.shardings)  # a fresh copy: the step donates it
-    state, metrics = train(state, rl_step.to_device(host, program, fault))
+    batch = rl_step.to_device(host, program)
+    if faults.in_graph_armed(program.cfg.faults):  # a drilled program's step takes the fault input
+      batch = faults.attach(batch, fault, faults.replicated(batch))
+    state, metrics = train(state, batch)
     return jax.device_get(metrics), jax.device_get(state.params)
 
 

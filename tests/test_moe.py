@@ -343,7 +343,8 @@ def test_router_bias_follows_the_load_and_a_skipped_step_keeps_it():
   from maxtrain.runtime import faults
   from maxtrain.sharding.mesh import make_mesh
 
-  cfg = config_lib.load(TINY_MODEL + MOE_ARGS + ["--config.mesh.fsdp=1", "--config.model.moe.bias_update_rate=0.25"])
+  cfg = config_lib.load(TINY_MODEL + MOE_ARGS + ["--config.mesh.fsdp=1", "--config.model.moe.bias_update_rate=0.25",
+                                                 "--config.faults.nan_at_step=2"])  # drilled: the step takes a fault input
   plan = validate(cfg, 1, require_data=False)
   program = program_lib.build(cfg, plan, mesh=make_mesh(plan.mesh, jax.devices()[:1]))
   rng = np.random.default_rng(7)

@@ -257,7 +257,6 @@ def train_metrics(args: tuple[str, ...], skew: bool = False, steps: int = STEPS)
   """Each step's metrics (on the host) of `program_of(args)` on fixed random batches; `skew`: the router
   bias starts at +4 for expert 0 (no bias updates: it stays), so every token takes expert 0 as one of two."""
   from maxtrain.program import state as state_lib
-  from maxtrain.runtime import faults
 
   program = program_of(args)
   shapes = program.abstract_batch()
@@ -269,7 +268,7 @@ def train_metrics(args: tuple[str, ...], skew: bool = False, steps: int = STEPS)
       bias[...] = jax.device_put(jnp.zeros(bias.shape).at[..., 0].set(4.0), bias[...].sharding)
     for rows in batches(shapes, steps):
       batch = {k: jax.device_put(v.astype(shapes[k].dtype), shapes[k].sharding) for k, v in rows.items()}
-      state, metrics = program.train_step(state, faults.attach(batch, faults.NONE, shapes[faults.INPUT].sharding))
+      state, metrics = program.train_step(state, batch)
       got.append(jax.device_get(metrics))
   return got
 

@@ -25,7 +25,7 @@ import numpy as np
 from maxtrain import config as config_lib
 from maxtrain.optim import offload
 from maxtrain.program import build, fit, state as state_lib
-from maxtrain.runtime import faults, platform as platform_env
+from maxtrain.runtime import platform as platform_env
 
 DEFAULTS = ["--config=configs/llama3_8b.py", "--config.hardware=", "--config.model.num_layers=2",
             "--config.data.seq_len=512", "--config.optimizer.microbatch_size=0",
@@ -74,7 +74,7 @@ def synthetic_batch(shapes: dict, step: int) -> dict:
   b, t = shapes["inputs"].shape
   rows = {"inputs": rng.integers(0, 256, (b, t)), "targets": rng.integers(0, 256, (b, t)),
           "segment_ids": np.ones((b, t)), "positions": np.broadcast_to(np.arange(t), (b, t)),
-          "loss_mask": np.ones((b, t)), faults.INPUT: np.asarray(faults.NONE)}
+          "loss_mask": np.ones((b, t))}
   return {k: jax.device_put(np.asarray(v, shapes[k].dtype), shapes[k].sharding) for k, v in rows.items()}
 
 

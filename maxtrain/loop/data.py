@@ -16,7 +16,6 @@ from maxtrain.data import corpus, mixture, pipeline
 from maxtrain.data.loader import MixtureLoader, process_rows
 from maxtrain.data.store import TokenStore
 from maxtrain.errors import UserError
-from maxtrain.runtime import faults
 
 log = logging.getLogger("maxtrain")
 
@@ -126,12 +125,11 @@ class Data:
     return "; ".join(f"{name}: train {train.prefix} ({train.num_tokens} tokens), val {val.prefix} "
                      f"({val.num_tokens} tokens)" for name, (train, val) in self.stores.items())
 
-  def next_batch(self, fault: tuple[float, float] = faults.NONE) -> tuple[dict[str, jax.Array], float]:
-    """The next train batch on device (with the step's fault input) and the seconds spent waiting."""
+  def next_batch(self) -> tuple[dict[str, jax.Array], float]:
+    """The next train batch on device and the seconds spent waiting."""
     t0 = time.monotonic()
     batch = batch_lib.to_device(next(self.loader), self.shardings)
-    wait_s = time.monotonic() - t0
-    return faults.attach(batch, fault, self.shardings[faults.INPUT]), wait_s
+    return batch, time.monotonic() - t0
 
   def scalars(self, state: dict | None = None) -> dict[str, float]:
     """What the batches up to `state` (a `get_state()`; default: all served, including one read for the

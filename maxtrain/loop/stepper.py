@@ -27,6 +27,7 @@ from typing import Any, Callable
 import ml_collections
 
 from maxtrain.loop.data import Data
+from maxtrain.loop.observers import Observers
 from maxtrain.models import registry
 from maxtrain.posttrain.data import SftData
 from maxtrain.posttrain.rl import Outcome, RlStepper
@@ -43,9 +44,9 @@ class PretrainStepper:
   updates_per_step = 1
   spike_signal = "loss"
 
-  def __init__(self, cfg: ml_collections.ConfigDict, data: Any, stage_programs: dict, faults: Any, metrics: Any,
-               compile_fn: Callable):
-    self.cfg, self.data, self.stage_programs, self.faults, self.metrics = cfg, data, stage_programs, faults, metrics
+  def __init__(self, cfg: ml_collections.ConfigDict, data: Any, stage_programs: dict, observers: Observers,
+               metrics: Any, compile_fn: Callable):
+    self.cfg, self.data, self.stage_programs, self.observers, self.metrics = cfg, data, stage_programs, observers, metrics
     self.program = stage_programs[cfg.data.batch_size]
     self.evaluates_at_start = self.program.plan.mode == "sft"  # SFT: the starting model's eval (loss, exact match) is the baseline
     self._compile = compile_fn
@@ -67,7 +68,7 @@ class PretrainStepper:
       self.batch = self._next_batch(step + 1)
 
   def after_rollback(self, step: int, last: bool) -> None:
-    if last:  # no next batch was read: read one (the data moves on past the fault)
+    if last:  # no next batch was read: read one (the data moves on past the bad step)
       self.batch = self._next_batch(step + 1)
 
   def guard(self, rollbacks: Any, step: int, outcome: Outcome, last: bool) -> Any:
@@ -77,10 +78,10 @@ class PretrainStepper:
     pass  # MetricsLogger.train's step line says it all
 
   def _next_batch(self, step: int) -> dict:
-    """The batch of the step that will complete as `step` (with that step's fault input)."""
-    batch, wait_s = self.data.next_batch(self.faults.in_graph(step))
+    """The batch of the step that will complete as `step`, as the loop's observers leave it."""
+    batch, wait_s = self.data.next_batch()
     self.metrics.data_wait(wait_s)
-    return batch
+    return self.observers.batch(step, batch)
 
   def _step_for(self, state: Any, batch: dict) -> Any:
     """The compiled step for `batch`'s shape, compiled once per shape. A stage's batch size (a batch
@@ -98,15 +99,15 @@ class PretrainStepper:
     return self._steps[shape]
 
 
-def make_stepper(cfg: ml_collections.ConfigDict, program: program_lib.Program, stage_programs: dict, *, faults: Any,
+def make_stepper(cfg: ml_collections.ConfigDict, program: program_lib.Program, stage_programs: dict, *, observers: Observers,
                  metrics: Any, out_dir: Path, compile_fn: Callable, starting_state: Callable) -> Any:
   """The stepper of the plan's mode, with its data (built here: bad data is exit 2 before compiling)."""
   mode = program.plan.mode
   if mode == "rl" and (cfg.post.rollout_devices or cfg.post.max_staleness):  # rollouts on their own thread (and devices)
     from maxtrain.posttrain.async_rollout import AsyncRlStepper
 
-    return AsyncRlStepper(cfg, program, faults, metrics, out_dir, starting_state, metrics.events)
+    return AsyncRlStepper(cfg, program, observers, metrics, out_dir, starting_state, metrics.events)
   if mode == "rl":
-    return RlStepper(cfg, program, faults, metrics, out_dir, starting_state)
+    return RlStepper(cfg, program, observers, metrics, out_dir, starting_state)
   data = SftData(cfg, program.batch_shardings) if mode == "sft" else Data(cfg, program.batch_shardings)
-  return PretrainStepper(cfg, data, stage_programs, faults, metrics, compile_fn)
+  return PretrainStepper(cfg, data, stage_programs, observers, metrics, compile_fn)

@@ -5,7 +5,7 @@ updates); the loop never knows which kind of step it drives.
 `Trainer.__init__` builds the run's components and does everything that can fail on bad input,
 before compiling: the plan and the program (`program/build.py` program_for), the stepper and its data,
 checkpoints (`checkpoint/schedule.py`), rollbacks (`loop/rollback.py`), metrics (`monitor/metrics.py`)
-and the process's lifecycle (watchdog, signals, fault injection). `Trainer.train` runs the loop.
+and the process's lifecycle (watchdog, signals, the drills observing the loop: `loop/drills.py`). `Trainer.train` runs the loop.
 Every attempt appends to `<output_dir>/events.jsonl` (monitor/events.py).
 """
 
@@ -28,6 +28,8 @@ from maxtrain.optim import optimizer as optim
 from maxtrain.program import build as program_lib
 from maxtrain.program import state as state_lib
 from maxtrain.checkpoint.schedule import Checkpoints
+from maxtrain.loop import drills
+from maxtrain.loop.observers import Observers
 from maxtrain.loop.stepper import make_stepper
 from maxtrain.errors import EXIT_CRASH, Aborted, Preempted, UserError, exit_code, require_writable_dir
 from maxtrain.loop.rollback import Rollback, Rollbacks
@@ -41,7 +43,6 @@ from maxtrain.monitor.routing import RoutingMonitor
 from maxtrain.monitor.stragglers import StragglerMonitor
 from maxtrain.monitor.watchdog import Watchdog
 from maxtrain.runtime import cache, distributed
-from maxtrain.runtime.faults import Faults
 from maxtrain.runtime.kv import KeyValue
 from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
@@ -102,18 +103,18 @@ class Trainer:
                                  peak_contended=peak_contended)
     stack.callback(self.metrics.close)
     tracking.attach(cfg, self.out_dir, self.metrics, stack, lambda: self.exit_code)  # MLflow, OTel: off by default
-    self.faults = Faults(cfg.faults, self.out_dir, jax.process_index())
-    self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.faults.after_save_started,
-                                   on_progress=self.watchdog.progress, on_saved=self.faults.after_save_complete,
+    self.observers = Observers()
+    drills.install(self.observers, cfg, self.out_dir, jax.process_index(), settle=lambda: self.checkpoints.settle())
+    self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.observers.save_started,
+                                   on_progress=self.watchdog.progress, on_saved=self.observers.saved,
                                    mesh_shape=dict(program.mesh.shape))
-    self.faults.before_kill = self.checkpoints.settle
     stack.callback(self.checkpoints.close)  # waits for the last save (and its upload)
     self.resume_path = self.checkpoints.resolve_resume(program.state)
     if jax.process_index() == 0:
       config_lib.save(cfg, self.out_dir / "config.json")
     if self.resume_path is not None:  # before reading data: a checkpoint of another mode is named as such
       check_checkpoint_mode(cfg, program.plan.mode, self.checkpoints.read_meta(self.resume_path), self.resume_path)
-    self.stepper = make_stepper(cfg, program, self.stage_programs, faults=self.faults, metrics=self.metrics,
+    self.stepper = make_stepper(cfg, program, self.stage_programs, observers=self.observers, metrics=self.metrics,
                                 out_dir=self.out_dir, compile_fn=self._compile, starting_state=self._starting_state)
     self.data = self.stepper.data
     stack.callback(self.data.close)
@@ -172,7 +173,7 @@ class Trainer:
           state, outcome = stepper.run(state, step + 1)
         self.profiler.maybe_stop(step + 1, outcome.metrics)
         step = self.step = step + 1
-        self.faults.in_graph_ran(step)  # before a rollback (the last step's flags are read at once): a redone step is clean
+        self.observers.step_ran(step)  # before a rollback (the last step's flags are read at once)
         data_state = self.data.get_state()
         self._check_epochs(step)
         last = step == cfg.steps
@@ -197,13 +198,13 @@ class Trainer:
 
   def _after_step(self, state: state_lib.TrainState, step: int, data_state: dict, eval_loss: float) -> float:
     """The end of every step, in every loop (pretraining, GRPO): eval when due, then the watchdog's beat,
-    faults, the stop request and the checkpoint schedule. Returns the latest eval loss."""
+    observers (the drills), the stop request and the checkpoint schedule. Returns the latest eval loss."""
     cfg = self.cfg
     if step == cfg.steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
       eval_loss = self._evaluate(state, step)
     # After the step and its events: a hang's idle window (goodput's `hang`) starts after them.
     self.watchdog.beat(step)
-    self.faults.after_step(step)
+    self.observers.step_done(step)
     if self.stop.requested(step):
       self._preempt(state, step, data_state)
     self.checkpoints.after_step(step, state, data_state, dict(self.program.mesh.shape), final=step == cfg.steps)

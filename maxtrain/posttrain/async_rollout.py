@@ -92,9 +92,9 @@ class RolloutSide:
   """The producer thread, the published versions and the queue of rollout batches (module docstring)."""
 
   def __init__(self, data: Any, place: Callable[[Any], Any], generator_for: Callable[[Any], Any], post: Any,
-               seed: int, seq_len: int, faults: Any, events: Any, startup_s: float = 0.0):
+               seed: int, seq_len: int, observers: Any, events: Any, startup_s: float = 0.0):
     self.data, self.place, self.generator_for, self.post = data, place, generator_for, post
-    self.seed, self.seq_len, self.faults, self.events = seed, seq_len, faults, events
+    self.seed, self.seq_len, self.observers, self.events = seed, seq_len, observers, events
     self.staleness, self.timeout = int(post.max_staleness), float(post.sync_timeout_s)
     self.startup_s, self.first = float(startup_s), True
     self.cond = threading.Condition()
@@ -204,11 +204,11 @@ class RolloutSide:
     t0 = time.monotonic()
     placed = self.place(params)
     done = threading.Event()
-    stall = self.faults.fire("publish_stall_at_step", version)
+    completes = self.observers.publish(version)  # False: a drill's transfer that never completes
 
     def wait() -> None:  # a thread of its own: block_until_ready has no timeout
       jax.block_until_ready(placed)
-      if not stall:  # the drill: a transfer that never completes
+      if completes:
         done.set()
 
     threading.Thread(target=wait, name="publish", daemon=True).start()
@@ -253,8 +253,7 @@ class RolloutSide:
             return
           params = self.versions[need]
         t1 = time.monotonic()
-        if self.faults.fire("rollout_hang_at_step", k):  # the drill: a rollout worker that hangs
-          self.stopping.wait()
+        if self.observers.rollout(k, self.stopping):  # held until the run stops (a drill: a hung worker)
           return
         r = rollout_lib.sample(self.data, self.generator_for(params), params, q, self.post, self.seed, self.seq_len)
         made = Made(k, q, need, r, encode(r))
@@ -298,12 +297,12 @@ class AsyncRlStepper(RlStepper):
   """RlStepper's rounds with the rollouts from a `RolloutSide` (module docstring)."""
   reports_mismatch = True
 
-  def __init__(self, cfg: Any, program: Any, faults: Any, metrics: Any, out_dir: Any, starting_state: Any,
+  def __init__(self, cfg: Any, program: Any, observers: Any, metrics: Any, out_dir: Any, starting_state: Any,
                events: Any):
-    super().__init__(cfg, program, faults, metrics, out_dir, starting_state)
+    super().__init__(cfg, program, observers, metrics, out_dir, starting_state)
     self.rollout_program, place = rollout_placement(cfg, program)
     self._generator = None
-    self.side = RolloutSide(self.data, place, self._generator_for, cfg.post, cfg.seed, cfg.data.seq_len, faults, events,
+    self.side = RolloutSide(self.data, place, self._generator_for, cfg.post, cfg.seed, cfg.data.seq_len, observers, events,
                              startup_s=cfg.watchdog.startup_timeout_s)
     self._restart, self._round_end = True, None
     self._dropped_total = 0

@@ -25,7 +25,6 @@ from maxtrain.data.tokenizer import load_tokenizer
 from maxtrain.errors import UserError, require
 from maxtrain.posttrain import rewards as rewards_lib
 from maxtrain.program import batch as batch_lib
-from maxtrain.runtime import faults
 
 log = logging.getLogger("maxtrain")
 
@@ -82,11 +81,11 @@ class SftData:
     order = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)[k * self.batch_size:(k + 1) * self.batch_size]
     return {key: self.train[key][order] for key in KEYS}
 
-  def next_batch(self, fault: tuple[float, float] = faults.NONE) -> tuple[dict[str, jax.Array], float]:
+  def next_batch(self) -> tuple[dict[str, jax.Array], float]:
     t0 = time.monotonic()
     batch = batch_lib.to_device(self.rows(self.step), self.shardings)
     self.step += 1
-    return faults.attach(batch, fault, self.shardings[faults.INPUT]), time.monotonic() - t0
+    return batch, time.monotonic() - t0
 
   def get_state(self) -> dict:
     return {"step": self.step, "source": self.identity}

@@ -56,9 +56,9 @@ class RlStepper:
   evaluates_at_start = True  # the starting model's held-out reward is the baseline
   reports_mismatch = False  # rl/mismatch_kl and the correction's shares without a correction (the async stepper)
 
-  def __init__(self, cfg: ml_collections.ConfigDict, program: Any, faults: Any, metrics: Any, out_dir: Path,
+  def __init__(self, cfg: ml_collections.ConfigDict, program: Any, observers: Any, metrics: Any, out_dir: Path,
                starting_state: Any):
-    self.cfg, self.program, self.faults, self.metrics, self.out_dir = cfg, program, faults, metrics, out_dir
+    self.cfg, self.program, self.observers, self.metrics, self.out_dir = cfg, program, observers, metrics, out_dir
     self.algorithm, self.hp = algorithms.resolve(cfg.post)
     p = cfg.post
     self.updates_per_step = p.ppo_epochs * p.minibatches
@@ -127,11 +127,11 @@ class RlStepper:
                                                        p.is_cap)
       host["advantages"] = (host["advantages"] * weights).astype(np.float32)
     n, per, flags = len(mask), len(mask) // p.minibatches, []
-    fault = self.faults.in_graph(step)  # faults.nan_at_step / spike_at_step: every update of that round
     for _ in range(p.ppo_epochs):
       for i in range(p.minibatches):
         minibatch = {key: v[i * per:(i + 1) * per] for key, v in host.items()}
-        state, metrics = self.pieces.step(state, rl_step.to_device(minibatch, self.program, fault))
+        # every update of the round is the round's batch to the loop's observers (a drill: the same for all)
+        state, metrics = self.pieces.step(state, self.observers.batch(step, rl_step.to_device(minibatch, self.program)))
         flags.append({key: metrics[key] for key in GUARD_FLAGS})
     jax.block_until_ready(metrics)
     t3 = time.monotonic()

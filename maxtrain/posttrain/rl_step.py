@@ -24,9 +24,8 @@ from maxtrain.data.pipeline import KEYS
 from maxtrain.optim import optimizer as optim
 from maxtrain.posttrain.algorithms import Algorithm, Hyper
 from maxtrain.optim.masking import keep_if
-from maxtrain.program import critic as critic_lib, step as step_lib, update as update_lib
+from maxtrain.program import critic as critic_lib, drills, step as step_lib, update as update_lib
 from maxtrain.program.state import TrainState
-from maxtrain.runtime import faults
 from maxtrain.sharding import rules as sharding_rules
 
 RL_KEYS = ("old_logp", "ref_logp", "advantages")
@@ -59,9 +58,9 @@ def make_logprobs(graphdef: nnx.GraphDef, rules: sharding_rules.Rules | None = N
 
 def make_rl_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, algorithm: Algorithm, hp: Hyper, *,
                  on_policy: bool, spike_zscore: float = 6.0, spike_warmup: int = 20,
-                 rules: sharding_rules.Rules | None = None,
+                 rules: sharding_rules.Rules | None = None, perturb: update_lib.Perturb | None = None,
                  **chunking) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  """One optimizer step on an RL batch (with its fault input, `runtime/faults.py`). `on_policy` (one
+  """One optimizer step on an RL batch (`perturb`: a drill's, `program/drills.py`). `on_policy` (one
   optimizer step per rollout): the old log-probs are this forward pass's own, gradient stopped, so the
   ratio is exactly 1. The guards are pretraining's (`program/update.py`): a non-finite loss, gradient or
   update is skipped, and so is a spike of the gradient norm (the watched signal: the surrogate loss is
@@ -84,7 +83,7 @@ def make_rl_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, algorithm: 
     return loss + v_loss, (loss, {**metrics, **v_metrics})
 
   def rl_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    rows, fault = faults.split(batch)
+    rows = batch
     with sharding_rules.activate(rules):
       if algorithm.critic:
         head = state.opt_state.params
@@ -93,9 +92,9 @@ def make_rl_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, algorithm: 
       else:
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params, rows)
     before = state
-    state, loss, update_metrics = update_lib.guarded_update(state, loss, grads, fault, optimizer,
+    state, loss, update_metrics = update_lib.guarded_update(state, loss, grads, optimizer,
                                                             spike_zscore=spike_zscore, spike_warmup=spike_warmup,
-                                                            rules=rules, spike_signal="grad_norm")
+                                                            rules=rules, spike_signal="grad_norm", perturb=perturb)
     skipped = update_metrics["nonfinite"] | update_metrics["spike"]
     if algorithm.critic:  # the critic's own Adam step, skipped with the policy's (a NaN round moves neither)
       critic = before.opt_state
@@ -125,10 +124,10 @@ class RlProgram:
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
     rows = self.program.abstract_batch()
     shape = rows["inputs"].shape
-    out = {k: v for k, v in rows.items() if k in KEYS or k == faults.INPUT}
+    out = {k: v for k, v in rows.items() if k in KEYS}
     out.update({k: jax.ShapeDtypeStruct(shape, np.float32, sharding=self.batch_shardings[k])
                 for k in self.batch_shardings if k in RL_KEYS + CRITIC_KEYS})
-    return out
+    return drills.abstract_batch(self.batch_shardings, out)
 
   def lower(self) -> Any:
     """The RL step lowered from abstract inputs, as the trainer compiles it (no array allocated)."""
@@ -147,7 +146,6 @@ def build(program: Any, algorithm: Algorithm, hp: Hyper, *, on_policy: bool) -> 
   rl_keys = RL_KEYS + (CRITIC_KEYS if algorithm.critic else ())
   batch_shardings = {**{k: v for k, v in program.batch_shardings.items() if k in KEYS},
                      **{k: rows for k in rl_keys}}
-  replicated = NamedSharding(program.mesh, P())
   logprobs = jax.jit(make_logprobs(spec.graphdef, layout.rules, **chunking),
                      in_shardings=(spec.shardings.params, batch_shardings), out_shardings=rows)
   values = None
@@ -156,13 +154,13 @@ def build(program: Any, algorithm: Algorithm, hp: Hyper, *, on_policy: bool) -> 
                      in_shardings=(spec.shardings.params, spec.shardings.opt_state.params, batch_shardings),
                      out_shardings=rows)
   guards_cfg = program.cfg.guards
-  step = make_rl_step(spec.graphdef, program.optimizer, algorithm, hp, on_policy=on_policy,
-                      spike_zscore=guards_cfg.spike_zscore, spike_warmup=guards_cfg.spike_warmup, rules=layout.rules,
-                      **chunking)
-  train = jax.jit(step, in_shardings=(spec.shardings, {**batch_shardings, faults.INPUT: replicated}),
-                  out_shardings=(spec.shardings, replicated), donate_argnums=0)
-  return RlProgram(program=program, logprobs=logprobs, step=train,
-                   batch_shardings={**batch_shardings, faults.INPUT: replicated}, values=values)
+  step = drills.wrap_step(program.cfg, lambda **drill: make_rl_step(
+      spec.graphdef, program.optimizer, algorithm, hp, on_policy=on_policy, spike_zscore=guards_cfg.spike_zscore,
+      spike_warmup=guards_cfg.spike_warmup, rules=layout.rules, **chunking, **drill))
+  step_shardings = drills.batch_shardings(program.cfg, program.mesh, batch_shardings)  # + a drilled run's fault input
+  train = jax.jit(step, in_shardings=(spec.shardings, step_shardings),
+                  out_shardings=(spec.shardings, NamedSharding(program.mesh, P())), donate_argnums=0)
+  return RlProgram(program=program, logprobs=logprobs, step=train, batch_shardings=step_shardings, values=values)
 
 
 def for_config(program: Any) -> RlProgram:
@@ -182,11 +180,9 @@ def jit_pieces(program: Any, algorithm: str = "grpo", *, on_policy: bool, **hype
   return pieces.logprobs, pieces.step
 
 
-def to_device(rows: dict[str, np.ndarray], program: Any, fault: tuple[float, float] | None = None) -> dict[str, jax.Array]:
-  """Host rows (KEYS + RL_KEYS) -> global arrays with the batch's row sharding; with `fault` (the step's
-  batch: `faults.NONE` when nothing is injected), plus the step's fault input."""
+def to_device(rows: dict[str, np.ndarray], program: Any) -> dict[str, jax.Array]:
+  """Host rows (KEYS + RL_KEYS) -> global arrays with the batch's row sharding."""
   from maxtrain.program import batch as batch_lib
 
   shardings = {k: program.batch_shardings["inputs"] for k in rows}
-  batch = batch_lib.to_device(rows, shardings)
-  return batch if fault is None else faults.attach(batch, fault, NamedSharding(program.mesh, P()))
+  return batch_lib.to_device(rows, shardings)

@@ -1,5 +1,5 @@
-"""The train batch as the step sees it: the pipeline's fields (`data/pipeline.py` KEYS, DTYPES) plus
-the fault input (`runtime/faults.py`); its layout over processes, batch shards and microbatches (computed once, as a
+"""The train batch as the step sees it: the pipeline's fields (`data/pipeline.py` KEYS, DTYPES) (a
+drilled run's step adds its fault input: `program/drills.py`); its layout over processes, batch shards and microbatches (computed once, as a
 value); its shardings (from the `act_batch`/`act_length` rules); and the one way host rows become
 global device arrays.
 
@@ -14,11 +14,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from maxtrain.data import pipeline
 from maxtrain.errors import require
-from maxtrain.runtime import faults
 from maxtrain.sharding import context_attention
 from maxtrain.sharding import rules as rules_lib
 from maxtrain.sharding.layout import Layout
@@ -88,17 +87,15 @@ class BatchLayout:
 
 
 def shardings(mesh: Mesh, layout: Layout) -> dict[str, NamedSharding]:
-  """Every field's sharding: [B, T] arrays by the batch rules; the fault input replicated."""
+  """Every field's sharding: [B, T] arrays by the batch rules."""
   rows = layout.batch_sharding(mesh)
-  return {**{k: rows for k in pipeline.KEYS}, faults.INPUT: NamedSharding(mesh, P())}
+  return {k: rows for k in pipeline.KEYS}
 
 
 def abstract(batch_layout: BatchLayout, batch_shardings: dict[str, NamedSharding]) -> dict[str, jax.ShapeDtypeStruct]:
   """A train batch's shapes, dtypes and shardings, for compiling without data."""
   shape = (batch_layout.global_size, batch_layout.seq_len)
-  batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_shardings[k]) for k, dtype in pipeline.DTYPES.items()}
-  batch[faults.INPUT] = jax.ShapeDtypeStruct((2,), np.float32, sharding=batch_shardings[faults.INPUT])
-  return batch
+  return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_shardings[k]) for k, dtype in pipeline.DTYPES.items()}
 
 
 def length_shards(sharding: NamedSharding) -> int:

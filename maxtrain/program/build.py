@@ -7,6 +7,7 @@ the trainer runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable, Sequence
 
@@ -15,6 +16,7 @@ import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxtrain.program import batch as batch_lib, critic
+from maxtrain.program import drills
 from maxtrain.program import fit
 from maxtrain.program import loss
 from maxtrain.optim import offload
@@ -24,7 +26,6 @@ from maxtrain.program import step as step_lib
 from maxtrain.models import quant
 from maxtrain.models import registry
 from maxtrain.models.decoder import ModelConfig
-from maxtrain.runtime import faults
 from maxtrain.sharding.layout import with_shardings
 from maxtrain.sharding.mesh import make_mesh
 from maxtrain.program.plan import Plan, schedule_config, validate
@@ -54,7 +55,7 @@ class Program:
     return with_shardings(self.state.abstract, self.state.shardings)
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-    return batch_lib.abstract(self.plan.batch, self.batch_shardings)
+    return drills.abstract_batch(self.batch_shardings, batch_lib.abstract(self.plan.batch, self.batch_shardings))
 
   def lower(self) -> Any:
     """The train step lowered from abstract inputs, as the trainer compiles it (no array allocated)."""
@@ -79,19 +80,21 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) 
     optimizer = critic.with_critic(optimizer, model_cfg.d_model, cfg.post.critic_lr)
   state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window,
                               offload_optimizer=offload.enabled(cfg.optimizer))
-  batch_shardings = batch_lib.shardings(mesh, plan.layout)
+  row_shardings = batch_lib.shardings(mesh, plan.layout)
+  batch_shardings = drills.batch_shardings(cfg, mesh, row_shardings)  # + the fault input only when drilled
   replicated = NamedSharding(mesh, P())
   # Each batch shard keeps its own partial head gradient across loss chunks (maxtrain/program/loss.py).
   chunking = dict(chunk_tokens=loss_chunk_tokens(cfg.model), batch_shards=plan.layout.shards("act_batch"),
                   length_shards=plan.layout.shards("act_length"), pipeline=plan.pipeline)
-  step = step_lib.make_train_step(state_spec.graphdef, optimizer, z_loss=cfg.optimizer.z_loss, moe=model_cfg.moe,
-                                  grad_accum_steps=plan.batch.num_microbatches, spike_zscore=cfg.guards.spike_zscore,
-                                  spike_warmup=cfg.guards.spike_warmup, rules=rules, **chunking)
+  make_step = functools.partial(step_lib.make_train_step, state_spec.graphdef, optimizer, z_loss=cfg.optimizer.z_loss,
+                                moe=model_cfg.moe, grad_accum_steps=plan.batch.num_microbatches,
+                                spike_zscore=cfg.guards.spike_zscore, spike_warmup=cfg.guards.spike_warmup, rules=rules,
+                                **chunking)
+  step = drills.wrap_step(cfg, make_step)  # a fault input and its injection only when config.faults sets one
   train_step = jax.jit(step, in_shardings=(state_spec.shardings, batch_shardings),
                        out_shardings=(state_spec.shardings, replicated), donate_argnums=0)
-  eval_batch_shardings = {k: v for k, v in batch_shardings.items() if k != faults.INPUT}
   eval_step = jax.jit(step_lib.make_eval_step(state_spec.graphdef, rules, **chunking),
-                      in_shardings=(state_spec.shardings.params, eval_batch_shardings), out_shardings=replicated)
+                      in_shardings=(state_spec.shardings.params, row_shardings), out_shardings=replicated)
   return Program(cfg=cfg, plan=plan, mesh=mesh, model_cfg=model_cfg, optimizer=optimizer, state=state_spec,
                  batch_shardings=batch_shardings, train_step=train_step, eval_step=eval_step)
 

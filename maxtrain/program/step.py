@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.program import loss, microbatch, update as update_lib
-from maxtrain.runtime import faults
 from maxtrain.optim import optimizer as optim
 from maxtrain.models import moe as moe_lib
 from maxtrain.models import mtp as mtp_lib
@@ -167,14 +166,14 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
                     spike_warmup: int = 20,
                     rules: sharding_rules.Rules | None = None, chunk_tokens: int = 0,
                     batch_shards: int = 1, length_shards: int = 1,
-                    pipeline: pipeline_lib.Schedule | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-  """The step. `batch` may carry the fault input (`runtime/faults.py`); absent, nothing is injected.
+                    pipeline: pipeline_lib.Schedule | None = None,
+                    perturb: update_lib.Perturb | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+  """The step. `perturb`: a change to the loss and gradients before the guards (a drill: `program/drills.py`).
   `rules` lay out the model's activations (None: GSPMD decides alone); `chunk_tokens`, `batch_shards`, `length_shards`: see
   `loss.head_losses`; `pipeline`: the layer stacks run through a circular pipeline (`sharding/pipeline.py`)."""
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-    rows, fault = faults.split(batch)
     with sharding_rules.activate(rules), pipeline_lib.activate(pipeline):
-      metrics, grads = loss_and_grads(graphdef, state.params, rows, z_loss=z_loss,
+      metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss,
                                       grad_accum_steps=grad_accum_steps,
                                       chunk_tokens=chunk_tokens, batch_shards=batch_shards,
                                       length_shards=length_shards)
@@ -182,8 +181,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_los
     # aux-loss-free balancing: part of the candidate, so a skipped step keeps the old bias too
     adjust = (lambda p: moe_lib.update_router_bias(p, load_LE, moe.bias_update_rate)) if moe.bias_update_rate else None
     state, metrics["loss"], update_metrics = update_lib.guarded_update(
-        state, metrics["loss"], grads, fault, optimizer, spike_zscore=spike_zscore, spike_warmup=spike_warmup,
-        rules=rules, adjust_candidate=adjust)
+        state, metrics["loss"], grads, optimizer, spike_zscore=spike_zscore, spike_warmup=spike_warmup,
+        rules=rules, adjust_candidate=adjust, perturb=perturb)
     metrics.update(update_metrics)
     return state, metrics
 

@@ -1,7 +1,7 @@
 """The one guarded update, shared by every step that changes the parameters (pretraining and SFT in
 `program/step.py`, the RL algorithms in `posttrain/rl_step.py`): given a loss and its gradients,
 
-  fault injection -> gradient norm -> in-graph guards (non-finite, spike) -> optimizer update (held
+  (a drill's perturbation) -> gradient norm -> in-graph guards (non-finite, spike) -> optimizer update (held
   in place when skipped) -> candidate parameters (plus a MoE router-bias change) -> a non-finite
   update is rejected too -> the new state and the step's metrics.
 
@@ -21,19 +21,24 @@ from maxtrain.optim import optimizer as optim
 from maxtrain.optim.masking import keep_if
 from maxtrain.program import guards
 from maxtrain.program.state import TrainState
-from maxtrain.runtime import faults
 from maxtrain.sharding import rules as sharding_rules
 
 
-def guarded_update(state: TrainState, loss: jax.Array, grads: Any, fault: jax.Array | None,
-                   optimizer: optim.Optimizer, *, spike_zscore: float, spike_warmup: int,
+Perturb = Callable[[jax.Array, Any], tuple[jax.Array, Any]]  # (loss, grads) -> (loss, grads)
+
+
+def guarded_update(state: TrainState, loss: jax.Array, grads: Any, optimizer: optim.Optimizer, *,
+                   spike_zscore: float, spike_warmup: int,
                    rules: sharding_rules.Rules | None = None, spike_signal: str = "loss",
-                   adjust_candidate: Callable[[Any], Any] | None = None) -> tuple[TrainState, jax.Array, dict]:
-  """(new state, the loss after fault injection, metrics: grad_norm, param_norm, the guards' flags,
+                   adjust_candidate: Callable[[Any], Any] | None = None,
+                   perturb: Perturb | None = None) -> tuple[TrainState, jax.Array, dict]:
+  """(new state, the loss the guards saw, metrics: grad_norm, param_norm, the guards' flags,
   the learning rates, the update norms). `spike_signal`: the value the spike check watches, "loss"
   or "grad_norm" (RL: its surrogate loss is ~0 by construction). `adjust_candidate`: a change made to
-  the candidate parameters that a skipped step drops with the update (MoE aux-loss-free balancing)."""
-  loss, grads = faults.inject(fault, loss, grads)
+  the candidate parameters that a skipped step drops with the update (MoE aux-loss-free balancing).
+  `perturb`: a drill's change to the loss and gradients (`program/drills.py`); None in a production step."""
+  if perturb is not None:  # trace time: only a drilled step has it
+    loss, grads = perturb(loss, grads)
   grad_norm = optax.tree.norm(grads)  # before clipping
   guard, skip, guard_metrics = guards.check(state.guard, loss, grad_norm, zscore=spike_zscore, warmup=spike_warmup,
                                             signal=grad_norm if spike_signal == "grad_norm" else None)

@@ -7,10 +7,12 @@ fault again: a fired fault is recorded in `<output_dir>/faults_fired.json` (proc
 another for the SIGTERM, so that one run can stop one process and hang another); `faults.slow_step_s` makes it a
 straggler for the whole run (it is not a one-off, so it is not recorded).
 
-This module is the one seam: the host side (`Faults`) and the in-graph side (`INPUT`, `attach`,
-`inject`), which the loaders and the step call unconditionally; no production module branches on a
-fault of its own. The in-graph faults reach the jitted step through one replicated input, f32[2] =
-(make this step NaN?, loss scale), so the same compiled program runs with and without them.
+This module is the drills themselves: the host side (`Faults`) and the in-graph side (`INPUT`, `attach`,
+`inject`). No production module calls them: the builder wraps the step in `program/drills.py` only when an
+in-graph drill is set (`in_graph_armed`), and `loop/drills.py` registers `Faults` on the loop's events
+(`loop/observers.py`), the one place they are wired. The in-graph faults reach the wrapped step through one
+replicated input, f32[2] = (make this step NaN?, loss scale), so one compiled program runs every step of a
+drilled run; the default step has no such input.
 """
 
 from __future__ import annotations
@@ -28,13 +30,24 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxtrain.errors import UserError
 
 log = logging.getLogger("maxtrain")
 INPUT = "fault"  # the batch field that carries the step's in-graph fault
 NONE = (0.0, 1.0)  # (not NaN, loss x 1): nothing injected
+IN_GRAPH = ("nan_at_step", "spike_at_step")  # the drills that ride in the step (the rest are host-side)
+
+
+def in_graph_armed(faults_cfg: ml_collections.ConfigDict) -> bool:
+  """Whether an in-graph drill is set: only then does the step take the fault input (`program/drills.py`)."""
+  return any(faults_cfg[name] != -1 for name in IN_GRAPH)
+
+
+def replicated(batch: dict[str, jax.Array]) -> NamedSharding:
+  """The fault input's sharding for `batch`: replicated over the mesh its rows live on (the step's in_sharding)."""
+  return NamedSharding(batch["inputs"].sharding.mesh, P())
 
 
 def attach(batch: dict[str, jax.Array], fault: tuple[float, float], sharding: NamedSharding) -> dict[str, jax.Array]:
@@ -58,7 +71,8 @@ def inject(fault: jax.Array | None, loss: jax.Array, grads: Any) -> tuple[jax.Ar
 
 
 class Faults:
-  def __init__(self, faults_cfg: ml_collections.ConfigDict, output_dir: Path, process_index: int = 0):
+  def __init__(self, faults_cfg: ml_collections.ConfigDict, output_dir: Path, process_index: int = 0,
+               before_kill: Any = lambda: None):
     self.cfg, self.process_index = faults_cfg, process_index
     self.targeted = faults_cfg.process in (-1, process_index)
     sigterm_process = faults_cfg.process if faults_cfg.sigterm_process == -1 else faults_cfg.sigterm_process
@@ -66,7 +80,7 @@ class Faults:
     # One record per process: processes that fire different faults never overwrite each other's.
     self._record = output_dir / ("faults_fired.json" if process_index == 0 else f"faults_fired.process{process_index}.json")
     self._fired = self._read() if self._record.exists() else set()
-    self.before_kill = lambda: None  # the trainer's: wait for the checkpoint saves in flight
+    self.before_kill = before_kill  # the trainer's: wait for the checkpoint saves in flight
 
   def _read(self) -> set[str]:
     try:

@@ -1,0 +1,40 @@
+"""The one place the host-side drills (config.faults.*, `runtime/faults.py`) are wired: each is an
+observer of the loop's events (`loop/observers.py`), and a drilled run's batches get their step's fault
+input here (the step takes it only then: `program/drills.py`). No other module of `loop/`, `posttrain/`,
+`program/` or `models/` names a fault (tests/test_architecture.py checks it).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import ml_collections
+
+from maxtrain.loop.observers import Observers
+from maxtrain.runtime import faults
+
+
+def install(observers: Observers, cfg: ml_collections.ConfigDict, out_dir: Path, process_index: int,
+            settle: Callable[[], None]) -> faults.Faults:
+  """Registers config.faults' drills on `observers`. Reads the record of the drills that already fired
+  (UserError when it is unreadable: exit 2, before compiling). `settle`: waits for the saves in flight
+  (a kill drill lets them land first)."""
+  drills = faults.Faults(cfg.faults, out_dir, process_index, before_kill=settle)
+  if faults.in_graph_armed(cfg.faults):  # the drilled step takes a fault input on every batch
+    observers.on("batch", lambda step, batch: faults.attach(batch, drills.in_graph(step), faults.replicated(batch)))
+  observers.on("step_ran", drills.in_graph_ran)  # before a rollback: a redone step is clean
+  observers.on("step_done", drills.after_step)
+  observers.on("save_started", drills.after_save_started)
+  observers.on("saved", drills.after_save_complete)
+  observers.on("rollout", lambda round_, stopping: _hang_rollout(drills, round_, stopping))
+  observers.on("publish", lambda version: not drills.fire("publish_stall_at_step", version))
+  return drills
+
+
+def _hang_rollout(drills: Any, round_: int, stopping: threading.Event) -> bool:
+  if not drills.fire("rollout_hang_at_step", round_):
+    return False
+  stopping.wait()  # a rollout worker that hangs (until the run stops)
+  return True
