@@ -275,3 +275,36 @@ def test_the_attention_mask_value_is_defined_once():
         fills.append(f"{rel}:{node.lineno}")
   assert definitions == ["maxtrain/models/attention/mask.py:MASK_VALUE"], definitions
   assert [f.split(":")[0] for f in fills] == ["maxtrain/models/attention/mask.py"], fills
+
+
+# The drills (config.faults.*, maxtrain/runtime/faults.py) stay off the production path: in these packages
+# only the wrappers name them (docs/faults.md): the builder's in-graph wrapper and the loop's one wiring place.
+DRILL_PACKAGES = ("program", "models", "loop", "posttrain")
+DRILL_WRAPPERS = {"maxtrain.program.drills", "maxtrain.loop.drills"}
+FAULT_NAMES = {"fault", "Faults"}  # the step's fault input, the host drills' class
+
+
+def fault_mentions(module: str, path: Path) -> list[str]:
+  """Where `module` imports the drills (any form, function-level included) or names a fault input."""
+  found = [f"imports {dep}" for dep in sorted(imports_of(module, path)) if dep == "maxtrain.runtime.faults"]
+  for node in ast.walk(parse(path)):
+    name = node.id if isinstance(node, ast.Name) else node.arg if isinstance(node, ast.arg) else None
+    if name in FAULT_NAMES:
+      found.append(f"{name} (line {node.lineno})")
+  return found
+
+
+def test_no_fault_name_outside_the_drill_wrappers():
+  offenders = {module: fault_mentions(module, path) for module, path in MODULES.items()
+               if package_of(module) in DRILL_PACKAGES and module not in DRILL_WRAPPERS}
+  offenders = {m: found for m, found in offenders.items() if found}
+  assert not offenders, ("the drills named on the production path (wrap the step in program/drills.py, observe the "
+                         f"loop's events from loop/drills.py): {offenders}")
+
+
+def test_the_fault_check_would_catch_a_fault_input(tmp_path):
+  sample = tmp_path / "x.py"
+  sample.write_text("from maxtrain.runtime import faults\n\n\ndef step(state, batch, fault=None):\n"
+                    "  from maxtrain.runtime.faults import Faults\n  rows, fault = faults.split(batch)\n")
+  assert fault_mentions("maxtrain.program.x", sample) == ["imports maxtrain.runtime.faults", "fault (line 4)",
+                                                           "fault (line 6)"]
