@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import ml_collections
 
@@ -21,20 +21,20 @@ def install(observers: Observers, cfg: ml_collections.ConfigDict, out_dir: Path,
   """Registers config.faults' drills on `observers`. Reads the record of the drills that already fired
   (UserError when it is unreadable: exit 2, before compiling). `settle`: waits for the saves in flight
   (a kill drill lets them land first)."""
-  drills = faults.Faults(cfg.faults, out_dir, process_index, before_kill=settle)
-  if faults.in_graph_armed(cfg.faults):  # the drilled step takes a fault input on every batch
-    observers.on("batch", lambda step, batch: faults.attach(batch, drills.in_graph(step), faults.replicated(batch)))
-  observers.on("step_ran", drills.in_graph_ran)  # before a rollback: a redone step is clean
-  observers.on("step_done", drills.after_step)
-  observers.on("save_started", drills.after_save_started)
-  observers.on("saved", drills.after_save_complete)
-  observers.on("rollout", lambda round_, stopping: _hang_rollout(drills, round_, stopping))
-  observers.on("publish", lambda version: not drills.fire("publish_stall_at_step", version))
-  return drills
+  host = faults.Faults(cfg.faults, out_dir, process_index, before_kill=settle)
+  if faults.in_graph_armed(cfg.faults):  # the drilled step (program/drills.py) takes a fault input on every batch
+    observers.on("batch", lambda step, batch: faults.attach(batch, host.in_graph(step), faults.replicated(batch)))
+  observers.on("step_ran", host.in_graph_ran)  # before a rollback: a redone step is clean
+  observers.on("step_done", host.after_step)
+  observers.on("save_started", host.after_save_started)
+  observers.on("saved", host.after_save_complete)
+  observers.on("rollout", lambda round_, stopping: _hang_rollout(host, round_, stopping))
+  observers.on("publish", lambda version: not host.fire("publish_stall_at_step", version))
+  return host
 
 
-def _hang_rollout(drills: Any, round_: int, stopping: threading.Event) -> bool:
-  if not drills.fire("rollout_hang_at_step", round_):
+def _hang_rollout(host: faults.Faults, round_: int, stopping: threading.Event) -> bool:
+  if not host.fire("rollout_hang_at_step", round_):
     return False
   stopping.wait()  # a rollout worker that hangs (until the run stops)
   return True
