@@ -5,7 +5,8 @@ updates); the loop never knows which kind of step it drives.
 `Trainer.__init__` builds the run's components and does everything that can fail on bad input,
 before compiling: the plan and the program (`program/build.py` program_for), the stepper and its data,
 checkpoints (`checkpoint/schedule.py`), rollbacks (`loop/rollback.py`), metrics (`monitor/metrics.py`)
-and the process's lifecycle (watchdog, signals, the drills observing the loop: `loop/drills.py`). `Trainer.train` runs the loop.
+and the process's lifecycle (watchdog, signals, the drills observing the loop: `loop/drills.py`).
+`Trainer.train` runs the loop.
 Every attempt appends to `<output_dir>/events.jsonl` (monitor/events.py).
 """
 

@@ -1,6 +1,6 @@
-"""The train batch as the step sees it: the pipeline's fields (`data/pipeline.py` KEYS, DTYPES) (a
-drilled run's step adds its fault input: `program/drills.py`); its layout over processes, batch shards and microbatches (computed once, as a
-value); its shardings (from the `act_batch`/`act_length` rules); and the one way host rows become
+"""The train batch as the step sees it: the pipeline's fields (`data/pipeline.py` KEYS, DTYPES; a
+drilled run's step adds its fault input, `program/drills.py`); its layout over processes, batch shards and
+microbatches (computed once, as a value); its shardings (from the `act_batch`/`act_length` rules); and the one way host rows become
 global device arrays.
 
 Shape legend: B global batch (sequences), T sequence length.
