@@ -28,13 +28,15 @@ def _raises(error: BaseException):
 
 @pytest.mark.parametrize("error,code,tail", [
     (UserError("config.steps=0: must be > 0"), EXIT_BAD_INPUT, "maxtrain.tool: error: config.steps=0: must be > 0"),
-    (Preempted("stopped by SIGTERM after step 4"), EXIT_PREEMPTED, "maxtrain.tool: preempted: stopped by SIGTERM after step 4"),
+    (Preempted("stopped by SIGTERM after step 4"), EXIT_PREEMPTED,
+     "maxtrain.tool: preempted: stopped by SIGTERM after step 4"),
     (Aborted("loss spike at step 7"), EXIT_ABORTED, "maxtrain.tool: aborted: loss spike at step 7"),
     (Stalled("publish 3 took over 5s"), EXIT_HANG, "maxtrain.tool: hang: publish 3 took over 5s"),
     (UserCodeExit("config.post.reward='m:f' raised SystemExit(0)"), EXIT_CRASH,
      "maxtrain.tool: crash: config.post.reward='m:f' raised SystemExit(0)"),
     (KeyboardInterrupt(), EXIT_INTERRUPTED, "maxtrain.tool: interrupted (Ctrl-C): nothing was written"),
-    (ZeroDivisionError("division by zero"), EXIT_CRASH, "maxtrain.tool: crash: ZeroDivisionError: division by zero (traceback above)"),
+    (ZeroDivisionError("division by zero"), EXIT_CRASH,
+     "maxtrain.tool: crash: ZeroDivisionError: division by zero (traceback above)"),
 ])
 def test_each_ending_maps_to_its_code_and_one_tail(capsys, error, code, tail):
   handler = signal.getsignal(signal.SIGINT)

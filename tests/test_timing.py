@@ -17,7 +17,7 @@ from maxtrain.program import state as state_lib
 from tiny import TINY_MODEL
 
 # Tools import it as `import harness` (tools/ is on sys.path when one runs); a test loads it by path.
-_SPEC = importlib.util.spec_from_file_location("harness", Path(__file__).resolve().parent.parent / "tools" / "harness.py")
+_SPEC = importlib.util.spec_from_file_location("harness", Path(__file__).resolve().parents[1] / "tools/harness.py")
 harness = sys.modules["harness"] = importlib.util.module_from_spec(_SPEC)  # dataclasses look their module up
 _SPEC.loader.exec_module(harness)
 

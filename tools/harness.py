@@ -115,7 +115,8 @@ class CompiledStep:
     data = Data(cfg, self.program.batch_shardings)
     self.batches = [data.next_batch()[0] for _ in range(steps)]
     with jax.set_mesh(self.mesh):
-      self.compile_s, _, self.compiled = once(lambda: self.program.train_step.lower(self.state, self.batches[0]).compile())
+      lowered = self.program.train_step.lower(self.state, self.batches[0])
+      self.compile_s, _, self.compiled = once(lowered.compile)
 
   def __call__(self) -> Any:
     import jax

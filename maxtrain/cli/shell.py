@@ -18,6 +18,8 @@ import threading
 import traceback
 from typing import Callable, Sequence
 
+import ml_collections
+
 from maxtrain import config as config_lib
 from maxtrain.config.loader import parse_args as parse_config_args
 from maxtrain.errors import EXIT_OK, EXITS, UserError, exit_row, printable
@@ -48,7 +50,7 @@ class Invocation:
   config_argv: list[str]  # `--config=PATH` and `--config.KEY=VALUE`, as given (the loader's and sampling's input)
   rest: list[str]  # after `--` (passthrough commands)
 
-  def load_config(self):
+  def load_config(self) -> ml_collections.ConfigDict:
     """The config file, its hardware preset and the overrides, validated and locked (config.load)."""
     return config_lib.load(self.config_argv)
 
