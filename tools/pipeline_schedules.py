@@ -21,8 +21,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-import harness  # noqa: E402
 from maxtrain.config import loader as config_lib  # noqa: E402
+from maxtrain.program import build as build_lib  # noqa: E402
 from maxtrain.sharding import schedules  # noqa: E402
 
 MODEL = ["--config.model.num_layers=4", "--config.model.d_model=256", "--config.model.num_heads=4",
@@ -46,7 +46,8 @@ def main() -> None:
       batch = args.rows * m if args.rows else 32
       cfg = config_lib.load(MODEL + variant + [f"--config.pipeline.microbatches={m}", f"--config.data.batch_size={batch}"]
                             + extra)
-      program, memory = harness.compiled_memory(cfg)
+      program = build_lib.program_for(cfg, jax.devices(), require_data=False)
+      memory = program.lower().compile().memory_analysis()
       tab = schedules.table(program.plan.pipeline)
       print(f"{name:20} {m:3d} {memory.temp_size_in_bytes / 2**20:9.2f} {schedules.bubble(tab):7.4f}  "
             f"{[int(x) for x in schedules.held(tab)]}", flush=True)
