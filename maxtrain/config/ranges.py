@@ -156,7 +156,7 @@ RANGES: dict[str, Range] = {
     "post.gamma": between(0, 1), "post.lam": between(0, 1), "post.value_clip": above(0), "post.critic_lr": above(0),
     "post.temperature": above(0),
     "post.rollout_devices": COUNT0, "post.max_staleness": COUNT0, "post.is_cap": at_least(1),
-    "post.sync_timeout_s": SECONDS,
+    "post.sync_timeout_s": SECONDS, "post.continuous_batching": COUNT0,
     # eval
     "eval.every_steps": COUNT0, "eval.batches": COUNT,
 }
