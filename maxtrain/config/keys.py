@@ -256,6 +256,7 @@ def base_config() -> ml_collections.ConfigDict:
   f.kill_every_steps = 0  # SIGKILL itself after every N steps of an attempt (crashes at a known rate), up to kill_times; 0 = off.
   f.kill_times = 0  # How many kill_every_steps kills in the whole run.
   f.rollout_hang_at_step = -1  # RL with an async rollout side: its producer blocks forever before the rollout of this round (post.sync_timeout_s must fire).
+  f.rollout_die_at_step = -1  # RL with an async rollout side: its producer thread raises (a worker that dies) before the rollout of this round.
   f.publish_stall_at_step = -1  # RL with an async rollout side: the weight publish after this round never completes (post.sync_timeout_s must fire).
 
   c.guards = g = ml_collections.ConfigDict()

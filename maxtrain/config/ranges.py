@@ -138,7 +138,7 @@ RANGES: dict[str, Range] = {
     **{f"faults.{k}": STEP_OR_OFF for k in ("sigterm_at_step", "kill_during_save_at_step", "corrupt_checkpoint_at_step",
                                              "crash_at_step", "hang_at_step", "nan_at_step", "spike_at_step",
                                              "kill_at_step", "process", "sigterm_process", "rollout_hang_at_step",
-                                             "publish_stall_at_step")},
+                                             "publish_stall_at_step", "rollout_die_at_step")},
     "faults.spike_factor": above(0), "faults.slow_step_s": SECONDS0, "faults.kill_every_steps": COUNT0,
     "faults.kill_times": COUNT0,
     # guards, watchdog, fleet

@@ -35,7 +35,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from maxtrain.errors import Stalled
+from maxtrain.config import redact_text
+from maxtrain.errors import Stalled, UserCodeExit, UserError
 from maxtrain.monitor import events as ev
 from maxtrain.posttrain import rollout as rollout_lib
 from maxtrain.posttrain.data import make_generator
@@ -256,6 +257,8 @@ class RolloutSide:
         if self.faults.fire("rollout_hang_at_step", k):  # the drill: a rollout worker that hangs
           self.stopping.wait()
           return
+        if self.faults.fire("rollout_die_at_step", k):  # the drill: a rollout worker that dies
+          raise RuntimeError(f"fault injection: the rollout producer died before round {k}")
         r = rollout_lib.sample(self.data, self.generator_for(params), params, q, self.post, self.seed, self.seq_len)
         made = Made(k, q, need, r, encode(r))
         with self.cond:
@@ -266,6 +269,11 @@ class RolloutSide:
           self._forget()
           self.cond.notify_all()
     except BaseException as e:  # noqa: BLE001 - handed to the trainer, which ends the run with its code
+      self.events.emit(ev.ROLLOUT_DIED, self.trainer_version, round=self.next_round, version=self._need(self.next_round),
+                       error=redact_text(f"{type(e).__name__}: {e}")[:1000])
+      if not isinstance(e, (UserError, UserCodeExit)):  # a crash (exit 1): its message says which side died
+        died = RuntimeError(f"the rollout producer thread died at round {self.next_round}: {type(e).__name__}: {e}")
+        died.__cause__, e = e, died
       with self.cond:
         self.error = e
         self.cond.notify_all()
