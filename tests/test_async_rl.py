@@ -138,6 +138,9 @@ def test_rollouts_on_their_own_devices_one_version_behind(straight):
   assert scalars(out, "rl/dropped_rollouts") == {k: 0.0 for k in (1, 2, 3, 4)}
   busy = scalars(out, "rl/trainer_busy")
   assert all(0 < b <= 1 for b in busy.values()), busy
+  logged = {e["step"]: e for e in read_events(out / "events.jsonl") if e["kind"] == "rl_round"}
+  assert sorted(logged) == [1, 2, 3, 4] and [logged[k]["staleness_mean"] for k in (1, 2, 3, 4)] == [0, 1, 1, 1]
+  assert all(abs(logged[k]["trainer_busy"] - busy[k]) < 1e-6 and logged[k]["updates_per_s"] > 0 for k in busy)
   state = json.loads((out / "checkpoints/2/data/metadata").read_text())  # the data state (Orbax JsonSave)
   [made] = state["in_flight"]
   assert (made["round"], made["position"], made["version"], state["step"]) == (3, 2, 1, 2)

@@ -245,6 +245,25 @@ def test_nan_and_spike_roll_back_and_the_redone_rounds_draw_new_rollouts(rolled_
   assert json.loads((out / "summary.json").read_text())["steps"] == 7
 
 
+def test_utilisation_reaches_tensorboard_and_the_event_log(rolled_back):
+  """Every logged round: an `rl_round` event with the utilisation its TensorBoard scalars hold; rollout
+  tokens/s x sampling seconds = the completion tokens generated (response length x rows)."""
+  from test_async_rl import scalars
+
+  out = rolled_back
+  logged = [e for e in read_events(out / "events.jsonl") if e["kind"] == "rl_round"]
+  assert sorted({e["step"] for e in logged}) == list(range(1, 8))
+  for e in logged:
+    assert 0 < e["trainer_busy"] <= 1 and e["updates_per_s"] > 0 and e["rollout_tokens_per_s"] > 0, e
+    assert e["trainer_idle_s"] > 0 and e["rollout_idle_s"] > 0, e
+  last = {e["step"]: e for e in logged}
+  busy = scalars(out, "rl/trainer_busy")
+  assert all(abs(busy[k] - last[k]["trainer_busy"]) < 1e-6 for k in busy), (busy, last)
+  per_s, sampling_s, length = (scalars(out, f"rl/{k}") for k in ("rollout_tokens_per_s", "rollout_s", "response_length"))
+  for k in per_s:
+    np.testing.assert_allclose(per_s[k] * sampling_s[k], length[k] * P * G, rtol=1e-5)
+
+
 def test_resume_after_a_rollback_is_exact(rolled_back, tmp_path):
   """Resumed from the round-6 checkpoint written after both rollbacks: round 7 draws the same rollouts
   (position 9, from the checkpoint's data state) and ends bit for bit where the uninterrupted run did."""

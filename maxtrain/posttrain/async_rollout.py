@@ -40,7 +40,7 @@ from maxtrain.errors import Stalled, UserCodeExit, UserError
 from maxtrain.monitor import events as ev
 from maxtrain.posttrain import rollout as rollout_lib
 from maxtrain.posttrain.data import make_generator
-from maxtrain.posttrain.rl import Outcome, RlStepper
+from maxtrain.posttrain.rl import Outcome, RlStepper, completion_tokens
 from maxtrain.program import state as state_lib
 
 log = logging.getLogger("maxtrain")
@@ -357,7 +357,7 @@ class AsyncRlStepper(RlStepper):
         "rl/trainer_busy": busy_s / max(round_s, 1e-9), "rl/updates_per_s": self.updates_per_step / max(round_s, 1e-9),
         "rl/publish_s": publish_s, "rl/rollout_idle_s": idle, "rl/rollout_busy_s": busy,
         "rl/rollout_s": busy,  # the producer's sampling time, not the trainer's wait
-        "rl/rollout_tokens_per_s": len(self._made.rollout.rewards) * self.cfg.post.max_new_tokens / max(busy, 1e-9)})
+        "rl/rollout_tokens_per_s": completion_tokens([self._made.rollout]) / max(busy, 1e-9)})
     return state, outcome
 
   def after_rollback(self, step: int, last: bool) -> None:

@@ -31,13 +31,22 @@ import jax
 import ml_collections
 import numpy as np
 
+from maxtrain.monitor import events as ev
 from maxtrain.posttrain import algorithms, correction, rl_step, rollout as rollout_lib
 from maxtrain.posttrain.data import PromptData, make_generator
 from maxtrain.program import state as state_lib
 
 log = logging.getLogger("maxtrain")
 ROLLOUTS_FILE = "rollouts.jsonl"  # post.log_rollouts
+# What users track of RL's utilisation: TensorBoard scalars, and an `rl_round` event per logged round
+UTILISATION = ("rl/trainer_busy", "rl/updates_per_s", "rl/rollout_tokens_per_s", "rl/trainer_idle_s",
+               "rl/rollout_idle_s", "rl/staleness_mean", "rl/padding_share")
 GUARD_FLAGS = ("nonfinite", "nonfinite_update", "spike", "loss_zscore", "consecutive_bad", "grad_norm")
+
+
+def completion_tokens(draws: list) -> float:
+  """The tokens the round's draws generated (each completion through its EOS)."""
+  return float(sum(int(d.lengths.sum()) for d in draws))
 
 
 @dataclasses.dataclass
@@ -146,7 +155,10 @@ class RlStepper:
                "rl/zero_advantage_groups": float(np.mean(np.all(adv_rows == 0, axis=1))),
                "rl/logprob_gap": gap, "rl/rollout_s": t1 - t0 - r.score_s, "rl/score_s": r.score_s,
                "rl/train_s": t3 - t1,  # the log-prob passes, the advantages and the updates
-               "rl/rollout_tokens_per_s": float(n * len(draws) * p.max_new_tokens) / max(t1 - t0 - r.score_s, 1e-9)}
+               "rl/rollout_tokens_per_s": completion_tokens(draws) / max(t1 - t0 - r.score_s, 1e-9),
+               # colocated: the updates wait for the rollout and the generator for the updates
+               "rl/trainer_busy": (t3 - t1) / max(t3 - t0, 1e-9), "rl/updates_per_s": self.updates_per_step / max(t3 - t0, 1e-9),
+               "rl/trainer_idle_s": t1 - t0, "rl/rollout_idle_s": t3 - t1}
     scalars.update({f"rl/reward/{name}": float(v.mean()) for name, v in r.parts.items()})  # each on its own
     scalars.update(correction_scalars)
     if self.algorithm.critic:  # the critic at the rollout against the round's returns (all its tokens)
@@ -185,6 +197,7 @@ class RlStepper:
 
   def log_line(self, step: int, outcome: Outcome) -> None:
     s = outcome.scalars
+    self.metrics.events.emit(ev.RL_ROUND, step, **{k[3:]: round(float(s[k]), 6) for k in UTILISATION if k in s})
     log.info("round %d  reward %.3f +- %.3f  kl %.4f  logprob_gap %.2e  rollout %.2fs score %.2fs train %.2fs",
              step, s["rl/reward_mean"], s["rl/reward_std"], s["rl/kl"], s["rl/logprob_gap"], s["rl/rollout_s"],
              s["rl/score_s"], s["rl/train_s"])
