@@ -37,6 +37,8 @@ ASYNC = RUN_ARGS + ["--config.post.max_staleness=1"]
     (["--config.post.correction=ips"], "config.post.correction='ips': choose one of none, tis, mis, decoupled"),
     (["--config.post.algorithm=dapo", "--config.post.mode=rl", "--config.post.max_staleness=2"],
      "dynamic sampling draws a variable number"),
+    (["--config.post.algorithm=gspo", "--config.post.mode=rl", "--config.post.pack_updates=true"],
+     "post.pack_updates=True with post.algorithm=gspo: its loss reads whole rows"),
 ])
 def test_bad_async_settings_exit_2_before_compiling(overrides, message, tmp_path, capsys):
   code = train.main(RUN_ARGS + overrides + ["--config.steps=1", f"--config.output_dir={tmp_path}"])

@@ -301,6 +301,7 @@ def base_config() -> ml_collections.ConfigDict:
   p.negate_reward = False  # rl: train on minus the reward (a control: the reward must drive learning).
   p.log_rollouts = False  # rl: append each round's prompts, completions and rewards to <output_dir>/rollouts.jsonl.
   p.continuous_batching = 0  # rl: rows of the rollout generator's decode batch with continuous batching (a completion that ends frees its row for the next prompt; rounded up to the batch shards); 0 = off: the round's prompts in one static batch.
+  p.pack_updates = False  # rl: pack the update batch's completions into fewer rows (first-fit; document ids keep them apart): the same per-token loss over less padding (token-level losses only: not dr_grpo, gspo, ppo).
   p.rollout_devices = 0  # rl: the last N local devices only generate rollouts, on a mesh of their own (fsdp over them); 0 = on the trainer's mesh.
   p.max_staleness = 0  # rl: policy versions a round's rollouts lag its update (round k trains on version k-1-N's); 0 = synchronous (bitwise today's run).
   p.correction = "none"  # rl: off-policy correction of the loss by the rollout's own log-probs: none | tis (truncated) | mis (masked) | decoupled (PPO, AReaL).

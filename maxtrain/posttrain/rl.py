@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 
 from maxtrain.monitor import events as ev
-from maxtrain.posttrain import algorithms, correction, rl_step, rollout as rollout_lib
+from maxtrain.posttrain import algorithms, correction, packing, rl_step, rollout as rollout_lib
 from maxtrain.posttrain.data import PromptData, make_generator
 from maxtrain.program import state as state_lib
 
@@ -136,10 +136,14 @@ class RlStepper:
                                                        p.is_cap)
       host["advantages"] = (host["advantages"] * weights).astype(np.float32)
     n, per, flags = len(mask), len(mask) // p.minibatches, []
+    minibatches = [{key: v[i * per:(i + 1) * per] for key, v in host.items()} for i in range(p.minibatches)]
+    if p.pack_updates:  # each minibatch's completions in fewer rows, kept apart by document ids
+      shards = self.program.plan.layout.shards("act_batch")
+      minibatches = [packing.pack(minibatch, shards)[0] for minibatch in minibatches]
+    update_rows = sum(len(minibatch["inputs"]) for minibatch in minibatches)
     fault = self.faults.in_graph(step)  # faults.nan_at_step / spike_at_step: every update of that round
     for _ in range(p.ppo_epochs):
-      for i in range(p.minibatches):
-        minibatch = {key: v[i * per:(i + 1) * per] for key, v in host.items()}
+      for minibatch in minibatches:
         state, metrics = self.pieces.step(state, rl_step.to_device(minibatch, self.program, fault))
         flags.append({key: metrics[key] for key in GUARD_FLAGS})
     jax.block_until_ready(metrics)
@@ -158,7 +162,10 @@ class RlStepper:
                "rl/rollout_tokens_per_s": completion_tokens(draws) / max(t1 - t0 - r.score_s, 1e-9),
                # colocated: the updates wait for the rollout and the generator for the updates
                "rl/trainer_busy": (t3 - t1) / max(t3 - t0, 1e-9), "rl/updates_per_s": self.updates_per_step / max(t3 - t0, 1e-9),
-               "rl/trainer_idle_s": t1 - t0, "rl/rollout_idle_s": t3 - t1}
+               "rl/trainer_idle_s": t1 - t0, "rl/rollout_idle_s": t3 - t1,
+               "rl/padding_share": packing.padding_share(packing.lengths(rows["segment_ids"]), (update_rows, mask.shape[1]))}
+    if p.pack_updates:
+      scalars["rl/padding_share_unpacked"] = packing.padding_share(packing.lengths(rows["segment_ids"]), mask.shape)
     scalars.update({f"rl/reward/{name}": float(v.mean()) for name, v in r.parts.items()})  # each on its own
     scalars.update(correction_scalars)
     if self.algorithm.critic:  # the critic at the rollout against the round's returns (all its tokens)
@@ -169,7 +176,7 @@ class RlStepper:
     if self.algorithm.dynamic_sampling:
       scalars.update({"rl/draws": float(len(draws)), "rl/dropped_groups": float(r.dropped_groups),
                       "rl/sampled_reward_mean": float(r.sampled_rewards.mean())})
-    self.metrics.tokens_per_step = n * self.cfg.data.seq_len * p.ppo_epochs
+    self.metrics.tokens_per_step = update_rows * self.cfg.data.seq_len * p.ppo_epochs
     return state, Outcome(metrics, scalars, flags)
 
   def _rollout(self, state: state_lib.TrainState, step: int) -> tuple[rollout_lib.Rollout, list]:
