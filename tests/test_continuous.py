@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxtrain.inference import sampling
+from maxtrain.inference import continuous, sampling
 from maxtrain.models import registry
 
 MAX_NEW = 20
@@ -34,7 +34,7 @@ def test_greedy_completions_equal_the_static_batch(generator):
   eos = int(values[np.argmax(counts)])  # the model's commonest token: completions of many lengths
   lengths = ends(static, eos)
   assert min(lengths) < 5 and max(lengths) == MAX_NEW, lengths
-  got, got_scores, timing = generator.continuous(4).generate_scored(PROMPTS, MAX_NEW, sampling.Sampling(), eos,
+  got, got_scores, timing = continuous.batcher(generator, 4).generate_scored(PROMPTS, MAX_NEW, sampling.Sampling(), eos,
                                                                    vocab_limit=60)
   assert ends(got, eos) == lengths
   for i, n in enumerate(lengths):
@@ -46,7 +46,7 @@ def test_greedy_completions_equal_the_static_batch(generator):
 
 
 def test_sampling_is_a_function_of_the_seed_not_of_the_rows(generator):
-  draw = lambda rows, seed: generator.continuous(rows).generate_scored(  # noqa: E731
+  draw = lambda rows, seed: continuous.batcher(generator, rows).generate_scored(  # noqa: E731
       PROMPTS, MAX_NEW, sampling.Sampling(temperature=1.0, seed=seed), 7, vocab_limit=60)
   four, scores4, _ = draw(4, 3)
   eight, scores8, _ = draw(8, 3)

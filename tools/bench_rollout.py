@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from maxtrain import config as config_lib
-from maxtrain.inference import sampling
+from maxtrain.inference import continuous, sampling
 from maxtrain.models import registry
 
 
@@ -57,7 +57,7 @@ def main() -> None:
   def continuous_arm(rows: int):
     def run() -> tuple[float, np.ndarray]:
       t0 = time.monotonic()
-      out, _, _ = generator.continuous(rows).generate_scored(prompts, args.max_new, draw, eos, vocab_limit=limit)
+      out, _, _ = continuous.batcher(generator, rows).generate_scored(prompts, args.max_new, draw, eos, vocab_limit=limit)
       return time.monotonic() - t0, completion_lengths(out, eos)
     return run
 

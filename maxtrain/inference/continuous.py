@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import weakref
 from typing import Any, Sequence
 
 import jax
@@ -30,13 +31,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maxtrain.inference import sampling as sampling_lib
+from maxtrain.sharding import rules as sharding_rules
+
 CHUNK = 8  # tokens per on-device decode call: the host sees finished rows every CHUNK tokens
+_BATCHERS: "weakref.WeakKeyDictionary[Any, dict[int, ContinuousBatcher]]" = weakref.WeakKeyDictionary()
+
+
+def batcher(generator: sampling_lib.Generator, rows: int) -> "ContinuousBatcher":
+  """The continuous batcher of `rows` decode rows (rounded up to the batch shards) over `generator`'s model,
+  mesh and current params; built once per generator and row count (its compiled functions are reused)."""
+  rows += -rows % generator.batch_multiple
+  batchers = _BATCHERS.setdefault(generator, {})
+  if rows not in batchers:
+    batchers[rows] = ContinuousBatcher(generator, rows)
+  return batchers[rows]
 
 
 def _per_row(logits_RV: jax.Array, keys_R: jax.Array, sampling: Any, vocab_limit: int) -> jax.Array:
-  from maxtrain.inference.sampling import sample
-
-  return jax.vmap(lambda l_V, key: sample(l_V[None], key, sampling, vocab_limit)[0])(logits_RV, keys_R)
+  return jax.vmap(lambda l_V, key: sampling_lib.sample(l_V[None], key, sampling, vocab_limit)[0])(logits_RV, keys_R)
 
 
 def _token_keys(base: jax.Array, prompt_R: jax.Array, index_R: jax.Array) -> jax.Array:
@@ -47,8 +60,7 @@ class ContinuousBatcher:
   """The continuous decode loop over a `sampling.Generator`'s model, mesh and parameters (module docstring)."""
 
   def __init__(self, generator: Any, rows: int, chunk: int = CHUNK):
-    from maxtrain.inference.sampling import scores
-    from maxtrain.sharding import rules as sharding_rules
+    scores = sampling_lib.scores
 
     assert rows % generator.batch_multiple == 0, (rows, generator.batch_multiple)
     self.generator, self.rows, self.chunk = generator, rows, chunk

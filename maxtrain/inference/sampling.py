@@ -94,17 +94,6 @@ class Generator:
     self._prefill = jax.jit(prefill, static_argnums=(4, 5, 6))
     self._decode = jax.jit(decode_loop, static_argnums=(5, 6, 7), donate_argnums=3)
 
-  def continuous(self, rows: int) -> Any:
-    """The continuous batcher (`inference/continuous.py`) of `rows` decode rows (rounded up to the batch
-    shards) over this generator's model, mesh and current params; built once per row count."""
-    from maxtrain.inference.continuous import ContinuousBatcher
-
-    rows += -rows % self.batch_multiple
-    batchers = self.__dict__.setdefault("_continuous", {})
-    if rows not in batchers:
-      batchers[rows] = ContinuousBatcher(self, rows)
-    return batchers[rows]
-
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling,
                eos_ids: Sequence[int] = (), vocab_limit: int | None = None,
                length_multiple: int = 1) -> tuple[list[list[int]], dict]:

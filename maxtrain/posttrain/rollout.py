@@ -74,6 +74,7 @@ class Rollout:
 
 def sample(data: Any, generator: Any, params: Any, q: int, post: Any, seed: int, seq_len: int) -> Rollout:
   """Prompt batch q, each prompt post.group_size times, sampled at post.temperature and scored."""
+  from maxtrain.inference import continuous
   from maxtrain.inference.sampling import Sampling
 
   tok = data.tokenizer
@@ -83,7 +84,7 @@ def sample(data: Any, generator: Any, params: Any, q: int, post: Any, seed: int,
   sampling_seed = int(np.random.default_rng([seed, q, 11]).integers(2**31))
   sampling = Sampling(temperature=post.temperature, seed=sampling_seed)
   if post.continuous_batching:  # rows freed at EOS take the next prompt (inference/continuous.py)
-    tokens_BN, scores_BN2, _ = generator.continuous(post.continuous_batching).generate_scored(
+    tokens_BN, scores_BN2, _ = continuous.batcher(generator, post.continuous_batching).generate_scored(
         prompt_ids, post.max_new_tokens, sampling, tok.eos_id, vocab_limit=tok.vocab_size)
   else:
     tokens_BN, scores_BN2, _ = generator.generate_scored(prompt_ids, post.max_new_tokens, sampling,
