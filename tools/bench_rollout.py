@@ -49,16 +49,17 @@ def main() -> None:
   limit, eos = int(args.mean_len), 0
   draw = sampling.Sampling(temperature=1.0, seed=1)
 
-  def static_arm() -> tuple[float, np.ndarray]:
+  def static_arm() -> tuple[float, np.ndarray, int]:
     t0 = time.monotonic()
     out, _, _ = generator.generate_scored(prompts, args.max_new, draw, vocab_limit=limit)
-    return time.monotonic() - t0, completion_lengths(out, eos)
+    return time.monotonic() - t0, completion_lengths(out, eos), len(prompts) * args.max_new
 
   def continuous_arm(rows: int):
-    def run() -> tuple[float, np.ndarray]:
+    def run() -> tuple[float, np.ndarray, int]:
       t0 = time.monotonic()
-      out, _, _ = continuous.batcher(generator, rows).generate_scored(prompts, args.max_new, draw, eos, vocab_limit=limit)
-      return time.monotonic() - t0, completion_lengths(out, eos)
+      out, _, timing = continuous.batcher(generator, rows).generate_scored(prompts, args.max_new, draw, eos,
+                                                                           vocab_limit=limit)
+      return time.monotonic() - t0, completion_lengths(out, eos), timing["row_steps"]
     return run
 
   arms = {"static": static_arm, **{f"continuous {r}": continuous_arm(int(r)) for r in args.rows.split(",")}}
@@ -66,18 +67,20 @@ def main() -> None:
     run()  # warm-up: compiles
   seconds: dict[str, list[float]] = {name: [] for name in arms}
   lengths: dict[str, np.ndarray] = {}
+  row_steps: dict[str, int] = {}
   for _ in range(args.repeats):
     for name, run in arms.items():
-      s, n = run()
+      s, n, steps = run()
       seconds[name].append(s)
-      lengths[name] = n
+      lengths[name], row_steps[name] = n, steps
   print(f"{args.prompts} prompts of 4-24 tokens, max_new {args.max_new}, temperature 1 over {limit} ids")
-  print("| arm | completion length mean (min-max) | seconds (runs) | completion tokens/s (median) |")
-  print("| --- | --- | --- | --- |")
+  print("| arm | completion length mean (min-max) | decode row-steps (useful share) | seconds (runs) | "
+        "completion tokens/s (median) |")
+  print("| --- | --- | --- | --- | --- |")
   for name in arms:
     med, n = statistics.median(seconds[name]), lengths[name]
-    print(f"| {name} | {n.mean():.1f} ({n.min()}-{n.max()}) | {', '.join(f'{s:.3f}' for s in seconds[name])} | "
-          f"{n.sum() / med:.0f} |")
+    print(f"| {name} | {n.mean():.1f} ({n.min()}-{n.max()}) | {row_steps[name]} ({n.sum() / row_steps[name]:.0%}) | "
+          f"{', '.join(f'{s:.3f}' for s in seconds[name])} | {n.sum() / med:.0f} |")
   print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, jax {jax.__version__}")
 
 
