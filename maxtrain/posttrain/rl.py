@@ -117,11 +117,14 @@ class RlStepper:
     trained = -r.rewards if p.negate_reward else r.rewards
     rows, mask = r.rows, r.rows["loss_mask"]
     host = {k: rows[k] for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
-    zeros = np.zeros_like(mask)
-    batch = rl_step.to_device({**host, **{k: zeros for k in self.pieces.batch_shardings if k in rl_step.RL_KEYS
-                                          + rl_step.CRITIC_KEYS}}, self.program)
-    host["ref_logp"] = np.asarray(self.pieces.logprobs(self.reference, batch))
-    host["old_logp"] = np.asarray(self.pieces.logprobs(state.params, batch))
+    if p.pack_updates:  # the log-prob passes over the packed minibatches too (no critic: refused at load)
+      host["ref_logp"], host["old_logp"] = self._packed_logprobs(state.params, host)
+    else:
+      zeros = np.zeros_like(mask)
+      batch = rl_step.to_device({**host, **{k: zeros for k in self.pieces.batch_shardings if k in rl_step.RL_KEYS
+                                            + rl_step.CRITIC_KEYS}}, self.program)
+      host["ref_logp"] = np.asarray(self.pieces.logprobs(self.reference, batch))
+      host["old_logp"] = np.asarray(self.pieces.logprobs(state.params, batch))
     rewards_PG = trained.reshape(p.prompts_per_step, p.group_size)
     if self.algorithm.critic:  # GAE from the critic's values at the rollout (PPO)
       host["old_values"] = np.asarray(self.pieces.values(state.params, state.opt_state.params, batch)) * mask
@@ -178,6 +181,24 @@ class RlStepper:
                       "rl/sampled_reward_mean": float(r.sampled_rewards.mean())})
     self.metrics.tokens_per_step = update_rows * self.cfg.data.seq_len * p.ppo_epochs
     return state, Outcome(metrics, scalars, flags)
+
+  def _packed_logprobs(self, params: Any, host: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(reference, old) log-probs [B, T] of the round's rows from passes over each minibatch packed as the
+    updates pack it (`posttrain/packing.py`), read back into the rows (0 past each row's tokens)."""
+    shape, minibatches = host["inputs"].shape, self.cfg.post.minibatches
+    per, shards = shape[0] // minibatches, self.program.plan.layout.shards("act_batch")
+    ref, old = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    for i in range(minibatches):
+      part = {k: v[i * per:(i + 1) * per] for k, v in host.items()}
+      packed, groups = packing.pack(part, shards)
+      zeros = np.zeros_like(packed["loss_mask"])
+      batch = rl_step.to_device({**packed, **{k: zeros for k in self.pieces.batch_shardings if k in rl_step.RL_KEYS}},
+                                self.program)
+      m_B = packing.lengths(part["segment_ids"])
+      for out, which in ((ref, self.reference), (old, params)):
+        logp = np.asarray(self.pieces.logprobs(which, batch))
+        out[i * per:(i + 1) * per] = packing.unpack(logp, groups, m_B, part["inputs"].shape)
+    return ref, old
 
   def _rollout(self, state: state_lib.TrainState, step: int) -> tuple[rollout_lib.Rollout, list]:
     """Round `step`'s rollout (and every draw made for it), sampled here with the current parameters;
