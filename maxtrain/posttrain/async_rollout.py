@@ -269,8 +269,8 @@ class RolloutSide:
           self._forget()
           self.cond.notify_all()
     except BaseException as e:  # noqa: BLE001 - handed to the trainer, which ends the run with its code
-      self.events.emit(ev.ROLLOUT_DIED, self.trainer_version, round=self.next_round, version=self._need(self.next_round),
-                       error=redact_text(f"{type(e).__name__}: {e}")[:1000])
+      self.events.emit(ev.ROLLOUT_DIED, self.trainer_version, round=self.next_round,
+                       version=self._need(self.next_round), error=redact_text(f"{type(e).__name__}: {e}")[:1000])
       if not isinstance(e, (UserError, UserCodeExit)):  # a crash (exit 1): its message says which side died
         died = RuntimeError(f"the rollout producer thread died at round {self.next_round}: {type(e).__name__}: {e}")
         died.__cause__, e = e, died

@@ -138,12 +138,13 @@ class RlStepper:
       weights, correction_scalars = correction.weights(host["old_logp"], rows["sampler_logp"], mask, p.correction,
                                                        p.is_cap)
       host["advantages"] = (host["advantages"] * weights).astype(np.float32)
-    n, per, flags = len(mask), len(mask) // p.minibatches, []
+    per, flags = len(mask) // p.minibatches, []
     minibatches = [{key: v[i * per:(i + 1) * per] for key, v in host.items()} for i in range(p.minibatches)]
     if p.pack_updates:  # each minibatch's completions in fewer rows, kept apart by document ids
       shards = self.program.plan.layout.shards("act_batch")
       minibatches = [packing.pack(minibatch, shards)[0] for minibatch in minibatches]
     update_rows = sum(len(minibatch["inputs"]) for minibatch in minibatches)
+    real_B = packing.lengths(rows["segment_ids"])  # each row's real tokens (the padding share's)
     fault = self.faults.in_graph(step)  # faults.nan_at_step / spike_at_step: every update of that round
     for _ in range(p.ppo_epochs):
       for minibatch in minibatches:
@@ -164,11 +165,12 @@ class RlStepper:
                "rl/train_s": t3 - t1,  # the log-prob passes, the advantages and the updates
                "rl/rollout_tokens_per_s": completion_tokens(draws) / max(t1 - t0 - r.score_s, 1e-9),
                # colocated: the updates wait for the rollout and the generator for the updates
-               "rl/trainer_busy": (t3 - t1) / max(t3 - t0, 1e-9), "rl/updates_per_s": self.updates_per_step / max(t3 - t0, 1e-9),
+               "rl/trainer_busy": (t3 - t1) / max(t3 - t0, 1e-9),
+               "rl/updates_per_s": self.updates_per_step / max(t3 - t0, 1e-9),
                "rl/trainer_idle_s": t1 - t0, "rl/rollout_idle_s": t3 - t1,
-               "rl/padding_share": packing.padding_share(packing.lengths(rows["segment_ids"]), (update_rows, mask.shape[1]))}
+               "rl/padding_share": packing.padding_share(real_B, (update_rows, mask.shape[1]))}
     if p.pack_updates:
-      scalars["rl/padding_share_unpacked"] = packing.padding_share(packing.lengths(rows["segment_ids"]), mask.shape)
+      scalars["rl/padding_share_unpacked"] = packing.padding_share(real_B, mask.shape)
     scalars.update({f"rl/reward/{name}": float(v.mean()) for name, v in r.parts.items()})  # each on its own
     scalars.update(correction_scalars)
     if self.algorithm.critic:  # the critic at the rollout against the round's returns (all its tokens)
@@ -225,7 +227,8 @@ class RlStepper:
 
   def log_line(self, step: int, outcome: Outcome) -> None:
     s = outcome.scalars
-    self.metrics.events.emit(ev.RL_ROUND, step, **{k[3:]: round(float(s[k]), 6) for k in UTILISATION if k in s})
+    if jax.process_index() == 0:
+      self.metrics.events.emit(ev.RL_ROUND, step, **{k[3:]: round(float(s[k]), 6) for k in UTILISATION if k in s})
     log.info("round %d  reward %.3f +- %.3f  kl %.4f  logprob_gap %.2e  rollout %.2fs score %.2fs train %.2fs",
              step, s["rl/reward_mean"], s["rl/reward_std"], s["rl/kl"], s["rl/logprob_gap"], s["rl/rollout_s"],
              s["rl/score_s"], s["rl/train_s"])
