@@ -140,9 +140,10 @@ class ContinuousBatcher:
 
   def generate_scored(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Any, eos_id: int | None,
                       vocab_limit: int | None = None, length_multiple: int = 1) -> tuple[np.ndarray, np.ndarray, dict]:
-    """As `Generator.generate_scored`: [N, max_new_tokens] tokens, [N, max_new_tokens, 2] scores and timings;
-    a completion is cut after its first `eos_id` (the rest is `eos_id`, scores 0). Timings add `tokens` (the
-    completions' tokens, EOS included) and `row_steps` (decode row-steps run, idle rows included)."""
+    """As `Generator.generate_scored`: [N, max_new_tokens] tokens, [N, max_new_tokens, 2] scores, and
+    `seconds` (prefills and decoding interleave), `tokens` (the completions', EOS included) and `row_steps`
+    (decode row-steps run, idle rows included); a completion is cut after its first `eos_id` (the rest is
+    `eos_id`, scores 0)."""
     g = self.generator
     vocab_limit = vocab_limit or g.cfg.vocab_size
     n, r = len(prompts), self.rows
@@ -206,5 +207,4 @@ class ContinuousBatcher:
           if row_prompt[i] >= 0 and take(row_prompt[i], out_RK[i], score_RK2[i]):
             row_prompt[i] = -1
     seconds = time.monotonic() - t0
-    return tokens_NM, scores_NM2, {"decode_s": seconds, "prefill_s": 0.0, "tokens": int(made.sum()),
-                                   "row_steps": steps}
+    return tokens_NM, scores_NM2, {"seconds": seconds, "tokens": int(made.sum()), "row_steps": steps}
