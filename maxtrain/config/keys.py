@@ -256,6 +256,7 @@ def base_config() -> ml_collections.ConfigDict:
   f.kill_every_steps = 0  # SIGKILL itself after every N steps of an attempt (crashes at a known rate), up to kill_times; 0 = off.
   f.kill_times = 0  # How many kill_every_steps kills in the whole run.
   f.rollout_hang_at_step = -1  # RL with an async rollout side: its producer blocks forever before the rollout of this round (post.sync_timeout_s must fire).
+  f.rollout_die_at_step = -1  # RL with an async rollout side: its producer thread raises (a worker that dies) before the rollout of this round.
   f.publish_stall_at_step = -1  # RL with an async rollout side: the weight publish after this round never completes (post.sync_timeout_s must fire).
 
   c.guards = g = ml_collections.ConfigDict()
@@ -299,6 +300,8 @@ def base_config() -> ml_collections.ConfigDict:
   p.temperature = 1.0  # rl: rollout sampling temperature (1 = the policy itself).
   p.negate_reward = False  # rl: train on minus the reward (a control: the reward must drive learning).
   p.log_rollouts = False  # rl: append each round's prompts, completions and rewards to <output_dir>/rollouts.jsonl.
+  p.continuous_batching = 0  # rl: rows of the rollout generator's decode batch with continuous batching (a completion that ends frees its row for the next prompt; rounded up to the batch shards); 0 = off: the round's prompts in one static batch.
+  p.pack_updates = False  # rl: pack the update batch's completions into fewer rows (first-fit; document ids keep them apart): the same per-token loss over less padding (token-level losses only: not dr_grpo, gspo, ppo).
   p.rollout_devices = 0  # rl: the last N local devices only generate rollouts, on a mesh of their own (fsdp over them); 0 = on the trainer's mesh.
   p.max_staleness = 0  # rl: policy versions a round's rollouts lag its update (round k trains on version k-1-N's); 0 = synchronous (bitwise today's run).
   p.correction = "none"  # rl: off-policy correction of the loss by the rollout's own log-probs: none | tis (truncated) | mis (masked) | decoupled (PPO, AReaL).

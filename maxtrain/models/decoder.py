@@ -373,13 +373,14 @@ class Decoder(nnx.Module):
     logits_BTV = attention.softcap(logits_BTV, self.cfg.final_logit_softcap)  # Gemma 2 (0: off)
     return sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
 
-  def init_cache(self, batch: int, length: int) -> "Cache":
-    """An empty cache of `length` slots per row, in the compute dtype, laid out like the stacks."""
+  def init_cache(self, batch: int, length: int, rings: bool = True) -> "Cache":
+    """An empty cache of `length` slots per row, in the compute dtype, laid out like the stacks. `rings=False`:
+    window layers keep every slot too (continuous batching moves rows' slots, which a ring's slot mod R forbids)."""
     cfg = self.cfg
 
     # A window layer keeps a ring of window-many slots (models/attention/layer.py _attend_ring); the window
     # pattern is per layer (GPT-OSS alternates), so each unscanned layer sizes its own.
-    slots_of = lambda layer: min(length, cfg.layer_window(layer)) if cfg.layer_window(layer) else length
+    slots_of = lambda layer: min(length, cfg.layer_window(layer)) if cfg.layer_window(layer) and rings else length
 
     def kv(layers: int | None, slots: int) -> KVCache:
       # MLA caches every head's expanded k and v, or (latent_cache) one kv latent and one RoPE key (models/mla.py)

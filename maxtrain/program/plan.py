@@ -173,6 +173,7 @@ def _validate_post(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchL
 
 CORRECTIONS = ("none", "tis", "mis", "decoupled")  # post.correction (posttrain/correction.py)
 DYNAMIC_SAMPLING_ALGORITHMS = ("dapo",)  # post.algorithm values that draw a variable number of prompt batches a round
+ROW_LEVEL_ALGORITHMS = ("dr_grpo", "gspo", "ppo")  # losses that read whole rows (a per-row sum, the row count, a critic)
 
 
 def _validate_rollout_devices(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int) -> int:
@@ -208,6 +209,10 @@ def _validate_async(cfg: ml_collections.ConfigDict) -> None:
             f"post.rollout_devices={p.rollout_devices}, post.max_staleness={p.max_staleness}: dynamic sampling draws a "
             "variable number of prompt batches a round, which the asynchronous rollout queue does not; set "
             "post.rollout_devices=0 and post.max_staleness=0, or choose another algorithm")
+  require(not p.pack_updates or p.algorithm not in ROW_LEVEL_ALGORITHMS, f"config.post.pack_updates=True with "
+          f"post.algorithm={p.algorithm}: its loss reads whole rows (a per-row sum, the row count or a critic's "
+          "prefix), which packing several completions into a row would change; set post.pack_updates=False or "
+          "choose a token-level algorithm (grpo, rloo, reinforce_pp, dapo)")
   # The generator records each token's log-probability under the model's own (temperature 1)
   # distribution: at another temperature the rollout policy's log-probs are not recorded, and a weight
   # pi_trainer / pi_rollout would compare two different distributions.
