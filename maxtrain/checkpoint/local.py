@@ -6,7 +6,7 @@ each process writes `<local_dir>/process_<i>/<step>/` holding only the arrays it
 (`state.bin`, raw bytes, and `index.json` naming each shard's leaf and slice), the data-iterator state
 and meta, then the manifest (maxtrain/checkpoint/manifest.py), and renames the directory into place last.
 A step is complete on a process once that rename happened; whether every process has it is agreed at
-resume (checkpoint/tiers.py). Restoring puts each saved shard back on the device that holds that slice
+resume (checkpoint/resume.py, by policy.choose). Restoring puts each saved shard back on the device that holds that slice
 under the current sharding: bitwise, and only onto the same layout (another mesh or process count makes
 the local tier unusable, and resume falls back to the durable tier).
 

@@ -220,88 +220,6 @@ class Checkpointer:
                     "moved aside to %s", path, moved)
     self._manager.reload()
 
-  def resolve_resume(self, on_corrupt: Callable[[int, manifest.CorruptCheckpoint, Path], None] | None = None,
-                     on_branch: Callable[[int, list[int], list[Path]], None] | None = None) -> Path | None:
-    """The checkpoint to restore per `checkpoint.resume`, or None for a fresh start. Verified against
-    its manifest (`checkpoint.verify`): with `auto`, corrupt steps newer than the newest good one are
-    moved aside and reported through `on_corrupt(step, error, new_path)`; when none verifies it is a
-    UserError unless `checkpoint.start_over_if_corrupt`. An explicit step while newer ones exist is a
-    UserError unless `checkpoint.branch` (then they are moved aside: `on_branch(step, newer, moved)`)."""
-    self.check_step_dirs()
-    resume = str(self.cfg.resume)
-    steps = self.steps()
-    if resume == "auto":
-      return self._resume_newest_good(steps, on_corrupt)
-    if resume == "never":
-      if steps:
-        raise UserError(
-            f"checkpoint.resume=never but {self.location} already holds checkpoints at steps {steps}; "
-            "a fresh run must not overwrite them. Use another output_dir/checkpoint.dir, or resume=auto.")
-      return None
-    if resume.isdigit():
-      if int(resume) not in steps:
-        raise UserError(f"checkpoint.resume={resume}: no complete checkpoint at step {resume} in "
-                        f"{self.location}; found steps {steps or 'none'}")
-      path = self.local_path(int(resume))
-      self.verify(path)  # a CorruptCheckpoint is a UserError: exit 2, naming the file
-      self._branch(int(resume), [s for s in steps if s > int(resume)], on_branch)
-      return path
-    path = Path(resume).absolute()
-    if not path.is_dir():
-      raise UserError(f"checkpoint.resume={resume!r}: not 'auto', 'never', a step number, nor an existing "
-                      "checkpoint directory")
-    if not ocp.step.is_checkpoint_finalized(path) or not (path / "state").is_dir():
-      raise UserError(f"checkpoint.resume={resume!r}: not a complete maxtrain checkpoint (it has no finished "
-                      "'state' item; an interrupted save is never restored)")
-    self.verify(path)
-    return path
-
-  def _resume_newest_good(self, steps: list[int], on_corrupt) -> Path | None:
-    """The newest step that verifies; the corrupt ones above it moved aside. None verifying is exit 2 (nothing
-    moved, so a rerun says the same) unless `start_over_if_corrupt`: then all are moved aside."""
-    good, corrupt = self.newest_good(steps)
-    if good is None and corrupt and not self.cfg.start_over_if_corrupt:
-      raise UserError(f"checkpoint.dir={self.location}: no checkpoint verifies (steps {[s for s, _ in corrupt]}; "
-                      f"newest: {corrupt[0][1]}). Nothing was moved or trained. Restore the files, resume a "
-                      "step explicitly after checking it, or set checkpoint.start_over_if_corrupt=True to move "
-                      "them aside and train from step 0.")
-    for step, error in corrupt:
-      moved = self.move_aside(step)
-      log.error("%s; moved aside to %s%s", error, moved, "" if good else " (checkpoint.start_over_if_corrupt)")
-      if on_corrupt is not None:
-        on_corrupt(step, error, moved)
-    return good
-
-  def newest_good(self, steps: list[int]) -> tuple[Path | None, list[tuple[int, manifest.CorruptCheckpoint]]]:
-    """(the newest of `steps` that verifies or None, [(step, error)] of the corrupt ones above it), newest
-    first. Nothing is moved."""
-    corrupt = []
-    for step in reversed(steps):
-      path = self.local_path(step)
-      try:
-        self.verify(path)
-        return path, corrupt
-      except manifest.CorruptCheckpoint as e:
-        corrupt.append((step, e))
-    return None, corrupt
-
-  def _branch(self, step: int, newer: list[int], on_branch) -> None:
-    if not newer:
-      return
-    if not self.cfg.branch:
-      raise UserError(f"checkpoint.resume={step} but {self.location} holds newer steps {newer}: continuing from "
-                      f"step {step} would train over them (and resume=auto would pick them up later). Use "
-                      f"resume=auto to continue from step {newer[-1]}, or set checkpoint.branch=True to move the "
-                      f"newer steps aside (renamed, not deleted) and continue from step {step}.")
-    if self.remote is not None:
-      raise UserError(f"checkpoint.branch=True with checkpoint.dir={self.location}: branching an s3:// "
-                      "checkpoint directory is not supported; copy the step to a new checkpoint.dir instead")
-    moved = [self.move_aside(s, "branched") for s in newer]
-    log.warning("checkpoint.branch: resuming step %d; newer steps %s moved aside to %s", step, newer,
-                [str(m) for m in moved])
-    if on_branch is not None:
-      on_branch(step, newer, moved)
-
   def move_aside(self, step: int, why: str = "corrupt") -> Path:
     """Renames a step directory out of Orbax's sight (process 0; nothing is deleted)."""
     path = self.directory / str(step)
@@ -424,10 +342,6 @@ class Checkpointer:
                       f"--config.guards.spike_window={window}, or start a new run in another output_dir.")
 
   # ---- save ---------------------------------------------------------------------------------
-
-  def should_save(self, step: int) -> bool:
-    every = self.cfg.every_steps
-    return every > 0 and step % every == 0
 
   def save(self, step: int, state: Any, data_state: dict, cfg: ml_collections.ConfigDict,
            mesh_shape: dict, extra_meta: dict | None = None) -> SaveTiming | None:
