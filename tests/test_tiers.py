@@ -434,7 +434,8 @@ def test_local_tier_round_trip_rotation_and_abandoned_steps(tmp_path):
   state = save(tier, (2, 4, 6, 8))
   assert tier.steps() == [4, 6, 8]  # keep=3
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-  restored, data = tier.restore(tier.path(6), abstract, shardings)
+  round_trip = tier.restore(tier.path(6), abstract, shardings)
+  restored, data = round_trip.state, round_trip.data_state
   assert data == {"next": 6} and int(restored["s"]) == 6 and restored["w"].sharding == shardings["w"]
   np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(32.0).reshape(8, 4) * 6)
   other = {"w": NamedSharding(mesh, PartitionSpec(None, "b")), "s": shardings["s"]}

@@ -39,3 +39,9 @@ def local_identity(cfg: Any, output_dir: Path, location: str) -> dict[str, str]:
   return {"output_dir": str(Path(output_dir).absolute().resolve()),
           "checkpoint_dir": location if "://" in location else str(Path(location).absolute().resolve()),
           "config_hash": ev.config_hash(shaping)}
+
+
+def run_meta(cfg: Any, mesh_shape: dict, identity: RunIdentity | None = None) -> dict[str, Any]:
+  """What a save says about the run (a tier adds what it knows of the state): its resolved config (secrets
+  redacted), its mesh, and its identity's fields."""
+  return {"config": config_lib.redacted(cfg), "mesh": mesh_shape, **(identity.meta() if identity is not None else {})}

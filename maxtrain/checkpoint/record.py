@@ -7,7 +7,7 @@ import logging
 from typing import Any, Callable
 
 from maxtrain.checkpoint import policy
-from maxtrain.checkpoint.local import LocalSave
+from maxtrain.checkpoint.local_write import LocalSave
 from maxtrain.checkpoint.storage import Checkpointer, SaveTiming
 from maxtrain.monitor import events as ev
 
@@ -38,7 +38,7 @@ class SaveRecord:
                            | {f"checkpoint/durable/{k}": v for k, v in phases.items() if v is not None})
       log.info("checkpoint step %d saved: loop blocked %.3fs, complete on disk after %.3fs",
                timing.step, timing.blocking_s, timing.save_s)
-      self.on_saved(timing.step, self.store.local_path(timing.step))
+      self.on_saved(timing.step, self.store.path(timing.step))
 
   def local(self, saves: list[LocalSave]) -> None:
     for save in saves:

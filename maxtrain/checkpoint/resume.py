@@ -16,7 +16,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from maxtrain.checkpoint import manifest, policy
+from maxtrain.checkpoint import manifest, policy, timeline
 from maxtrain.checkpoint.agreement import Agreement
 from maxtrain.checkpoint.local import LocalTier
 from maxtrain.checkpoint.storage import Checkpointer
@@ -63,7 +63,7 @@ class Resume:
       resolved = dataclasses.replace(resolved, reason=choice.reason)
       if choice.tier == policy.LOCAL:
         resolved = dataclasses.replace(resolved, path=self.local.path(choice.step), tier=policy.LOCAL)
-        self.store.forget_prefetched()
+        self.store.reader.forget_prefetched()
     resolved = dataclasses.replace(resolved, verify_s=time.monotonic() - t0)  # listing and verifying the candidates
     if self.local is not None and request.kind == "step":
       self._branch_local(request.step)
@@ -75,7 +75,7 @@ class Resume:
     """The durable tier's step for `request`, verified against its manifest (`checkpoint.verify`): with `auto`,
     the newest that verifies (corrupt ones above it moved aside, an event each); an explicit step while newer ones
     exist is refused unless `checkpoint.branch` (then they are moved aside)."""
-    self.store.check_step_dirs()
+    timeline.check_step_dirs(self.store)
     steps = self.store.steps()
     if request.kind == "auto":
       return self._newest_good_moving_corrupt(steps)
@@ -84,7 +84,7 @@ class Resume:
       return None
     if request.kind == "step":
       policy.check_explicit_step(request.step, steps, self.store.location)
-      path = self.store.local_path(request.step)
+      path = self.store.path(request.step)
       self.store.verify(path)  # a CorruptCheckpoint is a UserError: exit 2, naming the file
       self._branch_durable(request.step, [s for s in steps if s > request.step])
       return path
@@ -103,7 +103,7 @@ class Resume:
     first. Nothing is moved."""
     corrupt = []
     for step in reversed(steps):
-      path = self.store.local_path(step)
+      path = self.store.path(step)
       try:
         self.store.verify(path)
         return path, corrupt
@@ -136,7 +136,7 @@ class Resume:
   def _local_explicit(self, step: int) -> Resolved | None:
     """resume=N with a local tier, as in the durable tier: the durable tier's step N when it has one (None: resolved
     there), else this run's local step N if it is usable on every process (exit 2 if not)."""
-    self.store.check_step_dirs()
+    timeline.check_step_dirs(self.store)
     if step in self.store.steps():
       return None  # the durable tier's step N: resolved there
     if not self.ck.branch:

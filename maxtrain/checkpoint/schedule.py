@@ -17,14 +17,16 @@ import jax
 import ml_collections
 
 from maxtrain import config as config_lib
-from maxtrain.checkpoint import policy
+from maxtrain.checkpoint import policy, timeline
 from maxtrain.checkpoint.agreement import Agreement
 from maxtrain.checkpoint.cadence import Cadence
-from maxtrain.checkpoint.identity import RunIdentity, local_identity
+from maxtrain.checkpoint.durable_read import param_shapes
+from maxtrain.checkpoint.identity import RunIdentity, local_identity, run_meta
 from maxtrain.checkpoint.local import LocalTier
 from maxtrain.checkpoint.record import SaveRecord
 from maxtrain.checkpoint.resume import Resolved, Resume
-from maxtrain.checkpoint.storage import Checkpointer, Restored, _param_shapes, validate_tiers
+from maxtrain.checkpoint.storage import Checkpointer, validate_tiers
+from maxtrain.checkpoint.tiers import Restored
 from maxtrain.errors import UserError
 from maxtrain.models import quant, registry
 from maxtrain.monitor import events as ev
@@ -39,7 +41,7 @@ def check_model(cfg: ml_collections.ConfigDict, path: Path, meta: dict, state_sp
   unless checkpoint.resume_new_model (then on the record). Another parameter tree is left to the restore,
   which names the parameters. The local tier also refuses such a step by its config hash; this catches the
   durable tier and an explicit resume path."""
-  if meta.get("param_shapes", {}) != _param_shapes(state_spec.abstract):
+  if meta.get("param_shapes", {}) != param_shapes(state_spec.abstract):
     return
   changes = registry.math_changes(meta.get("config", {}).get("model", {}), config_lib.redacted(cfg)["model"])
   if not changes:
@@ -93,7 +95,7 @@ class Checkpoints:
     """The step to restore, or None for a fresh start. `state_spec`: the run's state; a durable step without a
     manifest is checked by restoring onto it (storage.Checkpointer.verify)."""
     if state_spec is not None:
-      self.store.target = (state_spec.abstract, state_spec.shardings)
+      self.store.reader.target = (state_spec.abstract, state_spec.shardings)
     self.resumed = self.resume.resolve()
     return self.resumed.path
 
@@ -105,12 +107,8 @@ class Checkpoints:
   def restore(self, path: Path, state_spec: Any) -> Restored:
     check_model(self.cfg, path, self.read_meta(path), state_spec, self.events)
     t0 = time.monotonic()
-    if self.resumed.tier == policy.LOCAL and Path(path).parent == self.local.root:
-      state, data_state = self.local.restore(path, state_spec.abstract, state_spec.shardings)
-      restored = Restored(step=int(state.step), state=state, data_state=data_state, meta=self.read_meta(path),
-                          path=str(path))
-    else:
-      restored = self.store.restore(path, state_spec.abstract, state_spec.shardings)
+    local = self.resumed.tier == policy.LOCAL and Path(path).parent == self.local.root
+    restored = (self.local if local else self.store).restore(path, state_spec.abstract, state_spec.shardings)
     seconds = time.monotonic() - t0
     tier = self.resumed.tier or policy.DURABLE
     self.events.emit(ev.RESTORE, restored.step, seconds=seconds, path=str(path), tier=tier,
@@ -140,29 +138,10 @@ class Checkpoints:
     log.info("promoting local step %d to the durable tier %s in the background", restored.step, self.location)
     self.events.emit(ev.CHECKPOINT_SAVE_START, restored.step, tier=policy.DURABLE, promoted_from=policy.LOCAL)
     t0 = time.monotonic()
-    extra = {**identity.meta(), "promoted_from": policy.LOCAL}
-    if self.store.save(restored.step, restored.state, restored.data_state, self.cfg, self.mesh_shape, extra):
+    meta = {**run_meta(self.cfg, self.mesh_shape, identity), "promoted_from": policy.LOCAL}
+    if self.store.save(restored.step, restored.state, restored.data_state, meta):
       self.events.emit(ev.CHECKPOINT_BLOCKED, restored.step, blocking_s=time.monotonic() - t0, tier=policy.DURABLE,
                        promoted_from=policy.LOCAL)
-
-  def _abandon_after(self, step: int, why: str) -> None:
-    """Restored `step`: the newer steps of both tiers belong to the abandoned timeline. The durable ones are
-    moved aside (never deleted: a user may want them back), the local ones (this process's short-term
-    copies) deleted; the other processes wait until process 0 has moved them, then list the tier afresh."""
-    dropped = self.local.drop_after(step) if self.local is not None else []
-    if dropped:
-      log.warning("local checkpoint steps %s are newer than the restored step %d (a run that was abandoned): deleted",
-                  dropped, step)
-    moved = self.store.abandon_after(step)
-    if self.agreement.abandoned():
-      self.store.reload()
-    if (moved or dropped) and jax.process_index() == 0:
-      self.events.emit(ev.CHECKPOINT_ABANDONED, step, durable_steps=[s for s, _ in moved],
-                       moved_to=[p for _, places in moved for p in places], local_steps=dropped, reason=why)
-    if moved and jax.process_index() == 0:
-      log.warning("durable checkpoint steps %s are newer than the restored step %d (%s): they belong to an abandoned "
-                  "timeline, moved aside (not deleted) to %s; resume=auto will not take them",
-                  [s for s, _ in moved], step, why, [p for _, places in moved for p in places])
 
   def restore_before(self, step: int, state_spec: Any) -> Any | None:
     """The newest checkpoint's state from before `step` that verifies (waiting for a save in flight), or
@@ -176,7 +155,7 @@ class Checkpoints:
       choice = self.resume.choose_local(durable, before=step)
       log.info("rollback: %s", choice.reason)
       if choice.tier == policy.LOCAL:
-        state = self.local.restore(self.local.path(choice.step), state_spec.abstract, state_spec.shardings)[0]
+        state = self.local.restore(self.local.path(choice.step), state_spec.abstract, state_spec.shardings).state
         self._abandon_after(choice.step, f"rolled back from step {step}")
         return state
     restored = int(good.name) if good is not None and good.name.isdigit() else 0
@@ -184,6 +163,9 @@ class Checkpoints:
     if good is None:
       return None
     return self.store.restore(good, state_spec.abstract, state_spec.shardings).state
+
+  def _abandon_after(self, step: int, why: str) -> None:
+    timeline.abandon_after(step, why, self.store, self.local, self.agreement, self.events)
 
   def after_step(self, step: int, state: Any, data_state: dict, mesh_shape: dict, identity: RunIdentity, *,
                  final: bool) -> None:
@@ -208,10 +190,9 @@ class Checkpoints:
     with self.metrics.outside(step):
       self.events.emit(ev.CHECKPOINT_SAVE_START, step, tier=policy.LOCAL)
       t0 = time.monotonic()
-      meta = {"config": config_lib.redacted(self.cfg), "identity": self.local.identity, "mesh": mesh_shape,
-              "process_count": jax.process_count(),
-              "process_index": jax.process_index(), "param_shapes": _param_shapes(state), "step": step,
-              "wall_time": time.time(), **identity.meta()}
+      meta = {**run_meta(self.cfg, mesh_shape, identity), "identity": self.local.identity,
+              "process_count": jax.process_count(), "process_index": jax.process_index(),
+              "param_shapes": param_shapes(state), "step": step, "wall_time": time.time()}
       self.local.save(step, state, data_state, meta)
       self.on_save_started(step)
       done = self.local.wait() if sync else self.local.poll()
@@ -226,7 +207,7 @@ class Checkpoints:
     with self.metrics.outside(step):
       self.events.emit(ev.CHECKPOINT_SAVE_START, step)
       t0 = time.monotonic()
-      timing = self.store.save(step, state, data_state, self.cfg, mesh_shape, identity.meta())
+      timing = self.store.save(step, state, data_state, run_meta(self.cfg, mesh_shape, identity))
       if timing is not None:
         self.on_save_started(step)
         done = self.store.wait() if sync else self.store.poll()
@@ -264,9 +245,9 @@ class Checkpoints:
   def check_final(self, step: int) -> None:
     """Exiting 0 would lose this run's work silently when its last save failed; a crash exit lets a
     supervisor restart from the newest complete checkpoint."""
-    if self.store.failed_step == step:
+    if self.store.saves.failed_step == step:
       raise RuntimeError(f"the final checkpoint (step {step}) could not be written to {self.location}: "
-                         f"{self.store.last_error}")
+                         f"{self.store.saves.last_error}")
 
   def settle(self) -> None:
     """Waits for the saves in flight (both tiers) and records them."""
