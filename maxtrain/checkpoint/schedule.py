@@ -8,6 +8,7 @@ with each call (identity.RunIdentity), never set on this object afterwards."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -81,6 +82,9 @@ class Checkpoints:
     self.cadence = Cadence(ck, events, kv, jax.process_index(), output_dir / ev.FILENAME)
     self.resume = Resume(ck, self.store, self.local, self.agreement, events, self.mesh_shape, jax.process_count())
     self.resumed = Resolved(None, None)
+    # A restore to a step abandons the newer ones of both tiers (timeline.py).
+    self._abandon_after = functools.partial(timeline.abandon_after, store=self.store, local=self.local,
+                                            agreement=self.agreement, events=events)
     self.events, self.metrics = events, metrics
     self.record = SaveRecord(self.store, events, metrics, on_saved or (lambda step, path: None),
                              ck.max_durable_lag, self.local is not None)
@@ -163,9 +167,6 @@ class Checkpoints:
     if good is None:
       return None
     return self.store.restore(good, state_spec.abstract, state_spec.shardings).state
-
-  def _abandon_after(self, step: int, why: str) -> None:
-    timeline.abandon_after(step, why, self.store, self.local, self.agreement, self.events)
 
   def after_step(self, step: int, state: Any, data_state: dict, mesh_shape: dict, identity: RunIdentity, *,
                  final: bool) -> None:
