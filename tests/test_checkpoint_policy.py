@@ -91,7 +91,7 @@ def test_what_a_resume_request_allows():
   with pytest.raises(UserError, match=r"resume=never but /ck already holds checkpoints at steps \[2, 4\]"):
     policy.check_fresh_start([2, 4], "/ck")
   with pytest.raises(UserError, match=r"checkpoint.local_dir=/l holds this run's local steps \[3\]"):
-    policy.check_fresh_start([3], "/ck", key="checkpoint.local_dir=/l")
+    policy.check_fresh_start([3], "/ck", local_key="checkpoint.local_dir=/l")
   policy.check_explicit_step(4, [2, 4], "/ck")
   with pytest.raises(UserError, match=r"no complete checkpoint at step 3 in /ck; found steps \[2, 4\]"):
     policy.check_explicit_step(3, [2, 4], "/ck")

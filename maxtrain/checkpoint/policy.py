@@ -222,14 +222,14 @@ def parse_resume(resume: str) -> ResumeRequest:
   return ResumeRequest("path", path=resume)
 
 
-def check_fresh_start(steps: Sequence[int], where: str, key: str = "") -> None:
-  """resume=never over existing steps: refused (a fresh run must not overwrite them). `where`: the tier's
-  location for the message; `key`: how the message names it (default: the durable tier's location)."""
+def check_fresh_start(steps: Sequence[int], where: str, local_key: str = "") -> None:
+  """resume=never over existing steps: refused (a fresh run must not overwrite them). `where`: the durable tier's
+  location; `local_key`: the local tier's key when `steps` are this run's local steps."""
   if not steps:
     return
-  if key:
-    raise UserError(f"checkpoint.resume=never but {key} holds this run's local steps {list(steps)}; a fresh run must "
-                    "not overwrite them. Use another output_dir, or resume=auto.")
+  if local_key:
+    raise UserError(f"checkpoint.resume=never but {local_key} holds this run's local steps {list(steps)}; a fresh run "
+                    "must not overwrite them. Use another output_dir, or resume=auto.")
   raise UserError(f"checkpoint.resume=never but {where} already holds checkpoints at steps {list(steps)}; "
                   "a fresh run must not overwrite them. Use another output_dir/checkpoint.dir, or resume=auto.")
 

@@ -48,7 +48,8 @@ class Resume:
     """The step to restore, or a fresh start (path None)."""
     request = policy.parse_resume(self.ck.resume)
     if self.local is not None and request.kind == "never":
-      policy.check_fresh_start(self.local.own_steps(), "", key=f"checkpoint.local_dir={self.ck.local_dir}")
+      policy.check_fresh_start(self.local.own_steps(), self.store.location,
+                               local_key=f"checkpoint.local_dir={self.ck.local_dir}")
     if request.kind == "step" and self.local is not None:  # every process takes this path: the search is agreed
       resolved = self._local_explicit(request.step)
       if resolved is not None:
