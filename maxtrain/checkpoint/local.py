@@ -41,7 +41,6 @@ from maxtrain.checkpoint.tiers import Restored
 from maxtrain.errors import UserError, require_writable_dir
 
 log = logging.getLogger("maxtrain")
-__all__ = ["LocalSave", "LocalTier", "LocalUnusable", "Scan"]
 IDENTITY_DIRS = ("output_dir", "checkpoint_dir")  # which run a step belongs to; config_hash: under which config
 OWN, FOREIGN, UNKNOWN = "own", "foreign", "unknown"
 
