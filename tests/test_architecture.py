@@ -156,6 +156,19 @@ def test_the_policy_check_would_catch_an_io_import(tmp_path):
   assert module_imports(bad) - POLICY_IMPORTS == {"pathlib", "orbax.checkpoint"}
 
 
+MAX_CHECKPOINT_CLASS_METHODS = 14  # about 12 methods, plus __init__ and a property
+
+
+def test_checkpoint_classes_are_small():
+  """The checkpoint package is small parts (a tier, its writer or reader, the resume search, the run's component):
+  a class that outgrows this is two."""
+  big = {f"{path.name}:{node.name}": n for path in sorted((PACKAGE / "checkpoint").glob("*.py"))
+         for node in ast.walk(parse(path)) if isinstance(node, ast.ClassDef)
+         if (n := sum(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for f in node.body))
+         > MAX_CHECKPOINT_CLASS_METHODS}
+  assert not big, f"checkpoint classes with more than {MAX_CHECKPOINT_CLASS_METHODS} methods: {big}"
+
+
 def axis_mentions(path: Path) -> set[str]:
   """String literals equal to a mesh axis name, and `mesh.<axis>` attribute chains."""
   toks = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
