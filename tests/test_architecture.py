@@ -1,7 +1,7 @@
 """The shape of the code: packages that import only those below them (no import cycles), the mesh named
 only in `sharding/` (tools included), tools that import the installed package, short functions, a
-supervisor that starts without jax, `--help` generated from the declarations, and a layout drawing
-(docs/architecture.md) that matches the tree."""
+supervisor that starts without jax, `--help` generated from the declarations, every entry point through the
+one shell (cli/shell.py), and a layout drawing (docs/architecture.md) that matches the tree."""
 
 import ast
 import io
@@ -226,6 +226,67 @@ def test_the_sys_path_check_would_catch_an_insert(tmp_path):
   sample = tmp_path / "x.py"
   sample.write_text("import sys\nsys.path.insert(0, '..')\nsys.argv.insert(0, 'x')\n")
   assert sys_path_edits(sample) == [2]
+
+
+SHELL = "maxtrain/cli/shell.py"  # the one entry-point shell: parsing, --help, logging, exit codes
+
+
+def _is_exit(node: ast.AST) -> bool:
+  """`sys.exit(...)`, `exit(...)` or `SystemExit(...)`: a call that ends the process with a code."""
+  func = node.func if isinstance(node, ast.Call) else None
+  name = getattr(func, "attr", getattr(func, "id", None))
+  return name == "SystemExit" or (name == "exit" and getattr(getattr(func, "value", None), "id", "sys") == "sys")
+
+
+def _is_code(node: ast.AST | None, in_cli: bool) -> bool:
+  """An exit code: an `EXIT_*` name, or in an entry point any int literal."""
+  return (isinstance(node, ast.Name) and node.id.startswith("EXIT_")) or \
+      (in_cli and isinstance(node, ast.Constant) and type(node.value) is int)
+
+
+def shell_violations(path: Path, rel: str) -> list[str]:
+  """What only the shell may do, done elsewhere: set up logging, exit with a code (other than a shim's
+  `sys.exit(main())`), or turn a caught exception into an exit code; and an entry point whose `main` does not
+  run through the shell."""
+  found, tree = [], parse(path)
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "basicConfig" and rel != SHELL:
+      found.append(f"{rel}:{node.lineno}: logging.basicConfig (the shell sets up logging)")
+    if isinstance(node, ast.Call) and _is_exit(node) and not (
+        len(node.args) == 1 and isinstance(node.args[0], ast.Call) and getattr(node.args[0].func, "id", None) == "main"):
+      found.append(f"{rel}:{node.lineno}: exits with a code of its own (return it through the shell)")
+    if isinstance(node, ast.ExceptHandler) and rel != SHELL:
+      for inner in ast.walk(node):
+        if isinstance(inner, ast.Return) and _is_code(inner.value, rel.startswith("maxtrain/cli/")):
+          found.append(f"{rel}:{inner.lineno}: maps an exception to an exit code (errors.EXITS, via the shell)")
+  is_entry = rel.startswith("maxtrain/cli/") and rel not in (SHELL, "maxtrain/cli/__init__.py")
+  mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+  if is_entry and not any(isinstance(c, ast.Call) and getattr(c.func, "attr", None) == "run"
+                          and getattr(c.func.value, "id", None) == "shell" for m in mains for c in ast.walk(m)):
+    found.append(f"{rel}: main() does not call shell.run")
+  return found
+
+
+def test_every_entry_point_goes_through_the_one_shell():
+  """Every `python -m maxtrain.X` (cli/X.py; the shims only import it) runs through cli/shell.py, and nothing
+  else in the package sets up logging, exits with a code or maps exceptions to exit codes."""
+  entry_points = sorted(p.stem for p in (PACKAGE / "cli").glob("*.py"))
+  assert set(entry_points) - {"__init__", "shell"} == SHIMS
+  found = []
+  for path in MODULES.values():
+    found += shell_violations(path, path.relative_to(REPO).as_posix())
+  assert found == []
+
+
+def test_the_shell_check_would_catch_a_private_shell(tmp_path):
+  sample = tmp_path / "x.py"
+  sample.write_text("import logging, sys\nfrom maxtrain.errors import UserError\n"
+                    "def main(argv=None):\n  logging.basicConfig()\n  try:\n    pass\n"
+                    "  except UserError as e:\n    print(f'x: error: {e}')\n    return EXIT_BAD_INPUT\n"
+                    "  sys.exit(2)\n\nif __name__ == '__main__':\n  sys.exit(main())\n")
+  found = shell_violations(sample, "maxtrain/cli/x.py")
+  assert [f.split(": ", 1)[0] for f in found] == ["maxtrain/cli/x.py:4", "maxtrain/cli/x.py:9", "maxtrain/cli/x.py:10",
+                                                 "maxtrain/cli/x.py"], found
 
 
 def test_functions_are_short():

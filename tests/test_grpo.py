@@ -21,7 +21,7 @@ import pytest
 from maxtrain import config as config_lib
 from maxtrain.data import arithmetic
 from maxtrain.data.tokenizer import ByteTokenizer
-from maxtrain.errors import Aborted, UserError
+from maxtrain.errors import EXIT_ABORTED, Aborted, UserError
 from maxtrain.inference.sampling import Sampling
 from maxtrain.posttrain import data as post_data, rewards, rl_step, rollout as rollout_lib
 from maxtrain.posttrain.algorithms import base as algo_base
@@ -268,7 +268,7 @@ def test_a_skipped_spike_goes_on_and_a_spent_budget_stops_the_run(tmp_path):
                                 "--config.faults.nan_at_step=7",
                                 "--config.guards.max_consecutive_bad=4", "--config.guards.max_rollbacks=0",
                                 f"--config.output_dir={out}"])
-  assert code == train.EXIT_ABORTED == 3
+  assert code == EXIT_ABORTED == 3
   assert guard_events(out) == [("spike", 6, u) for u in (1, 2, 3, 4)] + [("nan_skip", 7, u) for u in (1, 2, 3, 4)]
   assert [r["round"] for r in rounds(out)] == [1, 2, 3, 4, 5, 6, 7]
   exit_record = read_events(out / "events.jsonl")[-1]
