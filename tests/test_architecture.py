@@ -128,6 +128,47 @@ def test_no_import_cycles():
       visit(m, [m])
 
 
+# What the checkpoint policy may import: it decides from measurements and state, it never measures nor acts (no
+# files, clocks, key-value store, devices, Orbax), so each rule is unit-tested with plain values.
+POLICY_IMPORTS = {"__future__", "dataclasses", "math", "typing", "collections.abc", "maxtrain.errors"}
+
+
+def module_imports(path: Path) -> set[str]:
+  """Every module a file imports (any package), function-level imports included."""
+  found = set()
+  for node in ast.walk(parse(path)):
+    if isinstance(node, ast.Import):
+      found |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom):
+      found.add("." * node.level + (node.module or ""))
+  return found
+
+
+def test_checkpoint_policy_does_no_io():
+  extra = module_imports(PACKAGE / "checkpoint" / "policy.py") - POLICY_IMPORTS
+  assert not extra, f"maxtrain/checkpoint/policy.py imports {sorted(extra)}: the policy takes measurements as " \
+                    "arguments; measure and act in cadence.py / resume.py / schedule.py"
+
+
+def test_the_policy_check_would_catch_an_io_import(tmp_path):
+  bad = tmp_path / "policy.py"
+  bad.write_text("import dataclasses\n\ndef f():\n  from pathlib import Path\n  import orbax.checkpoint as ocp\n")
+  assert module_imports(bad) - POLICY_IMPORTS == {"pathlib", "orbax.checkpoint"}
+
+
+MAX_CHECKPOINT_CLASS_METHODS = 14  # about 12 methods, plus __init__ and a property
+
+
+def test_checkpoint_classes_are_small():
+  """The checkpoint package is small parts (a tier, its writer or reader, the resume search, the run's component):
+  a class that outgrows this is two."""
+  big = {f"{path.name}:{node.name}": n for path in sorted((PACKAGE / "checkpoint").glob("*.py"))
+         for node in ast.walk(parse(path)) if isinstance(node, ast.ClassDef)
+         if (n := sum(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for f in node.body))
+         > MAX_CHECKPOINT_CLASS_METHODS}
+  assert not big, f"checkpoint classes with more than {MAX_CHECKPOINT_CLASS_METHODS} methods: {big}"
+
+
 def axis_mentions(path: Path) -> set[str]:
   """String literals equal to a mesh axis name, and `mesh.<axis>` attribute chains."""
   toks = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))

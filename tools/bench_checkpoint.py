@@ -26,6 +26,7 @@ import jax
 import harness
 from maxtrain import config as config_lib
 from maxtrain.checkpoint import manifest
+from maxtrain.checkpoint.identity import run_meta
 from maxtrain.checkpoint.local import LocalTier
 from maxtrain.checkpoint.storage import Checkpointer
 from maxtrain.program import build
@@ -80,7 +81,7 @@ class Bench:
   def orbax(self, tier: str) -> None:
     store = self.stores[tier]
     self.step += 1
-    store.save(self.step, self.state, {"next": 0}, self.cfg, self.mesh)
+    store.save(self.step, self.state, {"next": 0}, run_meta(self.cfg, self.mesh))
     done = store.wait()[0]
     self._record(tier, device_to_host_s=done.device_to_host_s, write_s=done.save_s - done.device_to_host_s - done.manifest_s,
                  manifest_s=done.manifest_s, save_s=done.save_s, mb=done.num_bytes / 1e6)
@@ -88,9 +89,9 @@ class Bench:
       store.remote.wait()
       for _, num_bytes, seconds in store.remote.uploaded():
         self._record(tier, upload_s=seconds, upload_MB_per_s=num_bytes / 1e6 / seconds)
-    path = store.local_path(self.step)
+    path = store.path(self.step)
     verify_s = harness.once(lambda: manifest.verify(path))[0]
-    store._verified.add(path)  # the read below is timed without a second verification
+    store.reader.mark_verified(path)  # the read below is timed without a second verification
     read_s = harness.once(lambda: store.restore(path, self.program.state.abstract, self.program.state.shardings).state)[0]
     self._record(tier, restore_verify_s=verify_s, restore_read_s=read_s)
 
@@ -102,7 +103,7 @@ class Bench:
     self._record("local", device_to_host_s=done.blocking_s, **done.phases, save_s=done.save_s, mb=done.num_bytes / 1e6)
     path = self.local.path(self.step)
     verify_s = harness.once(lambda: manifest.verify(path))[0]
-    read_s = harness.once(lambda: self.local.restore(path, self.program.state.abstract, self.program.state.shardings)[0])[0]
+    read_s = harness.once(lambda: self.local.restore(path, self.program.state.abstract, self.program.state.shardings).state)[0]
     self._record("local", restore_verify_s=verify_s, restore_read_s=read_s)
 
 

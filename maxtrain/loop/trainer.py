@@ -27,6 +27,7 @@ from maxtrain.aot import estimate
 from maxtrain.optim import optimizer as optim
 from maxtrain.program import build as program_lib
 from maxtrain.program import state as state_lib
+from maxtrain.checkpoint.identity import RunIdentity
 from maxtrain.checkpoint.schedule import Checkpoints
 from maxtrain.loop.stepper import make_stepper
 from maxtrain.errors import EXIT_CRASH, Aborted, Preempted, UserError, exit_code, require_writable_dir
@@ -117,7 +118,6 @@ class Trainer:
                                 out_dir=self.out_dir, compile_fn=self._compile, starting_state=self._starting_state)
     self.data = self.stepper.data
     stack.callback(self.data.close)
-    self.checkpoints.tokenizer_identity = self.data.tokenizer_identity
     if self.resume_path is not None:  # before compiling: the checkpoint's tokenizer is this run's
       self.data.check_checkpoint(self.checkpoints.read_meta(self.resume_path), self.resume_path)
     log.info("devices: %d x %s; mesh %s; %s; %s", jax.device_count(), jax.devices()[0].device_kind,
@@ -206,8 +206,13 @@ class Trainer:
     self.faults.after_step(step)
     if self.stop.requested(step):
       self._preempt(state, step, data_state)
-    self.checkpoints.after_step(step, state, data_state, dict(self.program.mesh.shape), final=step == cfg.steps)
+    self.checkpoints.after_step(step, state, data_state, dict(self.program.mesh.shape), self._run_identity(),
+                                final=step == cfg.steps)
     return eval_loss
+
+  def _run_identity(self) -> RunIdentity:
+    """What every checkpoint's meta says about this run, as it stands now: its stores' tokenizer, its rollbacks."""
+    return RunIdentity(tokenizer_identity=self.data.tokenizer_identity, rollbacks=self.rollbacks.used)
 
   def _starting_state(self) -> state_lib.TrainState:
     """The run's step-0 state: checkpoint.init_from's parameters with a new optimizer state, else the
@@ -226,7 +231,7 @@ class Trainer:
       restored = self.checkpoints.restore(self.resume_path, spec)
       state = restored.state
       self.data.set_state(restored.data_state)
-      self.checkpoints.promote(restored)  # a local step, once every check passed
+      self.checkpoints.promote(restored, self._run_identity())  # a local step, once every check passed
       if self.data.data_change:  # post.resume_new_data let other data through: on the record
         self.events.emit(ev.DATA_CHANGE, int(state.step) // self.stepper.updates_per_step, change=self.data.data_change)
     log.info("model: %.2fM parameters; optimizer %s: %s", registry.param_count(state.params) / 1e6, self.cfg.optimizer.name,
@@ -298,7 +303,7 @@ class Trainer:
   def _preempt(self, state: state_lib.TrainState, step: int, data_state: dict) -> None:
     self.events.emit(ev.PREEMPTION, step, signal=self.stop.reason)
     self.watchdog.beat(step)  # a synchronous save is progress, not a hang
-    self.checkpoints.save_preemption(step, state, data_state, dict(self.program.mesh.shape),
+    self.checkpoints.save_preemption(step, state, data_state, dict(self.program.mesh.shape), self._run_identity(),
                                      since_signal_s=self.stop.seconds_since())
     raise Preempted(f"stopped by {self.stop.reason} after step {step}; checkpoint saved in "
                     f"{self.checkpoints.location}")
