@@ -218,7 +218,7 @@ class Checkpoints:
                      read_s=seconds)
     log.info("restored step %d from the %s tier, %s, in %.2fs (saved on mesh %s)", restored.step, tier, path,
              seconds, restored.meta.get("mesh"))
-    note = quant.resume_note(restored.meta.get("config", {}).get("model", {}), self.cfg.model)
+    note = quant.resume_note(config_lib.saved_config(restored.meta, f"checkpoint {path}")["model"], self.cfg.model)
     if note:
       log.warning("%s", note)
     self._abandon_after(restored.step, f"resumed from step {restored.step}")
@@ -233,7 +233,8 @@ class Checkpoints:
     meta = self.read_meta(path)
     if meta.get("param_shapes", {}) != _param_shapes(state_spec.abstract):
       return
-    changes = registry.math_changes(meta.get("config", {}).get("model", {}), config_lib.redacted(self.cfg)["model"])
+    changes = registry.math_changes(config_lib.saved_config(meta, f"checkpoint {path}")["model"],
+                                    config_lib.redacted(self.cfg)["model"])
     if not changes:
       return
     if not self.cfg.checkpoint.resume_new_model:

@@ -6,7 +6,6 @@ what it checks."""
 from __future__ import annotations
 
 import ast
-import difflib
 import functools
 import importlib.util
 import logging
@@ -16,19 +15,13 @@ from typing import Any, Sequence
 import ml_collections
 
 from maxtrain.config import hardware, ranges
-from maxtrain.config.keys import FAMILY_BASE, base_config, flat_keys
+from maxtrain.config.keys import FAMILY_BASE, base_config, flat_keys, unknown_key
 from maxtrain.errors import UserError
 
 log = logging.getLogger("maxtrain")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.py"
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
-
-
-def _unknown_key(key: str, cfg: ml_collections.ConfigDict, where: str = "") -> UserError:
-  close = difflib.get_close_matches(key, flat_keys(cfg), n=3, cutoff=0.5)
-  hint = f" Did you mean {' or '.join('config.' + c for c in close)}?" if close else ""
-  return UserError(f"{where}unknown config key config.{key}.{hint} See the config keys in docs/config.md.")
 
 
 def _check_keys(path: Path, cfg: ml_collections.ConfigDict) -> None:
@@ -38,7 +31,7 @@ def _check_keys(path: Path, cfg: ml_collections.ConfigDict) -> None:
   declared = base_config()
   known, have = set(flat_keys(declared)), set(flat_keys(cfg))
   for key in sorted(have - known):
-    raise _unknown_key(key, declared, f"--config={path}: ")
+    raise unknown_key(key, f"--config={path}: ")
   missing = [k for k in flat_keys(declared) if k not in have]
   if missing:
     # Named by top-level key or section first (a bare ConfigDict lacks whole sections), then the keys.
@@ -75,10 +68,10 @@ def set_override(cfg: ml_collections.ConfigDict, key: str, text: str) -> None:
   parts = key.split(".")
   for part in parts[:-1]:
     if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-      raise _unknown_key(key, cfg)
+      raise unknown_key(key)
     node = node[part]
   if parts[-1] not in node or isinstance(node[parts[-1]], ml_collections.ConfigDict):
-    raise _unknown_key(key, cfg)
+    raise unknown_key(key)
   node[parts[-1]] = _parse_value(key, text, node[parts[-1]])
 
 

@@ -318,10 +318,8 @@ class Trainer:
 def check_checkpoint_mode(cfg: ml_collections.ConfigDict, mode: str, meta: dict, path: object) -> None:
   """A checkpoint resumes only in the mode that wrote it (its data state and step unit are that mode's):
   UserError naming both, before any data is read or anything compiles."""
-  saved = (meta.get("config") or {}).get("post", {}).get("mode") if isinstance(meta.get("config"), dict) else None
-  if saved is None:  # a checkpoint from before post-training existed: pretraining
-    saved = ""
-  saved = plan_lib.canonical_mode(saved)
+  # a checkpoint from before post-training existed: migrated to post.mode's default, pretraining
+  saved = plan_lib.canonical_mode(config_lib.saved_config(meta, f"checkpoint {path}")["post"]["mode"])
   if saved != mode:
     raise UserError(f"checkpoint {path} was written by a {plan_lib.describe_mode(saved)} run, but this run is "
                     f"{plan_lib.describe_mode(mode)} (config.post.mode={cfg.post.mode!r}): resume it with "
