@@ -4,11 +4,12 @@ case (a checkpoint whose saved config has a key nobody knows) is in test_trust.p
 damaged-checkpoint cases that share its trained run."""
 
 import json
+import re
 
 import pytest
 
 from maxtrain import config as config_lib
-from maxtrain.config import migrate as migrate_lib
+from maxtrain.config import migrate as migrate_lib, sections
 from maxtrain.config.migrate import migrate
 from maxtrain.config.keys import FAMILY_BASE, declared_keys, flat_items
 from maxtrain.config.loader import family_defaults
@@ -114,3 +115,48 @@ def test_math_changes_compare_a_key_an_old_checkpoint_lacked_at_its_default():
   now = config_lib.redacted(config_lib.base_config())["model"]
   now["rope_local_theta"] = 10000.0
   assert registry.math_changes(migrate(saved)["model"], now) == ["model.rope_local_theta: 0.0 -> 10000.0"]
+
+
+def config_with(**values):
+  cfg = config_lib.base_config()
+  for key, value in values.items():
+    *path, leaf = key.split(".")
+    node = cfg
+    for part in path:
+      node = node[part]
+    node[leaf] = value
+  return cfg
+
+
+def test_the_warmup_is_checked_once_against_its_schedule():
+  """config/sections.py `warmup`: one check for the load (asked for: exit 2), the trainer (inherited: a warning)
+  and the wsd decay (exit 2 either way), where there were three."""
+  fits = config_with(steps=100, **{"optimizer.warmup_steps": 10})
+  assert sections.warmup(fits, asked=True) is None and sections.warmup(fits, asked=False) is None
+  long = config_with(steps=100, **{"optimizer.warmup_steps": 50, "optimizer.decay_steps": 10})
+  with pytest.raises(UserError, match=r"config\.optimizer\.warmup_steps=50 is longer than the run's LR schedule of 10 "):
+    sections.warmup(long, asked=True)
+  assert sections.warmup(long, asked=False) == ("optimizer.warmup_steps=50 > the schedule's 10 steps (optimizer."
+                                                "decay_steps or steps): the learning rate never reaches optimizer.lr")
+  # wsd: 100 - round(0.2 x 100) = 80; a warmup of 81 runs into the decay, asked for or not
+  wsd = {"optimizer.schedule": "wsd", "optimizer.decay_fraction": 0.2}
+  assert sections.warmup(config_with(steps=100, **wsd, **{"optimizer.warmup_steps": 80}), asked=True) is None
+  for asked in (True, False):
+    with pytest.raises(UserError, match=r"warmup_steps=81 runs into the wsd decay.*100 - round\(0\.2 x 100\) = 80"):
+      sections.warmup(config_with(steps=100, **wsd, **{"optimizer.warmup_steps": 81}), asked=asked)
+
+
+@pytest.mark.parametrize("check,key,value,message", [
+    (sections.checkpoint, "checkpoint.resume", "latest", "config.checkpoint.resume='latest': use auto, never"),
+    (sections.checkpoint, "checkpoint.cadence", "often", "config.checkpoint.cadence='often': use fixed or auto"),
+    (sections.checkpoint, "checkpoint.local_dir", "s3://b/x", "the local tier is a node-local path, not a URL"),
+    (sections.monitor, "monitor.prometheus_host", " ", "config.monitor.prometheus_host is empty"),
+    (sections.monitor, "monitor.prometheus_port", 70000, "config.monitor.prometheus_port=70000: a port is 0..65535"),
+])
+def test_section_checks_beside_their_keys(check, key, value, message):
+  """The checkpoint and monitor sections' checks, pure functions of the keys (plan.validate imports neither
+  Orbax storage nor the Prometheus server for them)."""
+  cfg = config_with(**{key: value})
+  with pytest.raises(UserError, match=re.escape(message)):
+    check(cfg[key.split(".")[0]])
+  check(config_lib.base_config()[key.split(".")[0]])

@@ -34,6 +34,7 @@ import maxtrain
 from maxtrain import config as config_lib
 from maxtrain.errors import UserError, require, require_writable_dir
 from maxtrain.checkpoint import manifest
+from maxtrain.config.sections import checkpoint_tiers as validate_tiers  # noqa: F401 (schedule.py's; beside the keys)
 from maxtrain.sharding.layout import param_name, with_shardings
 
 log = logging.getLogger("maxtrain")
@@ -66,40 +67,6 @@ def _param_shapes(state) -> dict[str, list[int]]:
 def _opt_state_paths(state) -> list[str]:
   """The optimizer state's structure, leaf by leaf: another optimizer (or optimizer layout) differs here."""
   return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(state.opt_state)]
-
-
-def validate(ck: Any) -> None:
-  """UserError naming the key for a bad `config.checkpoint`."""
-  for key in ("every_steps", "max_to_keep", "keep_every"):
-    require(ck[key] >= 0, f"config.checkpoint.{key}={ck[key]}: must be >= 0")
-  for key in ("s3_connect_timeout_s", "s3_read_timeout_s"):
-    require(ck[key] > 0, f"config.checkpoint.{key}={ck[key]}: must be > 0 seconds")
-  require(ck.s3_max_attempts >= 1, f"config.checkpoint.s3_max_attempts={ck.s3_max_attempts}: must be >= 1")
-  validate_tiers(ck)
-  require(ck.resume in ("auto", "never") or ck.resume.isdigit() or "/" in ck.resume or ck.resume.startswith("."),
-          f"config.checkpoint.resume={ck.resume!r}: use auto, never, a step number or a checkpoint path")
-
-
-def validate_tiers(ck: Any, default_dir: str | None = None) -> None:
-  """The local tier and the cadence keys; `default_dir`: where checkpoint.dir="" resolves (once known)."""
-  for key in ("local_every_steps", "local_max_to_keep", "every_minutes", "max_durable_lag", "preemption_grace_s"):
-    require(ck[key] >= 0, f"config.checkpoint.{key}={ck[key]}: must be >= 0")
-  require(ck.mtbf_prior_minutes > 0, f"config.checkpoint.mtbf_prior_minutes={ck.mtbf_prior_minutes}: must be > 0")
-  require(ck.cadence in ("fixed", "auto"), f"config.checkpoint.cadence={ck.cadence!r}: use fixed or auto")
-  if not ck.local_dir:
-    return
-  require(not ck.local_dir.startswith("s3://") and "://" not in ck.local_dir,
-          f"config.checkpoint.local_dir={ck.local_dir}: the local tier is a node-local path, not a URL")
-  durable = ck.dir or default_dir
-  if durable and "://" not in durable:
-    a, b = Path(ck.local_dir).absolute().resolve(), Path(durable).absolute().resolve()
-    require(a != b and not a.is_relative_to(b) and not b.is_relative_to(a),
-            f"config.checkpoint.local_dir={ck.local_dir} and checkpoint.dir={durable} are the same place (or one is "
-            "inside the other): the local tier must be a separate, node-local directory, e.g. "
-            "--config.checkpoint.local_dir=/tmp/maxtrain-local")
-  require(ck.local_every_steps > 0 or ck.cadence == "auto",
-          f"config.checkpoint.local_dir={ck.local_dir} but checkpoint.local_every_steps=0 (and cadence=fixed): the "
-          "local tier would never be written; set local_every_steps or cadence=auto")
 
 
 def check_writable(directory: Path) -> None:

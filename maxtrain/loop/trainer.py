@@ -23,6 +23,7 @@ import ml_collections
 from flax import nnx
 
 from maxtrain import config as config_lib
+from maxtrain.config import sections
 from maxtrain.aot import estimate
 from maxtrain.optim import optimizer as optim
 from maxtrain.program import build as program_lib
@@ -46,7 +47,7 @@ from maxtrain.runtime.kv import KeyValue
 from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
 from maxtrain.program import plan as plan_lib
-from maxtrain.program.plan import stage_config, stage_shapes, total_steps
+from maxtrain.program.plan import stage_config, stage_shapes
 
 log = logging.getLogger("maxtrain")
 
@@ -66,9 +67,9 @@ class Trainer:
       if batch_size not in self.stage_programs:
         self.stage_programs[batch_size] = program_lib.program_for(stage_config(cfg, batch_size, seq_len), jax.devices())
     self._eval_steps: dict[tuple[int, ...], object] = {}  # the compiled eval step of each eval batch shape
-    if cfg.optimizer.warmup_steps > total_steps(cfg):  # legal (short smoke runs), but never silent
-      log.warning("optimizer.warmup_steps=%d > the schedule's %d steps (optimizer.decay_steps or steps): the learning "
-                  "rate never reaches optimizer.lr", cfg.optimizer.warmup_steps, total_steps(cfg))
+    warmup_note = sections.warmup(cfg, asked=False)  # the load refused the other cases
+    if warmup_note:  # legal (short smoke runs), but never silent
+      log.warning("%s", warmup_note)
     cache.configure_compile_cache(cfg.runtime.compile_cache_dir)
     self.out_dir = Path(cfg.output_dir)
     prepare_output_dir(self.out_dir)
