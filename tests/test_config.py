@@ -3,6 +3,7 @@ checkpoint's saved config is read through one `migrate` that brings it to today'
 case (a checkpoint whose saved config has a key nobody knows) is in test_trust.py, beside the other
 damaged-checkpoint cases that share its trained run."""
 
+import dataclasses
 import json
 import re
 
@@ -160,3 +161,21 @@ def test_section_checks_beside_their_keys(check, key, value, message):
   with pytest.raises(UserError, match=re.escape(message)):
     check(cfg[key.split(".")[0]])
   check(config_lib.base_config()[key.split(".")[0]])
+
+
+def test_typed_sections_are_exactly_their_declared_keys():
+  """A typed section's fields are its section's declared keys, no more, no fewer (a key added to keys.py but not
+  to the dataclass, or the reverse, fails here); built from the config, strict, and checked as it is built."""
+  for cls, name in ((sections.Fleet, "fleet"),):
+    fields = {f"{name}.{f.name}" for f in dataclasses.fields(cls)}
+    assert fields == {k for k in declared_keys() if k.startswith(name + ".")}, name
+  cfg = config_lib.base_config()
+  fleet = sections.typed(sections.Fleet, cfg.fleet, "fleet")
+  assert dataclasses.asdict(fleet) == cfg.fleet.to_dict()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    fleet.straggler_threshold = 0.5
+  with pytest.raises(UserError, match=r"unknown config key config\.fleet\.straggler_treshold\. Did you mean "
+                     r"config\.fleet\.straggler_threshold"):
+    sections.typed(sections.Fleet, {**cfg.fleet.to_dict(), "straggler_treshold": 0.1}, "fleet")
+  with pytest.raises(UserError, match=r"config\.fleet\.exchange_timeout_s=0\.0: must be > 0"):
+    sections.typed(sections.Fleet, {**cfg.fleet.to_dict(), "exchange_timeout_s": 0.0}, "fleet")

@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 
 import maxtrain
 from maxtrain import config as config_lib
-from maxtrain.errors import UserError, require, require_writable_dir
+from maxtrain.errors import UserError, require_writable_dir
 from maxtrain.checkpoint import manifest
 from maxtrain.config.sections import checkpoint_tiers as validate_tiers  # noqa: F401 (schedule.py's; beside the keys)
 from maxtrain.sharding.layout import param_name, with_shardings

@@ -1,5 +1,11 @@
-"""Checks of config sections that are pure functions of the keys, kept beside the keys (config/, no jax) so
-that validating a config imports no component: the checkpoint section (its component is Orbax storage), the
+"""Config sections beside their keys (config/, no jax), so that validating a config imports no component.
+
+Typed sections: a frozen dataclass per section, built strictly once (`typed`: an undeclared key is exit 2
+naming it; its fields are exactly the section's declared keys, tests/test_config.py checks) and validated as
+it is built, handed to its component instead of the ConfigDict (`Fleet`: the straggler monitor). The
+pattern for the other sections.
+
+Checks that are pure functions of the keys: the checkpoint section (its component is Orbax storage), the
 monitor section (its component starts a Prometheus server), and the LR warmup against its schedule (checked
 at load, where it is known whether the warmup was asked for; the trainer only logs the inherited case).
 
@@ -8,10 +14,34 @@ Each raises a UserError (exit 2) naming the key, the value and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from maxtrain.config.keys import check_known
 from maxtrain.errors import UserError, require
+
+Section = TypeVar("Section")
+
+
+def typed(cls: type[Section], values: Any, name: str) -> Section:
+  """Section `name` of a config (a ConfigDict or a dict) as its frozen dataclass `cls`, every field from its key."""
+  check_known(values, name)
+  return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Fleet:
+  """`config.fleet`: the straggler verdict over the processes' step times (monitor/stragglers.py). The fields'
+  meanings and defaults are the keys' (keys.py declares them once)."""
+  straggler_threshold: float
+  straggler_min_s: float
+  exchange_timeout_s: float
+
+  def __post_init__(self) -> None:
+    for key in ("straggler_threshold", "straggler_min_s"):
+      require(getattr(self, key) >= 0, f"config.fleet.{key}={getattr(self, key)}: must be >= 0")
+    require(self.exchange_timeout_s > 0, f"config.fleet.exchange_timeout_s={self.exchange_timeout_s}: must be > 0")
 
 
 def checkpoint(ck: Any) -> None:

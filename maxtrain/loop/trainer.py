@@ -132,7 +132,7 @@ class Trainer:
     stack.callback(self.profiler.stop)
     self.stop = StopRequest(self.kv).install()
     stack.callback(self.stop.uninstall)
-    self.stragglers = StragglerMonitor(self.kv, self.events, cfg.fleet)
+    self.stragglers = StragglerMonitor(self.kv, self.events, program.plan.fleet)
     if self.kv is not None:  # other processes' stop requests and hangs arrive as notices
       stack.callback(self.kv.stop_listening, self.kv.listen({"stop": self.stop.on_notice,
                                                               "hang": self.watchdog.on_notice}))

@@ -39,6 +39,7 @@ class Plan:
   mode: str = ""  # "" pretraining | "sft" | "rl" (post.mode, its alias grpo resolved)
   updates_per_step: int = 1  # optimizer updates a step makes (an RL round's): the LR schedule's unit
   critic: bool = False  # the RL algorithm learns a value function: the state carries a critic (program/critic.py)
+  fleet: sections.Fleet | None = None  # config.fleet, typed and checked (the straggler monitor's; set by validate)
 
 
 CRITIC_ALGORITHMS = ("ppo",)  # post.algorithm values whose state carries a critic (posttrain/algorithms: critic=True)
@@ -93,6 +94,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   guards.validate(cfg.guards)
   sections.checkpoint(cfg.checkpoint)
   sections.monitor(cfg.monitor)
+  fleet = sections.typed(sections.Fleet, cfg.fleet, "fleet")
   _validate_fleet(cfg, num_processes)
   require(cfg.eval.every_steps >= 0, f"config.eval.every_steps={cfg.eval.every_steps}: must be >= 0")
   require(cfg.eval.batches > 0, f"config.eval.batches={cfg.eval.batches}: must be > 0")
@@ -124,7 +126,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   schedule = _validate_pipeline(cfg, layout, batch, f"mesh {mesh_layout.describe()}")
   mode, updates = _validate_post(cfg, layout, batch, schedule, mesh_layout)
   return Plan(mesh=mesh_layout, layout=layout, batch=batch, pipeline=schedule, mode=mode, updates_per_step=updates,
-              critic=mode == "rl" and cfg.post.algorithm in CRITIC_ALGORITHMS)
+              critic=mode == "rl" and cfg.post.algorithm in CRITIC_ALGORITHMS, fleet=fleet)
 
 
 def _validate_post(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchLayout,
@@ -303,10 +305,7 @@ def _validate_expert_parallel(moe: Any, layout: Layout, mesh_layout: mesh_lib.Me
 
 
 def _validate_fleet(cfg: ml_collections.ConfigDict, num_processes: int) -> None:
-  fleet, faults = cfg.fleet, cfg.faults
-  for key in ("straggler_threshold", "straggler_min_s"):
-    require(fleet[key] >= 0, f"config.fleet.{key}={fleet[key]}: must be >= 0")
-  require(fleet.exchange_timeout_s > 0, f"config.fleet.exchange_timeout_s={fleet.exchange_timeout_s}: must be > 0")
+  faults = cfg.faults  # (config.fleet: sections.Fleet checks itself)
   for key in ("process", "sigterm_process"):
     require(-1 <= faults[key] < num_processes, f"config.faults.{key}={faults[key]}: must be -1 or a process "
             f"index 0..{num_processes - 1} of this job's {num_processes} process(es)")
