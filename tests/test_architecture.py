@@ -377,3 +377,37 @@ def test_the_attention_mask_value_is_defined_once():
         fills.append(f"{rel}:{node.lineno}")
   assert definitions == ["maxtrain/models/attention/mask.py:MASK_VALUE"], definitions
   assert [f.split(":")[0] for f in fills] == ["maxtrain/models/attention/mask.py"], fills
+
+
+def saved_config_reads(path: Path) -> list[int]:
+  """Lines that read a checkpoint meta's config directly: `<...meta>.get("config")` or `<...meta>["config"]`."""
+  def is_meta(node: ast.expr) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name.endswith("meta")
+
+  lines = []
+  for node in ast.walk(parse(path)):
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+        and is_meta(node.func.value) and node.args and getattr(node.args[0], "value", None) == "config":
+      lines.append(node.lineno)
+    if isinstance(node, ast.Subscript) and is_meta(node.value) and getattr(node.slice, "value", None) == "config":
+      lines.append(node.lineno)
+  return lines
+
+
+def test_a_saved_config_is_read_only_through_migrate(tmp_path):
+  """Issue 42: config/migrate.py's `saved_config` is the one reader of a checkpoint's saved config (today's keys,
+  an unknown one exit 2); no other module reads `meta["config"]` raw."""
+  offenders = {path.relative_to(REPO).as_posix(): saved_config_reads(path) for path in MODULES.values()
+               if path.relative_to(REPO).as_posix() != "maxtrain/config/migrate.py"}
+  assert not {k: v for k, v in offenders.items() if v}, offenders
+  sample = tmp_path / "x.py"
+  sample.write_text('a = meta.get("config", {})\nb = restored.meta["config"]\nc = {"config": 1}\n')
+  assert saved_config_reads(sample) == [1, 2]
+
+
+def test_plan_validation_imports_no_component_above_it():
+  """Issue 42: validating a config imports neither checkpoint storage (Orbax) nor the Prometheus server: their
+  sections are checked by pure functions beside their keys (config/sections.py)."""
+  imported = imports_of("maxtrain.program.plan", MODULES["maxtrain.program.plan"])
+  assert not {m for m in imported if m.split(".")[1] in ("checkpoint", "monitor")}, imported

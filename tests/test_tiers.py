@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from maxtrain import config as config_lib
 from maxtrain.checkpoint import cadence, policy
-from maxtrain.checkpoint.storage import validate
+from maxtrain.config.sections import checkpoint as validate  # the checkpoint section, checked beside its keys
 from maxtrain.errors import UserError
 from maxtrain.monitor import goodput
 from maxtrain.monitor.events import read_events

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from maxtrain import config as config_lib
 from maxtrain.checkpoint import manifest
 from maxtrain.checkpoint.tiers import Restored
 from maxtrain.errors import UserError
@@ -36,29 +37,30 @@ def read_meta(path: Path) -> dict:
 
 
 def _optimizer_mismatch(path: Path, meta: dict) -> UserError:
-  saved = meta.get("config", {}).get("optimizer", {})
+  saved = config_lib.saved_config(meta, f"checkpoint {path}")["optimizer"]
   return UserError(f"checkpoint {path} holds the state of another optimizer (saved with optimizer.name="
-                   f"{saved.get('name', '?')}, state_dtype={saved.get('state_dtype', '?')}): its optimizer state does "
+                   f"{saved['name']}, state_dtype={saved['state_dtype']}): its optimizer state does "
                    "not fit this run's. Resume with the optimizer config it was saved with "
-                   f"(--config.optimizer.name={saved.get('name', '?')}), or start a new run in another output_dir.")
+                   f"(--config.optimizer.name={saved['name']}), or start a new run in another output_dir.")
 
 
 def check_compatible(path: Path, meta: dict, abstract_state: Any) -> None:
   """UserError naming what differs. The parameters first: a model of another shape (MoE vs dense) also
   has another optimizer state, and the model is the cause."""
+  saved_cfg = config_lib.saved_config(meta, f"checkpoint {path}")
   saved, current = meta.get("param_shapes", {}), param_shapes(abstract_state)
   diffs = [f"{k}: checkpoint {saved.get(k)} vs model {current.get(k)}"
            for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
   if diffs:
     raise UserError(f"checkpoint {path} does not fit this model ({len(diffs)} parameters differ; "
                     f"{'; '.join(diffs[:4])}). Restore it with the model config it was saved with "
-                    f"(its config.model: {json.dumps(meta.get('config', {}).get('model', {}))}).")
+                    f"(its config.model: {json.dumps(saved_cfg['model'])}).")
   saved_opt = meta.get("opt_state_paths")
   if saved_opt is not None and saved_opt != opt_state_paths(abstract_state):
     raise _optimizer_mismatch(path, meta)
-  window = meta.get("config", {}).get("guards", {}).get("spike_window")
+  window = saved_cfg["guards"]["spike_window"]
   mine = int(abstract_state.guard.losses.shape[0])
-  if window is not None and int(window) != mine:  # the guard's loss window is part of the saved state
+  if int(window) != mine:  # the guard's loss window is part of the saved state
     raise UserError(f"guards.spike_window={mine} but checkpoint {path} was saved with guards.spike_window={window} "
                     f"(the spike guard's loss window is saved with the state): resume with "
                     f"--config.guards.spike_window={window}, or start a new run in another output_dir.")

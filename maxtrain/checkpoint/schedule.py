@@ -26,8 +26,9 @@ from maxtrain.checkpoint.identity import RunIdentity, local_identity, run_meta
 from maxtrain.checkpoint.local import LocalTier
 from maxtrain.checkpoint.record import SaveRecord
 from maxtrain.checkpoint.resume import Resolved, Resume
-from maxtrain.checkpoint.storage import Checkpointer, validate_tiers
+from maxtrain.checkpoint.storage import Checkpointer
 from maxtrain.checkpoint.tiers import Restored
+from maxtrain.config.sections import checkpoint_tiers as validate_tiers  # beside the keys
 from maxtrain.errors import UserError
 from maxtrain.models import quant, registry
 from maxtrain.monitor import events as ev
@@ -44,7 +45,8 @@ def check_model(cfg: ml_collections.ConfigDict, path: Path, meta: dict, state_sp
   durable tier and an explicit resume path."""
   if meta.get("param_shapes", {}) != param_shapes(state_spec.abstract):
     return
-  changes = registry.math_changes(meta.get("config", {}).get("model", {}), config_lib.redacted(cfg)["model"])
+  changes = registry.math_changes(config_lib.saved_config(meta, f"checkpoint {path}")["model"],
+                                  config_lib.redacted(cfg)["model"])
   if not changes:
     return
   if not cfg.checkpoint.resume_new_model:
@@ -119,7 +121,7 @@ class Checkpoints:
                      reason=self.resumed.reason, verify_s=self.resumed.verify_s, read_s=seconds)
     log.info("restored step %d from the %s tier, %s, in %.2fs (saved on mesh %s)", restored.step, tier, path,
              seconds, restored.meta.get("mesh"))
-    note = quant.resume_note(restored.meta.get("config", {}).get("model", {}), self.cfg.model)
+    note = quant.resume_note(config_lib.saved_config(restored.meta, f"checkpoint {path}")["model"], self.cfg.model)
     if note:
       log.warning("%s", note)
     self._abandon_after(restored.step, f"resumed from step {restored.step}")

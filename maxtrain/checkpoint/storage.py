@@ -26,7 +26,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 import maxtrain
-from maxtrain.errors import UserError, require, require_writable_dir
+from maxtrain.errors import UserError, require_writable_dir
 from maxtrain.checkpoint import manifest
 from maxtrain.checkpoint.durable_read import DurableReader, opt_state_paths, param_shapes, read_meta
 from maxtrain.checkpoint.tiers import Restored
@@ -43,53 +43,6 @@ class SaveTiming:
   save_s: float | None = None  # start of the save to the checkpoint being complete on disk
   manifest_s: float | None = None  # writing the manifest (checksumming every file), part of save_s
   num_bytes: int | None = None  # the step's size on disk
-
-
-def validate(ck: Any) -> None:
-  """UserError naming the key for a bad `config.checkpoint`."""
-  for key in ("every_steps", "max_to_keep", "keep_every"):
-    require(ck[key] >= 0, f"config.checkpoint.{key}={ck[key]}: must be >= 0")
-  for key in ("s3_connect_timeout_s", "s3_read_timeout_s"):
-    require(ck[key] > 0, f"config.checkpoint.{key}={ck[key]}: must be > 0 seconds")
-  require(ck.s3_max_attempts >= 1, f"config.checkpoint.s3_max_attempts={ck.s3_max_attempts}: must be >= 1")
-  validate_tiers(ck)
-  require(ck.resume in ("auto", "never") or ck.resume.isdigit() or "/" in ck.resume or ck.resume.startswith("."),
-          f"config.checkpoint.resume={ck.resume!r}: use auto, never, a step number or a checkpoint path")
-
-
-def validate_tiers(ck: Any, default_dir: str | None = None) -> None:
-  """The local tier and the cadence keys; `default_dir`: where checkpoint.dir="" resolves (once known)."""
-  for key in ("local_every_steps", "local_max_to_keep", "every_minutes", "max_durable_lag", "preemption_grace_s"):
-    require(ck[key] >= 0, f"config.checkpoint.{key}={ck[key]}: must be >= 0")
-  require(ck.mtbf_prior_minutes > 0, f"config.checkpoint.mtbf_prior_minutes={ck.mtbf_prior_minutes}: must be > 0")
-  require(ck.cadence in ("fixed", "auto"), f"config.checkpoint.cadence={ck.cadence!r}: use fixed or auto")
-  if not ck.local_dir:
-    return
-  require(not ck.local_dir.startswith("s3://") and "://" not in ck.local_dir,
-          f"config.checkpoint.local_dir={ck.local_dir}: the local tier is a node-local path, not a URL")
-  durable = ck.dir or default_dir
-  if durable and "://" not in durable:
-    a, b = Path(ck.local_dir).absolute().resolve(), Path(durable).absolute().resolve()
-    require(a != b and not a.is_relative_to(b) and not b.is_relative_to(a),
-            f"config.checkpoint.local_dir={ck.local_dir} and checkpoint.dir={durable} are the same place (or one is "
-            "inside the other): the local tier must be a separate, node-local directory, e.g. "
-            "--config.checkpoint.local_dir=/tmp/maxtrain-local")
-  require(ck.local_every_steps > 0 or ck.cadence == "auto",
-          f"config.checkpoint.local_dir={ck.local_dir} but checkpoint.local_every_steps=0 (and cadence=fixed): the "
-          "local tier would never be written; set local_every_steps or cadence=auto")
-
-
-def check_writable(directory: Path) -> None:
-  """Fails before any compute when the checkpoint directory cannot be written."""
-  require_writable_dir(directory, f"checkpoint.dir={directory}")
-
-
-def make_private(directory: Path) -> None:
-  """Files under `directory` readable by their owner only: the meta item holds the (redacted) config.
-  Orbax creates them with the process umask; they are closed once the save is complete."""
-  for path in directory.rglob("*"):
-    if path.is_file():
-      path.chmod(0o600)
 
 
 class _Saves:

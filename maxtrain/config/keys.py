@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import ast
 import contextvars
+import difflib
 import functools
 import inspect
 import io
 import textwrap
 import tokenize
+from typing import Any
 
 import ml_collections
+
+from maxtrain.errors import UserError
 
 # `model.*` values (dotted under model.) of the family whose published model a config file starts from: the
 # loader (config/loader.py) sets them while the file runs, so its base_config() is that model's and whatever
@@ -335,6 +339,42 @@ def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
     else:
       keys.append(f"{prefix}{k}")
   return keys
+
+
+def flat_items(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """Dotted key -> value of a config as a ConfigDict or a plain dict (a checkpoint's saved config)."""
+  out = {}
+  for k, v in tree.items():
+    if hasattr(v, "items"):
+      out.update(flat_items(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+@functools.cache
+def declared_keys() -> frozenset[str]:
+  """Every declared dotted key (a family's published model changes values, never keys)."""
+  token = FAMILY_BASE.set({})
+  try:
+    return frozenset(flat_keys(base_config()))
+  finally:
+    FAMILY_BASE.reset(token)
+
+
+def unknown_key(key: str, where: str = "", fix: str = "See the config keys in docs/config.md.") -> UserError:
+  """The error for an undeclared dotted `key`, with the nearest declared ones (a misspelling's fix)."""
+  close = difflib.get_close_matches(key, sorted(declared_keys()), n=3, cutoff=0.5)
+  hint = f" Did you mean {' or '.join('config.' + c for c in close)}?" if close else ""
+  return UserError(f"{where}unknown config key config.{key}.{hint} {fix}")
+
+
+def check_known(section: Any, prefix: str, where: str = "") -> None:
+  """UserError naming the first key of `section` (a ConfigDict or dict: the section at `prefix`, e.g. 'model'
+  or 'model.moe') that is not declared: typed configs are built strictly, never dropping a key unread."""
+  for key in sorted(flat_items(section, f"{prefix}." if prefix else "")):
+    if key not in declared_keys():
+      raise unknown_key(key, where)
 
 
 @functools.cache

@@ -23,6 +23,7 @@ import ml_collections
 from flax import nnx
 
 from maxtrain import config as config_lib
+from maxtrain.config import sections
 from maxtrain.aot import estimate
 from maxtrain.optim import optimizer as optim
 from maxtrain.program import build as program_lib
@@ -47,7 +48,7 @@ from maxtrain.runtime.kv import KeyValue
 from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
 from maxtrain.program import plan as plan_lib
-from maxtrain.program.plan import stage_config, stage_shapes, total_steps
+from maxtrain.program.plan import stage_config, stage_shapes
 
 log = logging.getLogger("maxtrain")
 
@@ -67,9 +68,9 @@ class Trainer:
       if batch_size not in self.stage_programs:
         self.stage_programs[batch_size] = program_lib.program_for(stage_config(cfg, batch_size, seq_len), jax.devices())
     self._eval_steps: dict[tuple[int, ...], object] = {}  # the compiled eval step of each eval batch shape
-    if cfg.optimizer.warmup_steps > total_steps(cfg):  # legal (short smoke runs), but never silent
-      log.warning("optimizer.warmup_steps=%d > the schedule's %d steps (optimizer.decay_steps or steps): the learning "
-                  "rate never reaches optimizer.lr", cfg.optimizer.warmup_steps, total_steps(cfg))
+    warmup_note = sections.warmup(cfg, asked=False)  # the load refused the other cases
+    if warmup_note:  # legal (short smoke runs), but never silent
+      log.warning("%s", warmup_note)
     cache.configure_compile_cache(cfg.runtime.compile_cache_dir)
     self.out_dir = Path(cfg.output_dir)
     prepare_output_dir(self.out_dir)
@@ -131,7 +132,7 @@ class Trainer:
     stack.callback(self.profiler.stop)
     self.stop = StopRequest(self.kv).install()
     stack.callback(self.stop.uninstall)
-    self.stragglers = StragglerMonitor(self.kv, self.events, cfg.fleet)
+    self.stragglers = StragglerMonitor(self.kv, self.events, program.plan.fleet)
     if self.kv is not None:  # other processes' stop requests and hangs arrive as notices
       stack.callback(self.kv.stop_listening, self.kv.listen({"stop": self.stop.on_notice,
                                                               "hang": self.watchdog.on_notice}))
@@ -323,10 +324,8 @@ class Trainer:
 def check_checkpoint_mode(cfg: ml_collections.ConfigDict, mode: str, meta: dict, path: object) -> None:
   """A checkpoint resumes only in the mode that wrote it (its data state and step unit are that mode's):
   UserError naming both, before any data is read or anything compiles."""
-  saved = (meta.get("config") or {}).get("post", {}).get("mode") if isinstance(meta.get("config"), dict) else None
-  if saved is None:  # a checkpoint from before post-training existed: pretraining
-    saved = ""
-  saved = plan_lib.canonical_mode(saved)
+  # a checkpoint from before post-training existed: migrated to post.mode's default, pretraining
+  saved = plan_lib.canonical_mode(config_lib.saved_config(meta, f"checkpoint {path}")["post"]["mode"])
   if saved != mode:
     raise UserError(f"checkpoint {path} was written by a {plan_lib.describe_mode(saved)} run, but this run is "
                     f"{plan_lib.describe_mode(mode)} (config.post.mode={cfg.post.mode!r}): resume it with "

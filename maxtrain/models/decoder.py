@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from maxtrain.config.keys import check_known
 from maxtrain.errors import choice, require
 from maxtrain.models.attention import layer as attention
 from maxtrain.models import mla as mla_lib
@@ -188,7 +189,10 @@ class ModelConfig:
     return 6.0 * matmul_params + attention
 
   @classmethod
-  def from_config(cls, model_cfg) -> "ModelConfig":
+  def from_config(cls, model_cfg: Any) -> "ModelConfig":
+    """From `config.model` (a ConfigDict, or a dict of its keys: a migrated saved config, an HF import); a key
+    missing takes its default, an undeclared one is a UserError naming it (never dropped unread)."""
+    check_known(model_cfg, "model")
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in model_cfg.items() if k in fields}
     if "head_dim" in model_cfg:
