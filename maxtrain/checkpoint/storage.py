@@ -45,6 +45,19 @@ class SaveTiming:
   num_bytes: int | None = None  # the step's size on disk
 
 
+def check_writable(directory: Path) -> None:
+  """Fails before any compute when the checkpoint directory cannot be written."""
+  require_writable_dir(directory, f"checkpoint.dir={directory}")
+
+
+def make_private(directory: Path) -> None:
+  """Files under `directory` readable by their owner only: the meta item holds the (redacted) config.
+  Orbax creates them with the process umask; they are closed once the save is complete."""
+  for path in directory.rglob("*"):
+    if path.is_file():
+      path.chmod(0o600)
+
+
 class _Saves:
   """The durable tier's asynchronous saves: one in flight; once complete, its manifest (process 0), then its
   upload when mirrored. A failed save is logged and kept in `last_error` / `failed_step`: the run goes on, the
