@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -51,13 +52,27 @@ class UserCodeExit(RuntimeError):
   a crash with its own code (exit 1, restarted like any crash), never a finish. The message names it."""
 
 
+# The one map from the exception that ends a command to its exit code and the label of its error tail
+# (`maxtrain.<command>: <label>: <message>`, cli/shell.py): the first row the exception is an instance of
+# wins; anything else is a crash (EXIT_CRASH, "crash").
+EXITS: tuple[tuple[type[BaseException], int, str], ...] = (
+    (UserError, EXIT_BAD_INPUT, "error"),
+    (Preempted, EXIT_PREEMPTED, "preempted"),
+    (Aborted, EXIT_ABORTED, "aborted"),
+    (Stalled, EXIT_HANG, "hang"),  # an async side (weight publish, rollout producer) hung: restartable like a hang
+    (UserCodeExit, EXIT_CRASH, "crash"),  # a reward's sys.exit: a crash (restarted), never a finish
+    (KeyboardInterrupt, EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
+)
+
+
+def exit_row(error: BaseException) -> tuple[int, str]:
+  """(exit code, tail label) of the exception that ends a command, from EXITS."""
+  return next(((code, label) for kind, code, label in EXITS if isinstance(error, kind)), (EXIT_CRASH, "crash"))
+
+
 def exit_code(error: BaseException) -> int:
   """The process exit code for an exception that ends a run (1 = crash for anything unexpected)."""
-  for kind, code in ((UserError, EXIT_BAD_INPUT), (Preempted, EXIT_PREEMPTED), (Aborted, EXIT_ABORTED), (Stalled, EXIT_HANG),
-                     (KeyboardInterrupt, EXIT_INTERRUPTED)):
-    if isinstance(error, kind):
-      return code
-  return EXIT_CRASH
+  return exit_row(error)[0]
 
 
 def require(ok: bool, message: str) -> None:
@@ -87,3 +102,10 @@ def require_writable_dir(path: "os.PathLike[str] | str", what: str,
   except OSError as e:
     why = "is a file, not a directory" if path.is_file() else f"is not writable ({e.strerror})"
     raise UserError(f"{what} {why}: {hint}") from None
+
+
+def printable(text: str) -> str:
+  """`text` with file names that are not UTF-8 (surrogate escapes) shown as \\xNN: printing them raw
+  fails on a UTF-8 terminal."""
+  text = re.sub(r"\\udc([89a-f][0-9a-f])", r"\\x\1", text)  # the same byte where a repr() wrote its escape
+  return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")

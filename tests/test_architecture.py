@@ -1,7 +1,7 @@
 """The shape of the code: packages that import only those below them (no import cycles), the mesh named
 only in `sharding/` (tools included), tools that import the installed package, short functions, a
-supervisor that starts without jax, `--help` generated from the declarations, and a layout drawing
-(docs/architecture.md) that matches the tree."""
+supervisor that starts without jax, `--help` generated from the declarations, every entry point through the
+one shell (cli/shell.py), and a layout drawing (docs/architecture.md) that matches the tree."""
 
 import ast
 import io
@@ -128,6 +128,47 @@ def test_no_import_cycles():
       visit(m, [m])
 
 
+# What the checkpoint policy may import: it decides from measurements and state, it never measures nor acts (no
+# files, clocks, key-value store, devices, Orbax), so each rule is unit-tested with plain values.
+POLICY_IMPORTS = {"__future__", "dataclasses", "math", "typing", "collections.abc", "maxtrain.errors"}
+
+
+def module_imports(path: Path) -> set[str]:
+  """Every module a file imports (any package), function-level imports included."""
+  found = set()
+  for node in ast.walk(parse(path)):
+    if isinstance(node, ast.Import):
+      found |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom):
+      found.add("." * node.level + (node.module or ""))
+  return found
+
+
+def test_checkpoint_policy_does_no_io():
+  extra = module_imports(PACKAGE / "checkpoint" / "policy.py") - POLICY_IMPORTS
+  assert not extra, f"maxtrain/checkpoint/policy.py imports {sorted(extra)}: the policy takes measurements as " \
+                    "arguments; measure and act in cadence.py / resume.py / schedule.py"
+
+
+def test_the_policy_check_would_catch_an_io_import(tmp_path):
+  bad = tmp_path / "policy.py"
+  bad.write_text("import dataclasses\n\ndef f():\n  from pathlib import Path\n  import orbax.checkpoint as ocp\n")
+  assert module_imports(bad) - POLICY_IMPORTS == {"pathlib", "orbax.checkpoint"}
+
+
+MAX_CHECKPOINT_CLASS_METHODS = 14  # about 12 methods, plus __init__ and a property
+
+
+def test_checkpoint_classes_are_small():
+  """The checkpoint package is small parts (a tier, its writer or reader, the resume search, the run's component):
+  a class that outgrows this is two."""
+  big = {f"{path.name}:{node.name}": n for path in sorted((PACKAGE / "checkpoint").glob("*.py"))
+         for node in ast.walk(parse(path)) if isinstance(node, ast.ClassDef)
+         if (n := sum(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for f in node.body))
+         > MAX_CHECKPOINT_CLASS_METHODS}
+  assert not big, f"checkpoint classes with more than {MAX_CHECKPOINT_CLASS_METHODS} methods: {big}"
+
+
 def axis_mentions(path: Path) -> set[str]:
   """String literals equal to a mesh axis name, and `mesh.<axis>` attribute chains."""
   toks = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
@@ -185,6 +226,67 @@ def test_the_sys_path_check_would_catch_an_insert(tmp_path):
   sample = tmp_path / "x.py"
   sample.write_text("import sys\nsys.path.insert(0, '..')\nsys.argv.insert(0, 'x')\n")
   assert sys_path_edits(sample) == [2]
+
+
+SHELL = "maxtrain/cli/shell.py"  # the one entry-point shell: parsing, --help, logging, exit codes
+
+
+def _is_exit(node: ast.AST) -> bool:
+  """`sys.exit(...)`, `exit(...)` or `SystemExit(...)`: a call that ends the process with a code."""
+  func = node.func if isinstance(node, ast.Call) else None
+  name = getattr(func, "attr", getattr(func, "id", None))
+  return name == "SystemExit" or (name == "exit" and getattr(getattr(func, "value", None), "id", "sys") == "sys")
+
+
+def _is_code(node: ast.AST | None, in_cli: bool) -> bool:
+  """An exit code: an `EXIT_*` name, or in an entry point any int literal."""
+  return (isinstance(node, ast.Name) and node.id.startswith("EXIT_")) or \
+      (in_cli and isinstance(node, ast.Constant) and type(node.value) is int)
+
+
+def shell_violations(path: Path, rel: str) -> list[str]:
+  """What only the shell may do, done elsewhere: set up logging, exit with a code (other than a shim's
+  `sys.exit(main())`), or turn a caught exception into an exit code; and an entry point whose `main` does not
+  run through the shell."""
+  found, tree = [], parse(path)
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "basicConfig" and rel != SHELL:
+      found.append(f"{rel}:{node.lineno}: logging.basicConfig (the shell sets up logging)")
+    if isinstance(node, ast.Call) and _is_exit(node) and not (
+        len(node.args) == 1 and isinstance(node.args[0], ast.Call) and getattr(node.args[0].func, "id", None) == "main"):
+      found.append(f"{rel}:{node.lineno}: exits with a code of its own (return it through the shell)")
+    if isinstance(node, ast.ExceptHandler) and rel != SHELL:
+      for inner in ast.walk(node):
+        if isinstance(inner, ast.Return) and _is_code(inner.value, rel.startswith("maxtrain/cli/")):
+          found.append(f"{rel}:{inner.lineno}: maps an exception to an exit code (errors.EXITS, via the shell)")
+  is_entry = rel.startswith("maxtrain/cli/") and rel not in (SHELL, "maxtrain/cli/__init__.py")
+  mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+  if is_entry and not any(isinstance(c, ast.Call) and getattr(c.func, "attr", None) == "run"
+                          and getattr(c.func.value, "id", None) == "shell" for m in mains for c in ast.walk(m)):
+    found.append(f"{rel}: main() does not call shell.run")
+  return found
+
+
+def test_every_entry_point_goes_through_the_one_shell():
+  """Every `python -m maxtrain.X` (cli/X.py; the shims only import it) runs through cli/shell.py, and nothing
+  else in the package sets up logging, exits with a code or maps exceptions to exit codes."""
+  entry_points = sorted(p.stem for p in (PACKAGE / "cli").glob("*.py"))
+  assert set(entry_points) - {"__init__", "shell"} == SHIMS
+  found = []
+  for path in MODULES.values():
+    found += shell_violations(path, path.relative_to(REPO).as_posix())
+  assert found == []
+
+
+def test_the_shell_check_would_catch_a_private_shell(tmp_path):
+  sample = tmp_path / "x.py"
+  sample.write_text("import logging, sys\nfrom maxtrain.errors import UserError\n"
+                    "def main(argv=None):\n  logging.basicConfig()\n  try:\n    pass\n"
+                    "  except UserError as e:\n    print(f'x: error: {e}')\n    return EXIT_BAD_INPUT\n"
+                    "  sys.exit(2)\n\nif __name__ == '__main__':\n  sys.exit(main())\n")
+  found = shell_violations(sample, "maxtrain/cli/x.py")
+  assert [f.split(": ", 1)[0] for f in found] == ["maxtrain/cli/x.py:4", "maxtrain/cli/x.py:9", "maxtrain/cli/x.py:10",
+                                                 "maxtrain/cli/x.py"], found
 
 
 def test_functions_are_short():
@@ -275,6 +377,40 @@ def test_the_attention_mask_value_is_defined_once():
         fills.append(f"{rel}:{node.lineno}")
   assert definitions == ["maxtrain/models/attention/mask.py:MASK_VALUE"], definitions
   assert [f.split(":")[0] for f in fills] == ["maxtrain/models/attention/mask.py"], fills
+
+
+def saved_config_reads(path: Path) -> list[int]:
+  """Lines that read a checkpoint meta's config directly: `<...meta>.get("config")` or `<...meta>["config"]`."""
+  def is_meta(node: ast.expr) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name.endswith("meta")
+
+  lines = []
+  for node in ast.walk(parse(path)):
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+        and is_meta(node.func.value) and node.args and getattr(node.args[0], "value", None) == "config":
+      lines.append(node.lineno)
+    if isinstance(node, ast.Subscript) and is_meta(node.value) and getattr(node.slice, "value", None) == "config":
+      lines.append(node.lineno)
+  return lines
+
+
+def test_a_saved_config_is_read_only_through_migrate(tmp_path):
+  """Issue 42: config/migrate.py's `saved_config` is the one reader of a checkpoint's saved config (today's keys,
+  an unknown one exit 2); no other module reads `meta["config"]` raw."""
+  offenders = {path.relative_to(REPO).as_posix(): saved_config_reads(path) for path in MODULES.values()
+               if path.relative_to(REPO).as_posix() != "maxtrain/config/migrate.py"}
+  assert not {k: v for k, v in offenders.items() if v}, offenders
+  sample = tmp_path / "x.py"
+  sample.write_text('a = meta.get("config", {})\nb = restored.meta["config"]\nc = {"config": 1}\n')
+  assert saved_config_reads(sample) == [1, 2]
+
+
+def test_plan_validation_imports_no_component_above_it():
+  """Issue 42: validating a config imports neither checkpoint storage (Orbax) nor the Prometheus server: their
+  sections are checked by pure functions beside their keys (config/sections.py)."""
+  imported = imports_of("maxtrain.program.plan", MODULES["maxtrain.program.plan"])
+  assert not {m for m in imported if m.split(".")[1] in ("checkpoint", "monitor")}, imported
 
 
 # The drills (config.faults.*, maxtrain/runtime/faults.py) stay off the production path: in these packages

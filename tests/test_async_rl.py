@@ -2,7 +2,7 @@
 before compiling; the corrections' weights and the weighted loss against NumPy (float64); a run with
 rollouts one version behind on their own 4 devices trains on exactly the fixed interleaving's versions
 and checkpoints its queue; a SIGKILL mid-run resumes bitwise; a hung rollout side and a stalled publish
-end as hangs (exit 76) with their event."""
+end as hangs (exit 76) with their event, a rollout side that dies as a crash (exit 1) with its event."""
 
 import json
 import logging
@@ -37,6 +37,8 @@ ASYNC = RUN_ARGS + ["--config.post.max_staleness=1"]
     (["--config.post.correction=ips"], "config.post.correction='ips': choose one of none, tis, mis, decoupled"),
     (["--config.post.algorithm=dapo", "--config.post.mode=rl", "--config.post.max_staleness=2"],
      "dynamic sampling draws a variable number"),
+    (["--config.post.algorithm=gspo", "--config.post.mode=rl", "--config.post.pack_updates=true"],
+     "post.pack_updates=True with post.algorithm=gspo: its loss reads whole rows"),
 ])
 def test_bad_async_settings_exit_2_before_compiling(overrides, message, tmp_path, capsys):
   code = train.main(RUN_ARGS + overrides + ["--config.steps=1", f"--config.output_dir={tmp_path}"])
@@ -138,6 +140,9 @@ def test_rollouts_on_their_own_devices_one_version_behind(straight):
   assert scalars(out, "rl/dropped_rollouts") == {k: 0.0 for k in (1, 2, 3, 4)}
   busy = scalars(out, "rl/trainer_busy")
   assert all(0 < b <= 1 for b in busy.values()), busy
+  logged = {e["step"]: e for e in read_events(out / "events.jsonl") if e["kind"] == "rl_round"}
+  assert sorted(logged) == [1, 2, 3, 4] and [logged[k]["staleness_mean"] for k in (1, 2, 3, 4)] == [0, 1, 1, 1]
+  assert all(abs(logged[k]["trainer_busy"] - busy[k]) < 1e-6 and logged[k]["updates_per_s"] > 0 for k in busy)
   state = json.loads((out / "checkpoints/2/data/metadata").read_text())  # the data state (Orbax JsonSave)
   [made] = state["in_flight"]
   assert (made["round"], made["position"], made["version"], state["step"]) == (3, 2, 1, 2)
@@ -176,6 +181,20 @@ def test_a_hung_rollout_side_or_publish_ends_as_a_hang(fault, phase, tmp_path):
   assert stall["phase"] == phase and stall["waited_s"] >= 2, stall
   assert (events[-1]["kind"], events[-1]["code"]) == ("exit", 76)
 
+
+def test_a_rollout_worker_that_dies_is_a_crash_naming_it(tmp_path):
+  """The producer thread raises before round 2: a `rollout_died` event naming the error, then exit 1 (a crash:
+  restarted with backoff) with a crash event that says the rollout side died; round 1 trained."""
+  out = tmp_path / "run"
+  with pytest.raises(RuntimeError, match="the rollout producer thread died at round 2"):  # the process: exit 1
+    train.main(SPLIT + ["--config.steps=3", "--config.faults.rollout_die_at_step=2", f"--config.output_dir={out}"])
+  events = read_events(out / "events.jsonl")
+  [died] = [e for e in events if e["kind"] == "rollout_died"]
+  assert died["round"] == 2 and died["version"] == 0 and "fault injection" in died["error"], died
+  [crash] = [e for e in events if e["kind"] == "crash"]
+  assert "the rollout producer thread died at round 2" in crash["reason"], crash
+  assert (events[-1]["kind"], events[-1]["code"]) == ("exit", 1)
+  assert [r["round"] for r in rounds(out)] == [1]
 
 
 def test_an_error_in_the_rollout_thread_ends_the_run_as_in_a_synchronous_round(tmp_path, capsys):

@@ -16,6 +16,7 @@ from maxtrain import config as config_lib
 from maxtrain.optim import optimizer as optim
 from maxtrain.program import state as state_lib
 from maxtrain.cli import train
+from maxtrain.errors import EXIT_PREEMPTED
 from maxtrain.checkpoint.storage import Checkpointer
 from maxtrain.models.llama import ModelConfig
 from maxtrain.sharding.mesh import make_mesh
@@ -98,7 +99,7 @@ def test_resume_is_bitwise_identical(store, tmp_path, mesh, optimizer):
   assert "restored step 4" in b2.stderr
   # C: SIGTERM after step 4 -> checkpoint + exit 75; the restart trains to 8.
   c1 = run("c", 8, "--config.faults.sigterm_at_step=4")
-  assert c1.returncode == train.EXIT_PREEMPTED, c1.stderr
+  assert c1.returncode == EXIT_PREEMPTED, c1.stderr
   assert "stopped by SIGTERM after step 4" in c1.stderr
   assert sorted(int(p.name) for p in (tmp_path / "c/checkpoints").iterdir() if p.name.isdigit()) == [4]
   c2 = run("c", 8, "--config.faults.sigterm_at_step=4")  # fault already fired: does not fire again

@@ -21,9 +21,9 @@ import pytest
 from maxtrain import config as config_lib
 from maxtrain.data import arithmetic
 from maxtrain.data.tokenizer import ByteTokenizer
-from maxtrain.errors import Aborted, UserError
+from maxtrain.errors import EXIT_ABORTED, Aborted, UserError
 from maxtrain.inference.sampling import Sampling
-from maxtrain.posttrain import data as post_data, rewards, rl_step, rollout as rollout_lib
+from maxtrain.posttrain import data as post_data, packing, rewards, rl_step, rollout as rollout_lib
 from maxtrain.posttrain.algorithms import base as algo_base
 from maxtrain.posttrain.rl import ROLLOUTS_FILE
 from maxtrain.cli import train
@@ -141,6 +141,42 @@ def test_on_policy_ratio_is_one_and_8_devices_match_1(one_device):
   assert int(metrics_ok["spike"]) == 0 and float(metrics_ok["skipped"]) == 0.0
 
 
+def test_packed_update_batch_is_the_unpacked_one(one_device):
+  """Sequence packing (post.pack_updates): 16 rows of 3-10 real tokens (of 16) packed first-fit into fewer rows
+  with document ids: each token's log-probability is the unpacked batch's, and so is a GRPO step (loss, KL,
+  gradient norm, parameters); the same packed rows without their document ids are far off (the mask matters)."""
+  _, program, state_host, host, _, _, logprobs, train = one_device
+  rng = np.random.default_rng(0)
+  b, t = host["inputs"].shape
+  m_B = 3 + np.arange(b) % 8  # real tokens per row
+  real = np.arange(t)[None] < m_B[:, None]
+  batch = {"inputs": np.where(real, rng.integers(1, 200, (b, t)), 0).astype(np.int32),
+           "targets": np.where(real, rng.integers(1, 200, (b, t)), 0).astype(np.int32),
+           "segment_ids": np.where(real, 1, 2).astype(np.int32), "positions": np.broadcast_to(np.arange(t), (b, t)).astype(np.int32),
+           "loss_mask": (real & (np.arange(t)[None] >= m_B[:, None] // 2)).astype(np.float32)}
+  batch["advantages"] = (rng.normal(0, 1, (b, 1)) * batch["loss_mask"]).astype(np.float32)
+  batch["old_logp"] = batch["ref_logp"] = np.zeros((b, t), np.float32)  # set below from the unpacked pass
+  packed, groups = packing.pack(batch)
+  assert len(packed["inputs"]) < b and sorted(sum(groups, [])) == list(range(b))
+  assert packing.padding_share(m_B, packed["inputs"].shape) < packing.padding_share(m_B, (b, t))
+  with jax.set_mesh(program.mesh):
+    params = jax.device_put(state_host.params, program.state.shardings.params)
+    unpacked_logp = np.asarray(logprobs(params, rl_step.to_device(batch, program)))
+    packed_logp = np.asarray(logprobs(params, rl_step.to_device(packed, program)))
+    merged = {**packed, "segment_ids": (packed["segment_ids"] > 0).astype(np.int32)}
+    merged_logp = np.asarray(logprobs(params, rl_step.to_device(merged, program)))
+  back = packing.unpack(packed_logp, groups, m_B, (b, t))
+  np.testing.assert_allclose(back[real], unpacked_logp[real], rtol=0, atol=2e-5)
+  assert np.abs(packing.unpack(merged_logp, groups, m_B, (b, t)) - unpacked_logp)[real].max() > 1e-2
+  batch["old_logp"] = batch["ref_logp"] = unpacked_logp * batch["loss_mask"]
+  packed, _ = packing.pack(batch)
+  metrics, params = run_step(program, train, state_host, batch)
+  metrics_p, params_p = run_step(program, train, state_host, packed)
+  for key in ("loss", "kl", "grad_norm", "tokens"):
+    np.testing.assert_allclose(float(metrics_p[key]), float(metrics[key]), rtol=1e-5, atol=1e-7, err_msg=key)
+  jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6), params_p, params)
+
+
 def flags(nonfinite=0, spike=0, consecutive_bad=0, grad_norm=1.0, zscore=0.0):
   """One GRPO update's guard flags as `rl_step` returns them."""
   return {"nonfinite": nonfinite, "nonfinite_update": 0, "spike": spike, "loss_zscore": zscore,
@@ -248,6 +284,43 @@ def test_nan_and_spike_roll_back_and_the_redone_rounds_draw_new_rollouts(rolled_
   assert json.loads((out / "summary.json").read_text())["steps"] == 7
 
 
+def test_utilisation_reaches_tensorboard_and_the_event_log(rolled_back):
+  """Every logged round: an `rl_round` event with the utilisation its TensorBoard scalars hold; rollout
+  tokens/s x sampling seconds = the completion tokens generated (response length x rows)."""
+  from test_async_rl import scalars
+
+  out = rolled_back
+  logged = [e for e in read_events(out / "events.jsonl") if e["kind"] == "rl_round"]
+  assert sorted({e["step"] for e in logged}) == list(range(1, 8))
+  for e in logged:
+    assert 0 < e["trainer_busy"] <= 1 and e["updates_per_s"] > 0 and e["rollout_tokens_per_s"] > 0, e
+    assert e["trainer_idle_s"] > 0 and e["rollout_idle_s"] > 0, e
+  last = {e["step"]: e for e in logged}
+  busy = scalars(out, "rl/trainer_busy")
+  assert all(abs(busy[k] - last[k]["trainer_busy"]) < 1e-6 for k in busy), (busy, last)
+  per_s, sampling_s, length = (scalars(out, f"rl/{k}") for k in ("rollout_tokens_per_s", "rollout_s", "response_length"))
+  for k in per_s:
+    np.testing.assert_allclose(per_s[k] * sampling_s[k], length[k] * P * G, rtol=1e-5)
+
+
+def test_packed_updates_and_continuous_batching_through_the_entry_point(tmp_path):
+  """post.pack_updates and post.continuous_batching in a run (2 batch shards: packing can drop rows): less
+  padding in the update batch than unpacked, in TensorBoard and the rl_round events; the continuous
+  generator's log-probs are the trainer's (float noise)."""
+  from test_async_rl import scalars
+
+  out = tmp_path / "run"
+  assert train.main(RUN_ARGS + ["--config.steps=2", "--config.data.seq_len=32", "--config.mesh.fsdp=2",
+                                "--config.mesh.tensor=4", "--config.post.pack_updates=true",
+                                "--config.post.continuous_batching=4", f"--config.output_dir={out}"]) == 0
+  share, unpacked = scalars(out, "rl/padding_share"), scalars(out, "rl/padding_share_unpacked")
+  assert sorted(share) == [1, 2] and all(share[k] < unpacked[k] - 0.2 for k in share), (share, unpacked)
+  logged = [e for e in read_events(out / "events.jsonl") if e["kind"] == "rl_round"]
+  assert [round(e["padding_share"], 5) for e in logged] == [round(share[k], 5) for k in (1, 2)]
+  assert max(scalars(out, "rl/logprob_gap").values()) < 1e-4
+  assert [r["round"] for r in rounds(out)] == [1, 2]
+
+
 def test_resume_after_a_rollback_is_exact(rolled_back, tmp_path):
   """Resumed from the round-6 checkpoint written after both rollbacks: round 7 draws the same rollouts
   (position 9, from the checkpoint's data state) and ends bit for bit where the uninterrupted run did."""
@@ -271,7 +344,7 @@ def test_a_skipped_spike_goes_on_and_a_spent_budget_stops_the_run(tmp_path):
                                 "--config.faults.nan_at_step=7",
                                 "--config.guards.max_consecutive_bad=4", "--config.guards.max_rollbacks=0",
                                 f"--config.output_dir={out}"])
-  assert code == train.EXIT_ABORTED == 3
+  assert code == EXIT_ABORTED == 3
   assert guard_events(out) == [("spike", 6, u) for u in (1, 2, 3, 4)] + [("nan_skip", 7, u) for u in (1, 2, 3, 4)]
   assert [r["round"] for r in rounds(out)] == [1, 2, 3, 4, 5, 6, 7]
   exit_record = read_events(out / "events.jsonl")[-1]

@@ -10,6 +10,7 @@ import pytest
 from maxtrain.optim.masking import keep_if
 from maxtrain.program import guards
 from maxtrain.cli import train
+from maxtrain.errors import EXIT_ABORTED
 from maxtrain.monitor.events import read_events
 from test_checkpoint import TINY, assert_bitwise_equal, flat, restore_raw
 
@@ -88,7 +89,7 @@ def test_spike_rollback_then_abort(store, tmp_path, capsys):
   args = base_args(store, out) + ["--config.steps=10", "--config.faults.spike_at_step=7",
                                   "--config.guards.spike_action=abort"]
   capsys.readouterr()
-  assert train.main(args) == train.EXIT_ABORTED
+  assert train.main(args) == EXIT_ABORTED
   err = capsys.readouterr().err
   assert "aborted: loss spike at step 7" in err and "z-score" in err
 

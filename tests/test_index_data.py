@@ -206,7 +206,7 @@ def test_cli_empty_input_exits_2(tmp_path):
   (tmp_path / "empty").mkdir()
   r = _run_cli("--input", tmp_path / "empty", "--output", tmp_path / "o")
   assert r.returncode == 2
-  assert r.stderr.startswith("error: empty corpus") and "empty" in r.stderr
+  assert r.stderr.startswith("index_data: error: empty corpus") and "empty" in r.stderr
   (tmp_path / "empty" / "e.txt").write_text("")
   with pytest.raises(UserError, match="empty corpus.*no non-empty documents"):
     indexing.index_files([str(tmp_path / "empty")], str(tmp_path / "o"),

@@ -148,7 +148,7 @@ def test_local_tier_restores_into_host_memory_and_back(tmp_path):
   tier.wait()
   abstract = {"mu": jax.ShapeDtypeStruct((64,), np.float32)}
   for step, shardings in ((2, on_device), (4, on_host)):  # saved in one memory, restored into the other
-    restored, _ = tier.restore(tier.path(step), abstract, shardings)
+    restored = tier.restore(tier.path(step), abstract, shardings).state
     assert restored["mu"].sharding == shardings["mu"]
     np.testing.assert_array_equal(np.asarray(restored["mu"]), values * step)
   tier.close()

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from maxtrain.aot import estimate
+from maxtrain.checkpoint.identity import run_meta
 from maxtrain.checkpoint.storage import Checkpointer
 from maxtrain.config import loader as config_lib
 from maxtrain.errors import UserError
@@ -228,7 +229,7 @@ def test_checkpoints_move_between_stage_counts_bitwise(runs, tmp_path):
     ckpt = Checkpointer(run.program.cfg.checkpoint, str(tmp_path / name))
     with jax.set_mesh(run.program.mesh):
       state = jax.device_put(run.state, run.program.state.shardings)
-    ckpt.save(STEPS, state, {}, run.program.cfg, dict(run.program.mesh.shape))
+    ckpt.save(STEPS, state, {}, run_meta(run.program.cfg, dict(run.program.mesh.shape)))
     ckpt.close()
     paths[stages] = tmp_path / name / str(STEPS)
   ckpt = Checkpointer(runs["reference"].program.cfg.checkpoint, str(tmp_path / "restore"))
@@ -248,8 +249,8 @@ def test_1f1b_resumes_bitwise(runs, tmp_path):
   assert run.program.plan.pipeline.kind == "1f1b"
   ckpt = Checkpointer(run.program.cfg.checkpoint, str(tmp_path))
   with jax.set_mesh(run.program.mesh):
-    ckpt.save(STEPS, jax.device_put(run.state, run.program.state.shardings), {}, run.program.cfg,
-              dict(run.program.mesh.shape))
+    ckpt.save(STEPS, jax.device_put(run.state, run.program.state.shardings), {},
+              run_meta(run.program.cfg, dict(run.program.mesh.shape)))
   ckpt.close()
   ckpt = Checkpointer(run.program.cfg.checkpoint, str(tmp_path / "restore"))
   state = _assert_restores(ckpt, tmp_path / str(STEPS), run, run.state)

@@ -55,7 +55,7 @@ def _assert_exit2(r, *named):
   assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
   assert "Traceback" not in r.stderr
   assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-  assert r.stderr.startswith("error: ")
+  assert r.stderr.startswith("index_data: error: ")
   for text in named:
     assert text in r.stderr, (text, r.stderr)
 

@@ -15,8 +15,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from maxtrain import config as config_lib
-from maxtrain.checkpoint import cadence, tiers
-from maxtrain.checkpoint.storage import validate
+from maxtrain.checkpoint import cadence, policy
+from maxtrain.config.sections import checkpoint as validate  # the checkpoint section, checked beside its keys
 from maxtrain.errors import UserError
 from maxtrain.monitor import goodput
 from maxtrain.monitor.events import read_events
@@ -48,15 +48,15 @@ def restores(out: Path) -> list[tuple[int, str, int]]:
 
 
 def test_choice_across_tiers():
-  both = tiers.choose([[14, 16], [14, 16]], 10)
+  both = policy.choose([[14, 16], [14, 16]], 10)
   assert (both.tier, both.step) == ("local", 16) and "on all 2 processes" in both.reason
-  half = tiers.choose([[14, 16], [14]], 10)  # process 1's step 16 is half written: 14, the newest they share
+  half = policy.choose([[14, 16], [14]], 10)  # process 1's step 16 is half written: 14, the newest they share
   assert (half.tier, half.step) == ("local", 14)
-  lost = tiers.choose([[14, 16], []], 10)  # process 1's local tier is gone: the durable step
+  lost = policy.choose([[14, 16], []], 10)  # process 1's local tier is gone: the durable step
   assert (lost.tier, lost.step) == ("durable", 10) and "process 1 has none" in lost.reason
-  assert tiers.choose([[10]], 10).tier == "durable"  # a tie: the durable copy survives the node
-  assert (tiers.choose([[14, 16]], 10, before=15).step, tiers.choose([[14, 16]], 10, before=11).tier) == (14, "durable")
-  assert tiers.choose([[]], None).tier is None
+  assert policy.choose([[10]], 10).tier == "durable"  # a tie: the durable copy survives the node
+  assert (policy.choose([[14, 16]], 10, before=15).step, policy.choose([[14, 16]], 10, before=11).tier) == (14, "durable")
+  assert policy.choose([[]], None).tier is None
 
 
 def test_config_errors(tmp_path):
@@ -91,7 +91,7 @@ def test_same_dir_exits_2_before_training(tmp_path, capsys):
 
 
 def test_young_daly_and_observed_mtbf():
-  assert cadence.young_daly_s(0.5, 400.0) == pytest.approx(20.0)
+  assert policy.young_daly_s(0.5, 400.0) == pytest.approx(20.0)
   records = [{"wall": 100.0, "attempt": 0, "kind": "job_start"}, {"wall": 130.0, "attempt": 0, "kind": "crash"},
              {"wall": 131.0, "attempt": 0, "kind": "crash", "process": -1},  # the supervisor's record of the same
              {"wall": 140.0, "attempt": 1, "kind": "hang"}]
@@ -334,7 +334,7 @@ def test_auto_cadence_under_crashes_at_a_known_rate(store, tmp_path):
     saves = [x["blocking_s"] for x in records if x["kind"] == "checkpoint_blocked" and x.get("tier") == "local"
              and x["attempt"] == r["attempt"] and x["step"] <= r["step"]]
     assert r["cost_s"] == pytest.approx(sum(saves) / len(saves))
-    assert r["interval_s"] == pytest.approx(cadence.young_daly_s(r["cost_s"], r["mtbf_s"]))
+    assert r["interval_s"] == pytest.approx(policy.young_daly_s(r["cost_s"], r["mtbf_s"]))
     assert r["interval_steps"] * r["step_time_s"] == pytest.approx(r["interval_s"], rel=0.2) or r["interval_steps"] == 1
   report = goodput.compute(records)
   failures = report["checkpoints"]["failures"]
@@ -349,18 +349,18 @@ def test_auto_cadence_under_crashes_at_a_known_rate(store, tmp_path):
 
 
 def test_preemption_plan_fits_the_grace_period():
-  plan = tiers.preemption_plan(10.0, {"durable": 4.0, "local": 0.5})
+  plan = policy.preemption_plan(10.0, {"durable": 4.0, "local": 0.5})
   assert (plan.tiers, plan.skipped) == (["local", "durable"], [])
-  plan = tiers.preemption_plan(4.2, {"durable": 4.0, "local": 0.5})  # 3.7 s left after the local save
+  plan = policy.preemption_plan(4.2, {"durable": 4.0, "local": 0.5})  # 3.7 s left after the local save
   assert (plan.tiers, plan.skipped) == (["local"], ["durable"]) and "durable takes 4.00s, 3.70s left" in plan.why
-  assert tiers.preemption_plan(5.0, {"durable": 4.0}).tiers == ["durable"]
-  plan = tiers.preemption_plan(-1.0, {"durable": 4.0, "local": 0.5})  # nothing fits: the fastest anyway
+  assert policy.preemption_plan(5.0, {"durable": 4.0}).tiers == ["durable"]
+  plan = policy.preemption_plan(-1.0, {"durable": 4.0, "local": 0.5})  # nothing fits: the fastest anyway
   assert (plan.tiers, plan.skipped) == (["local"], ["durable"]) and "none fits" in plan.why
-  assert tiers.preemption_plan(0.1, {"durable": None, "local": None}).tiers == ["local", "durable"]  # not measured
+  assert policy.preemption_plan(0.1, {"durable": None, "local": None}).tiers == ["local", "durable"]  # not measured
   # Half a millisecond left: the measured local save does not fit, so neither does the durable one, assumed slower.
-  plan = tiers.preemption_plan(0.0005, {"durable": None, "local": 0.024})
+  plan = policy.preemption_plan(0.0005, {"durable": None, "local": 0.024})
   assert (plan.tiers, plan.skipped) == (["local"], ["durable"]) and "none fits" in plan.why
-  assert tiers.preemption_plan(None, {"durable": 4.0, "local": 9.0}).tiers == ["durable", "local"]  # measured order
+  assert policy.preemption_plan(None, {"durable": 4.0, "local": 9.0}).tiers == ["durable", "local"]  # measured order
 
 
 def test_preemption_saves_the_tiers_the_grace_period_fits_and_resume_promotes(store, tmp_path):
@@ -434,7 +434,8 @@ def test_local_tier_round_trip_rotation_and_abandoned_steps(tmp_path):
   state = save(tier, (2, 4, 6, 8))
   assert tier.steps() == [4, 6, 8]  # keep=3
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-  restored, data = tier.restore(tier.path(6), abstract, shardings)
+  round_trip = tier.restore(tier.path(6), abstract, shardings)
+  restored, data = round_trip.state, round_trip.data_state
   assert data == {"next": 6} and int(restored["s"]) == 6 and restored["w"].sharding == shardings["w"]
   np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(32.0).reshape(8, 4) * 6)
   other = {"w": NamedSharding(mesh, PartitionSpec(None, "b")), "s": shardings["s"]}

@@ -412,6 +412,40 @@ def test_a_checkpoint_without_manifest_restores_and_says_so(store, trained, tmp_
   assert [r["step"] for r in read_events(out / "events.jsonl") if r["kind"] == "restore"] == [4]
 
 
+def saved_config_edited(trained, tmp_path, edit):
+  """A copy of the run whose step 4 has its saved config edited by `edit` (and no manifest, which the edit
+  would otherwise fail: a checkpoint saved before manifests)."""
+  out, step_dir = copy_run(trained, tmp_path)
+  (step_dir / manifest.MANIFEST_NAME).unlink()
+  meta_file = step_dir / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  edit(meta["config"])
+  meta_file.write_text(json.dumps(meta))
+  return out, step_dir
+
+
+def test_a_saved_config_without_later_keys_resumes_at_their_defaults(store, trained, tmp_path, capsys, caplog):
+  """A checkpoint saved before keys existed (post.mode, model.family, the MLA section, the spike window, the
+  tokenizer) resumes: migrate gives each its declared default, which is what that checkpoint ran."""
+  def drop(c):
+    del c["post"]["mode"], c["model"]["family"], c["model"]["mla"], c["guards"]["spike_window"], c["data"]["tokenizer"]
+  out, _ = saved_config_edited(trained, tmp_path, drop)
+  code, output = run_main(base(store, out), capsys, caplog)
+  assert code == 0 and "Traceback" not in output, output[-3000:]
+  assert [r["step"] for r in read_events(out / "events.jsonl") if r["kind"] == "restore"] == [4]
+
+
+def test_an_unknown_key_in_a_saved_config_exits_2_naming_it(store, trained, tmp_path, capsys, caplog):
+  """Issue 42: a checkpoint's saved config is read through config/migrate.py, which knows today's keys and the
+  renamed or dropped ones: any other key (a newer maxtrain's, an edit) is exit 2 naming it, before compiling."""
+  out, step_dir = saved_config_edited(trained, tmp_path, lambda c: c["model"].update(num_layer=2))
+  code, output = run_main(base(store, out) + ["--config.checkpoint.resume=4"], capsys, caplog)
+  assert_exit(code, output, EXIT_BAD_INPUT, f"checkpoint {step_dir} (saved by maxtrain ",
+              "in its saved config: unknown config key config.model.num_layer. Did you mean config.model.num_layers",
+              "maxtrain/config/migrate.py")
+  assert "compiled train step" not in output
+
+
 def test_crafted_middle_offset_exits_2_at_the_entry_point(store, tmp_path, capsys, caplog):
   prefix = tmp_path / "crafted"
   for split in ("train", "val"):

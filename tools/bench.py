@@ -1,10 +1,10 @@
 """Train-step throughput for a config: `python tools/bench.py [--config=...] [--config.key=value ...]`.
 
-Builds the sharded state and the jitted step with the trainer's builder (`maxtrain/program/build.py`), feeds
-real batches from the configured token store, and prints step time, tokens/s, achieved model FLOP/s (see
-`ModelConfig.train_flops_per_token`) and MFU against the device's peak (`maxtrain/monitor/mfu.py`: the
-table by device kind, `mfu.peak_flops` when set, or on CPU a matmul peak measured once per machine).
-Timing (`maxtrain/monitor/timing.py`) excludes compilation and a warm-up step.
+Builds the sharded state and the jitted step with the trainer's builder (`maxtrain/program/build.py`, through
+the tools' harness `tools/harness.py`), feeds real batches from the configured token store, and prints step
+time, tokens/s, achieved model FLOP/s (see `ModelConfig.train_flops_per_token`) and MFU against the device's
+peak (`maxtrain/monitor/mfu.py`: the table by device kind, `mfu.peak_flops` when set, or on CPU a matmul peak
+measured once per machine). Timing excludes compilation and a warm-up run of the steps.
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ import tempfile
 
 import jax
 
-from maxtrain import config as config_lib
-from maxtrain.loop.data import Data
+import harness
 from maxtrain.models.registry import param_count
-from maxtrain.monitor import mfu, profiler, timing
-from maxtrain.program import build as program_lib, state as state_lib
-from maxtrain.runtime import platform as platform_env
+from maxtrain.monitor import mfu, profiler
 
 
 def main() -> None:
@@ -30,28 +27,16 @@ def main() -> None:
   parser.add_argument("--top-ops", type=int, default=0,
                       help="after timing, trace the steps again and print the N ops that took the most time")
   args, rest = parser.parse_known_args()
-  cfg = config_lib.load(rest)
-  platform_env.apply(cfg.runtime)  # XLA/Neuron flags of runtime.platform, before the backend starts
-  program = program_lib.program_for(cfg, jax.devices())
-  mesh = program.mesh
-  state = state_lib.initialize(program.state, mesh)
-  data = Data(cfg, program.batch_shardings)
-  batches = [data.next_batch()[0] for _ in range(args.steps + 1)]
-  with jax.set_mesh(mesh):
-    compile_s, _, compiled = timing.once(lambda: program.train_step.lower(state, batches[0]).compile())
-    state, metrics = compiled(state, batches[0])  # the warm-up step, outside the timing
-    jax.block_until_ready(metrics)
-
-    def steps():
-      nonlocal state
-      for batch in batches[1:]:
-        state, metrics = compiled(state, batch)
-      return metrics
-
-    timed = timing.repeated(steps, args.rounds, warmup=0).per(args.steps)
-    step_s, cpu_s = timed.wall, timed.cpu
-    if args.top_ops:
-      state = print_top_ops(compiled, state, batches[1:], args.top_ops, step_s)
+  cfg = harness.load(rest)
+  step = harness.CompiledStep(cfg, args.steps)
+  program, mesh, compile_s = step.program, step.mesh, step.compile_s
+  # One warm-up run of the steps outside the timing, then the median round.
+  timed = harness.repeated(step, args.rounds, warmup=1).per(args.steps)
+  step_s, cpu_s = timed.wall, timed.cpu
+  if args.top_ops:
+    with jax.set_mesh(mesh):
+      step.state = print_top_ops(step.compiled, step.state, step.batches, args.top_ops, step_s)
+  state, compiled = step.state, step.compiled
   tokens = cfg.data.batch_size * cfg.data.seq_len
   flops_per_token = program.flops_per_token
   flops = flops_per_token * tokens

@@ -5,7 +5,7 @@
 
 Each `--variant` is a comma list of `key=value` overrides on top of the shared `--config.*` ones (empty:
 the shared config as is). Every variant is compiled first; then the rounds time `--steps` steps of each
-variant in turn (`maxtrain/monitor/timing.py`), so a machine shared with other jobs slows all of them
+variant in turn (`tools/harness.py`), so a machine shared with other jobs slows all of them
 alike. Prints, per variant, the median wall and CPU time per step (all of this process's threads: the scheduler disturbs it far less
 than wall time) and each as a speed ratio to the first variant. Why in one process: separate runs on a
 shared machine differ up to 4x in wall time (BENCHMARKS.md), far more than the effects measured here.
@@ -17,33 +17,16 @@ import argparse
 
 import jax
 
+import harness
 from maxtrain import config as config_lib
-from maxtrain.loop.data import Data
-from maxtrain.monitor import timing
-from maxtrain.program import build as program_lib, state as state_lib
-from maxtrain.runtime import platform as platform_env
 
 
-class Variant:
-  """A compiled step with its own state and batches; a call runs `steps` steps."""
+class Variant(harness.CompiledStep):
+  """A compiled step with its own state and batches, named; a call runs `steps` steps."""
 
   def __init__(self, name: str, argv: list[str], steps: int):
-    cfg = config_lib.load(argv)
-    self.name, self.tokens = name or "(shared config)", cfg.data.batch_size * cfg.data.seq_len
-    program = program_lib.program_for(cfg, jax.devices())
-    self.mesh, self.state = program.mesh, state_lib.initialize(program.state, program.mesh)
-    data = Data(cfg, program.batch_shardings)
-    self.batches = [data.next_batch()[0] for _ in range(steps)]
-    with jax.set_mesh(self.mesh):
-      self.compile_s, _, self.compiled = timing.once(
-          lambda: program.train_step.lower(self.state, self.batches[0]).compile())
-
-  def __call__(self):
-    """The last step's metrics, for the harness to wait on."""
-    with jax.set_mesh(self.mesh):
-      for batch in self.batches:
-        self.state, metrics = self.compiled(self.state, batch)
-    return metrics
+    super().__init__(config_lib.load(argv), steps)
+    self.name = name or "(shared config)"
 
 
 def main() -> None:
@@ -52,10 +35,10 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=4)
   parser.add_argument("--steps", type=int, default=8, help="timed steps per variant per round")
   args, shared = parser.parse_known_args()
-  platform_env.apply(config_lib.load(shared).runtime)  # before the backend starts, as the trainer does
+  harness.load(shared)  # the platform's environment before the backend starts, as the trainer does
   variants = [Variant(v, shared + [f"--config.{kv}" for kv in v.split(",") if kv], args.steps) for v in args.variant]
   # Keyed by position: two variants may share a name.
-  timed = timing.interleaved({str(i): v for i, v in enumerate(variants)}, args.rounds, warmup=1)
+  timed = harness.interleaved({str(i): v for i, v in enumerate(variants)}, args.rounds, warmup=1)
   timed = [timed[str(i)].per(args.steps) for i in range(len(variants))]
   base_wall, base_cpu = timed[0].wall, timed[0].cpu
   print(f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}; {args.rounds} rounds x "

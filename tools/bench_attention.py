@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import harness
 from maxtrain.models.attention import flash as fa
 from maxtrain.models.attention.blocked import blocked_attention
 from maxtrain.models.attention.layer import dot_product_attention
-from maxtrain.monitor import timing
 
 
 def fwd_bwd(attention):
@@ -62,7 +62,7 @@ def inputs(b: int, t: int, n: int, k: int, h: int, dtype, *, abstract: bool = Fa
 def time_calls(fns, args, runs: int) -> list[float]:
   """Median seconds per call of each fn after compile and one warm-up, the fns interleaved."""
   compiled = [fn.lower(*args).compile() for fn in fns]
-  times = timing.interleaved({str(i): lambda c=c: c(*args) for i, c in enumerate(compiled)}, runs, warmup=1)
+  times = harness.interleaved({str(i): lambda c=c: c(*args) for i, c in enumerate(compiled)}, runs, warmup=1)
   return [times[str(i)].wall for i in range(len(fns))]
 
 
@@ -134,7 +134,7 @@ def main() -> None:
     for t in ints(args.memory_lengths):
       x = inputs(1, t, 32, 8, 128, jnp.bfloat16, abstract=True)
       dot_mem = fwd_bwd(dot_product_attention).lower(*x).compile().memory_analysis().temp_size_in_bytes
-      compile_s, _, compiled = timing.once(lambda: fwd_bwd(flash(args.block_q, args.block_kv)).lower(*x).compile())
+      compile_s, _, compiled = harness.once(lambda: fwd_bwd(flash(args.block_q, args.block_kv)).lower(*x).compile())
       flash_mem = compiled.memory_analysis().temp_size_in_bytes
       print(f"| {t} | {dot_mem / 2**30:.3f} | {flash_mem / 2**30:.3f} | {compile_s:.1f} |", flush=True)
 

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import jax
 
+import harness
 from maxtrain import config as config_lib
 from maxtrain.checkpoint import manifest
+from maxtrain.checkpoint.identity import run_meta
 from maxtrain.checkpoint.local import LocalTier
 from maxtrain.checkpoint.storage import Checkpointer
-from maxtrain.monitor import timing
 from maxtrain.program import build
 from maxtrain.program import state as state_lib
 
@@ -80,7 +81,7 @@ class Bench:
   def orbax(self, tier: str) -> None:
     store = self.stores[tier]
     self.step += 1
-    store.save(self.step, self.state, {"next": 0}, self.cfg, self.mesh)
+    store.save(self.step, self.state, {"next": 0}, run_meta(self.cfg, self.mesh))
     done = store.wait()[0]
     self._record(tier, device_to_host_s=done.device_to_host_s, write_s=done.save_s - done.device_to_host_s - done.manifest_s,
                  manifest_s=done.manifest_s, save_s=done.save_s, mb=done.num_bytes / 1e6)
@@ -88,10 +89,10 @@ class Bench:
       store.remote.wait()
       for _, num_bytes, seconds in store.remote.uploaded():
         self._record(tier, upload_s=seconds, upload_MB_per_s=num_bytes / 1e6 / seconds)
-    path = store.local_path(self.step)
-    verify_s = timing.once(lambda: manifest.verify(path))[0]
-    store._verified.add(path)  # the read below is timed without a second verification
-    read_s = timing.once(lambda: store.restore(path, self.program.state.abstract, self.program.state.shardings).state)[0]
+    path = store.path(self.step)
+    verify_s = harness.once(lambda: manifest.verify(path))[0]
+    store.reader.mark_verified(path)  # the read below is timed without a second verification
+    read_s = harness.once(lambda: store.restore(path, self.program.state.abstract, self.program.state.shardings).state)[0]
     self._record(tier, restore_verify_s=verify_s, restore_read_s=read_s)
 
   def local_tier(self) -> None:
@@ -101,8 +102,8 @@ class Bench:
     done = self.local.wait()[0]
     self._record("local", device_to_host_s=done.blocking_s, **done.phases, save_s=done.save_s, mb=done.num_bytes / 1e6)
     path = self.local.path(self.step)
-    verify_s = timing.once(lambda: manifest.verify(path))[0]
-    read_s = timing.once(lambda: self.local.restore(path, self.program.state.abstract, self.program.state.shardings)[0])[0]
+    verify_s = harness.once(lambda: manifest.verify(path))[0]
+    read_s = harness.once(lambda: self.local.restore(path, self.program.state.abstract, self.program.state.shardings).state)[0]
     self._record("local", restore_verify_s=verify_s, restore_read_s=read_s)
 
 
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = {"local": bench.local_tier, "durable": lambda: bench.orbax("durable")}
     if args.s3:
       variants["s3"] = lambda: bench.orbax("s3")
-    timing.interleaved(variants, args.rounds, warmup=1)
+    harness.interleaved(variants, args.rounds, warmup=1)
     for store in bench.stores.values():
       store.close()
   print(f"checkpoint profile of {args.config}'s state on {jax.device_count()} x {jax.devices()[0].device_kind} "

@@ -4,7 +4,7 @@
 
 Jitted forward + backward (vjp with a random cotangent) of one attention layer, N=8, K=2, H=64, fp32,
 packed documents, blocks 128 x 128, on a mesh of fsdp x context fake CPU devices; median of --runs
-after compile and a warm-up, the variants interleaved (`maxtrain/monitor/timing.py`):
+after compile and a warm-up, the variants interleaved (`tools/harness.py`):
   gathered   `sharding/context_attention.py` as the model runs it: K/V, segment ids and positions
              all-gathered over `context`, zigzag chunks, wholly masked block pairs skipped.
   no-comm    the same computation with the all-gather replaced by a local copy of the right shape
@@ -27,9 +27,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import harness  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain.models.attention.flash import flash_attention_qkv  # noqa: E402
-from maxtrain.monitor import timing  # noqa: E402
 from maxtrain.sharding import context_attention as ca  # noqa: E402
 from maxtrain.sharding import mesh as mesh_lib  # noqa: E402
 from maxtrain.sharding import rules as rules_lib  # noqa: E402
@@ -101,7 +101,7 @@ def main() -> None:
         return out, vjp(dout)
 
       fns[name] = functools.partial(run, *inputs[name])
-    times = timing.interleaved(fns, args.runs, warmup=1)  # the warm-up call compiles
+    times = harness.interleaved(fns, args.runs, warmup=1)  # the warm-up call compiles
   print(f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__}, Python {platform.python_version()}; "
         f"mesh {layout.describe()}, B={b} T={t} N={n} K={k} H={h} fp32, fwd+bwd, median of {args.runs}")
   base = times["gathered"].wall

@@ -25,8 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+import harness  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
-from maxtrain.monitor import timing  # noqa: E402
 from maxtrain.program import loss  # noqa: E402
 from maxtrain.sharding import mesh as mesh_lib  # noqa: E402
 from maxtrain.sharding import rules as rules_lib  # noqa: E402
@@ -70,7 +70,7 @@ def time_table(B, T, D, V, chunks, repeats):
   print("| --- | --- | --- | --- | --- |")
   args = concrete_inputs(B, T, D, V)
   compiled = {c: jax.jit(value_and_grads_fn(c, jnp.float32)).lower(*args).compile() for c in chunks}
-  times = timing.interleaved({str(c): lambda c=c: compiled[c](*args) for c in chunks}, repeats, warmup=1)
+  times = harness.interleaved({str(c): lambda c=c: compiled[c](*args) for c in chunks}, repeats, warmup=1)
   plain = times["0"].wall if chunks[0] == 0 else None
   for c in chunks:
     med = times[str(c)].wall
@@ -95,7 +95,7 @@ def memory_table(B, T, D, V, chunks, compute_dtype, mesh=None, layout: Layout | 
   for c in chunks:
     out_shardings = None if mesh is None else (NamedSharding(mesh, P()), shardings[:2])
     fn = jax.jit(value_and_grads_fn(c, compute_dtype, batch_shards), out_shardings=out_shardings)
-    compile_s, _, compiled = timing.once(lambda: fn.lower(*args).compile())
+    compile_s, _, compiled = harness.once(lambda: fn.lower(*args).compile())
     m = compiled.memory_analysis()
     print(f"| {c or 'plain'} | {mib(m.temp_size_in_bytes).strip()} | {mib(m.argument_size_in_bytes).strip()} | "
           f"{mib(m.output_size_in_bytes).strip()} | {compile_s:.1f} |")

@@ -17,8 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import harness
 from maxtrain.checkpoint import manifest
-from maxtrain.monitor import timing
 
 
 def _drop_cache(path: Path) -> None:
@@ -35,7 +35,7 @@ def _drop_cache(path: Path) -> None:
 
 def _timed(fn, *args, **kwargs) -> float:
   """Wall seconds of one call (each measurement here is one pass over a file or a checkpoint)."""
-  return timing.once(lambda: fn(*args, **kwargs))[0]
+  return harness.once(lambda: fn(*args, **kwargs))[0]
 
 
 def bench_checksums(workdir: Path, file_gb: float) -> None:
@@ -119,7 +119,7 @@ def bench_checkpoint(workdir: Path, ckpt_mb: int) -> None:
     print(f"  {'orbax restore (' + label + ')':33s} {restore_s:7.3f} s")
     if cold:  # what a resume does: verify from disk, then restore from the pages verify left cached
       # Interleaved, median of 3: restore time varies a lot on a shared machine.
-      timed = timing.interleaved({"both": lambda: (manifest.verify(step), restore()), "alone": restore}, 3, warmup=0,
+      timed = harness.interleaved({"both": lambda: (manifest.verify(step), restore()), "alone": restore}, 3, warmup=0,
                                  before=lambda _: _drop_cache(step))
       both_s, alone_s = timed["both"].wall, timed["alone"].wall
       print(f"  verify + restore (cold, median 3) {both_s:7.3f} s   vs restore alone {alone_s:.3f} s: "

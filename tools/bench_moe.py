@@ -6,7 +6,7 @@ SwiGLU of the same active width.
 
 Jitted forward + backward (gradients of the sum of squares of the output w.r.t. input and weights) of
 one layer, fp32, random inputs, on one device; median of --runs after compile and a warm-up, the
-variants interleaved (`maxtrain/monitor/timing.py`). Defaults are configs/moe.py's shapes (the default run's batch):
+variants interleaved (`tools/harness.py`). Defaults are configs/moe.py's shapes (the default run's batch):
   dense      the SwiGLU MLP of width experts_per_token x expert_d_ff (the dense layer of equal active size)
   capacity   models/moe.py with model.moe.dispatch=capacity (slots per expert and sequence, gather/scatter)
   dropless   models/moe.py with model.moe.dispatch=dropless (tokens sorted by expert, lax.ragged_dot;
@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import harness
 from maxtrain.models.layers import MLP
 from maxtrain.models.moe import MoE, MoEConfig
-from maxtrain.monitor import timing
 
 
 def _layer(args, name: str):
@@ -60,7 +60,7 @@ def main() -> None:
   x = jnp.asarray(np.random.default_rng(0).standard_normal((args.batch, args.length, args.d_model)), jnp.float32)
   steps = {name: _step(_layer(args, name)) for name in ("dense", "capacity", "dropless")}
   # Two untimed calls each: the compile, then a warm-up.
-  times = timing.interleaved({name: lambda fn=fn, p=params: fn(p, x) for name, (fn, params) in steps.items()},
+  times = harness.interleaved({name: lambda fn=fn, p=params: fn(p, x) for name, (fn, params) in steps.items()},
                              args.runs, warmup=2)
   print(f"{platform.processor() or platform.machine()}, jax {jax.__version__}, {jax.devices()[0].device_kind}; "
         f"B={args.batch} T={args.length} D={args.d_model} E={args.experts} K={args.top_k} F={args.expert_d_ff} "

@@ -4,7 +4,7 @@
                                  [--config.key=value ...]
 
 On 8 fake CPU devices, `mesh.pipeline=4 x mesh.fsdp=2` (by default), one compiled step per
-(microbatches, repeats) variant, all built first and then timed in alternation (`timing.interleaved`:
+(microbatches, repeats) variant, all built first and then timed in alternation (`harness.interleaved`:
 round after round, each variant once per round), so the machine's load drifts over all of them alike.
 Prints each variant's median CPU and wall time per step, its ratio to the first variant, and the bubble
 the schedule reports, (S-1)/(R*M+S-1). CPU time (all of this process's threads), because on a shared
@@ -24,10 +24,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
+import harness  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
-from maxtrain.loop.data import Data  # noqa: E402
-from maxtrain.monitor import timing  # noqa: E402
-from maxtrain.program import build as program_lib, state as state_lib  # noqa: E402
 
 # A deeper default model (8 layers: 4 stages x 2 repeats) with enough rows per batch shard for 16 microbatches.
 BASE = ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.model.num_layers=8",
@@ -38,21 +36,8 @@ def build(rest: list[str], microbatches: int, repeats: int, steps: int, schedule
   """A callable running `steps` compiled steps of the variant, and its schedule."""
   cfg = config_lib.load(BASE + rest + [f"--config.pipeline.microbatches={microbatches}",
                                        f"--config.pipeline.repeats={repeats}", f"--config.pipeline.schedule={schedule}"])
-  program = program_lib.program_for(cfg, jax.devices())
-  state = state_lib.initialize(program.state, program.mesh)
-  data = Data(cfg, program.batch_shardings)
-  batches = [data.next_batch()[0] for _ in range(steps)]
-  with jax.set_mesh(program.mesh):
-    compiled = program.train_step.lower(state, batches[0]).compile()
-  box = {"state": state}
-
-  def run():
-    with jax.set_mesh(program.mesh):
-      for batch in batches:
-        box["state"], metrics = compiled(box["state"], batch)
-    return metrics
-
-  return run, program.plan.pipeline, cfg
+  step = harness.CompiledStep(cfg, steps)
+  return step, step.program.plan.pipeline, cfg
 
 
 def main() -> None:
@@ -75,7 +60,7 @@ def main() -> None:
         f"python {platform.python_version()}, jax {jax.__version__}; load average {os.getloadavg()[0]:.2f} at start")
   print(f"model: {cfg.model.num_layers} layers, d_model {cfg.model.d_model}; batch {cfg.data.batch_size} x "
         f"{cfg.data.seq_len} tokens per step (fixed); {args.rounds} alternating rounds of {args.steps} steps")
-  results = timing.interleaved(variants, args.rounds, warmup=1)
+  results = harness.interleaved(variants, args.rounds, warmup=1)
   first = next(iter(results))
   print(f"{'variant':>15} {'CPU s/step':>11} {'vs ' + first:>12} {'wall s/step':>12} {'bubble':>8} {'iterations':>10}")
   for name, t in results.items():

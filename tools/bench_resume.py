@@ -15,11 +15,11 @@ import statistics
 import tempfile
 import time
 
+import harness
 from maxtrain.data import corpus
 from maxtrain.data.loader import MixtureLoader, contiguous_rows
 from maxtrain.data.mixture import Source, Stage
 from maxtrain.data.store import StoreWriter, TokenStore
-from maxtrain.monitor import timing
 
 BATCH, SEQ_LEN = 16, 256  # the default config's
 
@@ -33,18 +33,18 @@ def _loader(prefixes: list[str], read_ahead: int = 0) -> MixtureLoader:
 
 def time_loader(prefixes: list[str], step: int, batches: int, step_s: float) -> dict[str, float]:
   """Seconds: open, set_state to `step`, first batch, median steady batch, median wait with read-ahead."""
-  open_s, _, loader = timing.once(lambda: _loader(prefixes))
+  open_s, _, loader = harness.once(lambda: _loader(prefixes))
   state = {**loader.get_state(), "step": step, "sequence": step * BATCH}
-  set_s, _, _ = timing.once(lambda: loader.set_state(state))
-  first_s, _, _ = timing.once(lambda: next(loader))
-  steady = [timing.once(lambda: next(loader))[0] for _ in range(batches)]
+  set_s, _, _ = harness.once(lambda: loader.set_state(state))
+  first_s, _, _ = harness.once(lambda: next(loader))
+  steady = [harness.once(lambda: next(loader))[0] for _ in range(batches)]
   ahead = _loader(prefixes, read_ahead=4)
   ahead.set_state(state)
   next(ahead)  # starts Grain's threads
   waits = []
   for _ in range(batches):
     time.sleep(step_s)  # the device running a step: Grain's threads build the next batches meanwhile
-    waits.append(timing.once(lambda: next(ahead))[0])
+    waits.append(harness.once(lambda: next(ahead))[0])
   ahead.close()
   return {"open": open_s, "set_state": set_s, "first": first_s, "batch": statistics.median(steady),
           "wait": statistics.median(waits)}
@@ -80,7 +80,7 @@ def main() -> None:
           for i in range(base.num_docs):
             writer.add(base.doc(i))
 
-    build_s, _, _ = timing.once(build)
+    build_s, _, _ = harness.once(build)
     print(f"built {args.scale}x store: {TokenStore.open(big).num_tokens:,} tokens in {build_s:.1f}s")
     for label, prefix in (("1x", train_prefix), (f"{args.scale}x", big)):
       store = TokenStore.open(prefix)

@@ -24,8 +24,8 @@ def worker(process_id: int, port: int, steps: int) -> None:
   import numpy as np
   from jax.experimental import multihost_utils
 
+  import harness
   from maxtrain import config as config_lib
-  from maxtrain.monitor import timing
   from maxtrain.runtime.kv import KeyValue
   from maxtrain.runtime.preemption import StopRequest
   from maxtrain.sharding import mesh as mesh_lib
@@ -69,10 +69,10 @@ def worker(process_id: int, port: int, steps: int) -> None:
     return run
 
   # Both processes run the same rounds in the same order; a barrier starts each timed run together.
-  timed = timing.interleaved({name: steps_with(check) for name, check in checks.items()}, 5, warmup=1,
+  timed = harness.interleaved({name: steps_with(check) for name, check in checks.items()}, 5, warmup=1,
                              before=lambda name: multihost_utils.sync_global_devices(f"bench-{name}"))
   results = {name: t.per(steps).wall for name, t in timed.items()}
-  timed = timing.interleaved({name: calls_of(check) for name, check in checks.items()}, 1, warmup=0,
+  timed = harness.interleaved({name: calls_of(check) for name, check in checks.items()}, 1, warmup=0,
                              before=lambda name: multihost_utils.sync_global_devices(f"bare-{name}"))
   bare = {name: t.per(200).wall for name, t in timed.items()}
   if process_id == 0:

@@ -18,15 +18,15 @@ import tempfile
 
 import numpy as np
 
+import harness
 from maxtrain.data import corpus, pipeline
 from maxtrain.data import store as store_lib
 from maxtrain.data.store import StoreWriter, TokenStore
-from maxtrain.monitor import timing
 
 
 def _median_s(fn, repeats: int) -> float:
   """Median wall seconds of `repeats` calls, no warm-up: the first open is part of what is measured."""
-  return timing.repeated(fn, repeats, warmup=0).wall
+  return harness.repeated(fn, repeats, warmup=0).wall
 
 
 def _repeat_store(src: TokenStore, prefix: str, times: int) -> None:
@@ -70,10 +70,10 @@ def main() -> None:
   tmp = tempfile.mkdtemp(prefix="bench-store-")
   try:
     os.environ["MAXTRAIN_CACHE"] = tmp
-    built_s, _, (train, _) = timing.once(lambda: corpus.prepare_corpus("python-stdlib"))
+    built_s, _, (train, _) = harness.once(lambda: corpus.prepare_corpus("python-stdlib"))
     print(f"1x store (python-stdlib train split) built in {built_s:.1f} s")
     stores = {"1x": train}
-    written_s, _, _ = timing.once(lambda: _repeat_store(TokenStore.open(train), os.path.join(tmp, "x10"), 10))
+    written_s, _, _ = harness.once(lambda: _repeat_store(TokenStore.open(train), os.path.join(tmp, "x10"), 10))
     stores["10x"] = os.path.join(tmp, "x10")
     print(f"10x store written in {written_s:.1f} s")
     if args.many_docs:
@@ -99,7 +99,7 @@ def main() -> None:
       _without_max(stores[name], old)
       scan = _median_s(lambda o=old: TokenStore.open(o)._scan_max(),
                        max(3, args.repeats // 4))
-      verify_s, _, _ = timing.once(TokenStore.open(stores[name]).verify)
+      verify_s, _, _ = harness.once(TokenStore.open(stores[name]).verify)
       print(f"  {name:4s} recorded {with_max * 1e6:8.2f} us   scan "
             f"{scan * 1e3:8.1f} ms ({s.num_tokens * s.tokens.itemsize / scan / 1e9:.1f} "
             f"GB/s)   full --verify {verify_s:.2f} s")
@@ -116,7 +116,7 @@ def main() -> None:
         for _ in range(n):
           pipeline.check_batch_ids(b, store, 384, None)
 
-      per = timing.repeated(checks, 5, warmup=0).min_wall / n
+      per = harness.repeated(checks, 5, warmup=0).min_wall / n
       print(f"  {batch:4d} x {seq:5d}  {per * 1e6:9.1f} us  "
             f"({per / (batch * seq) * 1e9:.2f} ns/token)")
   finally:

@@ -20,8 +20,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
+import harness  # noqa: E402
 from maxtrain.config import loader as config_lib  # noqa: E402
-from maxtrain.program import build as build_lib  # noqa: E402
 
 MODEL = ["--config.model.num_layers=8", "--config.model.d_model=256", "--config.model.num_heads=4",
          "--config.model.num_kv_heads=4", "--config.model.d_ff=1024", "--config.model.vocab_size=512",
@@ -41,8 +41,7 @@ def main(extra: list[str]) -> None:
   for name, mesh in MESHES.items():
     for remat in ("none", "full"):
       cfg = config_lib.load(MODEL + mesh + [f"--config.model.remat={remat}"] + extra)
-      program = build_lib.program_for(cfg, jax.devices(), require_data=False)
-      memory = program.lower().compile().memory_analysis()
+      program, memory = harness.compiled_memory(cfg)
       bubble = "-" if program.plan.pipeline is None else f"{program.plan.pipeline.bubble:.3f}"
       print(f"{name:32} {remat:6} {memory.temp_size_in_bytes / 2**20:9.1f} "
             f"{memory.argument_size_in_bytes / 2**20:9.1f}  {bubble}", flush=True)

@@ -17,11 +17,11 @@ an event (`checkpoint_cadence`) with its inputs.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
 
+from maxtrain.checkpoint import policy
 from maxtrain.monitor import events as ev
 
 log = logging.getLogger("maxtrain")
@@ -29,19 +29,9 @@ WARMUP_STEPS = 3  # the first decision, this many steps into an attempt: compile
 _DECISION_TIMEOUT_S = 600.0
 
 
-def young_daly_s(cost_s: float, mtbf_s: float) -> float:
-  return math.sqrt(2.0 * cost_s * mtbf_s)
-
-
 def observed_mtbf(records: list[dict], prior_s: float, now_wall: float) -> tuple[float, int, float]:
-  """(M seconds, failures, observed span seconds) from a run's events: the span from its first record to
-  now, plus the prior, over failures + 1. A failure is an attempt that ended in a crash or a hang (counted
-  once per attempt, however many processes and the supervisor reported it)."""
-  if not records:
-    return prior_s, 0, 0.0
-  span = max(0.0, now_wall - min(r["wall"] for r in records))
-  failed = {r.get("attempt") for r in records if r.get("kind") in (ev.CRASH, ev.HANG)}
-  return (span + prior_s) / (len(failed) + 1), len(failed), span
+  """policy.observed_mtbf over a run's events: a failure is an attempt that ended in a crash or a hang."""
+  return policy.observed_mtbf(records, prior_s, now_wall, (ev.CRASH, ev.HANG))
 
 
 class Cadence:
@@ -75,19 +65,13 @@ class Cadence:
     self._last_t = now
 
   def step_time_s(self) -> float:
-    if not self._step_times:
-      return float("nan")
-    ordered = sorted(self._step_times)
-    return ordered[len(ordered) // 2]  # the median: a save or an eval in the window does not skew it
+    return policy.median_step_s(self._step_times)
 
   def due(self, tier: str, step: int) -> bool:
     warmup = self._first_step is not None and step == self._first_step + WARMUP_STEPS - 1
     if self.timed and warmup and self.next[tier] is None:
       self.decide(tier, step, saved=False)
-    if self.mode == "auto" and self.costs[tier]:
-      return self.next[tier] == step  # the measured interval replaces the configured one
-    fixed = self.every[tier] > 0 and step % self.every[tier] == 0
-    return fixed or self.next[tier] == step
+    return policy.is_due(step, self.every[tier], self.next[tier], self.mode == "auto" and bool(self.costs[tier]))
 
   def saved(self, tier: str, step: int, cost_s: float) -> None:
     """A save of `tier` at `step` cost the loop `cost_s`: the next interval is decided now."""
@@ -113,20 +97,5 @@ class Cadence:
     return self.next[tier]
 
   def _interval(self, tier: str) -> dict | None:
-    step_s = self.step_time_s()
-    if not math.isfinite(step_s):
-      return None
-    if self.mode == "auto" and self.costs[tier]:
-      cost = sum(self.costs[tier]) / len(self.costs[tier])
-      mtbf, failures, span = self.mtbf
-      interval_s = young_daly_s(cost, mtbf)
-      why = (f"sqrt(2 C M), C={cost:.4f}s (mean blocking of {len(self.costs[tier])} saves), M={mtbf:.1f}s "
-             f"({failures} failures in {span:.0f}s + prior {self.ck.mtbf_prior_minutes:g} min)")
-      fields = {"cost_s": cost, "mtbf_s": mtbf, "failures": failures, "span_s": span}
-    elif self.ck.every_minutes > 0 and tier == "durable":
-      interval_s, fields = self.ck.every_minutes * 60.0, {}
-      why = f"checkpoint.every_minutes={self.ck.every_minutes:g}"
-    else:
-      return None
-    steps = max(1, round(interval_s / step_s))
-    return {"interval_s": interval_s, "interval_steps": steps, "step_time_s": step_s, "why": why, **fields}
+    return policy.cadence_interval(self.mode, tier, self.costs[tier], self.mtbf, self.step_time_s(),
+                                   self.ck.every_minutes, self.ck.mtbf_prior_minutes)

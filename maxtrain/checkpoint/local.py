@@ -6,12 +6,12 @@ each process writes `<local_dir>/process_<i>/<step>/` holding only the arrays it
 (`state.bin`, raw bytes, and `index.json` naming each shard's leaf and slice), the data-iterator state
 and meta, then the manifest (maxtrain/checkpoint/manifest.py), and renames the directory into place last.
 A step is complete on a process once that rename happened; whether every process has it is agreed at
-resume (checkpoint/tiers.py). Restoring puts each saved shard back on the device that holds that slice
+resume (checkpoint/resume.py, by policy.choose). Restoring puts each saved shard back on the device that holds that slice
 under the current sharding: bitwise, and only onto the same layout (another mesh or process count makes
 the local tier unusable, and resume falls back to the durable tier).
 
 Per save, the loop blocks only for the device-to-host copy; serialisation, the write (fsynced), the
-manifest and the rotation run on one background thread, each phase timed (`LocalSave.phases`).
+manifest and the rotation run on one background thread, each phase timed (local_write.py).
 
 The tier follows the durable tier's rules, although one folder may outlive many runs (one fixed folder per
 node): each step's meta carries the identity of the run that saved it (output and checkpoint dirs, a hash of
@@ -23,14 +23,11 @@ complete (the manifest is written before the rename) and counts as corrupt.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
 import shutil
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +35,12 @@ import jax
 import numpy as np
 
 from maxtrain.checkpoint import manifest
+from maxtrain.checkpoint.local_write import (DATA_FILE, INDEX_FILE, META_FILE, STATE_FILE, LocalSave, LocalWriter,
+                                             _slices, clean_leftovers)
+from maxtrain.checkpoint.tiers import Restored
 from maxtrain.errors import UserError, require_writable_dir
 
 log = logging.getLogger("maxtrain")
-STATE_FILE, INDEX_FILE, META_FILE, DATA_FILE = "state.bin", "index.json", "meta.json", "data.json"
-_TMP = ".tmp-"
 IDENTITY_DIRS = ("output_dir", "checkpoint_dir")  # which run a step belongs to; config_hash: under which config
 OWN, FOREIGN, UNKNOWN = "own", "foreign", "unknown"
 
@@ -60,39 +58,78 @@ class Scan:
   intact: list[int]  # this run's steps that verified (usable or not here): not a case of all-corrupt
 
 
-@dataclasses.dataclass
-class LocalSave:
-  step: int
-  blocking_s: float  # the loop stopped: device-to-host copy of this process's shards
-  num_bytes: int = 0
-  phases: dict[str, float] = dataclasses.field(default_factory=dict)  # serialise_s, write_s, manifest_s
-  save_s: float | None = None  # start of the save to the step being renamed into place
-  error: Exception | None = None
+def read_meta(path: Path) -> dict:
+  return json.loads((Path(path) / META_FILE).read_text())
 
 
-def _slices(index: tuple, shape: tuple[int, ...]) -> list[list[int]]:
-  """A shard's index (a tuple of slices) as [[start, stop], ...]: comparable across processes and runs."""
-  return [list(s.indices(n)[:2]) for s, n in zip(index, shape)]
+class LocalSteps:
+  """The steps in one process directory and whose they are: this run's (its `identity`'s output and checkpoint
+  dirs) are the ones it may rotate (the newest `keep` stay; 0: all), abandon and branch from."""
 
+  def __init__(self, root: Path, identity: dict[str, str], keep: int):
+    self.root, self.identity, self.keep = root, identity, keep
+    self._owners: dict[int, str] = {}  # step -> OWN / FOREIGN / UNKNOWN, read from its meta once
 
-def _host_shards(state: Any) -> list[tuple[str, list[list[int]], np.ndarray]]:
-  """(leaf path, slice, host copy) of every distinct shard this process holds. A copy: the next step
-  donates the device buffers the save would otherwise still read."""
-  out = []
-  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-    name, seen = jax.tree_util.keystr(path), set()
-    for shard in leaf.addressable_shards:
-      where = _slices(shard.index, leaf.shape)
-      if str(where) in seen:
-        continue  # a replica of a slice already taken
-      seen.add(str(where))
-      out.append((name, where, np.array(shard.data, copy=True)))
-  return out
+  def all(self) -> list[int]:
+    """Steps renamed into place (complete; not yet verified; any run's)."""
+    if not self.root.is_dir():
+      return []
+    return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit() and (p.is_dir() or p.is_symlink()))
+
+  def own(self) -> list[int]:
+    return [s for s in self.all() if self.owner(s) == OWN]
+
+  def owner(self, step: int) -> str:
+    """OWN (this run's output and checkpoint dirs), FOREIGN (another run's, or saved before steps carried an
+    identity), UNKNOWN (no readable meta: damaged)."""
+    if step not in self._owners:
+      try:
+        identity = read_meta(self.root / str(step)).get("identity")
+      except (OSError, ValueError, AttributeError):
+        return UNKNOWN  # not cached: a step being written reads the same
+      mine = isinstance(identity, dict) and all(identity.get(k) == self.identity[k] for k in IDENTITY_DIRS)
+      self._owners[step] = OWN if mine else FOREIGN
+    return self._owners[step]
+
+  def describe_owner(self, step: int) -> str:
+    try:
+      identity = read_meta(self.root / str(step)).get("identity")
+    except (OSError, ValueError, AttributeError):
+      return "no readable meta"
+    if not isinstance(identity, dict):
+      return "saved before local steps carried their run's identity"
+    return f"output_dir {identity.get('output_dir')}, checkpoint.dir {identity.get('checkpoint_dir')}"
+
+  def make_room(self, step: int) -> None:
+    """Before a save of `step` is renamed into place: this run's old step of that number is replaced; another
+    run's is never deleted (it may come back for it), only moved aside."""
+    final = self.root / str(step)
+    if final.exists() or final.is_symlink():
+      if self.owner(step) == OWN and not final.is_symlink():
+        shutil.rmtree(final)  # a step saved again (after a restart): the new one replaces it
+      else:
+        moved = manifest.move_aside(final, "other-run")
+        log.warning("local checkpoint %s is not this run's: moved aside to %s to save step %d", final, moved, step)
+
+  def placed(self, step: int) -> None:
+    """A save of `step` renamed into place: ours; then this run's newest `keep` steps stay (another run's are not
+    ours to delete)."""
+    self._owners[step] = OWN
+    if self.keep > 0:
+      for old in self.own()[:-self.keep]:
+        self.remove(old)
+
+  def remove(self, step: int) -> None:
+    shutil.rmtree(self.root / str(step), ignore_errors=True)
+    self._owners.pop(step, None)
+
+  def forget(self, step: int) -> None:
+    self._owners.pop(step, None)
 
 
 class LocalTier:
-  """This process's node-local checkpoints: `<local_dir>/process_<i>/<step>`, the newest `keep` of this run's
-  kept (0: all). `identity`: this run's output_dir, checkpoint_dir and config_hash, saved in every step's meta."""
+  """This process's node-local checkpoints, `<local_dir>/process_<i>/<step>` (a tiers.Tier). `identity`: this run's
+  output_dir, checkpoint_dir and config_hash, saved in every step's meta."""
 
   def __init__(self, local_dir: str, process_index: int, keep: int, identity: dict[str, str]):
     from maxtrain.runtime.lock import RunLock
@@ -103,122 +140,42 @@ class LocalTier:
     require_writable_dir(self.root, self.key, "choose a node-local directory this process can create and write, "
                          "e.g. --config.checkpoint.local_dir=/tmp/maxtrain-local")
     self._run_lock = RunLock(self.root, "checkpoint.local_dir").acquire()  # before the first write into it
-    self.keep, self.identity = keep, dict(identity)
-    self._owners: dict[int, str] = {}  # step -> OWN / FOREIGN / UNKNOWN, read from its meta once
+    self.identity = dict(identity)
+    self.owned = LocalSteps(self.root, self.identity, keep)
     try:
-      self._clean_leftovers()
+      clean_leftovers(self.root)
     except BaseException:
       self._run_lock.release()
       raise
-    # One long-lived writer: a thread started per save costs the loop its start-up handshake (tens of ms
-    # measured on a loaded 2-core machine, where the new thread waits for the GIL and a core).
-    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-local")
-    self._future: concurrent.futures.Future | None = None
-    self._pending: LocalSave | None = None
-    self._done: list[LocalSave] = []
-    self._lock = threading.Lock()
-
-  # ---- save -------------------------------------------------------------------------------
+    self._writer = LocalWriter(self.root, self.owned.make_room, self.owned.placed)
 
   def save(self, step: int, state: Any, data_state: dict, meta: dict) -> LocalSave:
     """Copies this process's shards to host memory (the loop blocks for this), then writes them on a
     background thread. One save in flight: a new one first waits for the previous one."""
-    if self._future is not None:  # its record stays for the next poll
-      self._future.result()
-      self._future = None
-    t0 = time.monotonic()
-    shards = _host_shards(state)
-    save = LocalSave(step=step, blocking_s=time.monotonic() - t0, num_bytes=sum(a.nbytes for _, _, a in shards))
-    self._pending = save
-    self._future = self._pool.submit(self._write, save, shards, data_state, meta, t0)
-    return save
+    return self._writer.save(step, state, data_state, meta)
 
-  def _clean_leftovers(self) -> None:
-    """Temporary folders of a save cut short (ours, `.tmp-<step>`, or an Orbax-style `*.orbax-checkpoint-tmp*`)
-    are never steps: deleted, as Orbax does in the durable tier (this directory is ours now: we hold its lock)."""
-    for path in self.root.iterdir():
-      temporary = path.name.startswith(_TMP) or ".orbax-checkpoint-tmp" in path.name
-      if temporary and path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-        log.info("local checkpoint tier: removed %s, a save that never completed", path)
-
-  def _write(self, save: LocalSave, shards: list, data_state: dict, meta: dict, t0: float) -> None:
-    final = self.root / str(save.step)
-    tmp = self.root / f"{_TMP}{save.step}"
-    try:
-      shutil.rmtree(tmp, ignore_errors=True)
-      tmp.mkdir()
-      t = time.monotonic()
-      index, offset = [], 0
-      for name, where, array in shards:
-        index.append({"leaf": name, "slice": where, "dtype": array.dtype.name, "shape": list(array.shape),
-                      "offset": offset, "nbytes": array.nbytes})
-        offset += array.nbytes
-      payload = json.dumps({"shards": index}).encode()
-      save.phases["serialise_s"] = time.monotonic() - t
-      t = time.monotonic()
-      with open(tmp / STATE_FILE, "wb") as f:
-        for _, _, array in shards:
-          f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
-        f.flush()
-        os.fsync(f.fileno())
-      for name, body in ((INDEX_FILE, payload), (META_FILE, json.dumps(meta, default=str).encode()),
-                         (DATA_FILE, json.dumps(data_state).encode())):
-        (tmp / name).write_bytes(body)
-      save.phases["write_s"] = time.monotonic() - t
-      t = time.monotonic()
-      manifest.write(tmp)
-      if final.exists() or final.is_symlink():
-        if self.owner(save.step) == OWN and not final.is_symlink():
-          shutil.rmtree(final)  # a step saved again (after a restart): the new one replaces it
-        else:  # never deleted: another run's step (it may come back for it)
-          moved = manifest.move_aside(final, "other-run")
-          log.warning("local checkpoint %s is not this run's: moved aside to %s to save step %d", final, moved,
-                      save.step)
-      os.rename(tmp, final)  # the step exists only once it is complete
-      self._owners[save.step] = OWN
-      save.phases["manifest_s"] = time.monotonic() - t
-      self._rotate()
-      save.save_s = time.monotonic() - t0
-    except Exception as e:  # noqa: BLE001 - a failed local save must not stop training; the durable tier stays
-      save.error = e
-      shutil.rmtree(tmp, ignore_errors=True)
-    with self._lock:
-      self._done.append(save)
-
-  def _rotate(self) -> None:
-    """This run's newest `keep` steps stay (0: all, as checkpoint.max_to_keep=0); another run's are not ours
-    to delete."""
-    if self.keep <= 0:
-      return
-    for step in self.own_steps()[:-self.keep]:
-      self._remove(step)
-
-  def _remove(self, step: int) -> None:
-    shutil.rmtree(self.path(step), ignore_errors=True)
-    self._owners.pop(step, None)
+  def poll(self) -> list[LocalSave]:
+    return self._writer.poll()
 
   def wait(self) -> list[LocalSave]:
-    if self._future is not None:
-      self._future.result()
-      self._future = None
-    return self.poll()
+    return self._writer.wait()
 
   def close(self) -> None:
     try:
-      self.wait()
-      self._pool.shutdown()
+      self._writer.close()
     finally:
       self._run_lock.release()
 
-  def poll(self) -> list[LocalSave]:
-    with self._lock:
-      done, self._done = self._done, []
-    if self._pending is not None and self._pending in done:
-      self._pending = None
-    return done
+  def steps(self) -> list[int]:
+    """Steps renamed into place in this process's directory (complete; not yet verified; any run's)."""
+    return self.owned.all()
 
-  # ---- resume -----------------------------------------------------------------------------
+  def own_steps(self) -> list[int]:
+    """This run's steps: the ones it may rotate, abandon, branch from."""
+    return self.owned.own()
+
+  def path(self, step: int) -> Path:
+    return self.root / str(step)
 
   def drop_after(self, step: int) -> list[int]:
     """Deletes this process's local steps newer than `step`, which a resume or a rollback to `step` abandoned:
@@ -226,69 +183,37 @@ class LocalTier:
     self.wait()
     stale = [s for s in self.own_steps() if s > step]
     for s in stale:
-      self._remove(s)
+      self.owned.remove(s)
     return stale
 
-  def steps(self) -> list[int]:
-    """Steps renamed into place in this process's directory (complete; not yet verified; any run's)."""
-    if not self.root.is_dir():
-      return []
-    return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit() and (p.is_dir() or p.is_symlink()))
-
-  def own_steps(self) -> list[int]:
-    """This run's steps: the ones it may rotate, abandon, branch from."""
-    return [s for s in self.steps() if self.owner(s) == OWN]
-
-  def path(self, step: int) -> Path:
-    return self.root / str(step)
-
-  def owner(self, step: int) -> str:
-    """OWN (this run's output and checkpoint dirs), FOREIGN (another run's, or saved before steps carried an
-    identity), UNKNOWN (no readable meta: damaged)."""
-    if step not in self._owners:
-      try:
-        identity = self.read_meta(self.path(step)).get("identity")
-      except (OSError, ValueError, AttributeError):
-        return UNKNOWN  # not cached: a step being written reads the same
-      mine = isinstance(identity, dict) and all(identity.get(k) == self.identity[k] for k in IDENTITY_DIRS)
-      self._owners[step] = OWN if mine else FOREIGN
-    return self._owners[step]
-
-  def describe_owner(self, step: int) -> str:
-    try:
-      identity = self.read_meta(self.path(step)).get("identity")
-    except (OSError, ValueError, AttributeError):
-      return "no readable meta"
-    if not isinstance(identity, dict):
-      return "saved before local steps carried their run's identity"
-    return f"output_dir {identity.get('output_dir')}, checkpoint.dir {identity.get('checkpoint_dir')}"
-
-  def check_step_dirs(self) -> None:
-    """A symlinked step directory is refused, as in the durable tier: rotation would delete through it."""
-    for step in self.steps():
-      path = self.path(step)
-      if path.is_symlink():
-        raise UserError(f"{self.key}: local step directory {path} is a symlink (to {os.readlink(path)}); rotation "
-                        "and manifests need real step directories: replace it with a copy (cp -r) or remove it")
+  def verify(self, path: Path) -> None:
+    """Every local step is saved with a manifest (written before the rename): one without it was removed since,
+    and an unverified step is never restored nor promoted."""
+    result = manifest.verify(path)
+    if not result.verified:
+      raise manifest.CorruptCheckpoint(path, manifest.MANIFEST_NAME, "missing (every local step is saved with "
+                                       "one; an unverified step is never restored nor promoted)")
+    log.info("local checkpoint %s verified: %d files, %.1f MB in %.2fs", path, result.num_files,
+             result.num_bytes / 1e6, result.seconds)
 
   def scan(self, mesh_shape: dict, process_count: int, verify: bool) -> Scan:
     """This process's steps sorted into usable, corrupt and skipped (nothing is moved: the caller decides,
-    the same on every process). Another run's steps are not even verified: they are not ours to judge."""
-    self.check_step_dirs()
+    the same on every process). Another run's steps are not even verified: they are not ours to judge. A
+    symlinked step directory is refused, as in the durable tier: rotation would delete through it."""
+    for step in self.steps():
+      if self.path(step).is_symlink():
+        raise UserError(f"{self.key}: local step directory {self.path(step)} is a symlink (to "
+                        f"{os.readlink(self.path(step))}); rotation and manifests need real step directories: "
+                        "replace it with a copy (cp -r) or remove it")
     usable, corrupt, skipped, intact = [], {}, {}, []
     for step in self.steps():
-      path, owner = self.path(step), self.owner(step)
+      path, owner = self.path(step), self.owned.owner(step)
       if owner == FOREIGN:
-        skipped[step] = f"another run's ({self.describe_owner(step)}): left alone"
+        skipped[step] = f"another run's ({self.owned.describe_owner(step)}): left alone"
         continue
       try:
         if verify:
-          result = manifest.verify(path)
-          if not result.verified:  # the manifest is written before the rename: it was removed since
-            raise manifest.CorruptCheckpoint(path, manifest.MANIFEST_NAME, "missing (every local step is saved with "
-                                             "one; an unverified step is never restored nor promoted)")
-          log.info("local checkpoint %s verified: %d files, %.1f MB in %.2fs", path, result.num_files,
-                   result.num_bytes / 1e6, result.seconds)
+          self.verify(path)
         meta = self.read_meta(path)
         if owner == UNKNOWN or not isinstance(meta, dict):
           raise ValueError("not a JSON object")
@@ -313,48 +238,56 @@ class LocalTier:
 
   def move_aside(self, step: int, why: str = "corrupt") -> Path:
     moved = manifest.move_aside(self.path(step), why)
-    self._owners.pop(step, None)
+    self.owned.forget(step)
     return moved
 
   @staticmethod
   def read_meta(path: Path) -> dict:
-    return json.loads((Path(path) / META_FILE).read_text())
+    return read_meta(path)
 
   @staticmethod
-  def restore(path: Path, abstract_state: Any, shardings: Any) -> tuple[Any, dict]:
-    """(state on this run's devices, data-iterator state). LocalUnusable when a slice this process's
-    devices hold under `shardings` was not saved here."""
-    path = Path(path)
-    culprit = INDEX_FILE
-    try:  # the manifest was checked (checkpoint.verify); without it, damage is still exit 2, never a traceback
-      index = json.loads((path / INDEX_FILE).read_text())["shards"]
-      saved: dict[tuple[str, str], dict] = {(e["leaf"], str(e["slice"])): e for e in index}
-      culprit = STATE_FILE
-      size = (path / STATE_FILE).stat().st_size
-      short = [e for e in index if e["offset"] + e["nbytes"] > size]
-      if short:
-        raise manifest.CorruptCheckpoint(path, STATE_FILE, f"{size} bytes, but its index needs "
-                                         f"{max(e['offset'] + e['nbytes'] for e in index)} (truncated)")
-      blob = np.memmap(path / STATE_FILE, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
-      culprit = DATA_FILE
-      data_state = json.loads((path / DATA_FILE).read_text())
-    except (OSError, ValueError, KeyError, TypeError) as e:
-      raise manifest.CorruptCheckpoint(path, culprit, f"unreadable ({type(e).__name__}: {e})") from None
-    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-    leaves = []
-    for (key_path, leaf), sharding in zip(flat, jax.tree_util.tree_leaves(shardings)):
-      name, arrays = jax.tree_util.keystr(key_path), []
-      for device, where in sharding.addressable_devices_indices_map(leaf.shape).items():
-        entry = saved.get((name, str(_slices(where, leaf.shape))))
-        if entry is None:
-          raise LocalUnusable(f"{path}: no saved shard of {name} at {_slices(where, leaf.shape)}")
-        try:
-          data = blob[entry["offset"]: entry["offset"] + entry["nbytes"]].view(jax.numpy.dtype(entry["dtype"]))
-          data = np.array(data.reshape(entry["shape"]))  # a copy: never alias the file
-        except (ValueError, TypeError, KeyError) as e:  # an index that does not fit its data
-          raise manifest.CorruptCheckpoint(path, INDEX_FILE, f"entry of {name} unusable ({e})") from None
-        # In the sharding's memory (host for an offloaded optimizer state).
-        arrays.append(jax.device_put(data, jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)))
-      leaves.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays))
-    state = jax.tree_util.tree_unflatten(treedef, leaves)
-    return state, data_state
+  def restore(path: Path, abstract_state: Any, shardings: Any) -> Restored:
+    """The step on this run's devices (read_shards). Its `step` is the state's own counter, as the durable tier
+    reports it (optimizer updates: a GRPO round makes several); a bare pytree has none: the directory's name."""
+    state, data_state = read_shards(path, abstract_state, shardings)
+    step = int(state.step) if hasattr(state, "step") else int(Path(path).name)
+    return Restored(step=step, state=state, data_state=data_state, meta=read_meta(path), path=str(path))
+
+
+def read_shards(path: Path, abstract_state: Any, shardings: Any) -> tuple[Any, dict]:
+  """(state on this run's devices, data-iterator state). LocalUnusable when a slice this process's
+  devices hold under `shardings` was not saved here."""
+  path = Path(path)
+  culprit = INDEX_FILE
+  try:  # the manifest was checked (checkpoint.verify); without it, damage is still exit 2, never a traceback
+    index = json.loads((path / INDEX_FILE).read_text())["shards"]
+    saved: dict[tuple[str, str], dict] = {(e["leaf"], str(e["slice"])): e for e in index}
+    culprit = STATE_FILE
+    size = (path / STATE_FILE).stat().st_size
+    short = [e for e in index if e["offset"] + e["nbytes"] > size]
+    if short:
+      raise manifest.CorruptCheckpoint(path, STATE_FILE, f"{size} bytes, but its index needs "
+                                       f"{max(e['offset'] + e['nbytes'] for e in index)} (truncated)")
+    blob = np.memmap(path / STATE_FILE, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    culprit = DATA_FILE
+    data_state = json.loads((path / DATA_FILE).read_text())
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise manifest.CorruptCheckpoint(path, culprit, f"unreadable ({type(e).__name__}: {e})") from None
+  flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+  leaves = []
+  for (key_path, leaf), sharding in zip(flat, jax.tree_util.tree_leaves(shardings)):
+    name, arrays = jax.tree_util.keystr(key_path), []
+    for device, where in sharding.addressable_devices_indices_map(leaf.shape).items():
+      entry = saved.get((name, str(_slices(where, leaf.shape))))
+      if entry is None:
+        raise LocalUnusable(f"{path}: no saved shard of {name} at {_slices(where, leaf.shape)}")
+      try:
+        data = blob[entry["offset"]: entry["offset"] + entry["nbytes"]].view(jax.numpy.dtype(entry["dtype"]))
+        data = np.array(data.reshape(entry["shape"]))  # a copy: never alias the file
+      except (ValueError, TypeError, KeyError) as e:  # an index that does not fit its data
+        raise manifest.CorruptCheckpoint(path, INDEX_FILE, f"entry of {name} unusable ({e})") from None
+      # In the sharding's memory (host for an offloaded optimizer state).
+      arrays.append(jax.device_put(data, jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)))
+    leaves.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays))
+  state = jax.tree_util.tree_unflatten(treedef, leaves)
+  return state, data_state

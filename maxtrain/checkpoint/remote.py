@@ -57,9 +57,11 @@ def staged_path(root: Path, key: str, rel: str) -> Path:
   return target
 
 
-class S3Mirror:
-  def __init__(self, url: str, connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0, max_attempts: int = 5,
-               on_progress: Callable[[], None] | None = None):
+class S3Bucket:
+  """A checkpoint prefix in an S3-compatible bucket: its client (bounded waits, credentials read afresh when they
+  expire), its complete steps (the marker written last), deleting, moving aside and downloading a step."""
+
+  def __init__(self, url: str, connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0, max_attempts: int = 5):
     parsed = urlparse(url)
     if parsed.scheme != "s3" or not parsed.netloc:
       raise UserError(f"checkpoint.dir={url!r}: expected s3://BUCKET/PREFIX")
@@ -76,19 +78,11 @@ class S3Mirror:
     self._config = Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
                           retries={"total_max_attempts": max_attempts, "mode": "standard"})
     self._client = self._new_client()
-    self.on_progress = on_progress or (lambda: None)
     try:
       self._client.head_bucket(Bucket=self.bucket)
     except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
       raise UserError(f"checkpoint.dir={url}: bucket {self.bucket!r} is not reachable ({e}); check the "
                       "bucket name, credentials and AWS_ENDPOINT_URL") from None
-    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3-upload")
-    self._uploads: list[concurrent.futures.Future] = []
-    self._uploaded: list[tuple[int, int, float]] = []  # (step, bytes, seconds) of finished uploads, not yet reported
-    self._uploaded_lock = threading.Lock()
-    self._queued: list[int] = []  # steps submitted and not yet started
-    self._upload_step: dict[concurrent.futures.Future, tuple[int, threading.Event]] = {}  # step, cancelled
-    self._marker_lock = threading.Lock()
 
   def _new_client(self):
     """A client on a new session: the standard credential chain read afresh. Its web-identity, container,
@@ -133,6 +127,62 @@ class S3Mirror:
 
   def _exists(self, key: str) -> bool:
     return "Contents" in self._client.list_objects_v2(Bucket=self.bucket, Prefix=key, MaxKeys=1)
+
+  def _delete(self, step: int) -> None:
+    # The marker goes first: a half-deleted step is then an incomplete one, never restored.
+    self._client.delete_object(Bucket=self.bucket, Key=self._key(str(step), MARKER))
+    paginator = self._client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key(str(step)) + "/"):
+      for obj in page.get("Contents", []):
+        self._client.delete_object(Bucket=self.bucket, Key=obj["Key"])
+
+  def move_aside(self, step: int, name: str) -> str:
+    """Moves a complete remote step to `<prefix>/<name>/` (server-side copies, then the step is deleted, its
+    marker first): no longer a step number, so never listed, restored or rotated; nothing is lost."""
+    paginator = self._client.get_paginator("list_objects_v2")
+    prefix = self._key(str(step)) + "/"
+    for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+      for obj in page.get("Contents", []):
+        self._client.copy_object(Bucket=self.bucket, Key=self._key(name, obj["Key"][len(prefix):]),
+                                 CopySource={"Bucket": self.bucket, "Key": obj["Key"]})
+    self._delete(step)
+    return f"s3://{self.bucket}/{self._key(name)}"
+
+  def download(self, step: int, local_step_dir: Path) -> None:
+    """Fetches a complete remote step into a temporary directory, renamed into place when done."""
+    tmp = local_step_dir.with_name(f"{local_step_dir.name}.download-tmp")
+    paginator = self._client.get_paginator("list_objects_v2")
+    prefix = self._key(str(step)) + "/"
+    for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+      for obj in page.get("Contents", []):
+        rel = obj["Key"][len(prefix):]
+        if rel == MARKER:
+          continue
+        target = staged_path(tmp, obj["Key"], rel)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self._client.download_file(self.bucket, obj["Key"], str(target))
+    tmp.rename(local_step_dir)
+
+  def lease(self) -> "S3Lease":
+    """Takes the prefix's lease (UserError naming the holder if another live run has it)."""
+    return S3Lease(self).acquire()
+
+
+class S3Mirror(S3Bucket):
+  """Uploads complete local checkpoints in the background, one at a time, newest first when the bucket is behind;
+  `on_progress` is called as each file is up (the watchdog watches the wait at exit)."""
+
+  def __init__(self, url: str, connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0, max_attempts: int = 5,
+               on_progress: Callable[[], None] | None = None):
+    super().__init__(url, connect_timeout_s, read_timeout_s, max_attempts)
+    self.on_progress = on_progress or (lambda: None)
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3-upload")
+    self._uploads: list[concurrent.futures.Future] = []
+    self._uploaded: list[tuple[int, int, float]] = []  # (step, bytes, seconds) of finished uploads, not yet reported
+    self._uploaded_lock = threading.Lock()
+    self._queued: list[int] = []  # steps submitted and not yet started
+    self._upload_step: dict[concurrent.futures.Future, tuple[int, threading.Event]] = {}  # step, cancelled
+    self._marker_lock = threading.Lock()
 
   def upload(self, local_step_dir: Path, step: int, keep: list[int]) -> concurrent.futures.Future:
     """Uploads a complete local checkpoint in the background, then drops remote steps not in `keep`."""
@@ -200,41 +250,6 @@ class S3Mirror:
     """Saves complete locally but not yet in object storage (queued or uploading)."""
     return sum(not f.done() for f in self._uploads)
 
-  def _delete(self, step: int) -> None:
-    # The marker goes first: a half-deleted step is then an incomplete one, never restored.
-    self._client.delete_object(Bucket=self.bucket, Key=self._key(str(step), MARKER))
-    paginator = self._client.get_paginator("list_objects_v2")
-    for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key(str(step)) + "/"):
-      for obj in page.get("Contents", []):
-        self._client.delete_object(Bucket=self.bucket, Key=obj["Key"])
-
-  def move_aside(self, step: int, name: str) -> str:
-    """Moves a complete remote step to `<prefix>/<name>/` (server-side copies, then the step is deleted, its
-    marker first): no longer a step number, so never listed, restored or rotated; nothing is lost."""
-    paginator = self._client.get_paginator("list_objects_v2")
-    prefix = self._key(str(step)) + "/"
-    for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
-      for obj in page.get("Contents", []):
-        self._client.copy_object(Bucket=self.bucket, Key=self._key(name, obj["Key"][len(prefix):]),
-                                 CopySource={"Bucket": self.bucket, "Key": obj["Key"]})
-    self._delete(step)
-    return f"s3://{self.bucket}/{self._key(name)}"
-
-  def download(self, step: int, local_step_dir: Path) -> None:
-    """Fetches a complete remote step into a temporary directory, renamed into place when done."""
-    tmp = local_step_dir.with_name(f"{local_step_dir.name}.download-tmp")
-    paginator = self._client.get_paginator("list_objects_v2")
-    prefix = self._key(str(step)) + "/"
-    for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
-      for obj in page.get("Contents", []):
-        rel = obj["Key"][len(prefix):]
-        if rel == MARKER:
-          continue
-        target = staged_path(tmp, obj["Key"], rel)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        self._client.download_file(self.bucket, obj["Key"], str(target))
-    tmp.rename(local_step_dir)
-
   def wait(self) -> None:
     """Blocks until every upload finished; a failed upload is logged (local checkpoints stay)."""
     for future in list(self._uploads):
@@ -249,10 +264,6 @@ class S3Mirror:
     self.wait()
     self._pool.shutdown()
 
-  def lease(self) -> "S3Lease":
-    """Takes the prefix's lease (UserError naming the holder if another live run has it)."""
-    return S3Lease(self).acquire()
-
 
 LEASE = ".maxtrain.lease"
 LEASE_S = 60.0  # a lease not renewed for this long is stale (its holder died): the next run takes it over
@@ -264,7 +275,7 @@ class S3Lease:
   lives, deleted at a clean exit, taken over once expired. Last writer wins a simultaneous start, so the
   lease is read back after it is written."""
 
-  def __init__(self, mirror: S3Mirror):
+  def __init__(self, mirror: S3Bucket):
     import os
     import secrets
     import socket

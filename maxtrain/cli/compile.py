@@ -23,37 +23,36 @@ import sys
 from typing import Sequence
 
 from maxtrain.aot.compile import check_fits, compile_train_step, default_devices, neuron_lint
-from maxtrain import config as config_lib
-from maxtrain.errors import EXIT_BAD_INPUT, UserError
+from maxtrain.cli import shell
+
+
+def parser() -> argparse.ArgumentParser:
+  p = shell.ArgumentParser(prog="python -m maxtrain.compile", description=__doc__.split("\n\n")[0],
+                              epilog="Other arguments: --config=PATH and --config.KEY=VALUE, as for maxtrain.train.")
+  p.add_argument("--devices", type=int, default=0,
+                 help="devices of the target mesh (default: one node of the hardware preset's mesh)")
+  p.add_argument("--device-memory-gb", type=float, default=0.0,
+                 help="memory per device in GiB; exit 2 when the compiled step's peak exceeds it (0: no check)")
+  return p
+
+
+COMMAND = shell.Command(name="maxtrain.compile", prog="python -m maxtrain.compile", parser=parser)
+
+
+def compile_step(invocation: shell.Invocation) -> None:
+  args, cfg = invocation.args, invocation.load_config()
+  num_devices = args.devices or default_devices(cfg)
+  print(f"maxtrain.compile: {num_devices} devices, hardware preset {cfg.hardware or '(none)'}", flush=True)
+  report = compile_train_step(cfg, num_devices)
+  print(report.describe())
+  if cfg.runtime.platform == "neuron":
+    print(neuron_lint(report))
+  if args.device_memory_gb > 0:
+    print(check_fits(report, args.device_memory_gb))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m maxtrain.compile", description=__doc__.split("\n\n")[0],
-                                   epilog="Other arguments: --config=PATH and --config.KEY=VALUE, as for maxtrain.train.",
-                                   add_help=False)
-  parser.add_argument("-h", "--help", action="store_true", help="this message and every config key")
-  parser.add_argument("--devices", type=int, default=0,
-                      help="devices of the target mesh (default: one node of the hardware preset's mesh)")
-  parser.add_argument("--device-memory-gb", type=float, default=0.0,
-                      help="memory per device in GiB; exit 2 when the compiled step's peak exceeds it (0: no check)")
-  args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-  try:
-    if args.help:
-      print(parser.format_help() + "\n" + config_lib.help_text(rest, "maxtrain.compile").split("\n", 2)[2])
-      return 0
-    cfg = config_lib.load(rest)
-    num_devices = args.devices or default_devices(cfg)
-    print(f"maxtrain.compile: {num_devices} devices, hardware preset {cfg.hardware or '(none)'}", flush=True)
-    report = compile_train_step(cfg, num_devices)
-    print(report.describe())
-    if cfg.runtime.platform == "neuron":
-      print(neuron_lint(report))
-    if args.device_memory_gb > 0:
-      print(check_fits(report, args.device_memory_gb))
-  except UserError as e:
-    print(f"maxtrain: error: {e}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-  return 0
+  return shell.run(COMMAND, compile_step, argv)
 
 
 if __name__ == "__main__":

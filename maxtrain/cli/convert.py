@@ -11,12 +11,11 @@ Exit codes: 0 done, 2 unsupported or bad input (one line naming the field or fil
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import Sequence
 
-from maxtrain.errors import EXIT_BAD_INPUT, UserError
+from maxtrain.cli import shell
 
 UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "B": 1}
 BLOCK_HELP = "the most of one tensor held at once (fp32 bytes); peak memory is a few blocks above the imports"
@@ -30,7 +29,7 @@ def parse_size(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m maxtrain.convert", description=__doc__.split("\n\n")[0])
+  p = shell.ArgumentParser(prog="python -m maxtrain.convert", description=__doc__.split("\n\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
   a = sub.add_parser("from-hf", help="a Hugging Face directory of a registered family (docs/models.md) -> converted checkpoint + config.py")
   a.add_argument("hf_dir")
@@ -61,31 +60,31 @@ def process_share(args: argparse.Namespace) -> tuple[int, int]:
   return args.process_index or 0, args.num_processes or 1
 
 
+def convert(invocation: shell.Invocation) -> None:
+  args = invocation.args
+  if args.command == "from-hf":
+    from maxtrain.interop.hf_import import from_hf
+
+    summary = from_hf(args.hf_dir, args.out, vocab_multiple=args.vocab_multiple, dtype=args.dtype,
+                      base_config=args.config, block_bytes=parse_size(args.block_size))
+    print(f"converted {summary['parameters'] / 1e6:.2f}M parameters ({summary['bytes'] / 1e6:.1f} MB) in "
+          f"{summary['seconds']:.1f}s to {args.out}; train with --config={args.out}/config.py")
+  else:
+    from maxtrain.interop.hf_export import to_hf
+
+    index, count = process_share(args)
+    summary = to_hf(args.checkpoint, args.out, max_shard_bytes=parse_size(args.max_shard_size), dtype=args.dtype,
+                    block_bytes=parse_size(args.block_size), process_index=index, process_count=count)
+    print(f"wrote {summary['tensors']} tensors ({summary['bytes'] / 1e6:.1f} MB) in {summary['files']} files in "
+          f"{summary['seconds']:.1f}s to {args.out}")
+
+
+# `--config` here is from-hf's base preset for the written config.py, not the run's config: not split off.
+COMMAND = shell.Command(name="maxtrain.convert", prog="python -m maxtrain.convert", parser=parser, config=False)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  logging.getLogger("absl").setLevel(logging.ERROR)
-  args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-  try:
-    if args.command == "from-hf":
-      from maxtrain.interop.hf_import import from_hf
-
-      summary = from_hf(args.hf_dir, args.out, vocab_multiple=args.vocab_multiple, dtype=args.dtype,
-                        base_config=args.config, block_bytes=parse_size(args.block_size))
-      print(f"converted {summary['parameters'] / 1e6:.2f}M parameters ({summary['bytes'] / 1e6:.1f} MB) in "
-            f"{summary['seconds']:.1f}s to {args.out}; train with --config={args.out}/config.py")
-    else:
-      from maxtrain.interop.hf_export import to_hf
-
-      index, count = process_share(args)
-      summary = to_hf(args.checkpoint, args.out, max_shard_bytes=parse_size(args.max_shard_size), dtype=args.dtype,
-                      block_bytes=parse_size(args.block_size), process_index=index, process_count=count)
-      print(f"wrote {summary['tensors']} tensors ({summary['bytes'] / 1e6:.1f} MB) in {summary['files']} files in "
-            f"{summary['seconds']:.1f}s to {args.out}")
-  except UserError as e:
-    print(f"maxtrain.convert: error: {e}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-  return 0
-
+  return shell.run(COMMAND, convert, argv)
 
 if __name__ == "__main__":
   sys.exit(main())

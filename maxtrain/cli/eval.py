@@ -12,19 +12,18 @@ and exits when the run has finished (docs/evaluation.md). Exit 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from maxtrain.cli import parse_with_overrides
-from maxtrain.errors import EXIT_BAD_INPUT, EXIT_CRASH, UserError
+from maxtrain.cli import shell
+from maxtrain.errors import UserError
 
 MAX_POLL_SECONDS = 3600.0  # --watch polls at least hourly: a run's checkpoints are minutes apart
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m maxtrain.eval", description=__doc__.split("\n\n")[0])
+  p = shell.ArgumentParser(prog="python -m maxtrain.eval", description=__doc__.split("\n\n")[0])
   where = p.add_mutually_exclusive_group(required=True)
   where.add_argument("--checkpoint", help="a checkpoint (any kind generate reads)")
   where.add_argument("--watch", metavar="RUN_DIR", help="evaluate each new checkpoint of a run, once")
@@ -45,42 +44,39 @@ def default_output(checkpoint: str) -> Path:
   return path / "eval_results.json"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  logging.basicConfig(level=logging.WARNING)
-  for name in ("absl", "lm_eval", "lm-eval"):
-    logging.getLogger(name).setLevel(logging.ERROR)
-  p = parser()
-  args, overrides = parse_with_overrides(p, argv)
-  try:
-    if args.batch_size < 1:
-      raise UserError(f"--batch-size={args.batch_size}: must be >= 1")
-    if not 0 < args.poll_seconds <= MAX_POLL_SECONDS:  # NaN fails this too
-      raise UserError(f"--poll-seconds={args.poll_seconds}: must be a number in (0, {MAX_POLL_SECONDS:g}] "
-                      "(how often --watch looks for new checkpoints)")
-    if args.output is not None and args.watch:
-      raise UserError(f"--output={args.output}: --watch writes each step's results to RUN_DIR/eval/STEP/results.json; "
-                      "--output is for --checkpoint only")
-    from maxtrain.evaluation import run
+def check_flags(args: argparse.Namespace) -> None:
+  """UserError naming the first flag out of range, before any checkpoint or task is opened."""
+  if args.batch_size < 1:
+    raise UserError(f"--batch-size={args.batch_size}: must be >= 1")
+  if not 0 < args.poll_seconds <= MAX_POLL_SECONDS:  # NaN fails this too
+    raise UserError(f"--poll-seconds={args.poll_seconds}: must be a number in (0, {MAX_POLL_SECONDS:g}] "
+                    "(how often --watch looks for new checkpoints)")
+  if args.output is not None and args.watch:
+    raise UserError(f"--output={args.output}: --watch writes each step's results to RUN_DIR/eval/STEP/results.json; "
+                    "--output is for --checkpoint only")
 
-    if args.checkpoint:
-      output = run.check_output(args.output or str(default_output(args.checkpoint)),
-                                "--output" if args.output else "the default --output")
-    manager = run.task_manager(args.include_path)
-    names = run.check_tasks(args.tasks.split(","), manager)
-    if args.watch:
-      from maxtrain.evaluation import watch
 
-      return watch.watch(Path(args.watch), names, manager, overrides, args.batch_size, args.poll_seconds)
-    lm, _ = run.load_lm(args.checkpoint, overrides, args.batch_size)
-    results = run.evaluate(lm, names, manager)
-  except UserError as e:
-    print(f"maxtrain.eval: error: {e}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+def evaluate(invocation: shell.Invocation) -> int | None:
+  args, overrides = invocation.args, invocation.config_argv
+  check_flags(args)
+  from maxtrain.evaluation import run
+
+  if args.checkpoint:
+    output = run.check_output(args.output or str(default_output(args.checkpoint)),
+                              "--output" if args.output else "the default --output")
+  manager = run.task_manager(args.include_path)
+  names = run.check_tasks(args.tasks.split(","), manager)
+  if args.watch:
+    from maxtrain.evaluation import watch
+
+    return watch.watch(Path(args.watch), names, manager, overrides, args.batch_size, args.poll_seconds)
+  lm, _ = run.load_lm(args.checkpoint, overrides, args.batch_size)
+  results = run.evaluate(lm, names, manager)
   try:
     run.write_json(output, results)
   except OSError as e:  # checked before the evaluation; the disk can still fill up or the folder vanish
-    print(f"maxtrain.eval: error: --output={output}: cannot write the results ({e.strerror or e})", file=sys.stderr)
-    return EXIT_CRASH  # not bad input: a full disk may have room on the next try
+    # not bad input (a crash, exit 1): a full disk may have room on the next try
+    raise OSError(f"--output={output}: cannot write the results ({e.strerror or e})") from e
   from maxtrain.monitor.tensorboard import MetricWriter
 
   writer = MetricWriter(output.parent / "tensorboard")
@@ -90,8 +86,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   for tag, value in sorted(run.scalars(results).items()):
     print(f"{tag} = {value:.6g}")
   print(f"results: {output}", file=sys.stderr)
-  return 0
+  return None
 
+
+COMMAND = shell.Command(name="maxtrain.eval", prog="python -m maxtrain.eval", parser=parser, list_keys=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  return shell.run(COMMAND, evaluate, argv)
 
 if __name__ == "__main__":
   sys.exit(main())

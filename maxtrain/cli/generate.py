@@ -12,17 +12,16 @@ Exit 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
 from typing import Sequence
 
-from maxtrain.cli import parse_with_overrides
-from maxtrain.errors import EXIT_BAD_INPUT, UserError
+from maxtrain.cli import shell
+from maxtrain.errors import UserError
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m maxtrain.generate", description=__doc__.split("\n\n")[0])
+  p = shell.ArgumentParser(prog="python -m maxtrain.generate", description=__doc__.split("\n\n")[0])
   p.add_argument("--checkpoint", required=True)
   p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
   p.add_argument("--max-new-tokens", type=int, default=64)
@@ -57,34 +56,27 @@ def check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: in
                     "Shorten the prompt or lower --max-new-tokens.")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  logging.basicConfig(level=logging.WARNING)
-  logging.getLogger("absl").setLevel(logging.ERROR)
-  p = parser()
-  args, overrides = parse_with_overrides(p, argv)
-  try:
-    check_sampling(args)
-    from maxtrain.inference import sampling
+def generate(invocation: shell.Invocation) -> None:
+  args = invocation.args
+  check_sampling(args)
+  from maxtrain.inference import sampling
 
-    generator, tokenizer, source = sampling.load(args.checkpoint, seed=args.seed, overrides=overrides)
-    from maxtrain.data.tokenizer import prompt_ids
+  generator, tokenizer, source = sampling.load(args.checkpoint, seed=args.seed, overrides=invocation.config_argv)
+  from maxtrain.data.tokenizer import prompt_ids
 
-    # As the model's own tokenizer encodes a prompt (its post-processor; nothing for the byte tokenizer),
-    # and never empty: an empty prompt starts after the end of a document.
-    prompts = [prompt_ids(tokenizer, p) or [tokenizer.eos_id] for p in args.prompt]
-    check_lengths(prompts, args.max_new_tokens, generator.cfg.max_seq_len, args.checkpoint)
-    eos = {tokenizer.eos_id} | ({source.eos_id} if isinstance(source.eos_id, int) else set(source.eos_id or ()))
-    rule = sampling.Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    if args.draft == "mtp":
-      from maxtrain.inference import speculative
+  # As the model's own tokenizer encodes a prompt (its post-processor; nothing for the byte tokenizer),
+  # and never empty: an empty prompt starts after the end of a document.
+  prompts = [prompt_ids(tokenizer, p) or [tokenizer.eos_id] for p in args.prompt]
+  check_lengths(prompts, args.max_new_tokens, generator.cfg.max_seq_len, args.checkpoint)
+  eos = {tokenizer.eos_id} | ({source.eos_id} if isinstance(source.eos_id, int) else set(source.eos_id or ()))
+  rule = sampling.Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+  if args.draft == "mtp":
+    from maxtrain.inference import speculative
 
-      speculative.check(generator.cfg, rule)
-      generator = speculative.SpeculativeGenerator(generator)
-    outputs, stats = generator.generate(prompts, args.max_new_tokens, rule, eos_ids=sorted(eos),
-                                        vocab_limit=min(source.vocab_size, generator.cfg.vocab_size))
-  except UserError as e:
-    print(f"maxtrain.generate: error: {e}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+    speculative.check(generator.cfg, rule)
+    generator = speculative.SpeculativeGenerator(generator)
+  outputs, stats = generator.generate(prompts, args.max_new_tokens, rule, eos_ids=sorted(eos),
+                                      vocab_limit=min(source.vocab_size, generator.cfg.vocab_size))
   for prompt, out in zip(args.prompt, outputs):
     print(prompt + tokenizer.decode(out))
     print("-" * 40)
@@ -93,8 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{stats['tokens']} tokens)", file=sys.stderr)
   print(f"decode: {stats['tokens']} tokens in {stats['decode_s']:.2f}s, {stats['tokens_per_s']:.1f} tokens/s "
         f"(prefill {stats['prefill_s']:.2f}s, compile included)", file=sys.stderr)
-  return 0
 
+
+COMMAND = shell.Command(name="maxtrain.generate", prog="python -m maxtrain.generate", parser=parser, list_keys=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  return shell.run(COMMAND, generate, argv)
 
 if __name__ == "__main__":
   sys.exit(main())

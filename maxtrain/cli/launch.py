@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from maxtrain.errors import (EXIT_BAD_INPUT, EXIT_CRASH, EXIT_HANG, EXIT_INTERRUPTED, EXIT_PREEMPTED, MEANINGS,
-                             NOT_RESTARTED)
+from maxtrain.cli import shell
+from maxtrain.errors import EXIT_CRASH, EXIT_HANG, EXIT_INTERRUPTED, EXIT_PREEMPTED, MEANINGS, NOT_RESTARTED, UserError
 from maxtrain.monitor import events as ev
 
 
@@ -52,36 +52,37 @@ class Attempt:
     return f"attempt {self.number}: exit {self.code} ({meaning}) after {self.seconds:.1f}s{per_process}"
 
 
-def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-  argv = list(argv)
-  train_args = argv[argv.index("--") + 1:] if "--" in argv else []
-  own = argv[:argv.index("--")] if "--" in argv else argv
-  parser = argparse.ArgumentParser(prog="python -m maxtrain.launch", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--max-restarts", type=int, default=10, help="counted restarts allowed within --window")
-  parser.add_argument("--window", type=float, default=3600.0, help="seconds over which restarts are counted")
-  parser.add_argument("--backoff", type=float, default=5.0, help="first backoff in seconds; doubles each time")
-  parser.add_argument("--max-backoff", type=float, default=300.0)
-  parser.add_argument("--processes", type=int, default=1, help="trainer processes of one job on this host")
-  parser.add_argument("--peer-grace", type=float, default=60.0,
-                      help="seconds the other processes get to exit after one failed, then they are killed")
-  return parser.parse_args(own), train_args
+def parser() -> argparse.ArgumentParser:
+  p = shell.ArgumentParser(prog="python -m maxtrain.launch", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--max-restarts", type=int, default=10, help="counted restarts allowed within --window")
+  p.add_argument("--window", type=float, default=3600.0, help="seconds over which restarts are counted")
+  p.add_argument("--backoff", type=float, default=5.0, help="first backoff in seconds; doubles each time")
+  p.add_argument("--max-backoff", type=float, default=300.0)
+  p.add_argument("--processes", type=int, default=1, help="trainer processes of one job on this host")
+  p.add_argument("--peer-grace", type=float, default=60.0,
+                 help="seconds the other processes get to exit after one failed, then they are killed")
+  return p
 
 
-def check_args(args: argparse.Namespace) -> str | None:
-  """The first supervisor argument out of range, as a message; None when all are sane. Checked before
-  anything starts: a negative backoff would only fail at the first restart (time.sleep), mid-run."""
+# The trainer's arguments (after `--`) pass through unparsed: the supervisor reads only its output_dir.
+COMMAND = shell.Command(name="maxtrain.launch", prog="python -m maxtrain.launch", parser=parser, config=False,
+                        passthrough=True)
+
+
+def check_args(args: argparse.Namespace) -> None:
+  """UserError naming the first supervisor argument out of range. Checked before anything starts: a
+  negative backoff would only fail at the first restart (time.sleep), mid-run."""
   limits = (("--processes", args.processes, 1), ("--max-restarts", args.max_restarts, 0),
             ("--window", args.window, None), ("--backoff", args.backoff, 0), ("--max-backoff", args.max_backoff, 0),
             ("--peer-grace", args.peer_grace, 0))
   for flag, value, low in limits:
     if not math.isfinite(value):
-      return f"{flag}={value}: must be a finite number"
+      raise UserError(f"{flag}={value}: must be a finite number")
     if low is None and value <= 0:
-      return f"{flag}={value}: must be > 0 seconds"
+      raise UserError(f"{flag}={value}: must be > 0 seconds")
     if low is not None and value < low:
-      return f"{flag}={value}: must be >= {low}"
-  return None
+      raise UserError(f"{flag}={value}: must be >= {low}")
 
 
 def output_dir(train_args: list[str]) -> Path:
@@ -92,22 +93,19 @@ def output_dir(train_args: list[str]) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args, train_args = parse_args(sys.argv[1:] if argv is None else argv)
-  bad = check_args(args)
-  if bad:
-    print(f"maxtrain.launch: error: {bad}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-  try:
-    out = output_dir(train_args)
-  except Exception as e:  # noqa: BLE001 - a bad config: the trainer would exit 2, so do we
-    print(f"maxtrain.launch: error: {e}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+  return shell.run(COMMAND, supervise, argv)
+
+
+def supervise(invocation: shell.Invocation) -> int:
+  """Runs the trainer (`invocation.rest`) until it finishes, may not be restarted, or crash-loops."""
+  args, train_args = invocation.args, invocation.rest
+  check_args(args)
+  out = output_dir(train_args)  # a bad config: the trainer would exit 2, so do we
   try:
     out.mkdir(parents=True, exist_ok=True)
   except OSError as e:
-    print(f"maxtrain.launch: error: output_dir={out} cannot be created ({e.strerror}): choose a writable "
-          "directory with --config.output_dir", file=sys.stderr)
-    return EXIT_BAD_INPUT
+    raise UserError(f"output_dir={out} cannot be created ({e.strerror}): choose a writable directory with "
+                    "--config.output_dir") from None
   attempts: list[Attempt] = []
   counted: list[float] = []  # monotonic times of counted restarts
   children: list[subprocess.Popen] = []

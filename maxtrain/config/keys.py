@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import ast
 import contextvars
+import difflib
 import functools
 import inspect
 import io
 import textwrap
 import tokenize
+from typing import Any
 
 import ml_collections
+
+from maxtrain.errors import UserError
 
 # `model.*` values (dotted under model.) of the family whose published model a config file starts from: the
 # loader (config/loader.py) sets them while the file runs, so its base_config() is that model's and whatever
@@ -256,6 +260,7 @@ def base_config() -> ml_collections.ConfigDict:
   f.kill_every_steps = 0  # SIGKILL itself after every N steps of an attempt (crashes at a known rate), up to kill_times; 0 = off.
   f.kill_times = 0  # How many kill_every_steps kills in the whole run.
   f.rollout_hang_at_step = -1  # RL with an async rollout side: its producer blocks forever before the rollout of this round (post.sync_timeout_s must fire).
+  f.rollout_die_at_step = -1  # RL with an async rollout side: its producer thread raises (a worker that dies) before the rollout of this round.
   f.publish_stall_at_step = -1  # RL with an async rollout side: the weight publish after this round never completes (post.sync_timeout_s must fire).
 
   c.guards = g = ml_collections.ConfigDict()
@@ -299,6 +304,8 @@ def base_config() -> ml_collections.ConfigDict:
   p.temperature = 1.0  # rl: rollout sampling temperature (1 = the policy itself).
   p.negate_reward = False  # rl: train on minus the reward (a control: the reward must drive learning).
   p.log_rollouts = False  # rl: append each round's prompts, completions and rewards to <output_dir>/rollouts.jsonl.
+  p.continuous_batching = 0  # rl: rows of the rollout generator's decode batch with continuous batching (a completion that ends frees its row for the next prompt; rounded up to the batch shards); 0 = off: the round's prompts in one static batch.
+  p.pack_updates = False  # rl: pack the update batch's completions into fewer rows (first-fit; document ids keep them apart): the same per-token loss over less padding (token-level losses only: not dr_grpo, gspo, ppo).
   p.rollout_devices = 0  # rl: the last N local devices only generate rollouts, on a mesh of their own (fsdp over them); 0 = on the trainer's mesh.
   p.max_staleness = 0  # rl: policy versions a round's rollouts lag its update (round k trains on version k-1-N's); 0 = synchronous (bitwise today's run).
   p.correction = "none"  # rl: off-policy correction of the loss by the rollout's own log-probs: none | tis (truncated) | mis (masked) | decoupled (PPO, AReaL).
@@ -332,6 +339,42 @@ def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
     else:
       keys.append(f"{prefix}{k}")
   return keys
+
+
+def flat_items(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """Dotted key -> value of a config as a ConfigDict or a plain dict (a checkpoint's saved config)."""
+  out = {}
+  for k, v in tree.items():
+    if hasattr(v, "items"):
+      out.update(flat_items(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+@functools.cache
+def declared_keys() -> frozenset[str]:
+  """Every declared dotted key (a family's published model changes values, never keys)."""
+  token = FAMILY_BASE.set({})
+  try:
+    return frozenset(flat_keys(base_config()))
+  finally:
+    FAMILY_BASE.reset(token)
+
+
+def unknown_key(key: str, where: str = "", fix: str = "See the config keys in docs/config.md.") -> UserError:
+  """The error for an undeclared dotted `key`, with the nearest declared ones (a misspelling's fix)."""
+  close = difflib.get_close_matches(key, sorted(declared_keys()), n=3, cutoff=0.5)
+  hint = f" Did you mean {' or '.join('config.' + c for c in close)}?" if close else ""
+  return UserError(f"{where}unknown config key config.{key}.{hint} {fix}")
+
+
+def check_known(section: Any, prefix: str, where: str = "") -> None:
+  """UserError naming the first key of `section` (a ConfigDict or dict: the section at `prefix`, e.g. 'model'
+  or 'model.moe') that is not declared: typed configs are built strictly, never dropping a key unread."""
+  for key in sorted(flat_items(section, f"{prefix}." if prefix else "")):
+    if key not in declared_keys():
+      raise unknown_key(key, where)
 
 
 @functools.cache

@@ -6,7 +6,6 @@ what it checks."""
 from __future__ import annotations
 
 import ast
-import difflib
 import functools
 import importlib.util
 import logging
@@ -15,20 +14,14 @@ from typing import Any, Sequence
 
 import ml_collections
 
-from maxtrain.config import hardware, ranges
-from maxtrain.config.keys import FAMILY_BASE, base_config, flat_keys
+from maxtrain.config import hardware, ranges, sections
+from maxtrain.config.keys import FAMILY_BASE, base_config, flat_keys, unknown_key
 from maxtrain.errors import UserError
 
 log = logging.getLogger("maxtrain")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.py"
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
-
-
-def _unknown_key(key: str, cfg: ml_collections.ConfigDict, where: str = "") -> UserError:
-  close = difflib.get_close_matches(key, flat_keys(cfg), n=3, cutoff=0.5)
-  hint = f" Did you mean {' or '.join('config.' + c for c in close)}?" if close else ""
-  return UserError(f"{where}unknown config key config.{key}.{hint} See the config keys in docs/config.md.")
 
 
 def _check_keys(path: Path, cfg: ml_collections.ConfigDict) -> None:
@@ -38,7 +31,7 @@ def _check_keys(path: Path, cfg: ml_collections.ConfigDict) -> None:
   declared = base_config()
   known, have = set(flat_keys(declared)), set(flat_keys(cfg))
   for key in sorted(have - known):
-    raise _unknown_key(key, declared, f"--config={path}: ")
+    raise unknown_key(key, f"--config={path}: ")
   missing = [k for k in flat_keys(declared) if k not in have]
   if missing:
     # Named by top-level key or section first (a bare ConfigDict lacks whole sections), then the keys.
@@ -75,10 +68,10 @@ def set_override(cfg: ml_collections.ConfigDict, key: str, text: str) -> None:
   parts = key.split(".")
   for part in parts[:-1]:
     if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-      raise _unknown_key(key, cfg)
+      raise unknown_key(key)
     node = node[part]
   if parts[-1] not in node or isinstance(node[parts[-1]], ml_collections.ConfigDict):
-    raise _unknown_key(key, cfg)
+    raise unknown_key(key)
   node[parts[-1]] = _parse_value(key, text, node[parts[-1]])
 
 
@@ -178,19 +171,6 @@ def parse_args(argv: Sequence[str]) -> tuple[str | Path, list[tuple[str, str]]]:
   return path, overrides
 
 
-def _check_asked_warmup(cfg: ml_collections.ConfigDict, overridden: set[str]) -> None:
-  """A warmup asked for on the command line that the LR schedule never completes is a mistake (exit 2).
-  Checked here, where it is known to be asked for: an inherited warmup longer than a short run is how
-  every smoke run trains (the default 20 > steps=4), so the trainer only warns about that one."""
-  o = cfg.optimizer
-  schedule = o.decay_steps or cfg.steps
-  if "optimizer.warmup_steps" in overridden and 0 < schedule < o.warmup_steps:
-    raise UserError(f"config.optimizer.warmup_steps={o.warmup_steps} is longer than the run's LR schedule of "
-                    f"{schedule} steps (optimizer.decay_steps={o.decay_steps}, steps={cfg.steps}; the schedule is "
-                    "decay_steps, or steps when it is 0): the learning rate would never reach optimizer.lr. "
-                    "Shorten the warmup or lengthen the run.")
-
-
 def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
   """The config file, its hardware preset (`hardware`, from the file or the command line), then the
   `--config.a.b=value` overrides, in order; locked."""
@@ -203,7 +183,8 @@ def load(argv: Sequence[str]) -> ml_collections.ConfigDict:
     if key != "hardware":
       set_override(cfg, key, value)
   ranges.check(cfg)  # before the warmup check, which compares numbers it assumes are in range
-  _check_asked_warmup(cfg, {key for key, _ in overrides})
+  # An inherited warmup longer than the run is legal (the trainer warns); one asked for here is a mistake.
+  sections.warmup(cfg, asked="optimizer.warmup_steps" in {key for key, _ in overrides})
   # Checked at load, not in plan.validate: the supervisor writes its events there before any trainer runs.
   if not str(cfg.output_dir).strip():
     raise UserError(f"config.output_dir={cfg.output_dir!r}: empty, which would write the run into the current "

@@ -138,7 +138,7 @@ RANGES: dict[str, Range] = {
     **{f"faults.{k}": STEP_OR_OFF for k in ("sigterm_at_step", "kill_during_save_at_step", "corrupt_checkpoint_at_step",
                                              "crash_at_step", "hang_at_step", "nan_at_step", "spike_at_step",
                                              "kill_at_step", "process", "sigterm_process", "rollout_hang_at_step",
-                                             "publish_stall_at_step")},
+                                             "publish_stall_at_step", "rollout_die_at_step")},
     "faults.spike_factor": above(0), "faults.slow_step_s": SECONDS0, "faults.kill_every_steps": COUNT0,
     "faults.kill_times": COUNT0,
     # guards, watchdog, fleet
@@ -156,7 +156,7 @@ RANGES: dict[str, Range] = {
     "post.gamma": between(0, 1), "post.lam": between(0, 1), "post.value_clip": above(0), "post.critic_lr": above(0),
     "post.temperature": above(0),
     "post.rollout_devices": COUNT0, "post.max_staleness": COUNT0, "post.is_cap": at_least(1),
-    "post.sync_timeout_s": SECONDS,
+    "post.sync_timeout_s": SECONDS, "post.continuous_batching": COUNT0,
     # eval
     "eval.every_steps": COUNT0, "eval.batches": COUNT,
 }

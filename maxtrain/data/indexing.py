@@ -26,7 +26,6 @@ import fnmatch
 import glob
 import hashlib
 import os
-import re
 import sys
 import time
 from typing import Any, Iterator, Sequence
@@ -36,7 +35,7 @@ import numpy as np
 from maxtrain.data import decode, tokenize_workers
 from maxtrain.data.store import StoreWriter, TokenStore
 from maxtrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from maxtrain.errors import UserError
+from maxtrain.errors import UserError, printable
 
 _JOB_BYTES = 4 << 20  # Input bytes per worker job: amortizes IPC, bounds RAM.
 _JOB_FILES = 256
@@ -423,13 +422,14 @@ def verify_store(prefix: str) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-  """Usage mistakes are one line too: exit 2, no usage dump."""
+  """Usage mistakes are bad input like any other: one line through the entry-point shell, exit 2, no usage dump."""
 
   def error(self, message: str):
-    self.exit(2, f"error: {message} (see --help)\n")
+    raise UserError(f"{message} (see --help)")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+  """`tools/index_data.py`'s flags (it runs `index` through the entry-point shell, maxtrain/cli/shell.py)."""
   parser = _Parser(
       description="Tokenize text files into maxtrain train/val token stores, "
       "or verify a store.")
@@ -456,27 +456,25 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="text that is not valid UTF-8: stop (strict), "
                       "decode it as U+FFFD (replace, default) or leave the "
                       "document out (skip); counted and listed either way")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def index(args: argparse.Namespace) -> None:
+  """Indexes `args.input` into the `args.output` stores, or verifies `args.verify`; UserError on bad input."""
   if args.verify is None and (args.input is None or args.output is None):
-    parser.error("pass --input and --output to index, or --verify PREFIX")
+    raise UserError("pass --input and --output to index, or --verify PREFIX (see --help)")
   if args.verify is None:
     jobs = _jobs(args.input, args.output)
     if jobs is None:
-      parser.error(f"{len(args.output)} --output prefixes need as many "
-                   f"--input groups, one per store; got {len(args.input)}")
-  try:
-    if args.verify is not None:
-      print(verify_store(args.verify))
-      return
-    for inputs, output in jobs:  # one store per (inputs, output): a mixture's sources
-      summary = index_files(inputs, output, args.tokenizer,
-                            args.val_fraction, args.workers, args.text_key,
-                            args.seed, progress=sys.stderr.isatty(),
-                            errors=args.errors)
-      print(printable(format_summary(summary)), flush=True)
-  except UserError as e:
-    print(printable(f"error: {e}"), file=sys.stderr)
-    sys.exit(2)
+      raise UserError(f"{len(args.output)} --output prefixes need as many --input groups, one per store; got "
+                      f"{len(args.input)} (see --help)")
+  if args.verify is not None:
+    print(verify_store(args.verify))
+    return
+  for inputs, output in jobs:  # one store per (inputs, output): a mixture's sources
+    summary = index_files(inputs, output, args.tokenizer, args.val_fraction, args.workers, args.text_key,
+                          args.seed, progress=sys.stderr.isatty(), errors=args.errors)
+    print(printable(format_summary(summary)), flush=True)
 
 
 def _jobs(inputs: list[list[str]], outputs: list[str]
@@ -488,14 +486,3 @@ def _jobs(inputs: list[list[str]], outputs: list[str]
   if len(inputs) != len(outputs):
     return None
   return list(zip(inputs, outputs))
-
-
-def printable(text: str) -> str:
-  """`text` with file names that are not UTF-8 (surrogate escapes) shown as \\xNN: printing them raw
-  fails on a UTF-8 terminal."""
-  text = re.sub(r"\\udc([89a-f][0-9a-f])", r"\\x\1", text)  # the same byte where a repr() wrote its escape
-  return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-
-
-if __name__ == "__main__":
-  main()

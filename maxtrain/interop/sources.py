@@ -21,6 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from maxtrain import config as config_lib
 from maxtrain.errors import UserError
 from maxtrain.interop import dequant, hf_config, names as names_lib, params_store
 from maxtrain.models import hf_adapter, registry
@@ -166,7 +167,7 @@ class TrainingSource:
     manifest.check(self.dir)  # CorruptCheckpoint: a UserError naming the file
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
     meta = checkpointer.restore(self.dir, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    self.config = meta["config"]
+    self.config = config_lib.saved_config(meta, f"checkpoint {self.dir}")  # today's keys (config/migrate.py)
     self.model = self.config["model"]
     self.tokenizer = ml_collections.ConfigDict(self.config).data.tokenizer
     self.tokenizer_identity = meta.get("tokenizer_identity")  # of the stores it trained on (saved since issue 23)

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from maxtrain import config as config_lib
 from maxtrain.program import batch as batch_lib
 from maxtrain.data import corpus, mixture, pipeline
 from maxtrain.data.loader import MixtureLoader, process_rows
@@ -59,20 +60,14 @@ def check_tokenizer(store: TokenStore, tokenizer: str) -> None:
 def check_checkpoint_tokenizer(store: TokenStore, data_cfg: ml_collections.ConfigDict, meta: dict, path: Any) -> None:
   """A resumed checkpoint was trained on stores of one tokenizer: this run's must be the same."""
   saved = meta.get("tokenizer_identity")
-  saved_cfg = _dotted(meta.get("config", {}), "data.tokenizer")
+  saved_cfg = ml_collections.ConfigDict(config_lib.saved_config(meta, f"checkpoint {path}")).data.tokenizer
   if saved is not None and saved != store.tokenizer_identity:
     raise UserError(f"checkpoint {path} was trained on stores tokenized by {saved} (data.tokenizer={saved_cfg!r}), "
                     f"but token store {store.prefix} was built with {store.tokenizer_identity}: resume with the "
                     "stores and data.tokenizer it was trained with, or start a new run in another output_dir")
-  if saved is None and saved_cfg is not None and saved_cfg != data_cfg.tokenizer:
+  if saved is None and saved_cfg != data_cfg.tokenizer:
     raise UserError(f"checkpoint {path} was trained with data.tokenizer={saved_cfg!r}, this run has "
                     f"config.data.tokenizer={data_cfg.tokenizer!r}: resume with the one it was trained with")
-
-
-def _dotted(tree: dict, key: str) -> Any:
-  for part in key.split("."):
-    tree = tree.get(part, {}) if isinstance(tree, dict) else {}
-  return tree if tree != {} else None
 
 
 class Data:

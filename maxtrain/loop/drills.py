@@ -28,13 +28,16 @@ def install(observers: Observers, cfg: ml_collections.ConfigDict, out_dir: Path,
   observers.on("step_done", host.after_step)
   observers.on("save_started", host.after_save_started)
   observers.on("saved", host.after_save_complete)
-  observers.on("rollout", lambda round_, stopping: _hang_rollout(host, round_, stopping))
+  observers.on("rollout", lambda round_, stopping: _rollout_drills(host, round_, stopping))
   observers.on("publish", lambda version: not host.fire("publish_stall_at_step", version))
   return host
 
 
-def _hang_rollout(host: faults.Faults, round_: int, stopping: threading.Event) -> bool:
-  if not host.fire("rollout_hang_at_step", round_):
-    return False
-  stopping.wait()  # a rollout worker that hangs (until the run stops)
-  return True
+def _rollout_drills(host: faults.Faults, round_: int, stopping: threading.Event) -> bool:
+  """The async rollout side's drills before a round: True when it hung (until the run stopped)."""
+  if host.fire("rollout_hang_at_step", round_):
+    stopping.wait()  # a rollout worker that hangs
+    return True
+  if host.fire("rollout_die_at_step", round_):  # a rollout worker that dies: the producer's exception
+    raise RuntimeError(f"fault injection: the rollout producer died before round {round_}")
+  return False

@@ -11,7 +11,8 @@ Events, in a step's order:
   saved(step, path)             a checkpoint is complete on disk
 and the async RL rollout side's (`posttrain/async_rollout.py`):
   rollout(round, stopping) -> bool   before the producer samples a round: True when an observer held it until
-                                `stopping` (a hung worker), and the producer ends
+                                `stopping` (a hung worker), and the producer ends; an observer that raises
+                                is a producer that dies
   publish(version) -> bool      whether a weight publish may complete (False: the transfer never does)
 """
 

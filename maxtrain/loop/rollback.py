@@ -136,7 +136,11 @@ class Rollbacks:
     meta = checkpoints.read_meta(resume_path) if resume_path is not None else None
     self.policy = GuardPolicy(guards_cfg, events, self.budget.used(meta), unit=unit, signal=signal)
     self.checkpoints, self.events, self.max_rollbacks = checkpoints, events, guards_cfg.max_rollbacks
-    checkpoints.rollbacks = self.policy.rollbacks  # saved in every checkpoint's meta
+
+  @property
+  def used(self) -> int:
+    """The run's rollbacks so far, restarts included: saved in every checkpoint's meta (identity.RunIdentity)."""
+    return self.policy.rollbacks
 
   def after_step(self, step: int, metrics: Any, *, last: bool) -> Rollback | None:
     return self.policy.after_step(step, metrics, last=last)
@@ -156,7 +160,6 @@ class Rollbacks:
     record = self.events.emit(ev.ROLLBACK, step, from_step=rollback.step, to_step=step,
                               seconds=time.monotonic() - t0, reason=rollback.reason)
     self.budget.record(count, record)
-    self.checkpoints.rollbacks = count
     log.warning("rollback %d/%d: %s at %s %d; restored %s %d; the data skips ahead past the fault", count,
                 self.max_rollbacks, rollback.reason, self.policy.unit, rollback.step, self.policy.unit, step)
     return state

@@ -24,10 +24,12 @@ import ml_collections
 from flax import nnx
 
 from maxtrain import config as config_lib
+from maxtrain.config import sections
 from maxtrain.aot import estimate
 from maxtrain.optim import optimizer as optim
 from maxtrain.program import build as program_lib
 from maxtrain.program import state as state_lib
+from maxtrain.checkpoint.identity import RunIdentity
 from maxtrain.checkpoint.schedule import Checkpoints
 from maxtrain.loop import drills
 from maxtrain.loop.observers import Observers
@@ -48,7 +50,7 @@ from maxtrain.runtime.kv import KeyValue
 from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
 from maxtrain.program import plan as plan_lib
-from maxtrain.program.plan import stage_config, stage_shapes, total_steps
+from maxtrain.program.plan import stage_config, stage_shapes
 
 log = logging.getLogger("maxtrain")
 
@@ -68,9 +70,9 @@ class Trainer:
       if batch_size not in self.stage_programs:
         self.stage_programs[batch_size] = program_lib.program_for(stage_config(cfg, batch_size, seq_len), jax.devices())
     self._eval_steps: dict[tuple[int, ...], object] = {}  # the compiled eval step of each eval batch shape
-    if cfg.optimizer.warmup_steps > total_steps(cfg):  # legal (short smoke runs), but never silent
-      log.warning("optimizer.warmup_steps=%d > the schedule's %d steps (optimizer.decay_steps or steps): the learning "
-                  "rate never reaches optimizer.lr", cfg.optimizer.warmup_steps, total_steps(cfg))
+    warmup_note = sections.warmup(cfg, asked=False)  # the load refused the other cases
+    if warmup_note:  # legal (short smoke runs), but never silent
+      log.warning("%s", warmup_note)
     cache.configure_compile_cache(cfg.runtime.compile_cache_dir)
     self.out_dir = Path(cfg.output_dir)
     prepare_output_dir(self.out_dir)
@@ -119,7 +121,6 @@ class Trainer:
                                 out_dir=self.out_dir, compile_fn=self._compile, starting_state=self._starting_state)
     self.data = self.stepper.data
     stack.callback(self.data.close)
-    self.checkpoints.tokenizer_identity = self.data.tokenizer_identity
     if self.resume_path is not None:  # before compiling: the checkpoint's tokenizer is this run's
       self.data.check_checkpoint(self.checkpoints.read_meta(self.resume_path), self.resume_path)
     log.info("devices: %d x %s; mesh %s; %s; %s", jax.device_count(), jax.devices()[0].device_kind,
@@ -133,7 +134,7 @@ class Trainer:
     stack.callback(self.profiler.stop)
     self.stop = StopRequest(self.kv).install()
     stack.callback(self.stop.uninstall)
-    self.stragglers = StragglerMonitor(self.kv, self.events, cfg.fleet)
+    self.stragglers = StragglerMonitor(self.kv, self.events, program.plan.fleet)
     if self.kv is not None:  # other processes' stop requests and hangs arrive as notices
       stack.callback(self.kv.stop_listening, self.kv.listen({"stop": self.stop.on_notice,
                                                               "hang": self.watchdog.on_notice}))
@@ -208,8 +209,13 @@ class Trainer:
     self.observers.step_done(step)
     if self.stop.requested(step):
       self._preempt(state, step, data_state)
-    self.checkpoints.after_step(step, state, data_state, dict(self.program.mesh.shape), final=step == cfg.steps)
+    self.checkpoints.after_step(step, state, data_state, dict(self.program.mesh.shape), self._run_identity(),
+                                final=step == cfg.steps)
     return eval_loss
+
+  def _run_identity(self) -> RunIdentity:
+    """What every checkpoint's meta says about this run, as it stands now: its stores' tokenizer, its rollbacks."""
+    return RunIdentity(tokenizer_identity=self.data.tokenizer_identity, rollbacks=self.rollbacks.used)
 
   def _starting_state(self) -> state_lib.TrainState:
     """The run's step-0 state: checkpoint.init_from's parameters with a new optimizer state, else the
@@ -228,7 +234,7 @@ class Trainer:
       restored = self.checkpoints.restore(self.resume_path, spec)
       state = restored.state
       self.data.set_state(restored.data_state)
-      self.checkpoints.promote(restored)  # a local step, once every check passed
+      self.checkpoints.promote(restored, self._run_identity())  # a local step, once every check passed
       if self.data.data_change:  # post.resume_new_data let other data through: on the record
         self.events.emit(ev.DATA_CHANGE, int(state.step) // self.stepper.updates_per_step, change=self.data.data_change)
     log.info("model: %.2fM parameters; optimizer %s: %s", registry.param_count(state.params) / 1e6, self.cfg.optimizer.name,
@@ -300,7 +306,7 @@ class Trainer:
   def _preempt(self, state: state_lib.TrainState, step: int, data_state: dict) -> None:
     self.events.emit(ev.PREEMPTION, step, signal=self.stop.reason)
     self.watchdog.beat(step)  # a synchronous save is progress, not a hang
-    self.checkpoints.save_preemption(step, state, data_state, dict(self.program.mesh.shape),
+    self.checkpoints.save_preemption(step, state, data_state, dict(self.program.mesh.shape), self._run_identity(),
                                      since_signal_s=self.stop.seconds_since())
     raise Preempted(f"stopped by {self.stop.reason} after step {step}; checkpoint saved in "
                     f"{self.checkpoints.location}")
@@ -320,10 +326,8 @@ class Trainer:
 def check_checkpoint_mode(cfg: ml_collections.ConfigDict, mode: str, meta: dict, path: object) -> None:
   """A checkpoint resumes only in the mode that wrote it (its data state and step unit are that mode's):
   UserError naming both, before any data is read or anything compiles."""
-  saved = (meta.get("config") or {}).get("post", {}).get("mode") if isinstance(meta.get("config"), dict) else None
-  if saved is None:  # a checkpoint from before post-training existed: pretraining
-    saved = ""
-  saved = plan_lib.canonical_mode(saved)
+  # a checkpoint from before post-training existed: migrated to post.mode's default, pretraining
+  saved = plan_lib.canonical_mode(config_lib.saved_config(meta, f"checkpoint {path}")["post"]["mode"])
   if saved != mode:
     raise UserError(f"checkpoint {path} was written by a {plan_lib.describe_mode(saved)} run, but this run is "
                     f"{plan_lib.describe_mode(mode)} (config.post.mode={cfg.post.mode!r}): resume it with "

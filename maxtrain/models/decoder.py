@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from maxtrain.config.keys import check_known
 from maxtrain.errors import choice, require
 from maxtrain.models.attention import layer as attention
 from maxtrain.models import mla as mla_lib
@@ -188,7 +189,10 @@ class ModelConfig:
     return 6.0 * matmul_params + attention
 
   @classmethod
-  def from_config(cls, model_cfg) -> "ModelConfig":
+  def from_config(cls, model_cfg: Any) -> "ModelConfig":
+    """From `config.model` (a ConfigDict, or a dict of its keys: a migrated saved config, an HF import); a key
+    missing takes its default, an undeclared one is a UserError naming it (never dropped unread)."""
+    check_known(model_cfg, "model")
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in model_cfg.items() if k in fields}
     if "head_dim" in model_cfg:
@@ -373,13 +377,14 @@ class Decoder(nnx.Module):
     logits_BTV = attention.softcap(logits_BTV, self.cfg.final_logit_softcap)  # Gemma 2 (0: off)
     return sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
 
-  def init_cache(self, batch: int, length: int) -> "Cache":
-    """An empty cache of `length` slots per row, in the compute dtype, laid out like the stacks."""
+  def init_cache(self, batch: int, length: int, rings: bool = True) -> "Cache":
+    """An empty cache of `length` slots per row, in the compute dtype, laid out like the stacks. `rings=False`:
+    window layers keep every slot too (continuous batching moves rows' slots, which a ring's slot mod R forbids)."""
     cfg = self.cfg
 
     # A window layer keeps a ring of window-many slots (models/attention/layer.py _attend_ring); the window
     # pattern is per layer (GPT-OSS alternates), so each unscanned layer sizes its own.
-    slots_of = lambda layer: min(length, cfg.layer_window(layer)) if cfg.layer_window(layer) else length
+    slots_of = lambda layer: min(length, cfg.layer_window(layer)) if cfg.layer_window(layer) and rings else length
 
     def kv(layers: int | None, slots: int) -> KVCache:
       # MLA caches every head's expanded k and v, or (latent_cache) one kv latent and one RoPE key (models/mla.py)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtrain.config.keys import check_known
 from maxtrain.errors import require
 from maxtrain.models.attention import mask as mask_lib
 from maxtrain.models.attention.layer import Attention, KVCache
@@ -60,6 +61,7 @@ class MLAConfig:
 
   @classmethod
   def from_config(cls, c: Any) -> "MLAConfig":
+    check_known(c, "model.mla")  # a UserError naming the key, not a TypeError
     return cls(**dict(c.items()))
 
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtrain.config.keys import check_known
 from maxtrain.errors import choice, require
 from maxtrain.models import moe_dispatch
 from maxtrain.models.layers import MLP, param
@@ -92,6 +93,7 @@ class MoEConfig:
 
   @classmethod
   def from_config(cls, moe_cfg: Any) -> "MoEConfig":
+    check_known(moe_cfg, "model.moe")  # a UserError naming the key, not a TypeError
     return cls(**dict(moe_cfg.items()))
 
 

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from maxtrain.config.keys import check_known
 from maxtrain.errors import UserError, choice, require
 
 RECIPES = ("none", "fp8", "int8")
@@ -71,7 +72,9 @@ class QuantConfig:
 
   @classmethod
   def from_config(cls, m: Any) -> "QuantConfig":
-    """From `config.model` or a checkpoint's saved model section (a plain dict; older ones lack some keys)."""
+    """From `config.model` (a ConfigDict, or a dict of its keys: a migrated saved config, an HF import, which
+    may lack the quant keys: their defaults); an undeclared key is a UserError naming it, never dropped."""
+    check_known(m, "model")
     base = cls()
     return cls(recipe=m.get("quantization", base.recipe), kinds=parse_kinds(m.get("quant_kinds", "")),
                min_dim=m.get("quant_min_dim", base.min_dim), margin=m.get("quant_margin", base.margin),

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
+from maxtrain.config.keys import flat_items
 from maxtrain.errors import UserError, choice
 from maxtrain.models import decoder
 from maxtrain.models.decoder import ModelConfig
@@ -147,18 +148,9 @@ HOW_KEYS = frozenset({
 def math_changes(saved_model: dict, model: Any) -> list[str]:
   """`key: saved -> now` for each config.model key outside HOW_KEYS whose value differs between a checkpoint's
   saved config.model and this run's: the same parameters would compute another function (a sliding window,
-  RoPE base or family switched on). A key the checkpoint's config lacks (saved before it existed) is not
-  compared: its default is what that checkpoint ran."""
-  def flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in (d.items() if hasattr(d, "items") else ()):
-      if hasattr(v, "items"):
-        out.update(flat(v, f"{prefix}{k}."))
-      else:
-        out[f"{prefix}{k}"] = v
-    return out
-
-  as_saved = lambda d: json.loads(json.dumps(flat(d), default=str))  # tuples -> lists, as the meta holds them
+  RoPE base or family switched on). `saved_model` is migrated (config/migrate.py): a key the checkpoint saved
+  before it existed holds its declared default, which is what that checkpoint ran."""
+  as_saved = lambda d: json.loads(json.dumps(flat_items(d), default=str))  # tuples -> lists, as the meta holds them
   before, now = as_saved(saved_model), as_saved(model)
   return [f"model.{k}: {before[k]!r} -> {now[k]!r}" for k in sorted(set(before) & set(now))
           if k not in HOW_KEYS and before[k] != now[k]]

@@ -17,7 +17,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Mapping
 
-from maxtrain.errors import UserError, require
+from maxtrain.errors import UserError
 
 log = logging.getLogger("maxtrain")
 
@@ -115,11 +115,3 @@ def start(port: int, run: str, process_index: int, host: str = "127.0.0.1") -> M
     raise UserError(f"config.monitor.prometheus_port={port}: cannot serve on {host}:{port} ({e.strerror or e}); "
                     "choose a free port (or 0 to turn the endpoint off), or fix config.monitor.prometheus_host"
                     ) from None
-
-
-def validate(monitor_cfg) -> None:
-  """UserError naming the key for a bad `config.monitor`."""
-  require(0 <= monitor_cfg.prometheus_port <= 65535,
-          f"config.monitor.prometheus_port={monitor_cfg.prometheus_port}: a port is 0..65535 (0 = off)")
-  require(bool(monitor_cfg.prometheus_host.strip()),
-          "config.monitor.prometheus_host is empty: use 127.0.0.1 (this host only) or 0.0.0.0 (every interface)")

@@ -31,6 +31,7 @@ import socket
 import statistics
 import time
 
+from maxtrain.config.sections import Fleet
 from maxtrain.monitor import events as ev
 from maxtrain.runtime.kv import KeyValue
 
@@ -70,8 +71,8 @@ def find_stragglers(stats: dict[int, dict], threshold: float, min_s: float) -> t
 class StragglerMonitor:
   """This process's dispatch times; at log steps the exchange and (process 0) the verdict."""
 
-  def __init__(self, kv: KeyValue | None, events: ev.EventLog, cfg):
-    self.kv, self.events, self.cfg = kv, events, cfg
+  def __init__(self, kv: KeyValue | None, events: ev.EventLog, cfg: Fleet):
+    self.kv, self.events, self.cfg = kv, events, cfg  # config.fleet, typed (config/sections.py)
     self.host = socket.gethostname()
     self._dispatch: dict[int, float] = {}  # step -> wall time its dispatch began, since the last exchange
 

@@ -260,8 +260,9 @@ class Optimizer:
   labels: Callable[[Any], Any]  # params -> tree of 'muon' / 'adam'
 
 
-def validate(o: ml_collections.ConfigDict, steps: int) -> None:
-  """UserError naming the key for a bad `config.optimizer` of a run of `steps` steps."""
+def validate(o: ml_collections.ConfigDict) -> None:
+  """UserError naming the key for a bad `config.optimizer` (the warmup against the schedule: config/sections.py,
+  at load)."""
   choice("optimizer.name", o.name, OPTIMIZERS)
   choice("optimizer.schedule", o.schedule, SCHEDULES)
   choice("optimizer.wsd_decay", o.wsd_decay, WSD_DECAYS)
@@ -276,12 +277,6 @@ def validate(o: ml_collections.ConfigDict, steps: int) -> None:
   require(o.eps > 0, f"config.optimizer.eps={o.eps}: must be > 0 (Adam divides by sqrt(nu) + eps)")
   require(0 <= o.min_lr_ratio <= 1, f"config.optimizer.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
   require(0 < o.decay_fraction <= 1, f"config.optimizer.decay_fraction={o.decay_fraction}: must be in (0, 1]")
-  if o.schedule == "wsd":
-    decay_start = steps - max(round(o.decay_fraction * steps), 1)
-    require(o.warmup_steps <= decay_start,
-             f"config.optimizer.warmup_steps={o.warmup_steps} runs into the wsd decay, which starts at step "
-             f"steps - round(decay_fraction x steps) = {steps} - round({o.decay_fraction} x {steps}) = {decay_start}. "
-             "Shorten the warmup or the decay_fraction.")
   for key in ("weight_decay", "clip_norm", "z_loss"):
     require(o[key] >= 0, f"config.optimizer.{key}={o[key]}: must be >= 0 (0 disables)")
   unknown = [k for k in (k.strip() for k in o.no_decay.split(",")) if k and k not in PARAM_KINDS]

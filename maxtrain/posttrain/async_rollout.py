@@ -35,11 +35,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from maxtrain.errors import Stalled
+from maxtrain.config import redact_text
+from maxtrain.errors import Stalled, UserCodeExit, UserError
 from maxtrain.monitor import events as ev
 from maxtrain.posttrain import rollout as rollout_lib
 from maxtrain.posttrain.data import make_generator
-from maxtrain.posttrain.rl import Outcome, RlStepper
+from maxtrain.posttrain.rl import Outcome, RlStepper, completion_tokens
 from maxtrain.program import state as state_lib
 
 log = logging.getLogger("maxtrain")
@@ -253,7 +254,8 @@ class RolloutSide:
             return
           params = self.versions[need]
         t1 = time.monotonic()
-        if self.observers.rollout(k, self.stopping):  # held until the run stops (a drill: a hung worker)
+        # A drill may hold the producer until the run stops (a hung worker) or raise (a worker that dies).
+        if self.observers.rollout(k, self.stopping):
           return
         r = rollout_lib.sample(self.data, self.generator_for(params), params, q, self.post, self.seed, self.seq_len)
         made = Made(k, q, need, r, encode(r))
@@ -265,6 +267,11 @@ class RolloutSide:
           self._forget()
           self.cond.notify_all()
     except BaseException as e:  # noqa: BLE001 - handed to the trainer, which ends the run with its code
+      self.events.emit(ev.ROLLOUT_DIED, self.trainer_version, round=self.next_round,
+                       version=self._need(self.next_round), error=redact_text(f"{type(e).__name__}: {e}")[:1000])
+      if not isinstance(e, (UserError, UserCodeExit)):  # a crash (exit 1): its message says which side died
+        died = RuntimeError(f"the rollout producer thread died at round {self.next_round}: {type(e).__name__}: {e}")
+        died.__cause__, e = e, died
       with self.cond:
         self.error = e
         self.cond.notify_all()
@@ -348,7 +355,7 @@ class AsyncRlStepper(RlStepper):
         "rl/trainer_busy": busy_s / max(round_s, 1e-9), "rl/updates_per_s": self.updates_per_step / max(round_s, 1e-9),
         "rl/publish_s": publish_s, "rl/rollout_idle_s": idle, "rl/rollout_busy_s": busy,
         "rl/rollout_s": busy,  # the producer's sampling time, not the trainer's wait
-        "rl/rollout_tokens_per_s": len(self._made.rollout.rewards) * self.cfg.post.max_new_tokens / max(busy, 1e-9)})
+        "rl/rollout_tokens_per_s": completion_tokens([self._made.rollout]) / max(busy, 1e-9)})
     return state, outcome
 
   def after_rollback(self, step: int, last: bool) -> None:

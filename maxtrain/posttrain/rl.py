@@ -31,13 +31,22 @@ import jax
 import ml_collections
 import numpy as np
 
-from maxtrain.posttrain import algorithms, correction, rl_step, rollout as rollout_lib
+from maxtrain.monitor import events as ev
+from maxtrain.posttrain import algorithms, correction, packing, rl_step, rollout as rollout_lib
 from maxtrain.posttrain.data import PromptData, make_generator
 from maxtrain.program import state as state_lib
 
 log = logging.getLogger("maxtrain")
 ROLLOUTS_FILE = "rollouts.jsonl"  # post.log_rollouts
+# What users track of RL's utilisation: TensorBoard scalars, and an `rl_round` event per logged round
+UTILISATION = ("rl/trainer_busy", "rl/updates_per_s", "rl/rollout_tokens_per_s", "rl/trainer_idle_s",
+               "rl/rollout_idle_s", "rl/staleness_mean", "rl/padding_share")
 GUARD_FLAGS = ("nonfinite", "nonfinite_update", "spike", "loss_zscore", "consecutive_bad", "grad_norm")
+
+
+def completion_tokens(draws: list) -> float:
+  """The tokens the round's draws generated (each completion through its EOS)."""
+  return float(sum(int(d.lengths.sum()) for d in draws))
 
 
 @dataclasses.dataclass
@@ -108,11 +117,14 @@ class RlStepper:
     trained = -r.rewards if p.negate_reward else r.rewards
     rows, mask = r.rows, r.rows["loss_mask"]
     host = {k: rows[k] for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
-    zeros = np.zeros_like(mask)
-    batch = rl_step.to_device({**host, **{k: zeros for k in self.pieces.batch_shardings if k in rl_step.RL_KEYS
-                                          + rl_step.CRITIC_KEYS}}, self.program)
-    host["ref_logp"] = np.asarray(self.pieces.logprobs(self.reference, batch))
-    host["old_logp"] = np.asarray(self.pieces.logprobs(state.params, batch))
+    if p.pack_updates:  # the log-prob passes over the packed minibatches too (no critic: refused at load)
+      host["ref_logp"], host["old_logp"] = self._packed_logprobs(state.params, host)
+    else:
+      zeros = np.zeros_like(mask)
+      batch = rl_step.to_device({**host, **{k: zeros for k in self.pieces.batch_shardings if k in rl_step.RL_KEYS
+                                            + rl_step.CRITIC_KEYS}}, self.program)
+      host["ref_logp"] = np.asarray(self.pieces.logprobs(self.reference, batch))
+      host["old_logp"] = np.asarray(self.pieces.logprobs(state.params, batch))
     rewards_PG = trained.reshape(p.prompts_per_step, p.group_size)
     if self.algorithm.critic:  # GAE from the critic's values at the rollout (PPO)
       host["old_values"] = np.asarray(self.pieces.values(state.params, state.opt_state.params, batch)) * mask
@@ -126,10 +138,15 @@ class RlStepper:
       weights, correction_scalars = correction.weights(host["old_logp"], rows["sampler_logp"], mask, p.correction,
                                                        p.is_cap)
       host["advantages"] = (host["advantages"] * weights).astype(np.float32)
-    n, per, flags = len(mask), len(mask) // p.minibatches, []
+    per, flags = len(mask) // p.minibatches, []
+    minibatches = [{key: v[i * per:(i + 1) * per] for key, v in host.items()} for i in range(p.minibatches)]
+    if p.pack_updates:  # each minibatch's completions in fewer rows, kept apart by document ids
+      shards = self.program.plan.layout.shards("act_batch")
+      minibatches = [packing.pack(minibatch, shards)[0] for minibatch in minibatches]
+    update_rows = sum(len(minibatch["inputs"]) for minibatch in minibatches)
+    real_B = packing.lengths(rows["segment_ids"])  # each row's real tokens (the padding share's)
     for _ in range(p.ppo_epochs):
-      for i in range(p.minibatches):
-        minibatch = {key: v[i * per:(i + 1) * per] for key, v in host.items()}
+      for minibatch in minibatches:
         # every update of the round is the round's batch to the loop's observers (a drill: the same for all)
         state, metrics = self.pieces.step(state, self.observers.batch(step, rl_step.to_device(minibatch, self.program)))
         flags.append({key: metrics[key] for key in GUARD_FLAGS})
@@ -146,7 +163,14 @@ class RlStepper:
                "rl/zero_advantage_groups": float(np.mean(np.all(adv_rows == 0, axis=1))),
                "rl/logprob_gap": gap, "rl/rollout_s": t1 - t0 - r.score_s, "rl/score_s": r.score_s,
                "rl/train_s": t3 - t1,  # the log-prob passes, the advantages and the updates
-               "rl/rollout_tokens_per_s": float(n * len(draws) * p.max_new_tokens) / max(t1 - t0 - r.score_s, 1e-9)}
+               "rl/rollout_tokens_per_s": completion_tokens(draws) / max(t1 - t0 - r.score_s, 1e-9),
+               # colocated: the updates wait for the rollout and the generator for the updates
+               "rl/trainer_busy": (t3 - t1) / max(t3 - t0, 1e-9),
+               "rl/updates_per_s": self.updates_per_step / max(t3 - t0, 1e-9),
+               "rl/trainer_idle_s": t1 - t0, "rl/rollout_idle_s": t3 - t1,
+               "rl/padding_share": packing.padding_share(real_B, (update_rows, mask.shape[1]))}
+    if p.pack_updates:
+      scalars["rl/padding_share_unpacked"] = packing.padding_share(real_B, mask.shape)
     scalars.update({f"rl/reward/{name}": float(v.mean()) for name, v in r.parts.items()})  # each on its own
     scalars.update(correction_scalars)
     if self.algorithm.critic:  # the critic at the rollout against the round's returns (all its tokens)
@@ -157,8 +181,26 @@ class RlStepper:
     if self.algorithm.dynamic_sampling:
       scalars.update({"rl/draws": float(len(draws)), "rl/dropped_groups": float(r.dropped_groups),
                       "rl/sampled_reward_mean": float(r.sampled_rewards.mean())})
-    self.metrics.tokens_per_step = n * self.cfg.data.seq_len * p.ppo_epochs
+    self.metrics.tokens_per_step = update_rows * self.cfg.data.seq_len * p.ppo_epochs
     return state, Outcome(metrics, scalars, flags)
+
+  def _packed_logprobs(self, params: Any, host: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(reference, old) log-probs [B, T] of the round's rows from passes over each minibatch packed as the
+    updates pack it (`posttrain/packing.py`), read back into the rows (0 past each row's tokens)."""
+    shape, minibatches = host["inputs"].shape, self.cfg.post.minibatches
+    per, shards = shape[0] // minibatches, self.program.plan.layout.shards("act_batch")
+    ref, old = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    for i in range(minibatches):
+      part = {k: v[i * per:(i + 1) * per] for k, v in host.items()}
+      packed, groups = packing.pack(part, shards)
+      zeros = np.zeros_like(packed["loss_mask"])
+      batch = rl_step.to_device({**packed, **{k: zeros for k in self.pieces.batch_shardings if k in rl_step.RL_KEYS}},
+                                self.program)
+      m_B = packing.lengths(part["segment_ids"])
+      for out, which in ((ref, self.reference), (old, params)):
+        logp = np.asarray(self.pieces.logprobs(which, batch))
+        out[i * per:(i + 1) * per] = packing.unpack(logp, groups, m_B, part["inputs"].shape)
+    return ref, old
 
   def _rollout(self, state: state_lib.TrainState, step: int) -> tuple[rollout_lib.Rollout, list]:
     """Round `step`'s rollout (and every draw made for it), sampled here with the current parameters;
@@ -185,6 +227,8 @@ class RlStepper:
 
   def log_line(self, step: int, outcome: Outcome) -> None:
     s = outcome.scalars
+    if jax.process_index() == 0:
+      self.metrics.events.emit(ev.RL_ROUND, step, **{k[3:]: round(float(s[k]), 6) for k in UTILISATION if k in s})
     log.info("round %d  reward %.3f +- %.3f  kl %.4f  logprob_gap %.2e  rollout %.2fs score %.2fs train %.2fs",
              step, s["rl/reward_mean"], s["rl/reward_std"], s["rl/kl"], s["rl/logprob_gap"], s["rl/rollout_s"],
              s["rl/score_s"], s["rl/train_s"])

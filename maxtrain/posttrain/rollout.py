@@ -74,6 +74,7 @@ class Rollout:
 
 def sample(data: Any, generator: Any, params: Any, q: int, post: Any, seed: int, seq_len: int) -> Rollout:
   """Prompt batch q, each prompt post.group_size times, sampled at post.temperature and scored."""
+  from maxtrain.inference import continuous
   from maxtrain.inference.sampling import Sampling
 
   tok = data.tokenizer
@@ -81,9 +82,13 @@ def sample(data: Any, generator: Any, params: Any, q: int, post: Any, seed: int,
   prompt_ids = [tok.encode(e["prompt"]).tolist() for e in examples]
   generator.params = params  # the current parameters themselves
   sampling_seed = int(np.random.default_rng([seed, q, 11]).integers(2**31))
-  tokens_BN, scores_BN2, _ = generator.generate_scored(prompt_ids, post.max_new_tokens,
-                                                       Sampling(temperature=post.temperature, seed=sampling_seed),
-                                                       vocab_limit=tok.vocab_size)
+  sampling = Sampling(temperature=post.temperature, seed=sampling_seed)
+  if post.continuous_batching:  # rows freed at EOS take the next prompt (inference/continuous.py)
+    tokens_BN, scores_BN2, _ = continuous.batcher(generator, post.continuous_batching).generate_scored(
+        prompt_ids, post.max_new_tokens, sampling, tok.eos_id, vocab_limit=tok.vocab_size)
+  else:
+    tokens_BN, scores_BN2, _ = generator.generate_scored(prompt_ids, post.max_new_tokens, sampling,
+                                                         vocab_limit=tok.vocab_size)
   rows, lengths, completions = rollout_rows(prompt_ids, tokens_BN, scores_BN2, tok.eos_id, seq_len,
                                             [e.get("where", "") for e in examples])
   texts = [tok.decode(c) for c in completions]

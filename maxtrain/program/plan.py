@@ -1,6 +1,7 @@
 """Validation of a loaded config, once, before data is touched or anything compiles. Each component
-checks its own section (`models/registry.py`, `optim.py`, `guards.py`, `checkpoint.py`); the mesh and
-the batch are laid out here, as values, and returned as a `Plan` (the config is never changed).
+checks its own section (`models/registry.py`, `optim.py`, `guards.py`; the checkpoint and monitor sections
+in `config/sections.py`, pure functions beside the keys, so validating imports neither Orbax nor a server);
+the mesh and the batch are laid out here, as values, and returned as a `Plan` (the config is never changed).
 
 Errors are UserErrors (exit 2) that name the key, the values, the arithmetic and the fix.
 """
@@ -15,14 +16,13 @@ from typing import Any
 
 import ml_collections
 
-from maxtrain.checkpoint import storage as checkpoint
+from maxtrain.config import sections
 from maxtrain.data import mixture
 from maxtrain.program import guards
 from maxtrain.optim import optimizer as optim
 from maxtrain.program.batch import BatchLayout
 from maxtrain.errors import UserError, choice, require
 from maxtrain.models import registry
-from maxtrain.monitor import prometheus
 from maxtrain.sharding import mesh as mesh_lib
 from maxtrain.sharding import pipeline as pipeline_lib
 from maxtrain.sharding import rules as rules_lib
@@ -39,6 +39,7 @@ class Plan:
   mode: str = ""  # "" pretraining | "sft" | "rl" (post.mode, its alias grpo resolved)
   updates_per_step: int = 1  # optimizer updates a step makes (an RL round's): the LR schedule's unit
   critic: bool = False  # the RL algorithm learns a value function: the state carries a critic (program/critic.py)
+  fleet: sections.Fleet | None = None  # config.fleet, typed and checked (the straggler monitor's; set by validate)
 
 
 CRITIC_ALGORITHMS = ("ppo",)  # post.algorithm values whose state carries a critic (posttrain/algorithms: critic=True)
@@ -89,10 +90,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
           f"config.data.seq_len={d.seq_len} must be in 1..model.max_seq_len={cfg.model.max_seq_len}")
   require(cfg.optimizer.decay_steps >= 0,
           f"config.optimizer.decay_steps={cfg.optimizer.decay_steps}: must be >= 0 (0 = steps)")
-  optim.validate(cfg.optimizer, cfg.optimizer.decay_steps or cfg.steps)
+  optim.validate(cfg.optimizer)
   guards.validate(cfg.guards)
-  checkpoint.validate(cfg.checkpoint)
-  prometheus.validate(cfg.monitor)
+  sections.checkpoint(cfg.checkpoint)
+  sections.monitor(cfg.monitor)
+  fleet = sections.typed(sections.Fleet, cfg.fleet, "fleet")
   _validate_fleet(cfg, num_processes)
   require(cfg.eval.every_steps >= 0, f"config.eval.every_steps={cfg.eval.every_steps}: must be >= 0")
   require(cfg.eval.batches > 0, f"config.eval.batches={cfg.eval.batches}: must be > 0")
@@ -124,7 +126,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   schedule = _validate_pipeline(cfg, layout, batch, f"mesh {mesh_layout.describe()}")
   mode, updates = _validate_post(cfg, layout, batch, schedule, mesh_layout)
   return Plan(mesh=mesh_layout, layout=layout, batch=batch, pipeline=schedule, mode=mode, updates_per_step=updates,
-              critic=mode == "rl" and cfg.post.algorithm in CRITIC_ALGORITHMS)
+              critic=mode == "rl" and cfg.post.algorithm in CRITIC_ALGORITHMS, fleet=fleet)
 
 
 def _validate_post(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchLayout,
@@ -173,6 +175,7 @@ def _validate_post(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchL
 
 CORRECTIONS = ("none", "tis", "mis", "decoupled")  # post.correction (posttrain/correction.py)
 DYNAMIC_SAMPLING_ALGORITHMS = ("dapo",)  # post.algorithm values that draw a variable number of prompt batches a round
+ROW_LEVEL_ALGORITHMS = ("dr_grpo", "gspo", "ppo")  # losses that read whole rows (a per-row sum, the row count, a critic)
 
 
 def _validate_rollout_devices(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int) -> int:
@@ -208,6 +211,10 @@ def _validate_async(cfg: ml_collections.ConfigDict) -> None:
             f"post.rollout_devices={p.rollout_devices}, post.max_staleness={p.max_staleness}: dynamic sampling draws a "
             "variable number of prompt batches a round, which the asynchronous rollout queue does not; set "
             "post.rollout_devices=0 and post.max_staleness=0, or choose another algorithm")
+  require(not p.pack_updates or p.algorithm not in ROW_LEVEL_ALGORITHMS, f"config.post.pack_updates=True with "
+          f"post.algorithm={p.algorithm}: its loss reads whole rows (a per-row sum, the row count or a critic's "
+          "prefix), which packing several completions into a row would change; set post.pack_updates=False or "
+          "choose a token-level algorithm (grpo, rloo, reinforce_pp, dapo)")
   # The generator records each token's log-probability under the model's own (temperature 1)
   # distribution: at another temperature the rollout policy's log-probs are not recorded, and a weight
   # pi_trainer / pi_rollout would compare two different distributions.
@@ -303,19 +310,14 @@ def _validate_expert_parallel(moe: Any, layout: Layout, mesh_layout: mesh_lib.Me
 
 
 def _validate_fleet(cfg: ml_collections.ConfigDict, num_processes: int) -> None:
-  fleet, faults = cfg.fleet, cfg.faults
-  for key in ("straggler_threshold", "straggler_min_s"):
-    require(fleet[key] >= 0, f"config.fleet.{key}={fleet[key]}: must be >= 0")
-  require(fleet.exchange_timeout_s > 0, f"config.fleet.exchange_timeout_s={fleet.exchange_timeout_s}: must be > 0")
+  faults = cfg.faults  # (config.fleet: sections.Fleet checks itself)
   for key in ("process", "sigterm_process"):
     require(-1 <= faults[key] < num_processes, f"config.faults.{key}={faults[key]}: must be -1 or a process "
             f"index 0..{num_processes - 1} of this job's {num_processes} process(es)")
   require(faults.slow_step_s >= 0, f"config.faults.slow_step_s={faults.slow_step_s}: must be >= 0 (0 = off)")
 
 
-def total_steps(cfg: Any) -> int:
-  """The length of the LR schedule in the run's steps (RL: rounds): optimizer.decay_steps, or steps."""
-  return cfg.optimizer.decay_steps or cfg.steps
+total_steps = sections.schedule_steps  # the LR schedule's length in the run's steps (RL: rounds)
 
 
 def schedule_config(cfg: Any, updates_per_step: int) -> tuple[Any, int]:
