@@ -25,34 +25,82 @@ MODEL = TINY_MODEL + ["--config.model.num_layers=4", "--config.data.batch_size=1
 COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
+FORMULAS = {"gpipe": lambda s_, m_, r_: (s_ - 1) / (r_ * m_ + s_ - 1), "1f1b": lambda s_, m_, r_: (s_ - 1) / (m_ + s_ - 1),
+            "interleaved_1f1b": lambda s_, m_, r_: (s_ - 1) / (r_ * m_ + s_ - 1),
+            "zb": lambda s_, m_, r_: (s_ - 1) / (3 * m_ + s_ - 1)}
+
+
 @pytest.mark.parametrize("kind, stages, microbatches, repeats", [
     ("gpipe", 4, 4, 1), ("gpipe", 4, 16, 1), ("gpipe", 2, 4, 2), ("gpipe", 8, 3, 3),
-    ("1f1b", 4, 4, 1), ("1f1b", 4, 16, 1), ("1f1b", 2, 2, 1), ("1f1b", 8, 32, 1)])
+    ("1f1b", 4, 4, 1), ("1f1b", 4, 16, 1), ("1f1b", 2, 2, 1), ("1f1b", 8, 32, 1), ("1f1b", 4, 5, 1),
+    ("zb", 4, 4, 1), ("zb", 4, 8, 1), ("zb", 2, 4, 1), ("zb", 8, 16, 1), ("zb", 3, 7, 1),
+    ("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 4, 8, 3),
+    ("interleaved_1f1b", 2, 2, 2)])
 def test_idle_slots_of_the_table_equal_the_bubble_formula(kind, stages, microbatches, repeats):
+  """The idle stage-ticks counted in each table equal the schedule's formula, every pass runs each of its ops
+  once per stage, after what it needs was sent at an earlier tick, and the buffers' slots are never
+  overwritten while a pass still needs them."""
   schedule = Schedule(stages=stages, microbatches=microbatches, repeats=repeats, kind=kind)
   tab = schedules.table(schedule)
   s_, m_, r_ = stages, microbatches, repeats
-  formula = (s_ - 1) / (r_ * m_ + s_ - 1) if kind == "gpipe" else (2 * s_ - 2) / (m_ + 2 * s_ - 2)
-  assert schedules.bubble(tab) == pytest.approx(formula) == pytest.approx(schedule.bubble)
-  for col in (0, 1):  # every stage runs every pass once forward and once backward
+  assert schedules.bubble(tab) == pytest.approx(FORMULAS[kind](s_, m_, r_)) == pytest.approx(schedule.bubble)
+  assert tab.shape[0] == (2 * schedule.iterations if kind == "gpipe" else schedule.iterations)
+  backward = (schedules.B, schedules.W) if kind == "zb" else (schedules.BW,)
+  when = {}
+  for s in range(s_):
+    for ops in ((schedules.F, schedules.H), *[(o,) for o in backward]):
+      passes = tab[:, s, 1][np.isin(tab[:, s, 0], ops)]
+      assert sorted(passes) == list(range(r_ * m_)), (s, ops)
+    for t, (op, p) in enumerate(tab[:, s]):
+      if op != schedules.IDLE:
+        when[(schedules.F if op == schedules.H else op, (p // m_) * s_ + s, p % m_)] = t
+  if kind == "gpipe":
+    return
+  b_ = backward[0]
+  for (op, v, i), t in when.items():  # dependencies: strictly earlier ticks (sent at the end of a tick)
+    if op == schedules.F and v > 0:
+      assert when[(schedules.F, v - 1, i)] < t
+    if op == b_:
+      assert when[(schedules.F, v, i)] < t and (v == r_ * s_ - 1 or when[(b_, v + 1, i)] < t)
+    if op == schedules.W:
+      assert when[(schedules.B, v, i)] < t
+  _check_slots(schedule, schedules.program(schedule))
+
+
+def _check_slots(schedule: Schedule, prog: schedules.Program) -> None:
+  """Replays the program's buffer writes and reads by name: every read finds the pass it wants."""
+  s_, m_ = schedule.stages, schedule.microbatches
+  xbuf = [[None] * prog.x_slots for _ in range(s_)]
+  gbuf = [[None] * prog.g_slots for _ in range(s_)]
+  for row in prog.rows:
     for s in range(s_):
-      assert sorted(tab[:, s, col][tab[:, s, col] >= 0]) == sorted(list(range(r_ * m_)))
-  if kind == "1f1b":
-    # the backward of microbatch i on stage s follows its forward there and the backward on stage s + 1
-    for i in range(m_):
-      f = [int(np.flatnonzero(tab[:, s, 0] == i)[0]) for s in range(s_)]
-      b = [int(np.flatnonzero(tab[:, s, 1] == i)[0]) for s in range(s_)]
-      assert all(f[s] == f[s - 1] + 1 for s in range(1, s_)) and b[-1] == f[-1]
-      assert all(b[s] == b[s + 1] + 1 for s in range(s_ - 1))
+      op, p, xk, gk = row[s, :4]
+      if op != schedules.IDLE and not (s == 0 and p < m_):
+        assert xbuf[s][xk] == p, (s, op, p)
+      if op in (schedules.B, schedules.W, schedules.BW):
+        assert gbuf[s][gk] == p, (s, op, p)
+      if op == schedules.H:
+        gbuf[s][gk] = p
+    for s in range(s_):
+      for col, src, step, buf in ((4, (s - 1) % s_, 1, xbuf), (5, (s + 1) % s_, -1, gbuf)):
+        if row[s, col] >= 0:
+          op, p = row[src, :2]
+          v = (p // m_) * s_ + src + step
+          buf[s][row[s, col]] = (v // s_) * m_ + p % m_
 
 
-def test_1f1b_holds_O_S_microbatches_gpipe_all_M():
+@pytest.mark.parametrize("kind", ["1f1b", "zb", "interleaved_1f1b"])
+def test_1f1b_and_zb_hold_O_S_microbatches_gpipe_all_M(kind):
   for m_ in (4, 8, 16):
     gpipe = schedules.held(schedules.table(Schedule(stages=4, microbatches=m_, repeats=1)))
-    one = schedules.held(schedules.table(Schedule(stages=4, microbatches=m_, repeats=1, kind="1f1b")))
+    r_ = 2 if kind == "interleaved_1f1b" else 1
+    held = schedules.held(schedules.table(Schedule(stages=4, microbatches=m_, repeats=r_, kind=kind)))
     assert list(gpipe) == [m_] * 4
-    assert list(one) == [min(m_, 2 * (4 - s) - 1) for s in range(4)]  # at most 2S - 1: the saved slots
-    assert max(one) == schedules.slots(Schedule(stages=4, microbatches=m_, repeats=1, kind="1f1b"))
+    want = {"1f1b": [min(m_, 4 - s) for s in range(4)], "zb": [4] * 4,
+            "interleaved_1f1b": [min(2 * m_, 2 * (4 - s - 1) + 4 + 1) for s in range(4)]}[kind]
+    assert list(held) == want  # O(S): 1f1b S - s, zb S (ZB-H1: 1F1B's peak), interleaved Megatron's warm-up + 1
+    if r_ == 1:  # the slots hold what arrived and waits: at most S
+      assert schedules.slots(Schedule(stages=4, microbatches=m_, repeats=r_, kind=kind)) <= 4
 
 
 def _loss_and_grads(kind: str, *extra: str):

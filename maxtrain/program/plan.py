@@ -252,9 +252,14 @@ def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: Ba
           "mesh.dcn_pipeline=1), or change those settings (docs/sharding.md lists what the pipeline supports).")
   require(p.schedule in pipeline_lib.BUILT, f"{where}: config.pipeline.schedule={p.schedule!r} is not built yet; "
           f"set pipeline.schedule to one of {', '.join(pipeline_lib.BUILT)}")
-  require(p.schedule != "1f1b" or p.repeats == 1, f"{where}: config.pipeline.schedule='1f1b' with pipeline.repeats="
-          f"{p.repeats}: 1f1b runs one layer group per stage (interleaved_1f1b is not built yet); set "
-          "pipeline.repeats=1 or pipeline.schedule=gpipe")
+  require(p.schedule not in ("1f1b", "zb") or p.repeats == 1, f"{where}: config.pipeline.schedule={p.schedule!r} with "
+          f"pipeline.repeats={p.repeats}: {p.schedule} runs one layer group per stage; set pipeline.repeats=1, or "
+          "pipeline.schedule=interleaved_1f1b (or gpipe) for repeats")
+  require(p.schedule != "interleaved_1f1b" or (p.repeats > 1 and p.microbatches % stages == 0),
+          f"{where}: config.pipeline.schedule='interleaved_1f1b' with pipeline.repeats={p.repeats}, "
+          f"pipeline.microbatches={p.microbatches}: it interleaves repeats > 1 layer groups per stage over groups of "
+          f"S = {stages} microbatches; set pipeline.repeats >= 2 and microbatches a multiple of {stages} (or "
+          "pipeline.schedule=1f1b for repeats=1)")
   return pipeline_lib.Schedule(stages=stages, microbatches=p.microbatches, repeats=p.repeats,
                                stage_remat=p.stage_remat, kind=p.schedule)
 
