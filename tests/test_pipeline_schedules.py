@@ -3,6 +3,7 @@ formula and 1F1B keeps O(S) stage inputs where gpipe keeps all M; 1F1B's hand-wr
 gradient (tensor and data parallel inside the stages, gradient accumulation); settings not built are refused before compiling. Training 20 steps like
 the model without a pipeline, and resuming bitwise: tests/test_pipeline_parallel.py (`pipeline4xfsdp2_1f1b`)."""
 
+import functools
 import re
 
 import jax
@@ -103,6 +104,7 @@ def test_1f1b_and_zb_hold_O_S_microbatches_gpipe_all_M(kind):
       assert schedules.slots(Schedule(stages=4, microbatches=m_, repeats=r_, kind=kind)) <= 4
 
 
+@functools.lru_cache(maxsize=None)
 def _loss_and_grads(kind: str, *extra: str):
   cfg = config_lib.load(MODEL + ["--config.mesh.pipeline=2", "--config.mesh.tensor=2", "--config.mesh.data=2",
                                  "--config.mesh.fsdp=1", "--config.pipeline.microbatches=4",
@@ -127,14 +129,15 @@ def _loss_and_grads(kind: str, *extra: str):
   return jax.tree.map(np.asarray, metrics), jax.tree.map(np.asarray, grads)
 
 
-def test_1f1b_gradient_equals_gpipes():
+@pytest.mark.parametrize("kind, extra", [("1f1b", ()), ("zb", ()), ("interleaved_1f1b", ("--config.pipeline.repeats=2",))])
+def test_schedule_gradient_equals_gpipes(kind, extra):
   """One step's loss and gradient (pipeline=2 x tensor=2 x data=2, M = 4 > 2S - 1 slots, 2 accumulation steps,
-  z-loss, a loss mask and two documents per row; pipeline=4 x fsdp=2: tests/test_pipeline_parallel.py). Both sum the same per-microbatch f32 terms in another order (and 1f1b recomputes each
+  z-loss, a loss mask and two documents per row; pipeline=4 x fsdp=2: tests/test_pipeline_parallel.py). Both sum the same per-microbatch f32 terms in another order (and the others recompute each
   stage's forward): reassociating a sum of n terms moves it by at most (n - 1) eps of the sum of their magnitudes;
   with n <= M x 2 accumulation steps = 8 terms per gradient entry, each itself a reduction over <= 16 rows' tokens
   of this batch, the bound is 8 x 16 x eps = 1.5e-5 of the largest entry of a leaf."""
   want_metrics, want = _loss_and_grads("gpipe")
-  got_metrics, got = _loss_and_grads("1f1b")
+  got_metrics, got = _loss_and_grads(kind, *extra)
   eps = np.finfo(np.float32).eps
   for k in want_metrics:
     np.testing.assert_allclose(got_metrics[k], want_metrics[k], rtol=8 * 16 * eps, err_msg=k)
@@ -144,14 +147,19 @@ def test_1f1b_gradient_equals_gpipes():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--config.pipeline.schedule=zb"], "config.pipeline.schedule='zb' is not built yet"),
     (["--config.pipeline.schedule=1f1c"], "config.pipeline.schedule='1f1c': choose one of"),
     (["--config.pipeline.schedule=1f1b", "--config.pipeline.repeats=2", "--config.model.num_layers=8"],
      "config.pipeline.schedule='1f1b' with pipeline.repeats=2"),
+    (["--config.pipeline.schedule=zb", "--config.pipeline.repeats=2", "--config.model.num_layers=8"],
+     "config.pipeline.schedule='zb' with pipeline.repeats=2"),
+    (["--config.pipeline.schedule=interleaved_1f1b"], "config.pipeline.schedule='interleaved_1f1b' with "
+     "pipeline.repeats=1, pipeline.microbatches=4"),
+    (["--config.pipeline.schedule=interleaved_1f1b", "--config.pipeline.repeats=2", "--config.model.num_layers=8",
+      "--config.pipeline.microbatches=6", "--config.data.batch_size=24"], "microbatches a multiple of 4"),
     (["--config.mesh.pipeline=1", "--config.mesh.fsdp=8", "--config.pipeline.microbatches=1",
       "--config.pipeline.schedule=1f1b"], "config.pipeline.schedule='1f1b' without a pipeline"),
 ])
-def test_schedules_not_built_are_refused_before_compiling(args, message):
+def test_schedules_that_cannot_run_are_refused_before_compiling(args, message):
   cfg = config_lib.load(MODEL + ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2",
                                  "--config.pipeline.microbatches=4", *args])
   with pytest.raises(UserError, match=re.escape(message)):
@@ -172,3 +180,31 @@ def test_the_estimate_reports_1f1b_per_stage():
   assert [s["live_passes"] for s in one["per_stage"]] == [7, 5, 3, 1]
   assert [s["live_passes"] for s in gpipe["per_stage"]] == [16] * 4
   assert one["max_stage_saved_bytes"] < gpipe["max_stage_saved_bytes"]
+
+
+def test_the_cost_model_counts_lockstep_ticks():
+  """Stage forwards of one microbatch per step (program/schedule_fit.py), S = 4, M = 8, no model remat: gpipe
+  (M+S-1) iterations x (1 forward + 2 backward); 1f1b 2(M+S-1) ticks x the BW op (recompute 1 + 2); zb 3M+S-1
+  ticks x B or W (recompute 1 + 1); branchless (Neuron) zb ticks pay F + B + W + BW-free: 1 + 2 + 2 (+ H 1)."""
+  from maxtrain.program import schedule_fit
+
+  cost = lambda kind, **kw: schedule_fit.tick_units(Schedule(stages=4, microbatches=8, repeats=1, kind=kind, **kw), 0.0)
+  assert cost("gpipe") == 11 * 3 and cost("gpipe", stage_remat=True) == 11 * 4
+  assert cost("1f1b") == 22 * 3 and cost("zb") == 27 * 2
+  assert cost("zb", branchless=True) == 27 * (1 + 1 + 2 + 2)
+
+
+def test_auto_compiles_each_schedule_and_runs_the_cheapest_that_fits():
+  """pipeline.schedule=auto: the program compiles gpipe, 1f1b and zb for the run's mesh, tables each one's bubble
+  (its formula), peak and boundary bytes, and runs the one the table marks (here every one fits this host's RAM)."""
+  cfg = config_lib.load(MODEL + ["--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.microbatches=2",
+                                 "--config.pipeline.schedule=auto"])
+  program = build_lib.program_for(cfg, jax.devices(), require_data=False)
+  rows = {line.split()[0]: line.split() for line in program.schedule_table.splitlines()[2:]}
+  assert set(rows) == {"gpipe", "1f1b", "zb"}
+  for kind, row in rows.items():
+    assert float(row[1]) == pytest.approx(FORMULAS[kind](2, 2, 1), abs=1e-4)
+  chosen = [kind for kind, row in rows.items() if row[-1] == "chosen"]
+  assert chosen == [program.plan.pipeline.kind]
+  est = {kind: float(row[10]) for kind, row in rows.items()}
+  assert est[chosen[0]] == min(est.values())

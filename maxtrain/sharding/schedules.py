@@ -8,6 +8,9 @@ work is paid (an idle slot costs nothing but the tick's two `ppermute`s, which s
 stage keeps the inputs and the incoming gradients of the passes in flight in slot buffers assigned on the
 host (`program`); F/H read the input, B/W/BW recompute the stage from it (these schedules imply stage remat).
 
+With `Schedule.branchless` (runtime.platform=neuron: neuronx-cc rejects conditionals) every op the table uses
+runs every tick and its results are masked: the same values, the cost of all ops per tick (lockstep).
+
 The tables come from per-stage op orders (`_orders`), each op placed at the first tick its inputs exist:
 - `1f1b`: S - s - 1 warm-up forwards on stage s, then F and BW alternate; 2(M + S - 1) ticks, bubble
   (S-1)/(M+S-1), stage s holds S - s microbatches (the classic 1F1B: PipeDream-Flush / Megatron).
@@ -302,12 +305,24 @@ def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Progra
     d_stack, d_rest, parts = acc
     return zeros(x), dx, zeros(x), (plus(d_stack, d_stack_i), d_rest, parts)
 
+  branches = (idle, f, h, b, w, bw)
+  present = sorted(set(int(o) for o in np.unique(prog.rows[:, :, 0])) - {IDLE})
+
+  def run_op(op, *operands):
+    if not schedule.branchless:  # only the op this stage runs this tick is computed
+      return jax.lax.switch(op, branches, *operands)
+    # No conditionals (Neuron rejects them): every op the table uses runs every tick, its results masked.
+    out = idle(*operands)
+    for code in present:
+      out = jax.tree.map(lambda cur, new, code=code: jnp.where(op == code, new, cur), out, branches[code](*operands))
+    return out
+
   def tick(carry, tab_t):
     xbuf, gbuf, acc, dxs = carry
     op, p, xk, gk, rx, rg = (tab_t[s, c] for c in range(6))
     i = p % m_
     x = jnp.where((s == 0) & (p < m_), xs[i], xbuf[xk])  # stage 0's first layer group reads the batch
-    y, dx, dy, acc = jax.lax.switch(op, (idle, f, h, b, w, bw), x, gbuf[gk], p, acc)
+    y, dx, dy, acc = run_op(op, x, gbuf[gk], p, acc)
     gbuf = gbuf.at[gk].set(jnp.where(op == H, dy, gbuf[gk]))
     dxs = dxs.at[i].set(jnp.where(((op == B) | (op == BW)) & (s == 0) & (p < m_), dx, dxs[i]))
     recv_x, recv_g = jax.lax.ppermute(y, AXIS, _ring(s_, 1)), jax.lax.ppermute(dx, AXIS, _ring(s_, -1))
