@@ -166,18 +166,19 @@ def test_schedules_that_cannot_run_are_refused_before_compiling(args, message):
     validate(cfg, 8, require_data=False)
 
 
-def test_the_estimate_reports_1f1b_per_stage():
-  """tools/estimate.py under 1f1b: the table's bubble and held microbatches per stage, and saved activations of
-  min(M, 2S - 1) stage inputs, less than gpipe's with stage remat once M > 2S - 1."""
+@pytest.mark.parametrize("kind, live", [("1f1b", [4, 3, 2, 1]), ("zb", [4, 4, 4, 4])])
+def test_the_estimate_reports_the_schedule_per_stage(kind, live):
+  """tools/estimate.py under 1f1b / zb: the table's bubble and held microbatches per stage, and saved activations
+  of the slots' stage inputs and gradients (S each at most), less than gpipe's with stage remat (M = 16 inputs)."""
   from maxtrain.aot import estimate
 
   args = ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.data.batch_size=32", "--config.model.remat=full"]
   one = estimate.estimate(config_lib.load(MODEL + args + ["--config.pipeline.microbatches=16",
-                                                          "--config.pipeline.schedule=1f1b"]), 8).pipeline
+                                                          f"--config.pipeline.schedule={kind}"]), 8).pipeline
   gpipe = estimate.estimate(config_lib.load(MODEL + args + ["--config.pipeline.microbatches=16",
                                                             "--config.pipeline.stage_remat=true"]), 8).pipeline
-  assert one["schedule"] == "1f1b" and one["bubble_fraction"] == pytest.approx(6 / 22)
-  assert [s["live_passes"] for s in one["per_stage"]] == [7, 5, 3, 1]
+  assert one["schedule"] == kind and one["bubble_fraction"] == pytest.approx(FORMULAS[kind](4, 16, 1))
+  assert [s["live_passes"] for s in one["per_stage"]] == live
   assert [s["live_passes"] for s in gpipe["per_stage"]] == [16] * 4
   assert one["max_stage_saved_bytes"] < gpipe["max_stage_saved_bytes"]
 
@@ -194,17 +195,26 @@ def test_the_cost_model_counts_lockstep_ticks():
   assert cost("zb", branchless=True) == 27 * (1 + 1 + 2 + 2)
 
 
-def test_auto_compiles_each_schedule_and_runs_the_cheapest_that_fits():
-  """pipeline.schedule=auto: the program compiles gpipe, 1f1b and zb for the run's mesh, tables each one's bubble
-  (its formula), peak and boundary bytes, and runs the one the table marks (here every one fits this host's RAM)."""
+def test_auto_compiles_each_schedule_and_picks_the_cheapest_that_fits():
+  """pipeline.schedule=auto (program/schedule_fit.py): gpipe, 1f1b and zb compiled for the run's mesh, each one's
+  bubble (its formula), peak and boundary bytes tabled, the cheapest by the cost model chosen (every one fits
+  this host's RAM). build.resolve_schedule runs the same with the default compile options."""
+  from maxtrain.program import schedule_fit
+
   cfg = config_lib.load(MODEL + ["--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.microbatches=2",
                                  "--config.pipeline.schedule=auto"])
-  program = build_lib.program_for(cfg, jax.devices(), require_data=False)
-  rows = {line.split()[0]: line.split() for line in program.schedule_table.splitlines()[2:]}
-  assert set(rows) == {"gpipe", "1f1b", "zb"}
-  for kind, row in rows.items():
-    assert float(row[1]) == pytest.approx(FORMULAS[kind](2, 2, 1), abs=1e-4)
-  chosen = [kind for kind, row in rows.items() if row[-1] == "chosen"]
-  assert chosen == [program.plan.pipeline.kind]
-  est = {kind: float(row[10]) for kind, row in rows.items()}
-  assert est[chosen[0]] == min(est.values())
+
+  def compile_fn(trial):
+    program = build_lib.program_for(trial, jax.devices(), require_data=False)
+    with jax.set_mesh(program.mesh):
+      return program.lower().compile(COMPILE), program.plan
+
+  kind, table, rows = schedule_fit.choose_schedule(cfg, jax.devices(), compile_fn)
+  assert [r.schedule for r in rows] == ["gpipe", "1f1b", "zb"] and all(r.fits for r in rows)
+  for r in rows:
+    assert r.bubble == pytest.approx(FORMULAS[r.schedule](2, 2, 1)) and r.device_peak > r.temporaries > 0
+    assert f"{r.schedule:<17} {r.bubble:7.4f}" in table
+  assert kind == min(rows, key=lambda r: r.step_seconds).schedule and f"{kind:<17}" in table.split("<- chosen")[0]
+  # 1f1b and zb tick twice per ppermute pair what gpipe iterates: 2 ticks per stage boundary each way
+  by = {r.schedule: r for r in rows}
+  assert by["1f1b"].boundary_bytes == 2 * by["gpipe"].boundary_bytes
