@@ -69,7 +69,6 @@ def choose_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
                     compile_fn: Callable[[ml_collections.ConfigDict], tuple[Any, Any]]) -> tuple[str, str, list[Row]]:
   """(the schedule, the table, its rows) for `cfg` (pipeline.schedule=auto) on `devices`. `compile_fn(cfg)` returns
   (the compiled train step of cfg, its plan). UserError when none fits."""
-  from maxtrain.aot.estimate import boundary_bytes
   from maxtrain.models import registry
 
   headroom, target = cfg.fit.headroom, fit.target_for(cfg, devices)
@@ -88,7 +87,7 @@ def choose_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
     unit = plan.batch.tokens / len(devices) * layers_forward / (schedule.repeats * schedule.microbatches)
     seconds = tick_units(schedule, recompute / layers_forward) * unit / target.flops
     rows.append(Row(kind, schedule.bubble, int(max(schedules.held(schedules.table(schedule)))), mem.peak,
-                    mem.temporaries, boundary_bytes(trial, plan), seconds, mem.peak <= limit))
+                    mem.temporaries, _boundary_bytes(trial, plan), seconds, mem.peak <= limit))
   fitting = [r for r in rows if r.fits]
   chosen = min(fitting, key=lambda r: r.step_seconds) if fitting else None
   unit_name, size = ("GiB", GiB) if max(r.device_peak for r in rows) >= GiB else ("MiB", 2**20)
@@ -107,6 +106,17 @@ def choose_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
     raise UserError(f"pipeline.schedule=auto: no schedule fits the device.\n{table}\nUse more microbatches "
                     "(pipeline.microbatches), model.remat=full, more devices or a shorter data.seq_len.")
   return chosen.schedule, table, rows
+
+
+def _boundary_bytes(cfg: ml_collections.ConfigDict, plan: Any) -> int:
+  """Bytes one device sends to its neighbour stages per step: each iteration (gpipe: its forward and its backward;
+  the others: each tick, both ways) one microbatch's [b/M, T, D] (aot/estimate.boundary_bytes, the same count)."""
+  import jax.numpy as jnp
+
+  schedule = plan.pipeline
+  rows = plan.batch.per_shard // schedule.microbatches
+  seq_local = cfg.data.seq_len // plan.layout.shards("act_length")
+  return 2 * schedule.iterations * rows * seq_local * cfg.model.d_model * jnp.dtype(cfg.model.compute_dtype).itemsize
 
 
 def _stages(cfg: ml_collections.ConfigDict, devices: Sequence[Any]) -> int:

@@ -252,31 +252,12 @@ def _before_the_stack(objective: Objective, params: Any, batch: dict[str, jax.Ar
   return x_BTD, pull, segment_ids_BT, positions_BT, split
 
 
-def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Program, parts_shape: Any, stack: list,
-           rest: list, xs: jax.Array, segs: jax.Array, poss: jax.Array, rows: dict[str, jax.Array],
-           tab: jax.Array) -> tuple:
-  """One stage's program (under shard_map over `pipeline`): per tick, the op of its row of `tab` by `lax.switch`,
-  then one ppermute each way. Returns this stage's layer gradients [R, 1, L/(R S), ...], the rest's (and the
-  objective's parts) summed over stages, and stage 0's input gradients."""
-  s_, m_, r_ = schedule.stages, schedule.microbatches, schedule.repeats
-  s = jax.lax.axis_index(AXIS)
-  varying = lambda t: jax.tree.map(lambda a: jax.lax.pcast(a, AXIS, to="varying"), t)
-  # Differentiate varying copies: the cotangent of a stage-invariant input would be psum'd every tick.
-  rest, xs = varying(rest), varying(xs)
-  stack = [jnp.swapaxes(w[:, 0], 0, 1) for w in stack]  # this stage's [L/(R S), R, ...]
-
-  def forward(stack, x, p):  # layer group p // M of this stage on microbatch p % M
-    stage = jax.tree.unflatten(model.stack_def, stack)
-    return model.layers(stage, 0 if r_ == 1 else p // m_, x, segs[p % m_], poss[p % m_])
-
-  def after(rest, y, i):  # the model after the stack on microbatch i (the last stage's loss head)
-    with pipeline_lib.substitute(lambda *_: y):
-      return objective(model.rebuild(stack, rest), jax.tree.map(lambda a: a[i], rows))
-
+def _ops(forward: Callable, after: Callable, stack: list, rest: list, m_: int) -> tuple[Callable, ...]:
+  """The ops by code (IDLE, F, H, B, W, BW): (x, g, p, accumulators) -> (y sent down, dx sent up, dy of the loss
+  head, accumulators (layer gradients, the rest's gradients, the objective's parts))."""
   zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
   plus = lambda a, b: jax.tree.map(jnp.add, a, b)
 
-  # The ops: (x, g, p, accumulators) -> (y sent down, dx sent up, dy of the head, accumulators)
   def idle(x, g, p, acc):
     return zeros(x), zeros(x), zeros(x), acc
 
@@ -286,7 +267,7 @@ def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Progra
   def h(x, g, p, acc):
     y = forward(stack, x, p)
     _, pull_after, parts_i = jax.vjp(lambda r, y: after(r, y, p % m_), rest, y, has_aux=True)
-    d_rest_i, dy = pull_after(varying(jnp.ones((), jnp.float32)))
+    d_rest_i, dy = pull_after(_varying(jnp.ones((), jnp.float32)))
     d_stack, d_rest, parts = acc
     return zeros(x), zeros(x), dy.astype(x.dtype), (d_stack, plus(d_rest, d_rest_i), plus(parts, parts_i))
 
@@ -305,14 +286,37 @@ def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Progra
     d_stack, d_rest, parts = acc
     return zeros(x), dx, zeros(x), (plus(d_stack, d_stack_i), d_rest, parts)
 
-  branches = (idle, f, h, b, w, bw)
+  return idle, f, h, b, w, bw
+
+
+def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Program, parts_shape: Any, stack: list,
+           rest: list, xs: jax.Array, segs: jax.Array, poss: jax.Array, rows: dict[str, jax.Array],
+           tab: jax.Array) -> tuple:
+  """One stage's program (under shard_map over `pipeline`): per tick, the op of its row of `tab` by `lax.switch`,
+  then one ppermute each way. Returns this stage's layer gradients [R, 1, L/(R S), ...], the rest's (and the
+  objective's parts) summed over stages, and stage 0's input gradients."""
+  s_, m_, r_ = schedule.stages, schedule.microbatches, schedule.repeats
+  s = jax.lax.axis_index(AXIS)
+  # Differentiate varying copies: the cotangent of a stage-invariant input would be psum'd every tick.
+  rest, xs = _varying(rest), _varying(xs)
+  stack = [jnp.swapaxes(w[:, 0], 0, 1) for w in stack]  # this stage's [L/(R S), R, ...]
+
+  def forward(stack, x, p):  # layer group p // M of this stage on microbatch p % M
+    stage = jax.tree.unflatten(model.stack_def, stack)
+    return model.layers(stage, 0 if r_ == 1 else p // m_, x, segs[p % m_], poss[p % m_])
+
+  def after(rest, y, i):  # the model after the stack on microbatch i (the last stage's loss head)
+    with pipeline_lib.substitute(lambda *_: y):
+      return objective(model.rebuild(stack, rest), jax.tree.map(lambda a: a[i], rows))
+
+  branches = _ops(forward, after, stack, rest, m_)
   present = sorted(set(int(o) for o in np.unique(prog.rows[:, :, 0])) - {IDLE})
 
   def run_op(op, *operands):
     if not schedule.branchless:  # only the op this stage runs this tick is computed
       return jax.lax.switch(op, branches, *operands)
     # No conditionals (Neuron rejects them): every op the table uses runs every tick, its results masked.
-    out = idle(*operands)
+    out = branches[IDLE](*operands)
     for code in present:
       out = jax.tree.map(lambda cur, new, code=code: jnp.where(op == code, new, cur), out, branches[code](*operands))
     return out
@@ -331,14 +335,19 @@ def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Progra
     gbuf = gbuf.at[rg_].set(jnp.where(rg >= 0, recv_g, gbuf[rg_]))
     return (xbuf, gbuf, acc, dxs), None
 
+  zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
   buffer = lambda k: zeros(jnp.broadcast_to(xs[:1], (k,) + xs.shape[1:]))
-  acc = (zeros(stack), zeros(rest), varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), parts_shape)))
+  acc = (zeros(stack), zeros(rest), _varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), parts_shape)))
   init = (buffer(prog.x_slots), buffer(prog.g_slots), acc, zeros(xs))
   (_, _, (d_stack, d_rest, parts), dxs), _ = jax.lax.scan(tick, init, tab)
   # Only the last stage ran the head: the sums over stages are its values (in fp32: see pipeline.run).
   total = lambda t: jax.tree.map(lambda a: jax.lax.psum(a.astype(jnp.float32), AXIS).astype(a.dtype), t)
   d_stack = [jnp.swapaxes(d, 0, 1)[:, None] for d in d_stack]  # back to [R, 1, L/(R S), ...]
   return d_stack, total(d_rest), total(parts), dxs[None]
+
+
+def _varying(tree: Any) -> Any:
+  return jax.tree.map(lambda a: jax.lax.pcast(a, AXIS, to="varying"), tree)
 
 
 def _ring(stages: int, step: int) -> list[tuple[int, int]]:
