@@ -111,7 +111,7 @@ def test_pipeline_schedules_lower_without_conditionals_on_neuron():
   set by the trn2 preset) it runs every op masked instead, and the pipelined trn2 step passes the lint. The same
   step for another platform has the conditional the lint rejects."""
   args = ["--config=configs/llama3_70b.py", *TRN2_ON_8, "--config.mesh.fsdp=1", "--config.mesh.pipeline=2",
-          "--config.pipeline.microbatches=2", "--config.pipeline.schedule=zb"]
+          "--config.pipeline.microbatches=2", "--config.pipeline.schedule=zb", "--config.optimizer.microbatch_size=8"]
   neuron = config_lib.load(args)
   assert neuron.runtime.platform == "neuron"
   step, _ = _lower(neuron)
