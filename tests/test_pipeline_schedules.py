@@ -129,7 +129,10 @@ def _loss_and_grads(kind: str, *extra: str):
   return jax.tree.map(np.asarray, metrics), jax.tree.map(np.asarray, grads)
 
 
-@pytest.mark.parametrize("kind, extra", [("1f1b", ()), ("zb", ()), ("interleaved_1f1b", ("--config.pipeline.repeats=2",))])
+@pytest.mark.parametrize("kind, extra", [
+    ("1f1b", ()), ("zb", ()),
+    # and the chunked loss (its own backward) as the last stage's head
+    ("interleaved_1f1b", ("--config.pipeline.repeats=2", "--config.model.loss_chunk_tokens=16"))])
 def test_schedule_gradient_equals_gpipes(kind, extra):
   """One step's loss and gradient (pipeline=2 x tensor=2 x data=2, M = 4 > 2S - 1 slots, 2 accumulation steps,
   z-loss, a loss mask and two documents per row; pipeline=4 x fsdp=2: tests/test_pipeline_parallel.py). Both sum the same per-microbatch f32 terms in another order (and the others recompute each
