@@ -1,7 +1,9 @@
-"""Pipeline schedules (maxtrain/sharding/schedules.py): the host tables' idle slots equal each schedule's bubble
-formula and 1F1B keeps O(S) stage inputs where gpipe keeps all M; 1F1B's hand-written backward gives gpipe's
-gradient (tensor and data parallel inside the stages, gradient accumulation); settings not built are refused before compiling. Training 20 steps like
-the model without a pipeline, and resuming bitwise: tests/test_pipeline_parallel.py (`pipeline4xfsdp2_1f1b`)."""
+"""Pipeline schedules (maxtrain/sharding/schedules.py): the host tables' idle stage-ticks equal each schedule's
+bubble formula, their dependencies and buffer slots hold, and 1f1b / zb keep O(S) stage inputs where gpipe keeps
+all M; the hand-written backward of 1f1b, zb and interleaved_1f1b gives gpipe's gradient (tensor and data parallel
+inside the stages, gradient accumulation, the chunked loss); `auto` compiles the candidates and picks by its cost
+model; settings that cannot run are refused before compiling. Training 20 steps like the model without a pipeline,
+and resuming bitwise: tests/test_pipeline_parallel.py (`pipeline4xfsdp2_1f1b`, `pipeline4xfsdp2_zb`)."""
 
 import functools
 import re

@@ -28,8 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 AXIS = "pipeline"
 # pipeline.schedule: the order of the forward and backward passes (sharding/schedules.py runs all but gpipe).
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb", "auto")
-BUILT = ("gpipe", "1f1b", "interleaved_1f1b", "zb")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb", "auto")  # auto: program/schedule_fit.py picks one
 
 
 @dataclasses.dataclass(frozen=True)

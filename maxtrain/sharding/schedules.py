@@ -237,7 +237,7 @@ def _before_the_stack(objective: Objective, params: Any, batch: dict[str, jax.Ar
       return x_BTD
     with pipeline_lib.substitute(capture):
       objective(p, batch)
-    assert box, "pipeline.schedule=1f1b: the model ran no layer stack through the pipeline"
+    assert box, "pipeline.schedule: the model ran no layer stack through the pipeline"
     # Which parameter leaves the stack is made of: the same traced arrays (nnx.split does not copy).
     where = {id(w): i for i, w in enumerate(jax.tree.leaves(p))}
     box["stack_index"] = [where[id(w)] for w in jax.tree.leaves(box["stacked"])]
@@ -245,7 +245,7 @@ def _before_the_stack(objective: Objective, params: Any, batch: dict[str, jax.Ar
     return box["x"], box["ids"]
 
   x_BTD, pull, (segment_ids_BT, positions_BT) = jax.vjp(before, params, has_aux=True)
-  assert len(found) == 1, f"1f1b pipelines one layer stack; the model ran {len(found)} under it"
+  assert len(found) == 1, f"a schedule pipelines one layer stack; the model ran {len(found)} under it"
   box, (leaves, treedef) = found[0], jax.tree.flatten(params)
   rest_index = [i for i in range(len(leaves)) if i not in set(box["stack_index"])]
   split = _Split(box["layers"], jax.tree.structure(box["stacked"]), box["stack_index"], rest_index, treedef)
