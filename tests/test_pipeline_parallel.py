@@ -60,6 +60,9 @@ MESHES = {
     # zero-bubble (ZB-H1): the backward split into input and weight gradients, W deferred into the drain
     "pipeline4xfsdp2_zb": ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.pipeline.microbatches=8",
                            "--config.pipeline.schedule=zb"],
+    # Megatron's interleaved 1F1B over 2 layer groups per stage
+    "pipeline2xfsdp4_interleaved": ["--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.repeats=2",
+                                    "--config.pipeline.microbatches=4", "--config.pipeline.schedule=interleaved_1f1b"],
 }
 
 
@@ -123,7 +126,7 @@ def runs():
 
 
 @pytest.mark.parametrize("name", ["pipeline4xfsdp2", "pipeline2xtensor2xdata2_repeats2", "pipeline4xfsdp2_1f1b",
-                                  "pipeline4xfsdp2_zb"])
+                                  "pipeline4xfsdp2_zb", "pipeline2xfsdp4_interleaved"])
 def test_pipeline_trains_like_no_pipeline(runs, name):
   ref, run = runs["reference"], runs[name]
   assert run.program.plan.pipeline is not None and run.program.plan.pipeline.stages == int(name[8])

@@ -104,7 +104,7 @@ def choose_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
   table = "\n".join(lines)
   if chosen is None:
     raise UserError(f"pipeline.schedule=auto: no schedule fits the device.\n{table}\nUse more microbatches "
-                    "(pipeline.microbatches), model.remat=full, more devices or a shorter data.seq_len.")
+                    "(pipeline.microbatches), model.remat=full, more devices, a shorter data.seq_len or a smaller fit.headroom.")
   return chosen.schedule, table, rows
 
 
