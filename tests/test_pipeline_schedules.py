@@ -3,7 +3,8 @@ bubble formula, their dependencies and buffer slots hold, and 1f1b / zb keep O(S
 all M; the hand-written backward of 1f1b, zb and interleaved_1f1b gives gpipe's gradient (tensor and data parallel
 inside the stages, gradient accumulation, the chunked loss); `auto` compiles the candidates and picks by its cost
 model; settings that cannot run are refused before compiling. Training 20 steps like the model without a pipeline,
-and resuming bitwise: tests/test_pipeline_parallel.py (`pipeline4xfsdp2_1f1b`, `pipeline4xfsdp2_zb`)."""
+and resuming bitwise: tests/test_pipeline_parallel.py (`pipeline4xfsdp2_1f1b`, `pipeline4xfsdp2_zb`,
+`pipeline2xfsdp4_interleaved`)."""
 
 import functools
 import re
