@@ -59,6 +59,12 @@ MESHES = {
     # 1F1B (sharding/schedules.py) with M = 8 > 2S - 1: its saved stage inputs wrap around their 7 slots
     "pipeline4xfsdp2_1f1b": ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.pipeline.microbatches=8",
                              "--config.pipeline.schedule=1f1b", "--config.model.remat=full"],
+    # zero-bubble (ZB-H1): the backward split into input and weight gradients, W deferred into the drain
+    "pipeline4xfsdp2_zb": ["--config.mesh.pipeline=4", "--config.mesh.fsdp=2", "--config.pipeline.microbatches=8",
+                           "--config.pipeline.schedule=zb"],
+    # Megatron's interleaved 1F1B over 2 layer groups per stage
+    "pipeline2xfsdp4_interleaved": ["--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.repeats=2",
+                                    "--config.pipeline.microbatches=4", "--config.pipeline.schedule=interleaved_1f1b"],
 }
 
 
@@ -121,7 +127,8 @@ def runs():
   return {name: _train(name) for name in MESHES}
 
 
-@pytest.mark.parametrize("name", ["pipeline4xfsdp2", "pipeline2xtensor2xdata2_repeats2", "pipeline4xfsdp2_1f1b"])
+@pytest.mark.parametrize("name", ["pipeline4xfsdp2", "pipeline2xtensor2xdata2_repeats2", "pipeline4xfsdp2_1f1b",
+                                  "pipeline4xfsdp2_zb", "pipeline2xfsdp4_interleaved"])
 def test_pipeline_trains_like_no_pipeline(runs, name):
   ref, run = runs["reference"], runs[name]
   assert run.program.plan.pipeline is not None and run.program.plan.pipeline.stages == int(name[8])
@@ -242,11 +249,12 @@ def test_checkpoints_move_between_stage_counts_bitwise(runs, tmp_path):
   ckpt.close()
 
 
-def test_1f1b_resumes_bitwise(runs, tmp_path):
-  """The 1f1b run's state after STEPS steps saves and restores bitwise, and its next step gives the loss the run
-  gave without the round trip, exactly."""
-  run = runs["pipeline4xfsdp2_1f1b"]
-  assert run.program.plan.pipeline.kind == "1f1b"
+@pytest.mark.parametrize("kind", ["1f1b", "zb"])
+def test_schedule_resumes_bitwise(runs, tmp_path, kind):
+  """The 1f1b / zb run's state after STEPS steps saves and restores bitwise, and its next step gives the loss the
+  run gave without the round trip, exactly."""
+  run = runs[f"pipeline4xfsdp2_{kind}"]
+  assert run.program.plan.pipeline.kind == kind
   ckpt = Checkpointer(run.program.cfg.checkpoint, str(tmp_path))
   with jax.set_mesh(run.program.mesh):
     ckpt.save(STEPS, jax.device_put(run.state, run.program.state.shardings), {},

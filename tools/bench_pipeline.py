@@ -1,6 +1,6 @@
 """CPU time per train step of the circular pipeline as its microbatches grow, at fixed tokens per step:
 
-  python tools/bench_pipeline.py [--microbatches 4,8,16] [--repeats 1,2] [--schedules gpipe,1f1b] [--rounds 5]
+  python tools/bench_pipeline.py [--microbatches 4,8,16] [--repeats 1,2] [--schedules gpipe,1f1b,zb,interleaved_1f1b] [--rounds 5]
                                  [--config.key=value ...]
 
 On 8 fake CPU devices, `mesh.pipeline=4 x mesh.fsdp=2` (by default), one compiled step per
@@ -44,7 +44,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--microbatches", default="4,8,16", help="comma-separated pipeline.microbatches")
   parser.add_argument("--repeats", default="1,2", help="comma-separated pipeline.repeats")
-  parser.add_argument("--schedules", default="gpipe", help="comma-separated pipeline.schedule (1f1b: repeats 1 only)")
+  parser.add_argument("--schedules", default="gpipe", help="comma-separated pipeline.schedule (1f1b, zb: repeats 1 only; interleaved_1f1b: > 1)")
   parser.add_argument("--steps", type=int, default=3, help="steps per timed call")
   parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; medians are reported")
   args, rest = parser.parse_known_args()
@@ -52,7 +52,7 @@ def main() -> None:
   for kind in args.schedules.split(","):
     for r in map(int, args.repeats.split(",")):
       for m in map(int, args.microbatches.split(",")):
-        if kind == "1f1b" and r > 1:
+        if (kind in ("1f1b", "zb") and r > 1) or (kind == "interleaved_1f1b" and r == 1):
           continue
         name = f"M={m} R={r}" + ("" if kind == "gpipe" else f" {kind}")
         variants[name], schedules[name], cfg = build(rest, m, r, args.steps, kind)

@@ -97,6 +97,7 @@ class CompileReport:
   lower_seconds: float
   compile_seconds: float
   remat_table: str = ""  # model.remat=auto: the candidates and the chosen policy (program/fit.py); cfg has it
+  schedule_table: str = ""  # pipeline.schedule=auto: the schedules compiled and the one chosen (program/schedule_fit.py)
 
   @property
   def loops(self) -> list[str]:
@@ -170,6 +171,8 @@ class CompileReport:
                    "model: includes remat recompute, elementwise work and the optimizer)")
     if self.remat_table:
       lines.append(self.remat_table)
+    if self.schedule_table:
+      lines.append(self.schedule_table)
     lines.append(f"time: lower {self.lower_seconds:.1f} s, compile {self.compile_seconds:.1f} s"
                  + (" (model.remat=auto compiled its candidates within the lower)" if self.remat_table else ""))
     return "\n".join(lines)
@@ -195,7 +198,8 @@ def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int) -> Comp
     compiled = lowered.compile()
   t2 = time.perf_counter()
   return CompileReport(
-      cfg=program.cfg, num_devices=num_devices, plan=plan, remat_table=program.remat_table, lowered=lowered, compiled=compiled, memory=Memory.of(compiled),
+      cfg=program.cfg, num_devices=num_devices, plan=plan, remat_table=program.remat_table,
+      schedule_table=program.schedule_table, lowered=lowered, compiled=compiled, memory=Memory.of(compiled),
       num_params=sum(x.size for x in jax.tree.leaves(program.state.abstract.params)),
       model_flops=program.flops_per_token * plan.batch.tokens / num_devices, xla_flops=xla_flops(compiled),
       lower_seconds=t1 - t0, compile_seconds=t2 - t1)

@@ -280,10 +280,11 @@ def _pipeline(plan: Any, num_layers: int, saved: int, microbatch_bytes: int,
     per_iteration, recompute = microbatch_bytes // m_, per_iteration
     allocated = per_iteration * its + 2 * microbatch_bytes + recompute
   live = [r_ * m_] * s_
-  if schedule.kind == "1f1b":  # saved stage inputs in a ring of slots; each backward recomputes one microbatch
+  if schedule.kind != "gpipe":  # stage inputs and incoming gradients in slots; a backward recomputes one pass
     live = [int(x) for x in schedules.held(schedules.table(schedule))]
+    prog = schedules.program(schedule)
     per_iteration, recompute = microbatch_bytes // m_, per_iteration
-    allocated = per_iteration * schedules.slots(schedule) + 2 * microbatch_bytes + recompute
+    allocated = per_iteration * (prog.x_slots + prog.g_slots) + 2 * microbatch_bytes + recompute
   stages = [{"stage": s, "layers": num_layers // s_, "live_passes": live[s],
              "useful_saved_bytes": per_iteration * r_ * m_, "saved_bytes": allocated,
              "held_iterations": 2 * its - 1 - 2 * s} for s in range(s_)]

@@ -139,7 +139,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.microbatches = 1  # Microbatches each forward pass streams through the stages (>= stages when pipelined).
   c.pipeline.repeats = 1  # Circular repeats: each stage holds this many non-adjacent layer groups; bubble (S-1)/(R*M+S-1).
-  c.pipeline.schedule = "gpipe"  # gpipe (all forwards, then all backwards) or 1f1b (O(S) activations; sharding/schedules.py).
+  c.pipeline.schedule = "gpipe"  # gpipe (all forwards, then all backwards), 1f1b, interleaved_1f1b (repeats > 1), zb (zero-bubble ZB-H1), or auto (compiled and chosen; sharding/schedules.py).
   c.pipeline.stage_remat = False  # Save only each stage's input per iteration and recompute its layers in the backward (less memory, one more forward).
 
   c.data = d = ml_collections.ConfigDict()

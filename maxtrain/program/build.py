@@ -45,6 +45,7 @@ class Program:
   train_step: Callable  # jitted: (state, batch) -> (state, metrics); the state is donated
   eval_step: Callable  # jitted: (params, batch) -> (loss sum, loss tokens)
   remat_table: str = ""  # model.remat=auto: the candidates compiled and the one chosen (program/fit.py)
+  schedule_table: str = ""  # pipeline.schedule=auto: the schedules compiled and the one chosen (program/schedule_fit.py)
 
   @property
   def flops_per_token(self) -> float:
@@ -113,10 +114,32 @@ def program_for(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], *
   offload.check_devices(cfg.optimizer, devices, cfg.runtime.platform)
   if cfg.model.remat == "offload":  # activations go to the same host memory kind
     offload.check_host_memory("model.remat=offload", devices, cfg.runtime.platform)
-  table = ""
+  table = schedule_table = ""
   if cfg.model.remat == "auto":  # each candidate is planned as this program is: on every device
     cfg, table = resolve_remat(cfg, every)
-  return dataclasses.replace(build(cfg, plan, make_mesh(plan.mesh, devices)), remat_table=table)
+  if cfg.pipeline.schedule == "auto" and plan.pipeline is not None:
+    cfg, schedule_table = resolve_schedule(cfg, every)
+    plan = validate(cfg, len(every), num_processes, require_data=require_data)
+  return dataclasses.replace(build(cfg, plan, make_mesh(plan.mesh, devices)), remat_table=table,
+                             schedule_table=schedule_table)
+
+
+def resolve_schedule(cfg: ml_collections.ConfigDict,
+                     devices: Sequence[jax.Device]) -> tuple[ml_collections.ConfigDict, str]:
+  """`cfg` with `pipeline.schedule=auto` replaced by the schedule `program/schedule_fit.py` chooses from the
+  ahead-of-time compile of each candidate on `devices`, and the table of candidates (also logged)."""
+  from maxtrain.program import schedule_fit
+
+  def compile_candidate(trial: ml_collections.ConfigDict):
+    program = program_for(trial, devices, require_data=False)
+    with jax.set_mesh(program.mesh):
+      return program.lower().compile(), program.plan
+
+  kind, table, _ = schedule_fit.choose_schedule(cfg, devices, compile_candidate)
+  log.info("%s", table)
+  resolved = cfg.copy_and_resolve_references()
+  resolved.pipeline.schedule = kind
+  return resolved, table
 
 
 def split_devices(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]) -> tuple[list, list]:

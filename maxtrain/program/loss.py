@@ -227,7 +227,10 @@ def _chunked_bwd(C, compute_dtype, G, cap, residuals, cotangents):
   # Padded positions get zero cotangents, so they add nothing to d head.
   chunks = tuple(_to_chunks(a, C) for a in (x_BTD, targets_BT, log_z_BT, g_ce_BT.astype(jnp.float32),
                                              g_z_BT.astype(jnp.float32)))
-  d_head_GDV, d_x_KBCD = jax.lax.scan(body, jnp.zeros((G, D, V), jnp.float32), chunks)
+  # Zeros with the inputs' varying manual axes (the loss head inside a pipeline schedule's shard_map,
+  # sharding/schedules.py), as the carry out has them; zeros_like keeps them and XLA folds the adds.
+  zero = jnp.zeros_like(head_DV[:1, :1], jnp.float32) + jnp.zeros_like(x_BTD[:1, :1, :1], jnp.float32)[0]
+  d_head_GDV, d_x_KBCD = jax.lax.scan(body, jnp.zeros((G, D, V), jnp.float32) + zero, chunks)
   # Resharded from G (one partial sum per batch shard) to the parameter's layout, then summed locally:
   # a reduce-scatter as an all-to-all. A plain sum over G was an all-reduce of the whole fp32 [D, V]
   # on every device (then sliced to the parameter's shard) wherever XLA does not rewrite that into a

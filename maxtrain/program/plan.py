@@ -235,8 +235,8 @@ def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: Ba
   if stages == 1:
     require(p.repeats == 1 and p.microbatches == 1, f"config.pipeline.microbatches={p.microbatches}, pipeline.repeats="
             f"{p.repeats} without a pipeline ({mesh_text}): set mesh.pipeline (or mesh.dcn_pipeline) > 1, or leave both at 1")
-    require(p.schedule == "gpipe", f"config.pipeline.schedule={p.schedule!r} without a pipeline ({mesh_text}): set "
-            "mesh.pipeline (or mesh.dcn_pipeline) > 1, or leave pipeline.schedule=gpipe")
+    require(p.schedule in ("gpipe", "auto"), f"config.pipeline.schedule={p.schedule!r} without a pipeline ({mesh_text}): "
+            "set mesh.pipeline (or mesh.dcn_pipeline) > 1, or leave pipeline.schedule=gpipe")
     return None
   where = f"{mesh_text}: a pipeline of {layout.describe('layers')} stages"
   require(m.num_layers % (stages * p.repeats) == 0,
@@ -257,13 +257,19 @@ def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: Ba
   bad = [text for hit, text in unsupported if hit]
   require(not bad, f"{where}: the pipeline does not support {', '.join(bad)}. Set mesh.pipeline=1 (and "
           "mesh.dcn_pipeline=1), or change those settings (docs/sharding.md lists what the pipeline supports).")
-  require(p.schedule in pipeline_lib.BUILT, f"{where}: config.pipeline.schedule={p.schedule!r} is not built yet; "
-          f"set pipeline.schedule to one of {', '.join(pipeline_lib.BUILT)}")
-  require(p.schedule != "1f1b" or p.repeats == 1, f"{where}: config.pipeline.schedule='1f1b' with pipeline.repeats="
-          f"{p.repeats}: 1f1b runs one layer group per stage (interleaved_1f1b is not built yet); set "
-          "pipeline.repeats=1 or pipeline.schedule=gpipe")
+  # auto: planned as gpipe here; build.program_for compiles the candidates and plans the chosen one
+  # (program/schedule_fit.py).
+  require(p.schedule not in ("1f1b", "zb") or p.repeats == 1, f"{where}: config.pipeline.schedule={p.schedule!r} with "
+          f"pipeline.repeats={p.repeats}: {p.schedule} runs one layer group per stage; set pipeline.repeats=1, or "
+          "pipeline.schedule=interleaved_1f1b (or gpipe) for repeats")
+  require(p.schedule != "interleaved_1f1b" or (p.repeats > 1 and p.microbatches % stages == 0),
+          f"{where}: config.pipeline.schedule='interleaved_1f1b' with pipeline.repeats={p.repeats}, "
+          f"pipeline.microbatches={p.microbatches}: it interleaves repeats > 1 layer groups per stage over groups of "
+          f"S = {stages} microbatches; set pipeline.repeats >= 2 and microbatches a multiple of {stages} (or "
+          "pipeline.schedule=1f1b for repeats=1)")
   return pipeline_lib.Schedule(stages=stages, microbatches=p.microbatches, repeats=p.repeats,
-                               stage_remat=p.stage_remat, kind=p.schedule)
+                               stage_remat=p.stage_remat, kind="gpipe" if p.schedule == "auto" else p.schedule,
+                               branchless=cfg.runtime.platform == "neuron")
 
 
 def _validate_stages(cfg: ml_collections.ConfigDict, layout: Layout, mesh_text: str, num_processes: int) -> None:

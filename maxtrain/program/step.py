@@ -137,7 +137,7 @@ def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z
     objective = lambda p, b=b: loss_sums(graphdef, p, b, z_loss, chunk_tokens=chunk_tokens,
                                          batch_shards=batch_shards, length_shards=length_shards)
     schedule = pipeline_lib.active()
-    if schedule is not None and schedule.kind == "1f1b":  # the backward written by the schedule, not autodiff
+    if schedule is not None and schedule.kind != "gpipe":  # the backward written by the schedule, not autodiff
       return schedules.value_and_grad(objective, p, b, schedule)
     (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(p)
     return parts, grads

@@ -27,9 +27,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 AXIS = "pipeline"
-# pipeline.schedule: the order of the forward and backward passes (sharding/schedules.py builds 1f1b).
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb", "auto")
-BUILT = ("gpipe", "1f1b")
+# pipeline.schedule: the order of the forward and backward passes (sharding/schedules.py runs all but gpipe).
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb", "auto")  # auto: program/schedule_fit.py picks one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,33 +37,35 @@ class Schedule:
   microbatches: int  # M
   repeats: int  # R: circular repeats
   stage_remat: bool = False  # the model recomputes a stage's layers in the backward from the stage's input
-  kind: str = "gpipe"  # pipeline.schedule: gpipe (this module) or 1f1b (sharding/schedules.py)
+  kind: str = "gpipe"  # pipeline.schedule: gpipe (this module) or 1f1b, interleaved_1f1b, zb (sharding/schedules.py)
+  branchless: bool = False  # run every op of a tick masked, no lax.switch (runtime.platform=neuron: no conditionals)
 
   @property
   def iterations(self) -> int:
-    """Loop iterations: of the forward scan (gpipe; the backward runs as many), or ticks (1f1b: one forward
-    and one backward slot each, a microbatch's round trip through the S stages takes 2S - 1 of them)."""
-    if self.kind == "1f1b":
-      return self.microbatches + 2 * self.stages - 2
-    return self.repeats * self.microbatches + self.stages - 1
+    """Loop iterations: of the forward scan (gpipe; the backward runs as many), or ticks of one op per stage
+    (1f1b, interleaved_1f1b: a forward and a whole backward per pass; zb: F, B and W per microbatch)."""
+    s_, m_, r_ = self.stages, self.microbatches, self.repeats
+    if self.kind == "zb":
+      return 3 * m_ + s_ - 1
+    if self.kind in ("1f1b", "interleaved_1f1b"):
+      return 2 * (r_ * m_ + s_ - 1)
+    return r_ * m_ + s_ - 1
 
   @property
   def bubble(self) -> float:
-    """The share of each stage's forward and backward slots spent idle (fill and drain): what
-    schedules.table counts (tested equal)."""
-    if self.kind == "1f1b":
-      return (2 * self.stages - 2) / self.iterations
-    return (self.stages - 1) / self.iterations
+    """The share of each stage's ticks spent idle (fill and drain): what schedules.table counts (tested equal)."""
+    idle = 2 * (self.stages - 1) if self.kind in ("1f1b", "interleaved_1f1b") else self.stages - 1
+    return idle / self.iterations
 
   @property
   def formula(self) -> str:
-    return "(2S-2)/(M+2S-2)" if self.kind == "1f1b" else "(S-1)/(R*M+S-1)"
+    return {"zb": "(S-1)/(3M+S-1)", "1f1b": "(S-1)/(M+S-1)"}.get(self.kind, "(S-1)/(R*M+S-1)")
 
   def describe(self) -> str:
     return (f"{self.stages} stages x {self.repeats} repeat(s), {self.microbatches} microbatches"
             + ("" if self.kind == "gpipe" else f", schedule {self.kind}") + ": "
             f"{self.iterations} iterations, bubble {self.formula} = {self.bubble:.4f}"
-            + ("; stage remat" if self.stage_remat or self.kind == "1f1b" else ""))
+            + ("; stage remat" if self.stage_remat or self.kind != "gpipe" else ""))
 
   def to_json(self) -> dict[str, Any]:
     return {"schedule": self.kind, "stages": self.stages, "microbatches": self.microbatches, "repeats": self.repeats,

@@ -1,21 +1,29 @@
-"""Pipeline schedules as host-side tables, and 1F1B run from its table in the one SPMD program.
+"""Pipeline schedules as host-side tables, run op by op in the one SPMD program.
 
-A schedule table is int [ticks, S, 2]: per tick and stage, the microbatch its forward slot (column 0) and its
-backward slot (column 1) run, IDLE for a slot that runs masked (the bubble), ABSENT for a slot that the
-program does not have at that tick (gpipe's forward loop has no backward slot and the other way round).
-The bubble is the share of present slots that are idle.
+A schedule is a table int [ticks, S, 2]: per tick and stage, the op the stage runs (IDLE, F forward, H forward
+and the loss head on the last virtual stage, B input gradient, W weight gradient, BW both) and on which pass
+(p = r M + i: layer group r of microbatch i). Under `shard_map` over `pipeline` each device runs its own
+program, so a stage runs its tick's op by `lax.switch` on the table entry of `axis_index`: only that op's
+work is paid (an idle slot costs nothing but the tick's two `ppermute`s, which stay outside the switch). A
+stage keeps the inputs and the incoming gradients of the passes in flight in slot buffers assigned on the
+host (`program`); F/H read the input, B/W/BW recompute the stage from it (these schedules imply stage remat).
 
-1F1B here (`pipeline.schedule=1f1b`) is the lockstep form an SPMD program can run: every tick each stage
-runs one forward slot and one backward slot (masked when idle), then passes activations down and input
-gradients up with one `ppermute` each. Stage s runs the forward of microbatch i at tick i + s and its
-backward at tick i + 2S - 2 - s; the last stage runs the loss head and the backward of a microbatch in the
-tick of its forward. A microbatch's backward starts as soon as its loss is known, so a stage holds the
-inputs of at most 2S - 1 microbatches (2(S - s) - 1 on stage s), whatever M: O(S) activation memory where
-gpipe order holds all M. The backward is written by hand (a `jax.vjp` of the stage per backward slot that
-recomputes the stage's forward from its saved input: 1F1B implies stage remat), not autodiff of the
-forward loop. M + 2S - 2 ticks: bubble (2S-2)/(M+2S-2) of the slots. The alternating 1F1B of per-stage
-runtimes (bubble (S-1)/(M+S-1), S - s microbatches held) needs each stage to run either a forward or a
-backward per tick, which one SPMD program can only do by computing both.
+With `Schedule.branchless` (runtime.platform=neuron: neuronx-cc rejects conditionals) every op the table uses
+runs every tick and its results are masked: the same values, the cost of all ops per tick (lockstep).
+
+The tables come from per-stage op orders (`_orders`), each op placed at the first tick its inputs exist:
+- `1f1b`: S - s - 1 warm-up forwards on stage s, then F and BW alternate; 2(M + S - 1) ticks, bubble
+  (S-1)/(M+S-1), stage s holds S - s microbatches (the classic 1F1B: PipeDream-Flush / Megatron).
+- `zb` (ZB-H1, Qi et al. 2023): the backward split into B (on the critical path) and W (deferred by s on
+  stage s, filling the drain); with F, B, W one tick each: 3M + S - 1 ticks, bubble (S-1)/(3M+S-1), every
+  stage holds S microbatches (1F1B's peak on stage 0).
+- `interleaved_1f1b` (Megatron's interleaved 1F1B): stage s holds the R layer groups s, S + s, ...; forwards
+  by groups of S microbatches, (S - s - 1) 2 + (R - 1) S warm-up forwards; 2(R M + S - 1) ticks of a layer
+  group each, bubble (S-1)/(R M+S-1).
+- `gpipe` (sharding/pipeline.py runs it with autodiff): its forward loop then its backward loop.
+The bubble counted from a table (idle stage-ticks / all) equals these formulas (tests/test_pipeline_schedules.py).
+Ticks are lockstep (each tick ends with the two ppermutes), so with a BW costing about 3 F's (recompute + 2
+matmuls per F matmul) a 1f1b tick on a real device lasts as long as its slowest stage's op.
 
 Everything the model computes outside its layer stack (embedding, final norm, head, loss) runs unchanged:
 the model is traced with `pipeline.substitute` capturing the stack's input (the part before the stack, its
@@ -36,50 +44,163 @@ from jax.sharding import PartitionSpec as P
 from maxtrain.sharding import pipeline as pipeline_lib
 from maxtrain.sharding.pipeline import AXIS, Schedule
 
-IDLE, ABSENT = -1, -2
+IDLE, F, H, B, W, BW = range(6)
+OPS = ("idle", "F", "H", "B", "W", "BW")
 # (params, batch) -> (the objective summed over the batch's loss tokens, its parts: sums over rows)
 Objective = Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 
 
+def _orders(schedule: Schedule) -> list[list[tuple[int, int]]]:
+  """Per stage, its ops (op, pass) in the order it runs them (the module docstring gives each schedule's)."""
+  s_, m_, r_, kind = schedule.stages, schedule.microbatches, schedule.repeats, schedule.kind
+  head = lambda s, p: H if (p // m_) * s_ + s == r_ * s_ - 1 else F  # the last virtual stage runs the head
+  out = []
+  for s in range(s_):
+    if kind == "zb":
+      order = [(head(s, i), i) for i in range(min(s_ - s, m_))]
+      done_f, done_w = len(order), 0
+      for k in range(m_):
+        order.append((B, k))
+        if k >= s:  # W deferred by s on stage s: the drain's idle ticks run the deferred W's
+          order.append((W, done_w))
+          done_w += 1
+        if done_f < m_:
+          order.append((head(s, done_f), done_f))
+          done_f += 1
+      order += [(W, i) for i in range(done_w, m_)]
+    else:  # 1f1b (R = 1) and interleaved_1f1b: warm-up forwards, then one forward and one backward in turn
+      passes = [(r, i) for r in range(r_) for i in range(m_)]
+      fwd = [r * m_ + i for r, i in sorted(passes, key=lambda ri: (ri[1] // s_, ri[0], ri[1] % s_))]
+      bwd = [r * m_ + i for r, i in sorted(passes, key=lambda ri: (ri[1] // s_, r_ - 1 - ri[0], ri[1] % s_))]
+      warm = min(s_ - s - 1 if kind == "1f1b" else 2 * (s_ - s - 1) + (r_ - 1) * s_, r_ * m_)
+      order = [(head(s, p), p) for p in fwd[:warm]]
+      for k in range(r_ * m_):
+        if warm + k < r_ * m_:
+          order.append((head(s, fwd[warm + k]), fwd[warm + k]))
+        order.append((BW, bwd[k]))
+    out.append(order)
+  return out
+
+
 def table(schedule: Schedule) -> np.ndarray:
-  """The schedule's slots, int [ticks, S, 2] (the module docstring says what they hold). gpipe: pass k (repeat
-  k // M of microbatch k % M) forward at iteration k + s of the forward loop, backward at its mirror time."""
+  """The schedule's ops, int [ticks, S, 2] of (op, pass): each stage's next op at the first tick whose
+  inputs were sent at an earlier tick. gpipe: the forward loop (pass k on stage s at iteration k + s), then
+  autodiff's backward loop in reverse."""
   s_, m_, r_ = schedule.stages, schedule.microbatches, schedule.repeats
-  stage = np.arange(s_)
   if schedule.kind == "gpipe":
     its = r_ * m_ + s_ - 1
-    out = np.full((2 * its, s_, 2), ABSENT, np.int32)
+    out = np.zeros((2 * its, s_, 2), np.int32)
     for t in range(its):
-      k = t - stage
-      out[t, :, 0] = np.where((k >= 0) & (k < r_ * m_), k, IDLE)
-      out[2 * its - 1 - t, :, 1] = out[t, :, 0]  # autodiff runs the forward loop's iterations in reverse
+      for s in range(s_):
+        if 0 <= t - s < r_ * m_:
+          out[t, s] = (F, t - s)
+          out[2 * its - 1 - t, s] = (BW, t - s)
     return out
-  if schedule.kind == "1f1b":
-    ticks = schedule.iterations
-    out = np.empty((ticks, s_, 2), np.int32)
-    for t in range(ticks):
-      for col, start in ((0, stage), (1, 2 * s_ - 2 - stage)):
-        i = t - start
-        out[t, :, col] = np.where((i >= 0) & (i < m_), i, IDLE)
-    return out
-  raise ValueError(f"no table for pipeline.schedule={schedule.kind}")
+  orders, v_last = _orders(schedule), r_ * s_ - 1
+  done: dict[tuple[int, int, int], int] = {}  # (kind F/B/W, virtual stage, microbatch) -> tick
+  position, rows, t = [0] * s_, [], 0
+  while any(position[s] < len(orders[s]) for s in range(s_)):
+    row = np.zeros((s_, 2), np.int32)
+    ran = []
+    for s in range(s_):
+      if position[s] == len(orders[s]):
+        continue
+      op, p = orders[s][position[s]]
+      v, i = (p // m_) * s_ + s, p % m_
+      before = lambda key: done.get(key, t) < t
+      ready = {F: v == 0 or before((F, v - 1, i)), H: v == 0 or before((F, v - 1, i)),
+               B: before((F, v, i)) and (v == v_last or before((B, v + 1, i))), W: before((B, v, i))}
+      if ready[B if op == BW else op]:
+        row[s] = (op, p)
+        ran.append((s, op, v, i))
+    for s, op, v, i in ran:
+      position[s] += 1
+      for kind in {F: (F,), H: (F,), B: (B,), W: (W,), BW: (B, W)}[op]:
+        done[(kind, v, i)] = t
+    rows.append(row)
+    t += 1
+    assert t <= 4 * s_ * r_ * m_ + 4 * s_, f"schedule {schedule.kind} does not finish"  # an order bug, not input
+  return np.stack(rows)
 
 
 def bubble(tab: np.ndarray) -> float:
-  """The share of the table's present slots that are idle."""
-  return float(np.sum(tab == IDLE) / np.sum(tab != ABSENT))
+  """The share of the table's stage-ticks that are idle."""
+  return float(np.mean(tab[:, :, 0] == IDLE))
 
 
 def held(tab: np.ndarray) -> np.ndarray:
-  """Per stage, the most microbatches whose forward ran and whose backward has not (after a tick's forward,
+  """Per stage, the most passes whose forward ran and whose weight gradient has not (after a tick's forward,
   before its backward): the stage inputs a schedule keeps. gpipe: all of them (R M)."""
-  fwd, bwd = np.cumsum(tab[:, :, 0] >= 0, axis=0), np.cumsum(tab[:, :, 1] >= 0, axis=0)
+  op = tab[:, :, 0]
+  fwd, bwd = np.cumsum((op == F) | (op == H), axis=0), np.cumsum((op == W) | (op == BW), axis=0)
   return np.max(fwd - np.concatenate([np.zeros_like(bwd[:1]), bwd[:-1]]), axis=0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A table with its buffers: per tick and stage (op, pass, x slot, g slot, slot the received activation goes
+  to, slot the received gradient goes to; -1: none), and the number of slots of each buffer."""
+  rows: np.ndarray  # int [ticks, S, 6]
+  x_slots: int
+  g_slots: int
+
+
+def program(schedule: Schedule) -> Program:
+  """Slots for the inputs (x) and incoming gradients (g) of the passes in flight on each stage: a pass's x
+  arrives after the tick its previous virtual stage ran F (stage 0's first group reads the batch), its g after
+  the tick the next ran B/BW (the last virtual stage's: H writes it); both are freed by the pass's W/BW. A slot
+  read in a tick can take a new arrival at the end of that tick."""
+  tab = table(schedule)
+  s_, m_, r_ = schedule.stages, schedule.microbatches, schedule.repeats
+  ticks, v_last = tab.shape[0], r_ * s_ - 1
+  rows = np.full((ticks, s_, 6), -1, np.int32)
+  rows[:, :, :2] = tab
+  rows[:, :, 2:4] = 0
+  arrive: dict[tuple[str, int, int], int] = {}  # (buffer, stage, pass) -> tick at whose end it is stored
+  last: dict[tuple[str, int, int], int] = {}  # ... -> the tick of its last read
+  for t in range(ticks):
+    for s in range(s_):
+      op, p = tab[t, s]
+      r, i = p // m_, p % m_
+      v = r * s_ + s
+      if op in (F,) and v < v_last:  # sent down: the next virtual stage's input
+        nxt = v + 1
+        arrive[("x", nxt % s_, (nxt // s_) * m_ + i)] = t
+      if op == H:
+        arrive[("g", s, p)] = t
+      if op in (B, BW) and v > 0:  # sent up: the previous virtual stage's incoming gradient
+        prv = v - 1
+        arrive[("g", prv % s_, (prv // s_) * m_ + i)] = t
+      if op in (W, BW):
+        last[("x", s, p)] = last[("g", s, p)] = t
+  slots: dict[tuple[str, int, int], int] = {}
+  counts = {"x": 1, "g": 1}
+  for buf in ("x", "g"):
+    for s in range(s_):
+      free_at: list[int] = []  # per slot, the tick from whose end on it is free
+      for key in sorted((k for k in arrive if k[0] == buf and k[1] == s), key=lambda k: arrive[k]):
+        k = next((j for j, f in enumerate(free_at) if f <= arrive[key]), None)
+        if k is None:
+          free_at.append(0)
+          k = len(free_at) - 1
+        slots[key], free_at[k] = k, last[key]
+      counts[buf] = max(counts[buf], len(free_at))
+  for t in range(ticks):
+    for s in range(s_):
+      op, p = tab[t, s]
+      rows[t, s, 2] = slots.get(("x", s, p), 0)
+      rows[t, s, 3] = slots.get(("g", s, p), 0)
+      for col, buf, src, ops, step in ((4, "x", (s - 1) % s_, (F,), 1), (5, "g", (s + 1) % s_, (B, BW), -1)):
+        op_src, p_src = tab[t, src]
+        v_dst = (p_src // m_) * s_ + src + step
+        if op_src in ops and 0 <= v_dst <= v_last:
+          rows[t, s, col] = slots[(buf, s, (v_dst // s_) * m_ + p_src % m_)]
+  return Program(rows, counts["x"], counts["g"])
+
+
 def slots(schedule: Schedule) -> int:
-  """Stage inputs 1F1B keeps (a ring buffer: microbatch i in slot i % slots), at most 2S - 1."""
-  return min(schedule.microbatches, 2 * schedule.stages - 1)
+  """Stage inputs the schedule keeps in its buffer of slots (1f1b: S; zb: S)."""
+  return program(schedule).x_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +237,7 @@ def _before_the_stack(objective: Objective, params: Any, batch: dict[str, jax.Ar
       return x_BTD
     with pipeline_lib.substitute(capture):
       objective(p, batch)
-    assert box, "pipeline.schedule=1f1b: the model ran no layer stack through the pipeline"
+    assert box, "pipeline.schedule: the model ran no layer stack through the pipeline"
     # Which parameter leaves the stack is made of: the same traced arrays (nnx.split does not copy).
     where = {id(w): i for i, w in enumerate(jax.tree.leaves(p))}
     box["stack_index"] = [where[id(w)] for w in jax.tree.leaves(box["stacked"])]
@@ -124,62 +245,109 @@ def _before_the_stack(objective: Objective, params: Any, batch: dict[str, jax.Ar
     return box["x"], box["ids"]
 
   x_BTD, pull, (segment_ids_BT, positions_BT) = jax.vjp(before, params, has_aux=True)
-  assert len(found) == 1, f"1f1b pipelines one layer stack; the model ran {len(found)} under it"
+  assert len(found) == 1, f"a schedule pipelines one layer stack; the model ran {len(found)} under it"
   box, (leaves, treedef) = found[0], jax.tree.flatten(params)
   rest_index = [i for i in range(len(leaves)) if i not in set(box["stack_index"])]
   split = _Split(box["layers"], jax.tree.structure(box["stacked"]), box["stack_index"], rest_index, treedef)
   return x_BTD, pull, segment_ids_BT, positions_BT, split
 
 
-def _stage(model: _Split, objective: Objective, schedule: Schedule, parts_shape: Any, stack: list, rest: list,
-           xs: jax.Array, segs: jax.Array, poss: jax.Array, rows: dict[str, jax.Array], tab: jax.Array) -> tuple:
-  """One stage's 1F1B (under shard_map over `pipeline`): the tick loop of its rows of `tab`. Returns this stage's
-  layer gradients, the rest's (and the objective's parts) summed over stages, and stage 0's input gradients."""
-  s_, m_, k_ = schedule.stages, schedule.microbatches, slots(schedule)
-  s = jax.lax.axis_index(AXIS)
-  last = s == s_ - 1
-  varying = lambda t: jax.tree.map(lambda a: jax.lax.pcast(a, AXIS, to="varying"), t)
-  # Differentiate varying copies: the cotangent of a stage-invariant input would be psum'd every tick.
-  rest, xs = varying(rest), varying(xs)
+def _ops(forward: Callable, after: Callable, stack: list, rest: list, m_: int) -> tuple[Callable, ...]:
+  """The ops by code (IDLE, F, H, B, W, BW): (x, g, p, accumulators) -> (y sent down, dx sent up, dy of the loss
+  head, accumulators (layer gradients, the rest's gradients, the objective's parts))."""
+  zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
+  plus = lambda a, b: jax.tree.map(jnp.add, a, b)
 
-  def forward(stack, x, i):  # this stage's layers [L/S, ...] on microbatch i
-    stage = jax.tree.unflatten(model.stack_def, [w[:, None] for w in stack])  # [L/S, R = 1, ...]
-    return model.layers(stage, 0, x, segs[i], poss[i])
+  def idle(x, g, p, acc):
+    return zeros(x), zeros(x), zeros(x), acc
+
+  def f(x, g, p, acc):
+    return forward(stack, x, p), zeros(x), zeros(x), acc
+
+  def h(x, g, p, acc):
+    y = forward(stack, x, p)
+    _, pull_after, parts_i = jax.vjp(lambda r, y: after(r, y, p % m_), rest, y, has_aux=True)
+    d_rest_i, dy = pull_after(_varying(jnp.ones((), jnp.float32)))
+    d_stack, d_rest, parts = acc
+    return zeros(x), zeros(x), dy.astype(x.dtype), (d_stack, plus(d_rest, d_rest_i), plus(parts, parts_i))
+
+  def b(x, g, p, acc):  # the input gradient only: the critical path
+    _, pull = jax.vjp(lambda x: forward(stack, x, p), x)
+    return zeros(x), pull(g)[0], zeros(x), acc
+
+  def w(x, g, p, acc):  # the weight gradient only
+    _, pull = jax.vjp(lambda w: forward(w, x, p), stack)
+    d_stack, d_rest, parts = acc
+    return zeros(x), zeros(x), zeros(x), (plus(d_stack, pull(g)[0]), d_rest, parts)
+
+  def bw(x, g, p, acc):
+    _, pull = jax.vjp(lambda w, x: forward(w, x, p), stack, x)
+    d_stack_i, dx = pull(g)
+    d_stack, d_rest, parts = acc
+    return zeros(x), dx, zeros(x), (plus(d_stack, d_stack_i), d_rest, parts)
+
+  return idle, f, h, b, w, bw
+
+
+def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Program, parts_shape: Any, stack: list,
+           rest: list, xs: jax.Array, segs: jax.Array, poss: jax.Array, rows: dict[str, jax.Array],
+           tab: jax.Array) -> tuple:
+  """One stage's program (under shard_map over `pipeline`): per tick, the op of its row of `tab` by `lax.switch`,
+  then one ppermute each way. Returns this stage's layer gradients [R, 1, L/(R S), ...], the rest's (and the
+  objective's parts) summed over stages, and stage 0's input gradients."""
+  s_, m_, r_ = schedule.stages, schedule.microbatches, schedule.repeats
+  s = jax.lax.axis_index(AXIS)
+  # Differentiate varying copies: the cotangent of a stage-invariant input would be psum'd every tick.
+  rest, xs = _varying(rest), _varying(xs)
+  stack = [jnp.swapaxes(w[:, 0], 0, 1) for w in stack]  # this stage's [L/(R S), R, ...]
+
+  def forward(stack, x, p):  # layer group p // M of this stage on microbatch p % M
+    stage = jax.tree.unflatten(model.stack_def, stack)
+    return model.layers(stage, 0 if r_ == 1 else p // m_, x, segs[p % m_], poss[p % m_])
 
   def after(rest, y, i):  # the model after the stack on microbatch i (the last stage's loss head)
     with pipeline_lib.substitute(lambda *_: y):
       return objective(model.rebuild(stack, rest), jax.tree.map(lambda a: a[i], rows))
 
-  zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
-  add_if = lambda ok, total, new: jax.tree.map(lambda a, b: jnp.where(ok, a + b, a), total, new)
+  branches = _ops(forward, after, stack, rest, m_)
+  present = sorted(set(int(o) for o in np.unique(prog.rows[:, :, 0])) - {IDLE})
+
+  def run_op(op, *operands):
+    if not schedule.branchless:  # only the op this stage runs this tick is computed
+      return jax.lax.switch(op, branches, *operands)
+    # No conditionals (Neuron rejects them): every op the table uses runs every tick, its results masked.
+    out = branches[IDLE](*operands)
+    for code in present:
+      out = jax.tree.map(lambda cur, new, code=code: jnp.where(op == code, new, cur), out, branches[code](*operands))
+    return out
 
   def tick(carry, tab_t):
-    recv_x, recv_g, saved, d_stack, d_rest, parts, dxs = carry
-    f, b = tab_t[s, 0], tab_t[s, 1]
-    fi, bi = jnp.clip(f, 0, m_ - 1), jnp.clip(b, 0, m_ - 1)
-    # forward slot: a new microbatch on stage 0, the previous stage's output elsewhere; keep its input
-    x = jnp.where(s == 0, xs[fi], recv_x)
-    y = forward(stack, x, fi)
-    saved = saved.at[fi % k_].set(jnp.where(f >= 0, x, saved[fi % k_]))
-    # the loss head on the last stage, in the tick of the microbatch's forward
-    _, pull_after, parts_i = jax.vjp(lambda r, y: after(r, y, fi), rest, y, has_aux=True)
-    head = last & (f >= 0)
-    d_rest_i, dy = pull_after(jnp.where(head, 1.0, 0.0).astype(jnp.float32))
-    parts, d_rest = add_if(head, parts, parts_i), add_if(head, d_rest, d_rest_i)
-    # backward slot: recompute the stage from its saved input, pull the next stage's gradient through it
-    _, pull = jax.vjp(lambda w, x: forward(w, x, bi), stack, saved[bi % k_])
-    d_stack_i, dx = pull(jnp.where(last, dy.astype(recv_g.dtype), recv_g))
-    d_stack = add_if(b >= 0, d_stack, d_stack_i)
-    dxs = dxs.at[bi].set(jnp.where((b >= 0) & (s == 0), dx, dxs[bi]))
+    xbuf, gbuf, acc, dxs = carry
+    op, p, xk, gk, rx, rg = (tab_t[s, c] for c in range(6))
+    i = p % m_
+    x = jnp.where((s == 0) & (p < m_), xs[i], xbuf[xk])  # stage 0's first layer group reads the batch
+    y, dx, dy, acc = run_op(op, x, gbuf[gk], p, acc)
+    gbuf = gbuf.at[gk].set(jnp.where(op == H, dy, gbuf[gk]))
+    dxs = dxs.at[i].set(jnp.where(((op == B) | (op == BW)) & (s == 0) & (p < m_), dx, dxs[i]))
     recv_x, recv_g = jax.lax.ppermute(y, AXIS, _ring(s_, 1)), jax.lax.ppermute(dx, AXIS, _ring(s_, -1))
-    return (recv_x, recv_g, saved, d_stack, d_rest, parts, dxs), None
+    rx_, rg_ = jnp.maximum(rx, 0), jnp.maximum(rg, 0)
+    xbuf = xbuf.at[rx_].set(jnp.where(rx >= 0, recv_x, xbuf[rx_]))
+    gbuf = gbuf.at[rg_].set(jnp.where(rg >= 0, recv_g, gbuf[rg_]))
+    return (xbuf, gbuf, acc, dxs), None
 
-  init = (zeros(xs[0]), zeros(xs[0]), zeros(xs[:k_]), zeros(stack), zeros(rest),
-          varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), parts_shape)), zeros(xs))
-  (_, _, _, d_stack, d_rest, parts, dxs), _ = jax.lax.scan(tick, init, tab)
+  zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
+  buffer = lambda k: zeros(jnp.broadcast_to(xs[:1], (k,) + xs.shape[1:]))
+  acc = (zeros(stack), zeros(rest), _varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), parts_shape)))
+  init = (buffer(prog.x_slots), buffer(prog.g_slots), acc, zeros(xs))
+  (_, _, (d_stack, d_rest, parts), dxs), _ = jax.lax.scan(tick, init, tab)
   # Only the last stage ran the head: the sums over stages are its values (in fp32: see pipeline.run).
   total = lambda t: jax.tree.map(lambda a: jax.lax.psum(a.astype(jnp.float32), AXIS).astype(a.dtype), t)
+  d_stack = [jnp.swapaxes(d, 0, 1)[:, None] for d in d_stack]  # back to [R, 1, L/(R S), ...]
   return d_stack, total(d_rest), total(parts), dxs[None]
+
+
+def _varying(tree: Any) -> Any:
+  return jax.tree.map(lambda a: jax.lax.pcast(a, AXIS, to="varying"), tree)
 
 
 def _ring(stages: int, step: int) -> list[tuple[int, int]]:
@@ -189,7 +357,7 @@ def _ring(stages: int, step: int) -> list[tuple[int, int]]:
 def value_and_grad(objective: Objective, params: Any, batch: dict[str, jax.Array],
                    schedule: Schedule) -> tuple[dict[str, jax.Array], Any]:
   """(parts, gradient of the objective) as `jax.value_and_grad(objective, has_aux=True)` gives them, with the
-  model's layer stack run in 1F1B order over `schedule.stages` stages and `schedule.microbatches`
+  model's layer stack run by `schedule`'s table over `schedule.stages` stages and `schedule.microbatches`
   microbatches of the batch's rows. The objective must be a sum over rows (microbatches add up)."""
   x_BTD, pull_before, segment_ids_BT, positions_BT, model = _before_the_stack(objective, params, batch)
   split = lambda a: pipeline_lib._split(a, schedule.microbatches)
@@ -197,11 +365,16 @@ def value_and_grad(objective: Objective, params: Any, batch: dict[str, jax.Array
   with pipeline_lib.substitute(lambda _layers, _stacked, x_BTD, *_: x_BTD):  # the parts' shapes
     parts_shape = jax.eval_shape(lambda p, r: objective(p, r)[1], params, jax.tree.map(lambda a: a[0], rows))
   stack, rest = model.parts(params)
-  body = functools.partial(_stage, model, objective, schedule, parts_shape)
-  # The stored [L, ...] stack is split contiguously over `pipeline`: with R = 1 each stage's block is its layers.
-  fn = jax.shard_map(body, in_specs=([P(AXIS)] * len(stack), [P()] * len(rest), P(), P(), P(), P(), P()),
-                     out_specs=([P(AXIS)] * len(stack), [P()] * len(rest), P(), P(AXIS)), axis_names={AXIS})
-  d_stack, d_rest, parts, dxs = fn(stack, rest, split(x_BTD), split(segment_ids_BT), split(positions_BT), rows,
-                                   jnp.asarray(table(schedule)))
+  s_, r_ = schedule.stages, schedule.repeats
+  # Stage s's layer groups s, S + s, ...: the stored [L, ...] stack viewed [R, S, L/(R S), ...] (with R = 1 the
+  # stored contiguous blocks; with R > 1 an all-to-all of the weights each step, as gpipe's circular order).
+  grouped = [w.reshape((r_, s_, -1) + w.shape[1:]) for w in stack]
+  prog = program(schedule)
+  body = functools.partial(_stage, model, objective, schedule, prog, parts_shape)
+  fn = jax.shard_map(body, in_specs=([P(None, AXIS)] * len(stack), [P()] * len(rest), P(), P(), P(), P(), P()),
+                     out_specs=([P(None, AXIS)] * len(stack), [P()] * len(rest), P(), P(AXIS)), axis_names={AXIS})
+  d_grouped, d_rest, parts, dxs = fn(grouped, rest, split(x_BTD), split(segment_ids_BT), split(positions_BT), rows,
+                                     jnp.asarray(prog.rows))
+  d_stack = [d.reshape(w.shape) for d, w in zip(d_grouped, stack)]
   (d_before,) = pull_before(pipeline_lib._merge(dxs[0]).astype(x_BTD.dtype))
   return parts, jax.tree.map(jnp.add, d_before, model.rebuild(d_stack, d_rest))
