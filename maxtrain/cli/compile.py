@@ -36,6 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="devices of the target mesh (default: one node of the hardware preset's mesh)")
   parser.add_argument("--device-memory-gb", type=float, default=0.0,
                       help="memory per device in GiB; exit 2 when the compiled step's peak exceeds it (0: no check)")
+  parser.add_argument("--standin", choices=("auto", "on", "off"), default="auto",
+                      help="compile the model's memory stand-in where XLA:CPU lowers a part far from a GPU's memory "
+                      "(dropless MoE's ragged_dot, remat in unscanned layers; docs/fitting.md). auto: for a GPU or "
+                      "Trainium target (runtime.platform)")
   args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
   try:
     if args.help:
@@ -44,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_lib.load(rest)
     num_devices = args.devices or default_devices(cfg)
     print(f"maxtrain.compile: {num_devices} devices, hardware preset {cfg.hardware or '(none)'}", flush=True)
-    report = compile_train_step(cfg, num_devices)
+    report = compile_train_step(cfg, num_devices, {"auto": None, "on": True, "off": False}[args.standin])
     print(report.describe())
     if cfg.runtime.platform == "neuron":
       print(neuron_lint(report))
