@@ -9,6 +9,11 @@ whatever `runtime.platform` says, so a laptop can check a 64-device Trainium or 
 memory figures are XLA:CPU's for the same sharded program; the GPU and Neuron compilers fuse and
 schedule differently, so they are an estimate to keep a margin against, not a guarantee.
 
+For a GPU or Trainium target (`runtime.platform`, set by `--config.hardware`) it compiles the model's memory
+stand-in where XLA:CPU lowers a part far from the target's memory (dropless MoE's ragged_dot, remat in unscanned
+layers: `program/fit.py` memory_standin, docs/fitting.md) and says so under `caveat:`; `--standin=off` compiles the
+model as it is.
+
 With `runtime.platform=neuron` it also lints the lowered step for what the Neuron compiler rejects
 (`maxtrain/aot/hlo_lint.py`).
 
