@@ -120,8 +120,8 @@ def standin_changes(model_cfg: Any) -> list[str]:
   if model_cfg.moe.enabled and model_cfg.moe.dispatch == "dropless":
     out.append("model.moe.dispatch=dropless: the experts' grouped matmuls are compiled as one batched matmul over "
                "equal groups (models/moe_dispatch.py balanced_ragged_dot: the buffers and FLOPs of a grouped-matmul "
-               "kernel with every expert equally loaded), not lax.ragged_dot, which XLA:CPU lowers densely over every "
-               "expert")
+               "kernel with every expert equally loaded), not lax.ragged_dot, which XLA:CPU lowers densely over "
+               "every expert")
   if not model_cfg.scan_layers and model_cfg.remat != "none" and model_cfg.num_layers > 1:
     out.append(f"unscanned layers with model.remat={model_cfg.remat}: compiled as one scanned stack of the same "
                "parameters, every layer with the window of the local layers (flash's memory is linear in T whatever "
