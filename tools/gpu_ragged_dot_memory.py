@@ -9,8 +9,9 @@ forward + backward, compiled three ways, each in a fresh process (XLA reads its 
 with XLA's defaults, (b) the same with --xla_gpu_experimental_use_ragged_dot_fusion=true (cuDNN's grouped GEMM,
 cuDNN >= 9.22), (c) the stand-in. Prints each one's compiled temporaries and whether the optimized HLO still
 holds a ragged-dot (or a cuDNN fusion).
-Expected if XLA expands it (its RaggedDotRewriter): (a) ~ E x (c); then the stand-in is the memory of a
-grouped-matmul kernel maxtrain does not use on the GPU yet, and dropless presets need one (or the flag).
+On XLA:CPU (this script on the 2-core VM, 9 s): (a) and (b) 129.3 GiB, (c) 2.44 GiB. Expected on a GPU if XLA
+expands it (its RaggedDotRewriter): (a) near XLA:CPU's; then the stand-in is the memory of a grouped-matmul kernel
+maxtrain does not use on the GPU yet, and dropless presets need one (or (b), where it holds).
 """
 
 from __future__ import annotations
