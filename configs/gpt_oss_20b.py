@@ -3,7 +3,8 @@ key-value heads of head_dim 64 with q/k/v/o biases and attention sinks, 128-toke
 32 experts of 2880 with 4 per token, router and expert biases, the clamped SwiGLU (alpha 1.702, limit 7),
 vocabulary 201088, YaRN RoPE: theta 150000, factor 32 over 4096 positions): about 20.9B parameters, 3.6B
 active per token. Its layers are unscanned (each keeps its own window). The published MXFP4 experts are
-dequantised by `python -m maxtrain.convert from-hf` (interop/dequant.py). Check the fit first:
+dequantised by `python -m maxtrain.convert from-hf` (interop/dequant.py). Check the fit first (62.6 GiB per
+device on one node of H100s, the memory stand-in of its dropless experts and unscanned layers: docs/fitting.md):
 
   python -m maxtrain.compile --config=configs/gpt_oss_20b.py --config.hardware=h100x8 --devices 8 \
       --device-memory-gb 80

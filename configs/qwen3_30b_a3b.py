@@ -5,7 +5,8 @@ active per token. Routed without drops (`model.moe.dispatch=dropless`, as transf
 are not split over devices here (FSDP only); `--config.mesh.expert=N` splits them with dropless expert
 parallelism (a ragged all-to-all, docs/moe.md). For a real tokenizer and token store;
 continue the published checkpoint with `python -m maxtrain.convert from-hf` (its config.py has these keys).
-Check the fit first, e.g. on 2 nodes of 8 H100s:
+Check the fit first, e.g. on 2 nodes of 8 H100s (48.9 GiB per device, the memory stand-in of its dropless
+experts: docs/fitting.md):
 
   python -m maxtrain.compile --config=configs/qwen3_30b_a3b.py --config.hardware=h100x8 --devices 16 \
       --device-memory-gb 80

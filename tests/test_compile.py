@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from maxtrain.aot import compile as compile_lib
@@ -325,9 +326,38 @@ def test_cpu_caveats_name_what_xla_cpu_gets_far_wrong():
   load = lambda *extra: config_lib.load(TINY_MODEL + list(extra))
   assert compile_lib.cpu_caveats(load()) == []
   assert compile_lib.cpu_caveats(load("--config.model.remat=full")) == []  # scanned: remat kept
-  dropless = compile_lib.cpu_caveats(load("--config.model.moe.num_experts=4", "--config.model.moe.dispatch=dropless"))
-  assert len(dropless) == 1 and "ragged_dot densely" in dropless[0] and "dispatch=capacity" in dropless[0]
+  moe = ("--config.model.moe.num_experts=4", "--config.model.moe.dispatch=dropless")
+  dropless = compile_lib.cpu_caveats(load(*moe))
+  assert len(dropless) == 1 and "ragged_dot densely" in dropless[0] and "memory stand-in" in dropless[0]
   assert compile_lib.cpu_caveats(load("--config.model.moe.num_experts=4")) == []  # capacity dispatch
   unscanned = compile_lib.cpu_caveats(load("--config.model.scan_layers=False", "--config.model.remat=full"))
   assert len(unscanned) == 1 and "keeps no remat" in unscanned[0]
   assert compile_lib.cpu_caveats(load("--config.model.scan_layers=False")) == []  # remat none: nothing dropped
+  # The stand-in is for a GPU/Trainium target only, and only where XLA:CPU is far off; its caveats say what it changed.
+  assert not compile_lib.standin_wanted(load(*moe))  # a CPU target: XLA:CPU's own figures are the truth
+  assert not compile_lib.standin_wanted(load("--config.runtime.platform=gpu"))
+  assert compile_lib.standin_wanted(load(*moe, "--config.runtime.platform=gpu"))
+  both = load(*moe, "--config.runtime.platform=neuron", "--config.model.scan_layers=False", "--config.model.remat=full")
+  standin = compile_lib.cpu_caveats(both, standin=True)
+  assert len(standin) == 3 and "balanced_ragged_dot" in standin[0] and "scanned stack" in standin[1]
+  assert "RaggedDotRewriter" in standin[2]
+
+
+def test_memory_standin_compiles_the_same_parameters_scanned_with_a_grouped_matmul():
+  """`maxtrain.compile --standin=on` on a dropless MoE with unscanned remat=full layers: the same parameter count,
+  a scanned stack whose XLA cost line names the loop, and the stand-in said in the report (its memory against
+  ragged_dot's: test_moe_dropless.py; the presets' figures: docs/fitting.md)."""
+  cfg = config_lib.load(TINY_MODEL + ["--config.model.moe.num_experts=8", "--config.model.moe.dispatch=dropless",
+                                      "--config.model.moe.expert_d_ff=64", "--config.model.scan_layers=False",
+                                      "--config.model.remat=full", "--config.runtime.platform=gpu"])
+  report = compile_lib.compile_train_step(cfg, 8)  # auto: a GPU target
+  assert report.standin
+  from maxtrain.models import registry
+  from maxtrain.program import fit
+
+  model = registry.model_config(cfg.model)
+  assert not model.scan_layers and fit.memory_standin(model).scan_layers
+  _, params = registry.abstract(model)
+  assert report.num_params == sum(x.size for x in jax.tree.leaves(params))
+  text = report.describe()
+  assert "caveat: memory stand-in" in text and "the 2 scanned layers" in text

@@ -230,6 +230,22 @@ def test_remat_auto_picks_the_fastest_policy_that_fits_and_caches(tmp_path, monk
     fit.choose_remat(cfg, jax.devices(), _compile_candidate(calls))
 
 
+def test_remat_auto_under_a_pipeline_leaves_offload_out(tmp_path, monkeypatch):
+  """Under the pipeline the offloaded activations' bytes are not modelled (counted for every layer on every device,
+  llama3_405b's offload row read a negative device peak), so auto compiles none, dots and full only."""
+  from maxtrain.program import fit
+
+  monkeypatch.setenv("MAXTRAIN_CACHE", str(tmp_path))
+  cfg = config_lib.load(SMALL + ["--config.model.remat=auto", "--config.mesh.pipeline=2", "--config.mesh.fsdp=4",
+                                 "--config.pipeline.microbatches=2"])
+  cfg.hardware = "test-device"
+  monkeypatch.setitem(fit.TARGETS, "test-device", fit.Target("test device", 2**40, 1e12, 50e9, "test"))
+  calls = []
+  _, table, candidates = fit.choose_remat(cfg, jax.devices(), _compile_candidate(calls))
+  assert calls == ["none", "dots", "full"] and [c.remat for c in candidates] == calls and "offload" not in table
+  assert all(c.device_peak > 0 for c in candidates)
+
+
 def test_ppo_with_an_offloaded_optimizer_state_is_refused():
   """PPO's critic rides in the optimizer state; offloaded, its value head would run on host arrays (a
   traceback at the first rollout before this check): exit 2 naming both keys, before compiling."""

@@ -38,11 +38,15 @@ def main() -> None:
   import jax
 
   from maxtrain import config as config_lib
+  from maxtrain.aot.compile import standin_wanted
   from maxtrain.program import build, fit
 
   devices = jax.devices()[:args.devices]
   cfg = config_lib.load(rest)
   target = fit.target_for(cfg, devices)
+  standin = standin_wanted(cfg)  # as maxtrain.compile: the memory stand-in for a GPU/Trainium target (fit.py)
+  if standin:
+    print("memory stand-in: " + "; ".join(fit.standin_changes(build.registry.model_config(cfg.model))), file=sys.stderr)
   depth = cfg.model.num_layers
   depths = [int(x) for x in args.layers.split(",")] + ([depth] if args.full else [])
   # Measure with an unbounded device, so that every candidate's figures come back; choose below for the real one.
@@ -54,11 +58,11 @@ def main() -> None:
     start = time.perf_counter()
 
     def compile_fn(c):
-      program = build.program_for(c, devices, require_data=False)
+      program = build.program_for(c, devices, require_data=False, memory_standin=standin)
       with jax.set_mesh(program.mesh):
         return program.lower().compile(), program.plan
 
-    _, _, candidates = fit.choose_remat(trial, devices, compile_fn)
+    _, _, candidates = fit.choose_remat(trial, devices, compile_fn, standin)
     measured[layers] = {c.remat: c for c in candidates}
     print(f"{layers} layers: {len(candidates)} candidates in {time.perf_counter() - start:.0f} s", file=sys.stderr)
   l1, l2 = depths[0], depths[1]

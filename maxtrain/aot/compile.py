@@ -27,19 +27,44 @@ CPU_CAVEAT = ("These are XLA:CPU's figures for the same sharded program: the GPU
               "schedule differently, so treat the memory as an estimate and keep a margin.")
 
 
-def cpu_caveats(cfg: ml_collections.ConfigDict) -> list[str]:
-  """Where XLA:CPU's memory for this config is known to differ from a GPU's by far (beyond CPU_CAVEAT)."""
+# On an NVIDIA GPU, XLA's RaggedDotRewriter expands lax.ragged_dot into a dense dot over every group too, unless
+# its cuDNN ragged-dot fusion takes it (off by default; cuDNN >= 9.22): checked by tools/gpu_ragged_dot_memory.py.
+GPU_RAGGED_CAVEAT = ("the stand-in's figures are those of a grouped-matmul kernel: XLA on an NVIDIA GPU expands "
+                     "lax.ragged_dot into a dense dot over every expert as XLA:CPU does (RaggedDotRewriter) unless "
+                     "--xla_gpu_experimental_use_ragged_dot_fusion=true with cuDNN >= 9.22 "
+                     "(tools/gpu_ragged_dot_memory.py shows which on the device)")
+
+
+def standin_wanted(cfg: ml_collections.ConfigDict) -> bool:
+  """Whether an ahead-of-time compile of `cfg` on XLA:CPU measures the model's memory stand-in
+  (`program/fit.py` memory_standin): for a GPU or Trainium target, when the model has a part XLA:CPU lowers
+  far from its memory there. A CPU target's own figures are XLA:CPU's."""
+  from maxtrain.program import fit
+
+  return cfg.runtime.platform != "cpu" and bool(fit.standin_changes(registry.model_config(cfg.model)))
+
+
+def cpu_caveats(cfg: ml_collections.ConfigDict, standin: bool = False) -> list[str]:
+  """Where XLA:CPU's memory for this config is known to differ from a GPU's by far (beyond CPU_CAVEAT), or, for a
+  compile of the memory stand-in (`standin`), what the stand-in changed."""
   model = registry.model_config(cfg.model)
+  if standin:
+    from maxtrain.program import fit
+
+    changes = fit.standin_changes(model)
+    return [f"memory stand-in (--standin=off: the model as it is): {line}" for line in changes] + (
+        [GPU_RAGGED_CAVEAT] if model.moe.enabled and model.moe.dispatch == "dropless" else [])
   out = []
   if model.moe.num_experts and model.moe.dispatch == "dropless":
     out.append("model.moe.dispatch=dropless: XLA:CPU lowers lax.ragged_dot densely (every token times every expert), "
-               "so the MoE layers' temporaries here are far above a GPU's grouped matmuls (gpt_oss_20b: ~431 GiB per "
-               "device on one node whatever the remat): read the fit from tools/estimate.py, or compile with "
-               "model.moe.dispatch=capacity as a stand-in of the same shapes.")
+               "so the MoE layers' temporaries here are far above a grouped-matmul kernel's (gpt_oss_20b: ~431 GiB per "
+               "device on one node whatever the remat): for a GPU or Trainium target (runtime.platform, e.g. "
+               "--config.hardware=h100x8) maxtrain.compile measures a memory stand-in instead (--standin=auto).")
   if not model.scan_layers and cfg.model.remat not in ("none", "auto") and cfg.model.num_layers > 1:
     out.append(f"unscanned layers with model.remat={cfg.model.remat}: XLA:CPU keeps no remat in an unscanned stack "
                "(it merges each layer's recompute back into its forward: tools/remat_unscanned.py), so the "
-               "temporaries here are those of remat=none; a scanned stand-in of the same shapes shows the fit.")
+               "temporaries here are those of remat=none; for a GPU or Trainium target maxtrain.compile measures a "
+               "scanned stand-in of the same parameters instead (--standin=auto).")
   return out
 
 
@@ -98,12 +123,18 @@ class CompileReport:
   compile_seconds: float
   remat_table: str = ""  # model.remat=auto: the candidates and the chosen policy (program/fit.py); cfg has it
   schedule_table: str = ""  # pipeline.schedule=auto: the schedules compiled and the one chosen (program/schedule_fit.py)
+  standin: bool = False  # compiled the model's memory stand-in (program/fit.py memory_standin), not the model
 
   @property
   def loops(self) -> list[str]:
     """The loops whose bodies XLA's cost analysis counts once."""
     loops = []  # the family's pieces decide whether the layers are scanned (some families' are not)
-    if registry.model_config(self.cfg.model).scan_layers and self.cfg.model.num_layers > 1:
+    model = registry.model_config(self.cfg.model)
+    if self.standin:
+      from maxtrain.program import fit
+
+      model = fit.memory_standin(model)
+    if model.scan_layers and self.cfg.model.num_layers > 1:
       loops.append(f"the {self.cfg.model.num_layers} scanned layers (model.scan_layers=True)")
     if self.plan.batch.num_microbatches > 1:
       loops.append(f"the {self.plan.batch.num_microbatches} microbatches (optimizer.grad_accum_steps)")
@@ -156,7 +187,7 @@ class CompileReport:
         "aliased + temporaries",
         *self.stage_lines(),
         f"  {CPU_CAVEAT}",
-        *(f"  caveat: {line}" for line in cpu_caveats(cfg)),
+        *(f"  caveat: {line}" for line in cpu_caveats(cfg, self.standin)),
         "FLOPs per device per step:",
         f"  model (analytic)  {self.model_flops / 1e12:12.3f} TFLOP  = train_flops_per_token x "
         f"{cfg.data.batch_size * cfg.data.seq_len} tokens / {self.num_devices} devices",
@@ -178,14 +209,16 @@ class CompileReport:
     return "\n".join(lines)
 
 
-def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int) -> CompileReport:
+def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int, standin: bool | None = None) -> CompileReport:
   """Compiles `cfg`'s train step for `num_devices` fake CPU devices (set up here when the backend has
-  not started; otherwise it must already be that many CPU devices)."""
+  not started; otherwise it must already be that many CPU devices). `standin`: compile the model's memory
+  stand-in (`program/fit.py` memory_standin); None: when `standin_wanted`."""
   use_cpu_devices(num_devices)
   from maxtrain.program import build as program_lib  # imported after the backend is set up
 
+  standin = standin_wanted(cfg) if standin is None else standin
   t0 = time.perf_counter()
-  program = program_lib.program_for(cfg, jax.devices(), require_data=False)
+  program = program_lib.program_for(cfg, jax.devices(), require_data=False, memory_standin=standin)
   plan = program.plan
   if plan.mode == "rl":  # the step an RL run compiles: its algorithm's objective on a minibatch (posttrain/rl_step.py)
     from maxtrain.posttrain import rl_step
@@ -202,7 +235,7 @@ def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int) -> Comp
       schedule_table=program.schedule_table, lowered=lowered, compiled=compiled, memory=Memory.of(compiled),
       num_params=sum(x.size for x in jax.tree.leaves(program.state.abstract.params)),
       model_flops=program.flops_per_token * plan.batch.tokens / num_devices, xla_flops=xla_flops(compiled),
-      lower_seconds=t1 - t0, compile_seconds=t2 - t1)
+      lower_seconds=t1 - t0, compile_seconds=t2 - t1, standin=standin)
 
 
 def check_fits(report: CompileReport, device_memory_gib: float) -> str:
@@ -231,7 +264,7 @@ def check_fits(report: CompileReport, device_memory_gib: float) -> str:
       f"the train step needs {mem.peak / GiB:.2f} GiB per device (XLA:CPU peak: arguments {arguments / GiB:.2f} GiB "
       f"for the train state, + temporaries {mem.temporaries / GiB:.2f} GiB for activations and gradients), over "
       f"--device-memory-gb={device_memory_gib:g}. To fit, try: {'; '.join(fixes)}."
-      + "".join(f" Caveat: {line}" for line in cpu_caveats(cfg)))
+      + "".join(f" Caveat: {line}" for line in cpu_caveats(cfg, report.standin)))
 
 
 def neuron_lint(report: CompileReport) -> str:

@@ -33,6 +33,10 @@ def parser() -> argparse.ArgumentParser:
                  help="devices of the target mesh (default: one node of the hardware preset's mesh)")
   p.add_argument("--device-memory-gb", type=float, default=0.0,
                  help="memory per device in GiB; exit 2 when the compiled step's peak exceeds it (0: no check)")
+  p.add_argument("--standin", choices=("auto", "on", "off"), default="auto",
+                 help="compile the model's memory stand-in where XLA:CPU lowers a part far from a GPU's memory "
+                 "(dropless MoE's ragged_dot, remat in unscanned layers; docs/fitting.md). auto: for a GPU or "
+                 "Trainium target (runtime.platform)")
   return p
 
 
@@ -43,7 +47,7 @@ def compile_step(invocation: shell.Invocation) -> None:
   args, cfg = invocation.args, invocation.load_config()
   num_devices = args.devices or default_devices(cfg)
   print(f"maxtrain.compile: {num_devices} devices, hardware preset {cfg.hardware or '(none)'}", flush=True)
-  report = compile_train_step(cfg, num_devices)
+  report = compile_train_step(cfg, num_devices, {"auto": None, "on": True, "off": False}[args.standin])
   print(report.describe())
   if cfg.runtime.platform == "neuron":
     print(neuron_lint(report))

@@ -129,6 +129,8 @@ class ModelConfig:
   quant: quant_lib.QuantConfig = quant_lib.QuantConfig()  # model.quantization and model.quant_*
   mtp_layers: int = 0  # multi-token prediction depths (models/mtp.py); 0: none
   mtp_loss_weight: float = 0.3  # their loss's weight in the objective (DeepSeek-V3: 0.3, then 0.1)
+  # Not a config key: set only by ahead-of-time compiles (program/fit.py memory_standin), never for a run.
+  memory_standin: bool = False
 
   @property
   def head_dim(self) -> int:
@@ -309,7 +311,7 @@ class Block(nnx.Module):
     self.is_moe = moe
     if moe:
       self.moe = MoE(cfg.d_model, cfg.moe, quant=cfg.quant.for_kind("experts"),
-                     shared_quant=cfg.quant.for_kind("mlp"), **common)
+                     shared_quant=cfg.quant.for_kind("mlp"), balanced_standin=cfg.memory_standin, **common)
     else:
       self.mlp = MLP(cfg.d_model, cfg.d_ff, quant=cfg.quant.for_kind("mlp"), activation=cfg.mlp_activation, **common)
 

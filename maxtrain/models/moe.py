@@ -175,10 +175,12 @@ def route(x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: MoECon
 
 class MoE(nnx.Module):
   def __init__(self, d_model: int, cfg: MoEConfig, *, init_std: float, out_std: float, param_dtype, compute_dtype,
-               rngs: nnx.Rngs, quant=None, shared_quant=None):
+               rngs: nnx.Rngs, quant=None, shared_quant=None, balanced_standin: bool = False):
     E, F = cfg.num_experts, cfg.expert_d_ff
     init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
     self.cfg, self.compute_dtype = cfg, compute_dtype
+    # Dropless: lax.ragged_dot, or its memory stand-in for ahead-of-time compiles on XLA:CPU (program/fit.py).
+    self.balanced_standin = balanced_standin
     self.quant = quant  # models/quant.py Quant of the routed experts' matmuls (capacity dispatch), or None
     self.router = param(rngs, init, (d_model, E), ("embed", "router_experts"), param_dtype)
     # fp32 whatever param_dtype: sign steps of 1e-3 would vanish in bf16 next to an O(1) bias.
@@ -216,6 +218,8 @@ class MoE(nnx.Module):
       else:
         weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
         logical, ffn = ragged_dispatch.SWIGLU_LOGICAL, moe_dispatch.grouped_swiglu
+      if self.balanced_standin:
+        ffn = _standin_ffn(ffn)
       stats["dropped"], stats["a2a_bytes"] = jnp.float32(0.0), jnp.float32(0.0)
       parallel = ragged_dispatch.for_active_rules(ffn, cfg.num_experts, logical)
       if parallel is not None:  # experts split over devices: every assignment travels to its expert and back
@@ -245,6 +249,12 @@ class MoE(nnx.Module):
 def _clamped_ffn(alpha: float, limit: float) -> Callable:
   """GPT-OSS's grouped experts with their constants bound (one function per pair, so traces can share it)."""
   return functools.partial(moe_dispatch.grouped_clamped_swiglu, alpha=alpha, limit=limit)
+
+
+@functools.lru_cache(maxsize=None)
+def _standin_ffn(ffn: Callable) -> Callable:
+  """`ffn` with its grouped matmuls through `moe_dispatch.balanced_ragged_dot` (one function per ffn)."""
+  return functools.partial(ffn, matmul=moe_dispatch.balanced_ragged_dot)
 
 
 def load_entropy(load_LE: jax.Array) -> jax.Array:

@@ -83,35 +83,51 @@ def _local(reduce):
   return (lambda y: y) if reduce is None else reduce
 
 
+def balanced_ragged_dot(x_NI: jax.Array, w_EIO: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+  """`lax.ragged_dot`'s memory stand-in for ahead-of-time compiles on XLA:CPU, which lowers ragged_dot densely
+  (every row times every group: E times the rows' buffers and FLOPs). The rows are cut into E equal groups
+  (padded to a multiple of E) and multiplied in one batched matmul, so the buffers and FLOPs are those of a
+  grouped matmul (a GPU kernel's) with every expert equally loaded, forward and backward. Equal to ragged_dot
+  only when `group_sizes_E` are all N / E: compiled for its memory (`program/fit.py` memory_standin), never run."""
+  del group_sizes_E
+  N, E = x_NI.shape[0], w_EIO.shape[0]
+  rows = -(-N // E)
+  x_ERI = jnp.pad(x_NI, ((0, rows * E - N), (0, 0))).reshape(E, rows, x_NI.shape[1])
+  y_ERO = jax.lax.dot_general(x_ERI, w_EIO, (((2,), (1,)), ((0,), (0,))))
+  return y_ERO.reshape(rows * E, -1)[:N]
+
+
 def grouped_swiglu(x_ND: jax.Array, group_sizes_E: jax.Array, expert_N: jax.Array, weights: tuple[jax.Array, ...],
-                   reduce=None) -> jax.Array:
+                   reduce=None, *, matmul=jax.lax.ragged_dot) -> jax.Array:
   """Each expert's SwiGLU on its run of the rows (sorted by expert, `group_sizes_E` long each; rows past
   their sum come out 0): three grouped matmuls of weights (gate_EDF, up_EDF, down_EFD). `expert_N` (each
   row's expert) is unused here; `reduce` sums the partial outputs of a hidden dim split over devices.
-  Dropless expert parallelism runs it on the local experts (sharding/ragged_dispatch.py)."""
+  Dropless expert parallelism runs it on the local experts (sharding/ragged_dispatch.py). `matmul`: the grouped
+  matmul (`balanced_ragged_dot`: the memory stand-in)."""
   del expert_N
   gate_EDF, up_EDF, down_EFD = weights
-  gate_NF = jax.lax.ragged_dot(x_ND, gate_EDF, group_sizes_E)
-  up_NF = jax.lax.ragged_dot(x_ND, up_EDF, group_sizes_E)
-  return _local(reduce)(jax.lax.ragged_dot(jax.nn.silu(gate_NF) * up_NF, down_EFD, group_sizes_E))
+  gate_NF = matmul(x_ND, gate_EDF, group_sizes_E)
+  up_NF = matmul(x_ND, up_EDF, group_sizes_E)
+  return _local(reduce)(matmul(jax.nn.silu(gate_NF) * up_NF, down_EFD, group_sizes_E))
 
 
 def grouped_clamped_swiglu(x_ND: jax.Array, group_sizes_E: jax.Array, expert_N: jax.Array,
-                           weights: tuple[jax.Array, ...], reduce=None, *, alpha: float, limit: float) -> jax.Array:
+                           weights: tuple[jax.Array, ...], reduce=None, *, alpha: float, limit: float,
+                           matmul=jax.lax.ragged_dot) -> jax.Array:
   """GPT-OSS's experts on sorted rows: weights (gate_up_ED2F, down_EFD) or with their biases (..., gate_up_b_E2F,
   down_b_ED), each row's biases those of its expert `expert_N` (rows past the groups: any, their output is
   0 before the bias and cut off by the caller). The clamped SwiGLU over the interleaved gate_up columns
   (gate even, up odd): (clip(up, -limit, limit) + 1) x g x sigmoid(alpha x g), g = min(gate, limit)."""
   gate_up_ED2F, down_EFD = weights[:2]
   biases = weights[2:]
-  gate_up_N2F = jax.lax.ragged_dot(x_ND, gate_up_ED2F, group_sizes_E)
+  gate_up_N2F = matmul(x_ND, gate_up_ED2F, group_sizes_E)
   take = lambda b_EX: jnp.take(b_EX, expert_N, axis=0, mode="clip")
   if biases:
     gate_up_N2F = gate_up_N2F + take(biases[0])
   gate_NF = jnp.minimum(gate_up_N2F[:, 0::2], limit)
   up_NF = jnp.clip(gate_up_N2F[:, 1::2], -limit, limit)
   h_NF = (up_NF + 1) * gate_NF * jax.nn.sigmoid(alpha * gate_NF)
-  y_ND = _local(reduce)(jax.lax.ragged_dot(h_NF, down_EFD, group_sizes_E))
+  y_ND = _local(reduce)(matmul(h_NF, down_EFD, group_sizes_E))
   return y_ND + take(biases[1]) if biases else y_ND  # once, after the partial sums over the hidden dim
 
 

@@ -70,12 +70,16 @@ def loss_chunk_tokens(model_cfg: ml_collections.ConfigDict) -> int:
   return loss.default_chunk_tokens(model_cfg.vocab_size) if n < 0 else n
 
 
-def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) -> Program:
+def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None, *,
+          memory_standin: bool = False) -> Program:
   """Everything but the state's values and the data. Raises UserError for a layout that does not
-  divide the model or would replicate most of it."""
+  divide the model or would replicate most of it. `memory_standin`: the model `fit.memory_standin` makes of
+  it, for an ahead-of-time compile's memory only (never run)."""
   mesh = make_mesh(plan.mesh) if mesh is None else mesh
   rules = plan.layout.rules
   model_cfg = registry.model_config(cfg.model)
+  if memory_standin:
+    model_cfg = fit.memory_standin(model_cfg)
   optimizer = optim.make(*schedule_config(cfg, plan.updates_per_step))  # the schedule in optimizer updates
   if plan.critic:  # PPO: a value head and its own optimizer state ride in the optimizer state
     optimizer = critic.with_critic(optimizer, model_cfg.d_model, cfg.post.critic_lr)
@@ -101,11 +105,13 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None) 
 
 
 def program_for(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], *,
-                require_data: bool = True) -> Program:
+                require_data: bool = True, memory_standin: bool = False) -> Program:
   """The program `cfg` runs on `devices`: validated to a Plan (UserError on a bad config, before anything
   is built), then built on a mesh over exactly those devices. The process count is that of the devices,
   so a subset of one process's devices plans as a one-process run. `require_data=False`: no data source
-  needed (ahead-of-time compiles, generation, benchmarks on synthetic batches)."""
+  needed (ahead-of-time compiles, generation, benchmarks on synthetic batches). `memory_standin`: build the
+  model's memory stand-in (`fit.memory_standin`: an ahead-of-time compile for a GPU/Trainium target on
+  XLA:CPU; its values are not the model's, so it is compiled, never run)."""
   devices = list(devices)
   num_processes = len({d.process_index for d in devices})
   plan = validate(cfg, len(devices), num_processes, require_data=require_data)
@@ -116,22 +122,23 @@ def program_for(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], *
     offload.check_host_memory("model.remat=offload", devices, cfg.runtime.platform)
   table = schedule_table = ""
   if cfg.model.remat == "auto":  # each candidate is planned as this program is: on every device
-    cfg, table = resolve_remat(cfg, every)
+    cfg, table = resolve_remat(cfg, every, memory_standin)
   if cfg.pipeline.schedule == "auto" and plan.pipeline is not None:
-    cfg, schedule_table = resolve_schedule(cfg, every)
+    cfg, schedule_table = resolve_schedule(cfg, every, memory_standin)
     plan = validate(cfg, len(every), num_processes, require_data=require_data)
-  return dataclasses.replace(build(cfg, plan, make_mesh(plan.mesh, devices)), remat_table=table,
-                             schedule_table=schedule_table)
+  return dataclasses.replace(build(cfg, plan, make_mesh(plan.mesh, devices), memory_standin=memory_standin),
+                             remat_table=table, schedule_table=schedule_table)
 
 
-def resolve_schedule(cfg: ml_collections.ConfigDict,
-                     devices: Sequence[jax.Device]) -> tuple[ml_collections.ConfigDict, str]:
+def resolve_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device],
+                     memory_standin: bool = False) -> tuple[ml_collections.ConfigDict, str]:
   """`cfg` with `pipeline.schedule=auto` replaced by the schedule `program/schedule_fit.py` chooses from the
-  ahead-of-time compile of each candidate on `devices`, and the table of candidates (also logged)."""
+  ahead-of-time compile of each candidate on `devices` (of the memory stand-in when asked), and the table of
+  candidates (also logged)."""
   from maxtrain.program import schedule_fit
 
   def compile_candidate(trial: ml_collections.ConfigDict):
-    program = program_for(trial, devices, require_data=False)
+    program = program_for(trial, devices, require_data=False, memory_standin=memory_standin)
     with jax.set_mesh(program.mesh):
       return program.lower().compile(), program.plan
 
@@ -149,15 +156,17 @@ def split_devices(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device])
   return (devices[:len(devices) - n], devices[len(devices) - n:]) if n else (devices, [])
 
 
-def resolve_remat(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]) -> tuple[ml_collections.ConfigDict, str]:
+def resolve_remat(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device],
+                  memory_standin: bool = False) -> tuple[ml_collections.ConfigDict, str]:
   """`cfg` with `model.remat=auto` replaced by the policy `program/fit.py` chooses for the target from the
-  ahead-of-time compile of each candidate on `devices`, and the table of candidates (also logged)."""
+  ahead-of-time compile of each candidate on `devices` (of its memory stand-in with `memory_standin`), and the
+  table of candidates (also logged)."""
   def compile_candidate(trial: ml_collections.ConfigDict):
-    program = program_for(trial, devices, require_data=False)
+    program = program_for(trial, devices, require_data=False, memory_standin=memory_standin)
     with jax.set_mesh(program.mesh):
       return program.lower().compile(), program.plan
 
-  remat, table, _ = fit.choose_remat(cfg, devices, compile_candidate)
+  remat, table, _ = fit.choose_remat(cfg, devices, compile_candidate, memory_standin)
   log.info("%s", table)
   resolved = cfg.copy_and_resolve_references()
   resolved.model.remat = remat

@@ -110,6 +110,35 @@ class Memory:
                                host_aliased=host_aliased)
 
 
+# ---- memory stand-ins for ahead-of-time compiles on XLA:CPU --------------------------------------------
+
+def standin_changes(model_cfg: Any) -> list[str]:
+  """What `memory_standin` changes in this model, one line each (empty: it compiles as it is). Two things
+  XLA:CPU lowers far from a GPU's memory: lax.ragged_dot (dense over every expert) and remat in an unscanned
+  stack (merged back into the forward: tools/remat_unscanned.py)."""
+  out = []
+  if model_cfg.moe.enabled and model_cfg.moe.dispatch == "dropless":
+    out.append("model.moe.dispatch=dropless: the experts' grouped matmuls are compiled as one batched matmul over "
+               "equal groups (models/moe_dispatch.py balanced_ragged_dot: the buffers and FLOPs of a grouped-matmul "
+               "kernel with every expert equally loaded), not lax.ragged_dot, which XLA:CPU lowers densely over "
+               "every expert")
+  if not model_cfg.scan_layers and model_cfg.remat != "none" and model_cfg.num_layers > 1:
+    out.append(f"unscanned layers with model.remat={model_cfg.remat}: compiled as one scanned stack of the same "
+               "parameters, every layer with the window of the local layers (flash's memory is linear in T whatever "
+               "the window), as XLA:CPU keeps no remat in an unscanned stack")
+  return out
+
+
+def memory_standin(model_cfg: Any) -> Any:
+  """The model a compile on XLA:CPU measures for a GPU or Trainium target (`standin_changes`): the same
+  parameters, the same activations per layer, the memory of the target's kernels. Compiled, never run: with
+  unequal expert loads its values are not the model's."""
+  changes: dict[str, Any] = {"memory_standin": True}
+  if not model_cfg.scan_layers and model_cfg.remat != "none" and model_cfg.num_layers > 1:
+    changes.update(scan_layers=True, window_layers="all", window_pattern=0, rope_local_theta=0.0)
+  return dataclasses.replace(model_cfg, **changes)
+
+
 # ---- model.remat=auto ---------------------------------------------------------------------------------
 
 CANDIDATES = ("none", "dots", "offload", "full")
@@ -207,7 +236,8 @@ class Candidate:
     return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("step_seconds", "fits")}
 
 
-def _cache_key(cfg: ml_collections.ConfigDict, devices: Sequence[Any], names: list[str]) -> dict[str, Any]:
+def _cache_key(cfg: ml_collections.ConfigDict, devices: Sequence[Any], names: list[str],
+               standin: bool = False) -> dict[str, Any]:
   """What the compiled figures depend on (not the target's memory or speed: the choice is made after)."""
   import maxtrain
 
@@ -216,7 +246,7 @@ def _cache_key(cfg: ml_collections.ConfigDict, devices: Sequence[Any], names: li
   parts["model"].pop("remat", None)
   return {"config": parts, "seq_len": cfg.data.seq_len, "batch_size": cfg.data.batch_size, "devices": len(devices),
           "device_kind": devices[0].device_kind if devices else "", "candidates": names,
-          "jax": jax.__version__, "maxtrain": maxtrain.__version__}
+          "jax": jax.__version__, "maxtrain": maxtrain.__version__, **({"memory_standin": True} if standin else {})}
 
 
 def _cached(key: dict[str, Any], measure: Callable[[], list[Candidate]]) -> list[Candidate]:
@@ -242,9 +272,11 @@ def _cached(key: dict[str, Any], measure: Callable[[], list[Candidate]]) -> list
 
 
 def choose_remat(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
-                 compile_fn: Callable[[ml_collections.ConfigDict], tuple[Any, Any]]) -> tuple[str, str, list[Candidate]]:
+                 compile_fn: Callable[[ml_collections.ConfigDict], tuple[Any, Any]],
+                 standin: bool = False) -> tuple[str, str, list[Candidate]]:
   """(the remat policy, the table of candidates, the candidates) for `cfg` on `devices`. `compile_fn(cfg)` returns (the
-  compiled train step of cfg, its plan). UserError when no candidate fits."""
+  compiled train step of cfg, its plan); `standin`: it compiles `memory_standin` models (cached apart). UserError
+  when no candidate fits."""
   headroom = cfg.fit.headroom
   require(0 <= headroom < 1, f"config.fit.headroom={headroom}: must be in [0, 1) (the share of device memory "
           "model.remat=auto leaves free)")
@@ -254,11 +286,16 @@ def choose_remat(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
   def measure() -> list[Candidate]:
     from maxtrain.models import registry
 
-    out = []
+    out, pipelined = [], False
     for remat in names:
+      # Under the pipeline the offloaded activations' bytes are not modelled (offloaded_activation_bytes counts
+      # every layer on every device: llama3_405b read -445 GiB on the device), so offload is no candidate there.
+      if remat == "offload" and pipelined:
+        continue
       trial = cfg.copy_and_resolve_references()
       trial.model.remat = remat
       compiled, plan = compile_fn(trial)
+      pipelined = plan.pipeline is not None
       mem = Memory.of(compiled)
       host, moved = mem.host, 2 * mem.host_arguments  # an offloaded optimizer state: in and out each step
       device_peak = mem.peak
@@ -277,7 +314,7 @@ def choose_remat(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
   limit = target.memory_bytes * (1 - headroom)
   candidates = [dataclasses.replace(c, fits=c.device_peak <= limit, step_seconds=c.flops / target.flops
                                     + (c.moved / target.host_bandwidth if c.moved else 0.0))
-                for c in _cached(_cache_key(cfg, devices, names), measure)]
+                for c in _cached(_cache_key(cfg, devices, names, standin), measure)]
   fitting = [c for c in candidates if c.fits]
   chosen = min(fitting, key=lambda c: c.step_seconds) if fitting else None
   lines = [f"model.remat=auto for {len(devices)} x {target.name} ({target.memory_bytes / GiB:.1f} GiB, "
