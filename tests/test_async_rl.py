@@ -182,12 +182,13 @@ def test_a_hung_rollout_side_or_publish_ends_as_a_hang(fault, phase, tmp_path):
   assert (events[-1]["kind"], events[-1]["code"]) == ("exit", 76)
 
 
-def test_a_rollout_worker_that_dies_is_a_crash_naming_it(tmp_path):
+def test_a_rollout_worker_that_dies_is_a_crash_naming_it(tmp_path, capsys):
   """The producer thread raises before round 2: a `rollout_died` event naming the error, then exit 1 (a crash:
   restarted with backoff) with a crash event that says the rollout side died; round 1 trained."""
   out = tmp_path / "run"
-  with pytest.raises(RuntimeError, match="the rollout producer thread died at round 2"):  # the process: exit 1
-    train.main(SPLIT + ["--config.steps=3", "--config.faults.rollout_die_at_step=2", f"--config.output_dir={out}"])
+  code = train.main(SPLIT + ["--config.steps=3", "--config.faults.rollout_die_at_step=2", f"--config.output_dir={out}"])
+  err = capsys.readouterr().err
+  assert code == 1 and "crash: RuntimeError: the rollout producer thread died at round 2" in err, err[-2000:]
   events = read_events(out / "events.jsonl")
   [died] = [e for e in events if e["kind"] == "rollout_died"]
   assert died["round"] == 2 and died["version"] == 0 and "fault injection" in died["error"], died
