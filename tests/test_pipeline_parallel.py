@@ -249,11 +249,12 @@ def test_checkpoints_move_between_stage_counts_bitwise(runs, tmp_path):
   ckpt.close()
 
 
-@pytest.mark.parametrize("kind", ["1f1b", "zb"])
-def test_schedule_resumes_bitwise(runs, tmp_path, kind):
-  """The 1f1b / zb run's state after STEPS steps saves and restores bitwise, and its next step gives the loss the
-  run gave without the round trip, exactly."""
-  run = runs[f"pipeline4xfsdp2_{kind}"]
+@pytest.mark.parametrize("kind, name", [("1f1b", "pipeline4xfsdp2_1f1b"), ("zb", "pipeline4xfsdp2_zb"),
+                                        ("interleaved_1f1b", "pipeline2xfsdp4_interleaved")])
+def test_schedule_resumes_bitwise(runs, tmp_path, kind, name):
+  """The 1f1b / zb / interleaved run's state after STEPS steps saves and restores bitwise, and its next step gives
+  the loss the run gave without the round trip, exactly."""
+  run = runs[name]
   assert run.program.plan.pipeline.kind == kind
   ckpt = Checkpointer(run.program.cfg.checkpoint, str(tmp_path))
   with jax.set_mesh(run.program.mesh):
