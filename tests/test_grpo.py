@@ -22,8 +22,9 @@ from maxtrain import config as config_lib
 from maxtrain.data import arithmetic
 from maxtrain.data.tokenizer import ByteTokenizer
 from maxtrain.errors import EXIT_ABORTED, Aborted, UserError
+from maxtrain.inference import sampling
 from maxtrain.inference.sampling import Sampling
-from maxtrain.posttrain import data as post_data, packing, rewards, rl_step, rollout as rollout_lib
+from maxtrain.posttrain import packing, rewards, rl_step, rollout as rollout_lib
 from maxtrain.posttrain.algorithms import base as algo_base
 from maxtrain.posttrain.rl import ROLLOUTS_FILE
 from maxtrain.cli import train
@@ -49,7 +50,7 @@ def rollout(program, params):
   """A round's batch (host rows) sampled by the generator at temperature 1 with these parameters."""
   examples = [e for e in arithmetic.examples("train")[:P] for _ in range(G)]
   prompt_ids = [TOK.encode(e["prompt"]).tolist() for e in examples]
-  generator = post_data.make_generator(program, params)
+  generator = sampling.for_program(program, params)
   tokens, scores, _ = generator.generate_scored(prompt_ids, 6, Sampling(temperature=1.0, seed=3),
                                                 vocab_limit=TOK.vocab_size)
   rows, lengths, _ = rollout_lib.rollout_rows(prompt_ids, tokens, scores, TOK.eos_id, 16)

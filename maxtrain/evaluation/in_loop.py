@@ -29,16 +29,11 @@ class TaskEval:
 
   def _lm(self, params: Any) -> Any:
     if self.lm is None:
-      from flax import nnx
-
       from maxtrain.data.tokenizer import load_tokenizer
       from maxtrain.evaluation.lm import MaxtrainLM
-      from maxtrain.inference.sampling import Generator
+      from maxtrain.inference import sampling
 
-      program = self.program
-      model = nnx.merge(program.state.graphdef, params)
-      generator = Generator(model, program.mesh, program.plan.layout.rules,
-                            batch_multiple=program.plan.layout.shards("act_batch"))
+      generator = sampling.for_program(self.program, params)
       tokenizer = load_tokenizer(self.cfg.data.tokenizer)
       self.lm = MaxtrainLM(generator, tokenizer, min(tokenizer.vocab_size, generator.cfg.vocab_size))
     self.lm.generator.params = params

@@ -171,13 +171,18 @@ def load(path: str, *, seed: int = 0, overrides: Sequence[str] = ()) -> tuple[Ge
   for key, value in keys:
     set_override(cfg, key, value)
   program = program_for(cfg, jax.devices(), require_data=False)
-  spec, rules = program.state, program.plan.layout.rules
   params = init_from.load_params(path, program.model_cfg, program.abstract_state().params)
-  model = nnx.merge(spec.graphdef, params)
   tokenizer = load_tokenizer(source.tokenizer or "byte")  # the one the run trained with (its saved config)
   trained = getattr(source, "tokenizer_identity", None)
   require(trained is None or trained == tokenizer.identity,
           f"{path} was trained on stores tokenized by {trained}, but its data.tokenizer={source.tokenizer!r} is "
           f"now {tokenizer.identity} (the file changed since): restore that tokenizer file")
-  generator = Generator(model, program.mesh, rules, batch_multiple=program.plan.layout.shards("act_batch"))
-  return generator, tokenizer, source
+  return for_program(program, params), tokenizer, source
+
+
+def for_program(program: Any, params: Any) -> Generator:
+  """The one way to build a generator from a program: its model (graph) with `params`, on its mesh and
+  sharding rules, prompts padded to its batch shards. Callers that reuse it set `.params` per call."""
+  model = nnx.merge(program.state.graphdef, params)
+  return Generator(model, program.mesh, program.plan.layout.rules,
+                   batch_multiple=program.plan.layout.shards("act_batch"))

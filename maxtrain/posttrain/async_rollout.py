@@ -37,9 +37,9 @@ import numpy as np
 
 from maxtrain.config import redact_text
 from maxtrain.errors import Stalled, UserCodeExit, UserError
+from maxtrain.inference import sampling as sampling_lib
 from maxtrain.monitor import events as ev
 from maxtrain.posttrain import rollout as rollout_lib
-from maxtrain.posttrain.data import make_generator
 from maxtrain.posttrain.rl import Outcome, RlStepper, completion_tokens
 from maxtrain.program import state as state_lib
 
@@ -322,7 +322,7 @@ class AsyncRlStepper(RlStepper):
 
   def _generator_for(self, params: Any) -> Any:
     if self._generator is None:  # the rollout side's generator, built on its first batch (its own thread)
-      self._generator = make_generator(self.rollout_program, params)
+      self._generator = sampling_lib.for_program(self.rollout_program, params)
     return self._generator
 
   def start(self, state: state_lib.TrainState, step: int) -> None:

@@ -17,12 +17,12 @@ from typing import Any, Sequence
 import jax
 import ml_collections
 import numpy as np
-from flax import nnx
 
 from maxtrain.data import sft as sft_data
 from maxtrain.data.pipeline import KEYS
 from maxtrain.data.tokenizer import load_tokenizer
 from maxtrain.errors import UserError, require
+from maxtrain.inference import sampling as sampling_lib
 from maxtrain.posttrain import rewards as rewards_lib
 from maxtrain.program import batch as batch_lib
 
@@ -128,7 +128,7 @@ class SftData:
 
   def _generator_for(self, program: Any, params: Any) -> Any:
     if self._generator is None:
-      self._generator = make_generator(program, params)
+      self._generator = sampling_lib.for_program(program, params)
     self._generator.params = params
     return self._generator
 
@@ -209,15 +209,6 @@ def _unigram_entropy(targets: np.ndarray, mask: np.ndarray) -> float:
   counts = np.bincount(targets[mask > 0].reshape(-1))
   p = counts[counts > 0] / max(counts.sum(), 1)
   return float(-(p * np.log(p)).sum())
-
-
-def make_generator(program: Any, params: Any) -> Any:
-  """The project's generator over the training model and mesh; its params are set per call."""
-  from maxtrain.inference.sampling import Generator
-
-  model = nnx.merge(program.state.graphdef, params)
-  return Generator(model, program.mesh, program.plan.layout.rules,
-                   batch_multiple=program.plan.layout.shards("act_batch"))
 
 
 def exact_match(generator: Any, tokenizer: Any, examples: Sequence[dict], max_new_tokens: int,

@@ -31,9 +31,10 @@ import jax
 import ml_collections
 import numpy as np
 
+from maxtrain.inference import sampling as sampling_lib
 from maxtrain.monitor import events as ev
 from maxtrain.posttrain import algorithms, correction, packing, rl_step, rollout as rollout_lib
-from maxtrain.posttrain.data import PromptData, make_generator
+from maxtrain.posttrain.data import PromptData
 from maxtrain.program import state as state_lib
 
 log = logging.getLogger("maxtrain")
@@ -91,7 +92,7 @@ class RlStepper:
                   len(self.data.restored_in_flight))
       self.data.restored_in_flight = []
     self.reference = self._reference(state)
-    self.generator = make_generator(self.program, state.params)
+    self.generator = sampling_lib.for_program(self.program, state.params)
 
   def _reference(self, state: state_lib.TrainState) -> Any:
     """The frozen reference: the run's starting parameters (rebuilt, not saved: also after a resume)."""
