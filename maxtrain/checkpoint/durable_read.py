@@ -83,12 +83,13 @@ def restore_unchecked(path: Path, abstract_state: Any, shardings: Any) -> Restor
 
 
 class DurableReader:
-  """`verify`: checkpoint.verify. `target`: (abstract state, shardings) of the run, once known: a step without a
-  manifest is checked by restoring it onto them, and that restore is kept for `restore` (read once)."""
+  """`verify`: checkpoint.verify. `target`: (abstract state, shardings) of the run (None for a reader without a
+  run, e.g. a tool's): a step without a manifest is checked by restoring it onto them, and that restore is kept
+  for `restore` (read once)."""
 
-  def __init__(self, verify: bool):
+  def __init__(self, verify: bool, target: tuple[Any, Any] | None = None):
     self.enabled = verify
-    self.target: tuple[Any, Any] | None = None
+    self.target = target
     self._verified: set[Path] = set()
     self._prefetched: dict[Path, Restored] = {}
 

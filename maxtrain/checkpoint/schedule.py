@@ -65,12 +65,16 @@ class Checkpoints:
 
   def __init__(self, cfg: ml_collections.ConfigDict, output_dir: Path, events: Any, metrics: Any,
                on_save_started: Any = None, on_progress: Callable[[], None] | None = None,
-               on_saved: Callable[[int, Path], None] | None = None, mesh_shape: dict | None = None):
+               on_saved: Callable[[int, Path], None] | None = None, mesh_shape: dict | None = None,
+               state_spec: Any = None):
+    """`state_spec`: the run's state (abstract and shardings); a durable step without a manifest is checked by
+    restoring onto it (storage.Checkpointer.verify)."""
     default_dir = output_dir / "checkpoints"
     self.cfg, self.mesh_shape = cfg, mesh_shape or {}
     validate_tiers(cfg.checkpoint, str(default_dir))  # checkpoint.dir="" resolves only now
+    target = None if state_spec is None else (state_spec.abstract, state_spec.shardings)
     self.store = Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or str(default_dir), default_dir, on_progress,
-                              lock=jax.process_index() == 0)
+                              lock=jax.process_index() == 0, target=target)
     ck, kv = cfg.checkpoint, KeyValue.current()
     self.local = None
     if ck.local_dir:
@@ -97,11 +101,8 @@ class Checkpoints:
   def location(self) -> str:
     return self.store.location
 
-  def resolve_resume(self, state_spec: Any = None) -> Path | None:
-    """The step to restore, or None for a fresh start. `state_spec`: the run's state; a durable step without a
-    manifest is checked by restoring onto it (storage.Checkpointer.verify)."""
-    if state_spec is not None:
-      self.store.reader.target = (state_spec.abstract, state_spec.shardings)
+  def resolve_resume(self) -> Path | None:
+    """The step to restore, or None for a fresh start."""
     self.resumed = self.resume.resolve()
     return self.resumed.path
 

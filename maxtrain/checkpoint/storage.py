@@ -136,9 +136,11 @@ class Checkpointer:
   """
 
   def __init__(self, ckpt_cfg: ml_collections.ConfigDict, location: str, staging: Path | None = None,
-               on_progress: Callable[[], None] | None = None, lock: bool = False):
+               on_progress: Callable[[], None] | None = None, lock: bool = False,
+               target: tuple[Any, Any] | None = None):
     """`lock`: hold the checkpoint directory for the life of this object (the trainer's process 0 does; an
-    s3:// one also by a lease object there), so that two runs never save into one directory."""
+    s3:// one also by a lease object there), so that two runs never save into one directory. `target`: the
+    run's (abstract state, shardings), onto which a step without a manifest is verified (DurableReader)."""
     self.cfg = ckpt_cfg
     self._locks: list[Any] = []
     self.remote = None
@@ -165,7 +167,7 @@ class Checkpointer:
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self.saves = _Saves(self._manager, self.directory, self.remote)
-    self.reader = DurableReader(bool(ckpt_cfg.verify))
+    self.reader = DurableReader(bool(ckpt_cfg.verify), target)
 
   def release_locks(self) -> None:
     while self._locks:

@@ -12,7 +12,7 @@ Shape legend: B batch, T length, V vocab.
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,16 +46,18 @@ def make_scorer(generator: sampling.Generator, vocab_limit: int):
 
 
 class MaxtrainLM(TemplateLM):
-  """The lm-eval model: `MaxtrainLM(generator, tokenizer, vocab_limit, batch_size)`."""
+  """The lm-eval model: `MaxtrainLM(generator, tokenizer, vocab_limit, batch_size)`; `after_batch` is called
+  after each scored batch (the watch sidecar's fault seam)."""
 
-  def __init__(self, generator: sampling.Generator, tokenizer: Any, vocab_limit: int, batch_size: int = 8):
+  def __init__(self, generator: sampling.Generator, tokenizer: Any, vocab_limit: int, batch_size: int = 8,
+               after_batch: Callable[[], None] | None = None):
     super().__init__()
     self.generator, self.tok, self.vocab_limit = generator, tokenizer, vocab_limit
     multiple = generator.batch_multiple
     self.batch_size = batch_size + (-batch_size % multiple)  # the batch must divide its shards
     self.max_length = generator.cfg.max_seq_len
     self._score = make_scorer(generator, vocab_limit)
-    self.after_batch: Any = None  # called after each scored batch (the watch sidecar's fault seam)
+    self.after_batch = after_batch
 
   @property
   def eot_token_id(self) -> int:

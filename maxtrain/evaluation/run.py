@@ -132,11 +132,12 @@ def evaluate(lm: Any, names: Sequence[str], manager: Any, *, log_samples: bool =
                                                     "n-samples", "samples")}
 
 
-def load_lm(checkpoint: str, overrides: Sequence[str] = (), batch_size: int = 8) -> tuple[Any, Any]:
-  """(MaxtrainLM, source) for the checkpoint, on the mesh its run trained on."""
+def load_lm(checkpoint: str, overrides: Sequence[str] = (), batch_size: int = 8,
+            after_batch: Any = None) -> tuple[Any, Any]:
+  """(MaxtrainLM, source) for the checkpoint, on the mesh its run trained on; `after_batch`: MaxtrainLM's."""
   from maxtrain.evaluation.lm import MaxtrainLM
   from maxtrain.inference import sampling
 
   generator, tokenizer, source = sampling.load(checkpoint, overrides=overrides)
   vocab_limit = min(source.vocab_size, generator.cfg.vocab_size)
-  return MaxtrainLM(generator, tokenizer, vocab_limit, batch_size), source
+  return MaxtrainLM(generator, tokenizer, vocab_limit, batch_size, after_batch), source

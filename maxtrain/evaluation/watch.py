@@ -80,6 +80,7 @@ class Sidecar:
                       "one per run") from None
     self.events = ev.EventLog(run_dir / "eval" / ev.FILENAME)
     self.lm: Any = None
+    self._seam: Any = None  # the step being evaluated's fault seam (_fault_seam), called by the LM (_after_batch)
     self.skipped: set[int] = set()  # steps recorded as skipped (an event each), never tried again
     self.unfinished: set[int] = set()  # steps started without a done or skipped record yet
     self.reconcile()
@@ -139,7 +140,7 @@ class Sidecar:
 
     try:  # verified here, before any parameter is read
       if self.lm is None:
-        self.lm, _ = run.load_lm(path, self.overrides, self.batch_size)
+        self.lm, _ = run.load_lm(path, self.overrides, self.batch_size, after_batch=self._after_batch)
       else:
         self.lm.load_params(path)
     except Exception as e:
@@ -149,7 +150,7 @@ class Sidecar:
         raise
       self._skip(step, f"{type(e).__name__}: {e}")
       return
-    self.lm.after_batch = self._fault_seam(step)
+    self._seam = self._fault_seam(step)
     results = run.evaluate(self.lm, self.names, self.manager)
     run.write_json(results_path(self.run_dir, step), results)  # the step is done from here on
     writer = MetricWriter(self.run_dir / "eval" / "tensorboard")
@@ -157,6 +158,10 @@ class Sidecar:
     writer.close()
     self.events.emit(EVAL_DONE, step, seconds=time.monotonic() - t0, results=str(results_path(self.run_dir, step)))
     self.unfinished.discard(step)
+
+  def _after_batch(self) -> None:
+    if self._seam is not None:
+      self._seam()
 
   def _fault_seam(self, step: int) -> Any:
     """The drill's SIGKILL after the first scored batch of `step` (once per run dir), else None."""

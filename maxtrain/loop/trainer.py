@@ -110,9 +110,9 @@ class Trainer:
     drills.install(self.observers, cfg, self.out_dir, jax.process_index(), settle=lambda: self.checkpoints.settle())
     self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.observers.save_started,
                                    on_progress=self.watchdog.progress, on_saved=self.observers.saved,
-                                   mesh_shape=dict(program.mesh.shape))
+                                   mesh_shape=dict(program.mesh.shape), state_spec=program.state)
     stack.callback(self.checkpoints.close)  # waits for the last save (and its upload)
-    self.resume_path = self.checkpoints.resolve_resume(program.state)
+    self.resume_path = self.checkpoints.resolve_resume()
     if jax.process_index() == 0:
       config_lib.save(cfg, self.out_dir / "config.json")
     if self.resume_path is not None:  # before reading data: a checkpoint of another mode is named as such
