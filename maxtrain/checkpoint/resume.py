@@ -125,12 +125,7 @@ class Resume:
 
   def _branch_durable(self, step: int, newer: list[int]) -> None:
     newer = policy.branch_steps(step, newer, self.ck.branch, self.store.location, remote=self.store.remote is not None)
-    if not newer:
-      return
-    moved = [self.store.move_aside(s, "branched") for s in newer]
-    log.warning("checkpoint.branch: resuming step %d; newer steps %s moved aside to %s", step, newer,
-                [str(m) for m in moved])
-    self._branched(step, newer, moved, policy.DURABLE)
+    self._move_branched(step, newer, self.store, policy.DURABLE, "newer steps")
 
   # ---- the local tier -----------------------------------------------------------------------
 
@@ -156,12 +151,16 @@ class Resume:
     aside, an event), as in the durable tier."""
     newer = policy.branch_steps(step, [s for s in self.local.own_steps() if s > step], self.ck.branch,
                                 self.store.location, local_key=f"checkpoint.local_dir={self.ck.local_dir}")
+    self._move_branched(step, newer, self.local, policy.LOCAL, "newer local steps")
+
+  def _move_branched(self, step: int, newer: list[int], tier: Any, name: str, what: str) -> None:
+    """The steps after a resumed step that checkpoint.branch let stand, moved aside in `tier` and recorded."""
     if not newer:
       return
-    moved = [self.local.move_aside(s, "branched") for s in newer]
-    log.warning("checkpoint.branch: resuming step %d; newer local steps %s moved aside to %s", step, newer,
+    moved = [tier.move_aside(s, "branched") for s in newer]
+    log.warning("checkpoint.branch: resuming step %d; %s %s moved aside to %s", step, what, newer,
                 [str(m) for m in moved])
-    self._branched(step, newer, moved, policy.LOCAL)
+    self._branched(step, newer, moved, name)
 
   def choose_local(self, durable: int | None, before: int | None = None) -> policy.Choice:
     """The tier and step to restore, the same on every process (the local steps and the corrupt ones are
