@@ -45,6 +45,8 @@ def catch_start_up_interrupt() -> None:
 
   def handle(signum, frame) -> None:
     global _start_up_interrupted
+    if _start_up_interrupted:  # a second Ctrl-C (the terminal's beside the supervisor's forward) while the first
+      return  # unwinds: raised again inside the shell's exit path, it became a traceback (seen in CI)
     _start_up_interrupted = True
     raise KeyboardInterrupt
 
