@@ -69,7 +69,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # The config key that sets each logical parameter dim: what a layout error tells the user to change.
 CONFIG_KEYS = {"heads": "model.num_heads", "kv_heads": "model.num_kv_heads", "mlp": "model.d_ff",
                "vocab": "model.vocab_size", "embed": "model.d_model", "layers": "model.num_layers",
-               "experts": "model.moe.num_experts", "expert_embed": "model.d_model", "expert_mlp": "model.moe.expert_d_ff"}
+               "experts": "model.moe.num_experts", "expert_embed": "model.d_model", "expert_mlp": "model.moe.expert_d_ff",
+               "dense_layers": "model.moe.first_dense_layers"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,8 +491,10 @@ class Decoder(nnx.Module):
     new_kv = None if kv is None else {}
     for name in ("blocks", "moe_blocks"):
       if hasattr(self, name):
+        # A pipeline runs the last stack (a MoE model's dense first layers run before it: _run_stack)
+        last = name == "moe_blocks" or not hasattr(self, "moe_blocks")
         x_BTD, moe_stats, stack_kv = _run_stack(cfg, getattr(self, name), x_BTD, segment_ids_BT, positions_BT,
-                                                None if kv is None else kv[name], write)
+                                                None if kv is None else kv[name], write, pipelined=last)
         if kv is not None:
           new_kv[name] = stack_kv
     return self.final_norm(x_BTD), moe_stats, new_kv
@@ -515,8 +518,12 @@ def _stack(cfg: ModelConfig, rngs: nnx.Rngs, num: int, *, moe: bool) -> nnx.Modu
     first = cfg.num_layers - num if moe else 0  # the model's index of the stack's first layer
     return nnx.List([Block(cfg, rngs, moe=moe, layer=first + i) for i in range(num)])
 
+  # A MoE model's dense first layers are not split over pipeline stages (`dense_layers`: every stage holds them,
+  # they run before the pipeline, _run_stack), so their count need not divide by the stages.
+  name = "dense_layers" if not moe and cfg.moe.enabled else "layers"
+
   @nnx.split_rngs(splits=num)
-  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num, transform_metadata={nnx.PARTITION_NAME: name})
   def make_blocks(rngs: nnx.Rngs) -> Block:
     return Block(cfg, rngs, moe=moe)
 
@@ -528,10 +535,11 @@ def _stack_length(blocks: nnx.Module) -> int:
 
 
 def _run_stack(cfg: ModelConfig, blocks: nnx.Module, x_BTD: jax.Array, segment_ids_BT: jax.Array,
-               positions_BT: jax.Array, kv: Any = None, write: CacheWrite | None = None,
+               positions_BT: jax.Array, kv: Any = None, write: CacheWrite | None = None, pipelined: bool = True,
                ) -> tuple[jax.Array, dict[str, jax.Array], Any]:
   """The stack's output, its layers' statistics, stacked: each [layers, ...], and its KV cache updated
-  (None without one)."""
+  (None without one). `pipelined=False`: scanned whole on every stage even under a pipeline (the dense first
+  layers of a MoE model: before the pipeline, on the full batch, so stage 0 does not wait for them per tick)."""
   def apply_block(x_BTD, block_state, graphdef, kv):
     x_BTD, stats, kv = nnx.merge(graphdef, block_state)(x_BTD, segment_ids_BT, positions_BT, kv, write)
     return x_BTD, (stats, kv)
@@ -541,17 +549,19 @@ def _run_stack(cfg: ModelConfig, blocks: nnx.Module, x_BTD: jax.Array, segment_i
   if policy is not None and kv is None:  # decoding differentiates nothing: no remat
     apply_block = jax.checkpoint(apply_block, policy=policy, static_argnums=(2,))
   schedule = pipeline_lib.active()
-  if cfg.scan_layers and kv is None and schedule is not None:  # training / evaluation under the pipeline
+  if cfg.scan_layers and kv is None and schedule is not None and pipelined:  # training / evaluation under the pipeline
     graphdef, stacked = nnx.split(blocks)
 
     def group(stage, r, x_BTD, segment_ids_BT, positions_BT):  # a stage's layers [n, R, ...] of repeat r, scanned
       def body(x, layer_repeats):  # the repeat picked inside the remat: pipeline.run says why
         layer_state = jax.tree.map(lambda w: w[r], layer_repeats)
-        return nnx.merge(graphdef, layer_state)(x, segment_ids_BT, positions_BT)[0], None
+        x, stats, _ = nnx.merge(graphdef, layer_state)(x, segment_ids_BT, positions_BT)
+        return x, moe_lib.summable(stats) if stats else {}  # summed over microbatches by the pipeline
       body = jax.checkpoint(body, policy=policy or _save_all_but_layout_ops)
-      return jax.lax.scan(body, x_BTD, stage)[0]
+      return jax.lax.scan(body, x_BTD, stage)
 
-    return pipeline_lib.run(group, stacked, x_BTD, segment_ids_BT, positions_BT, schedule), {}, None
+    x_BTD, sums = pipeline_lib.run(group, stacked, x_BTD, segment_ids_BT, positions_BT, schedule)
+    return x_BTD, moe_lib.from_sums(sums), None
   if cfg.scan_layers:
     graphdef, stacked = nnx.split(blocks)
     length = jax.tree.leaves(stacked)[0].shape[0]

@@ -48,6 +48,10 @@ DISPATCHES = ("capacity", "dropless")
 # capacity_needed: the capacity_factor capacity dispatch would need to drop nothing (a max, not a sum);
 # a2a_bytes: what the layer's expert-parallel all-to-alls send between devices (ragged_dispatch.py).
 STATS = ("aux", "z", "load", "dropped", "assignments", "capacity_needed", "a2a_bytes")
+# What aux and z are functions of, as sums over the layer's tokens (probs: [E] the normalised scores summed;
+# z_sum: logsumexp(logits)^2 summed; tokens: B x T): a pipeline adds them up over its microbatches
+# (`summable`, `from_sums`), so its aux and z are the full batch's, not a mean of microbatch values.
+SUMS = ("probs", "z_sum", "tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,14 +167,17 @@ def route(x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: MoECon
   assignments = jnp.float32(experts_BTK.size)
   probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)  # the softmax's own for softmax
   aux = cfg.num_experts * jnp.sum(load_E / assignments * jnp.mean(probs_BTE, axis=(0, 1)))
-  z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
+  lse2_BT = jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1))
+  z = jnp.mean(lse2_BT)
   # Capacity slots are per sequence (moe_dispatch.py): the fullest (sequence, expert) queue sets the capacity
   # that drops nothing, C = max load = capacity_factor x T x K / E.
   T, K = experts_BTK.shape[1:]
   seq_load_BE = jnp.sum(jax.nn.one_hot(experts_BTK, cfg.num_experts, dtype=jnp.float32), axis=(1, 2))
   needed = jnp.max(seq_load_BE) * cfg.num_experts / (T * K)
+  sums = {"probs": jnp.sum(probs_BTE, axis=(0, 1)), "z_sum": jnp.sum(lse2_BT),
+          "tokens": jnp.float32(T * experts_BTK.shape[0])}
   return experts_BTK.astype(jnp.int32), weights_BTK, {"aux": aux, "z": z, "load": load_E, "assignments": assignments,
-                                                      "capacity_needed": needed}
+                                                      "capacity_needed": needed, **sums}
 
 
 class MoE(nnx.Module):
@@ -255,6 +262,28 @@ def _clamped_ffn(alpha: float, limit: float) -> Callable:
 def _standin_ffn(ffn: Callable) -> Callable:
   """`ffn` with its grouped matmuls through `moe_dispatch.balanced_ragged_dot` (one function per ffn)."""
   return functools.partial(ffn, matmul=moe_dispatch.balanced_ragged_dot)
+
+
+def summable(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """A layer's statistics as values that add up over microbatches of its batch (sharding/pipeline.py sums them;
+  a `_max` name combines by max): aux and z are left out (`from_sums` recomputes them)."""
+  out = {k: v for k, v in stats.items() if k not in ("aux", "z", "capacity_needed")}
+  out["capacity_needed_max"] = stats["capacity_needed"]  # a max over sequences: a max over microbatches
+  return out
+
+
+def from_sums(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """STATS (each [L] or [L, E]) of `summable` statistics added up over microbatches: the layers' aux and z as
+  `route` computes them on the whole batch (aux = E x sum_e f_e P_e of the batch's f and P; z its token mean)."""
+  if not sums:
+    return {}
+  out = {k: v for k, v in sums.items() if k != "capacity_needed_max"}
+  out["capacity_needed"] = sums["capacity_needed_max"]
+  load, probs = sums["load"], sums["probs"]
+  share = load / sums["assignments"][..., None]
+  out["aux"] = load.shape[-1] * jnp.sum(share * (probs / sums["tokens"][..., None]), axis=-1)
+  out["z"] = sums["z_sum"] / sums["tokens"]
+  return out
 
 
 def load_entropy(load_LE: jax.Array) -> jax.Array:

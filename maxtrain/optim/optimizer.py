@@ -53,7 +53,7 @@ PARAM_KINDS = ("embed", "head", "norm", "bias", "matrix", "router", "state")
 # Routing follows each parameter's logical axes (its annotations in models/), never its name, so a new
 # family or piece needs no edit here. Leading axes Muon treats as batch axes: each layer's (each expert's)
 # matrix is orthogonalised on its own.
-_BATCH_AXES = ("layers", "experts")
+_BATCH_AXES = ("layers", "dense_layers", "experts")
 # the residual stream: a hidden matrix reads or writes it (and an MLA latent, which its up-projections read)
 _EMBED_AXES = ("embed", "expert_embed", "lora_in")
 

@@ -138,7 +138,10 @@ def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z
                                          batch_shards=batch_shards, length_shards=length_shards)
     schedule = pipeline_lib.active()
     if schedule is not None and schedule.kind != "gpipe":  # the backward written by the schedule, not autodiff
-      return schedules.value_and_grad(objective, p, b, schedule)
+      parts, grads, sums = schedules.value_and_grad(objective, p, b, schedule)
+      if sums:  # the MoE layers' statistics of the whole batch (their loss weights are 0: program/plan.py)
+        parts.update(_moe_parts(moe_lib.from_sums(sums), parts["count"]))
+      return parts, grads
     (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(p)
     return parts, grads
 

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from maxtrain.sharding import rules as rules_lib
 
@@ -72,10 +74,57 @@ def sharded(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh, rules: rules_li
   body = functools.partial(expert_parallel, local=local, num_experts=num_experts, capacity=capacity,
                            expert_axes=axes("experts"), embed_axes=axes("expert_embed"),
                            mlp_axes=axes("expert_mlp"))
-  return jax.shard_map(body, mesh=mesh,
-                       in_specs=(spec(TOKENS_LOGICAL), spec(ROUTING_LOGICAL), spec(ROUTING_LOGICAL),
-                                 spec(GATE_LOGICAL), spec(GATE_LOGICAL), spec(DOWN_LOGICAL)),
-                       out_specs=spec(TOKENS_LOGICAL))
+  return shard_map(body, mesh,
+                   in_specs=(spec(TOKENS_LOGICAL), spec(ROUTING_LOGICAL), spec(ROUTING_LOGICAL),
+                             spec(GATE_LOGICAL), spec(GATE_LOGICAL), spec(DOWN_LOGICAL)),
+                   out_specs=spec(TOKENS_LOGICAL))
+
+
+def shard_map(body: Callable, mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh, in_specs: tuple,
+              out_specs: Any) -> Callable:
+  """`jax.shard_map(body)` over the mesh's axes that are not manual yet. Inside a pipeline stage (a shard_map over
+  `pipeline`, sharding/pipeline.py) its gradient is a second shard_map that recomputes `body` (a custom VJP), and
+  the forward one is not type-checked for varying axes: jax 0.10.2's partial evaluation of a nested shard_map
+  (autodiff's, and remat's when a layer's policy saves some of its values) names the outer manual axis in its
+  residuals' specs, which Shardy's verifier rejects ("manual axes must come before free axes"); unchecked, the
+  residuals' specs name only the inner axes. Its outputs are then marked varying over the outer axes again."""
+  manual = tuple(getattr(mesh, "manual_axes", ()))
+  if not manual:
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  names = frozenset(a for a in mesh.axis_names if a not in manual)
+  unchecked = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=names,
+                            check_vma=False)
+  forward = lambda *args: jax.tree.map(lambda y: jax.lax.pcast(y, manual, to="varying"), unchecked(*args))
+  inexact = lambda args: [jnp.issubdtype(a.dtype, jnp.inexact) for a in args]
+
+  def pull(args, ct):  # per device: the cotangents of the float arguments
+    is_float = inexact(args)
+
+    def of_floats(*floats):
+      it = iter(floats)
+      return body(*(next(it) if f else a for a, f in zip(args, is_float)))
+    _, vjp = jax.vjp(of_floats, *(a for a, f in zip(args, is_float) if f))
+    return vjp(ct)
+
+  @jax.custom_vjp
+  def run(*args):
+    return forward(*args)
+
+  def run_bwd(args, ct):
+    is_float = inexact(args)
+    float_specs = tuple(s for s, f in zip(in_specs, is_float) if f)
+    grads = iter(jax.shard_map(pull, mesh=mesh, in_specs=(tuple(in_specs), out_specs), out_specs=float_specs,
+                               axis_names=names)(args, ct))
+    return tuple(next(grads) if f else np.zeros(a.shape, jax.dtypes.float0) for a, f in zip(args, is_float))
+
+  run.defvjp(lambda *args: (forward(*args), args), run_bwd)
+  return run
+
+
+def free_size(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh) -> int:
+  """Devices of the mesh's axes that are not manual: under a pipeline, one stage's (which run a layer's dispatch)."""
+  manual = set(getattr(mesh, "manual_axes", ()))
+  return math.prod(n for a, n in mesh.shape.items() if a not in manual)
 
 
 def expert_shards(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh, rules: rules_lib.Rules) -> int:

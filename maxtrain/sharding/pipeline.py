@@ -90,13 +90,13 @@ def activate(schedule: Schedule | None) -> Iterator[None]:
 
 
 # Set while sharding/schedules.py traces the model: `run` hands the layer stack to it instead of running it.
-_STACK: contextvars.ContextVar[Callable[..., jax.Array] | None] = contextvars.ContextVar("maxtrain_stack", default=None)
+_STACK: contextvars.ContextVar[Callable[..., tuple] | None] = contextvars.ContextVar("maxtrain_stack", default=None)
 
 
 @contextlib.contextmanager
-def substitute(hook: Callable[..., jax.Array]) -> Iterator[None]:
+def substitute(hook: Callable[..., tuple]) -> Iterator[None]:
   """Within the block `run(layers, stacked, x, segment_ids, positions, schedule)` returns
-  `hook(layers, stacked, x, segment_ids, positions)`."""
+  `hook(layers, stacked, x, segment_ids, positions)`: (x, the layers' statistics summed, {} for none)."""
   token = _STACK.set(hook)
   try:
     yield
@@ -113,15 +113,40 @@ def _merge(x_M: jax.Array) -> jax.Array:
   return jnp.swapaxes(x_M, 0, 1).reshape(-1, *x_M.shape[2:])
 
 
-# (this stage's layers [L/(R S), R, ...], the repeat r (an int when R = 1), x, segment ids, positions) -> x
-LayersFn = Callable[[Any, jax.Array | int, jax.Array, jax.Array, jax.Array], jax.Array]
+# (this stage's layers [L/(R S), R, ...], the repeat r (an int when R = 1), x, segment ids, positions) ->
+# (x, the group's per-layer statistics {name: [L/(R S), ...]}: sums over the microbatch's tokens, or maxima for
+# names ending in `_max`; {} for none)
+LayersFn = Callable[[Any, jax.Array | int, jax.Array, jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def stats_init(stats_shape: dict[str, Any], repeats: int) -> dict[str, jax.Array]:
+  """Zero accumulators [L/(R S), R, ...] of a stage's per-layer statistics (`LayersFn`), varying over stages."""
+  return {k: jax.lax.pcast(jnp.zeros((a.shape[0], repeats) + a.shape[1:], a.dtype), AXIS, to="varying")
+          for k, a in stats_shape.items()}
+
+
+def stats_add(acc: dict[str, jax.Array], stats: dict[str, jax.Array], r: jax.Array | int,
+              valid: jax.Array | bool = True) -> dict[str, jax.Array]:
+  """`acc` with one microbatch's statistics of layer group r added (a `_max` name: combined by max)."""
+  def add(name, a, v):
+    v = jnp.where(valid, v, jnp.zeros_like(v))
+    return a.at[:, r].set(jnp.maximum(a[:, r], v) if name.endswith("_max") else a[:, r] + v)
+  return {k: add(k, acc[k], stats[k]) for k in acc}
+
+
+def stats_layers(per_stage: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """[S, L/(R S), R, ...] (each stage's accumulators) -> [L, ...] in layer order (layer v L/(R S) + i of virtual
+  stage v = r S + s)."""
+  return {k: jnp.moveaxis(a, 2, 0).reshape((-1,) + a.shape[3:]) for k, a in per_stage.items()}
 
 
 def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array,
-        schedule: Schedule) -> jax.Array:
+        schedule: Schedule) -> tuple[jax.Array, dict[str, jax.Array]]:
   """`layers(stage, r, x, segment_ids, positions)` applies layer group r of a stage's layers [L/(R S), R, ...]
   (layer i of repeat r: `stage[i, r]`) in order; this applies all of `stacked` [L, ...] to `x_BTD` through the
-  pipeline (the same result as applying them in order to the whole batch).
+  pipeline (the same result as applying them in order to the whole batch), and returns the layers' statistics
+  [L, ...] summed over the microbatches (what the full batch's sums are: a MoE layer's load, and what its aux
+  loss is a function of, models/moe.py `summable`).
 
   Why the group is indexed inside `layers` (in its per-layer scan, under its remat): a weight slice taken here
   by the loop's repeat index would be a per-iteration value, and autodiff would keep a copy of the stage's
@@ -147,7 +172,7 @@ def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Ar
     varying = lambda a: jax.lax.pcast(a, AXIS, to="varying")
 
     def body(carry, t):
-      recv, buf, out = carry
+      recv, buf, out, acc = carry
       k = t - s  # the k-th pass through this stage: microbatch k % M of repeat k // M
       valid = (k >= 0) & (k < r_ * m_)
       kc = jnp.clip(k, 0, r_ * m_ - 1)
@@ -157,18 +182,21 @@ def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Ar
       new = varying(xs[t % m_].astype(jnp.float32)).astype(xs.dtype)
       first = jnp.where(t < m_, new, buf[t % m_])  # stage 0: a new microbatch, or one back from the ring
       x = jnp.where(s == 0, first, recv)
-      y = apply(weights, r, x, segs[m], poss[m])
+      y, stats = apply(weights, r, x, segs[m], poss[m])
+      acc = stats_add(acc, stats, r, valid)
       done = valid & (r == r_ - 1)
       out = out.at[m].set(jnp.where(done, y, out[m]))
       recv = jax.lax.ppermute(y, AXIS, ring)
       slot = (t - s_ + 1) % m_  # stage 0 keeps what the last stage finished for its next repeat
       buf = buf.at[slot].set(jnp.where(t >= s_ - 1, recv, buf[slot]))
-      return (recv, buf, out), None
+      return (recv, buf, out, acc), None
 
-    init = (varying(jnp.zeros_like(xs[0])), varying(jnp.zeros_like(xs)), varying(jnp.zeros_like(xs)))
-    (_, _, out), _ = jax.lax.scan(body, init, jnp.arange(r_ * m_ + s_ - 1))  # gpipe order (also the forward-only eval of 1f1b)
-    return out[None]
+    stats_shape = jax.eval_shape(apply, weights, 0, varying(xs[0]), segs[0], poss[0])[1]
+    init = (varying(jnp.zeros_like(xs[0])), varying(jnp.zeros_like(xs)), varying(jnp.zeros_like(xs)),
+            stats_init(stats_shape, r_))
+    (_, _, out, acc), _ = jax.lax.scan(body, init, jnp.arange(r_ * m_ + s_ - 1))  # gpipe order (also the forward-only eval of 1f1b)
+    return out[None], jax.tree.map(lambda a: a[None], acc)
 
   fn = jax.shard_map(stage, in_specs=(P(None, AXIS), P(), P(), P()), out_specs=P(AXIS), axis_names={AXIS})
-  out = fn(grouped, xs, segs, poss)[s_ - 1]  # the last stage's outputs of the last repeat
-  return _merge(out)
+  out, acc = fn(grouped, xs, segs, poss)
+  return _merge(out[s_ - 1]), stats_layers(acc)  # the last stage's outputs of the last repeat

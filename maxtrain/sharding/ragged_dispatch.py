@@ -169,11 +169,11 @@ def sharded(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh, rules: rules_li
                            transport=transport, weight_logical=weight_logical,
                            expert_axes=axes("experts"), embed_axes=axes("expert_embed"),
                            mlp_axes=axes("expert_mlp"), token_axes=token_axes,
-                           replicas=math.prod(mesh.shape.values()) // math.prod(mesh.shape[a] for a in token_axes))
+                           replicas=expert_dispatch.free_size(mesh) // math.prod(mesh.shape[a] for a in token_axes))
   routing = spec(expert_dispatch.ROUTING_LOGICAL)
-  return jax.shard_map(body, mesh=mesh, in_specs=(spec(expert_dispatch.TOKENS_LOGICAL), routing, routing,
-                                                  *map(spec, weight_logical)),
-                       out_specs=(spec(expert_dispatch.TOKENS_LOGICAL), jax.sharding.PartitionSpec()))
+  return expert_dispatch.shard_map(body, mesh, in_specs=(spec(expert_dispatch.TOKENS_LOGICAL), routing, routing,
+                                                         *map(spec, weight_logical)),
+                                   out_specs=(spec(expert_dispatch.TOKENS_LOGICAL), jax.sharding.PartitionSpec()))
 
 
 def for_active_rules(grouped_ffn: GroupedFFN, num_experts: int,
@@ -198,4 +198,4 @@ def capacity_bytes(num_experts: int, capacity: int, x_shape: tuple[int, ...], it
   batch_shards = math.prod(mesh.shape[a] for a in rules_lib.mesh_axes(rules["act_batch"]))
   B, _, D = x_shape
   per_device = B // batch_shards * num_experts * capacity * D * itemsize * (shards - 1) / shards
-  return 4.0 * per_device * math.prod(mesh.shape.values())
+  return 4.0 * per_device * expert_dispatch.free_size(mesh)  # under a pipeline: the devices of the layer's stage

@@ -47,6 +47,8 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "lora_in": ("fsdp", "context", "expert"),  # the latent as an up-projection's input (models/mla.py): FSDP-sharded
     # the stacked layer dim: a pipeline stage holds its own layers (sharding/pipeline.py); replicated without one
     "layers": "pipeline",
+    # a MoE model's dense first layers (models/decoder.py): run before the pipeline, so every stage holds them
+    "dense_layers": None,
     # optimizer: Muon orthogonalises a stacked weight with its layers split over the devices that
     # shard it (maxtrain/optim/muon.py), so each device holds whole matrices: a stage its own layers
     # (pipeline), split further over the other axes as `layer_split` picks

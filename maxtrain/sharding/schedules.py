@@ -234,7 +234,7 @@ def _before_the_stack(objective: Objective, params: Any, batch: dict[str, jax.Ar
 
     def capture(layers, stacked, x_BTD, segment_ids_BT, positions_BT):
       box.update(layers=layers, stacked=stacked, x=x_BTD, ids=(segment_ids_BT, positions_BT))
-      return x_BTD
+      return x_BTD, {}
     with pipeline_lib.substitute(capture):
       objective(p, batch)
     assert box, "pipeline.schedule: the model ran no layer stack through the pipeline"
@@ -252,39 +252,46 @@ def _before_the_stack(objective: Objective, params: Any, batch: dict[str, jax.Ar
   return x_BTD, pull, segment_ids_BT, positions_BT, split
 
 
-def _ops(forward: Callable, after: Callable, stack: list, rest: list, m_: int) -> tuple[Callable, ...]:
+def _ops(forward: Callable, after: Callable, stack: list, rest: list, m_: int, r_: int) -> tuple[Callable, ...]:
   """The ops by code (IDLE, F, H, B, W, BW): (x, g, p, accumulators) -> (y sent down, dx sent up, dy of the loss
-  head, accumulators (layer gradients, the rest's gradients, the objective's parts))."""
+  head, accumulators (layer gradients, the rest's gradients, the objective's parts, the layers' statistics)).
+  The statistics (pipeline.LayersFn) are summed by the forward ops and enter no gradient (program/plan.py refuses
+  MoE loss weights with these schedules: the balance loss of microbatch 1 needs the load of microbatch M)."""
   zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
   plus = lambda a, b: jax.tree.map(jnp.add, a, b)
+  group = lambda p: 0 if r_ == 1 else p // m_
+  values = lambda w, x, p: forward(w, x, p)[0]
 
   def idle(x, g, p, acc):
     return zeros(x), zeros(x), zeros(x), acc
 
   def f(x, g, p, acc):
-    return forward(stack, x, p), zeros(x), zeros(x), acc
+    y, stats_i = forward(stack, x, p)
+    d_stack, d_rest, parts, stats = acc
+    return y, zeros(x), zeros(x), (d_stack, d_rest, parts, pipeline_lib.stats_add(stats, stats_i, group(p)))
 
   def h(x, g, p, acc):
-    y = forward(stack, x, p)
+    y, stats_i = forward(stack, x, p)
     _, pull_after, parts_i = jax.vjp(lambda r, y: after(r, y, p % m_), rest, y, has_aux=True)
     d_rest_i, dy = pull_after(_varying(jnp.ones((), jnp.float32)))
-    d_stack, d_rest, parts = acc
-    return zeros(x), zeros(x), dy.astype(x.dtype), (d_stack, plus(d_rest, d_rest_i), plus(parts, parts_i))
+    d_stack, d_rest, parts, stats = acc
+    return zeros(x), zeros(x), dy.astype(x.dtype), (d_stack, plus(d_rest, d_rest_i), plus(parts, parts_i),
+                                                    pipeline_lib.stats_add(stats, stats_i, group(p)))
 
   def b(x, g, p, acc):  # the input gradient only: the critical path
-    _, pull = jax.vjp(lambda x: forward(stack, x, p), x)
+    _, pull = jax.vjp(lambda x: values(stack, x, p), x)
     return zeros(x), pull(g)[0], zeros(x), acc
 
   def w(x, g, p, acc):  # the weight gradient only
-    _, pull = jax.vjp(lambda w: forward(w, x, p), stack)
-    d_stack, d_rest, parts = acc
-    return zeros(x), zeros(x), zeros(x), (plus(d_stack, pull(g)[0]), d_rest, parts)
+    _, pull = jax.vjp(lambda w: values(w, x, p), stack)
+    d_stack, d_rest, parts, stats = acc
+    return zeros(x), zeros(x), zeros(x), (plus(d_stack, pull(g)[0]), d_rest, parts, stats)
 
   def bw(x, g, p, acc):
-    _, pull = jax.vjp(lambda w, x: forward(w, x, p), stack, x)
+    _, pull = jax.vjp(lambda w, x: values(w, x, p), stack, x)
     d_stack_i, dx = pull(g)
-    d_stack, d_rest, parts = acc
-    return zeros(x), dx, zeros(x), (plus(d_stack, d_stack_i), d_rest, parts)
+    d_stack, d_rest, parts, stats = acc
+    return zeros(x), dx, zeros(x), (plus(d_stack, d_stack_i), d_rest, parts, stats)
 
   return idle, f, h, b, w, bw
 
@@ -306,10 +313,10 @@ def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Progra
     return model.layers(stage, 0 if r_ == 1 else p // m_, x, segs[p % m_], poss[p % m_])
 
   def after(rest, y, i):  # the model after the stack on microbatch i (the last stage's loss head)
-    with pipeline_lib.substitute(lambda *_: y):
+    with pipeline_lib.substitute(lambda *_: (y, {})):
       return objective(model.rebuild(stack, rest), jax.tree.map(lambda a: a[i], rows))
 
-  branches = _ops(forward, after, stack, rest, m_)
+  branches = _ops(forward, after, stack, rest, m_, r_)
   present = sorted(set(int(o) for o in np.unique(prog.rows[:, :, 0])) - {IDLE})
 
   def run_op(op, *operands):
@@ -337,13 +344,15 @@ def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Progra
 
   zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
   buffer = lambda k: zeros(jnp.broadcast_to(xs[:1], (k,) + xs.shape[1:]))
-  acc = (zeros(stack), zeros(rest), _varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), parts_shape)))
+  stats_shape = jax.eval_shape(forward, stack, xs[0], 0)[1]
+  acc = (zeros(stack), zeros(rest), _varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), parts_shape)),
+         pipeline_lib.stats_init(stats_shape, r_))
   init = (buffer(prog.x_slots), buffer(prog.g_slots), acc, zeros(xs))
-  (_, _, (d_stack, d_rest, parts), dxs), _ = jax.lax.scan(tick, init, tab)
+  (_, _, (d_stack, d_rest, parts, stats), dxs), _ = jax.lax.scan(tick, init, tab)
   # Only the last stage ran the head: the sums over stages are its values (in fp32: see pipeline.run).
   total = lambda t: jax.tree.map(lambda a: jax.lax.psum(a.astype(jnp.float32), AXIS).astype(a.dtype), t)
   d_stack = [jnp.swapaxes(d, 0, 1)[:, None] for d in d_stack]  # back to [R, 1, L/(R S), ...]
-  return d_stack, total(d_rest), total(parts), dxs[None]
+  return d_stack, total(d_rest), total(parts), dxs[None], jax.tree.map(lambda a: a[None], stats)
 
 
 def _varying(tree: Any) -> Any:
@@ -355,14 +364,16 @@ def _ring(stages: int, step: int) -> list[tuple[int, int]]:
 
 
 def value_and_grad(objective: Objective, params: Any, batch: dict[str, jax.Array],
-                   schedule: Schedule) -> tuple[dict[str, jax.Array], Any]:
+                   schedule: Schedule) -> tuple[dict[str, jax.Array], Any, dict[str, jax.Array]]:
   """(parts, gradient of the objective) as `jax.value_and_grad(objective, has_aux=True)` gives them, with the
   model's layer stack run by `schedule`'s table over `schedule.stages` stages and `schedule.microbatches`
-  microbatches of the batch's rows. The objective must be a sum over rows (microbatches add up)."""
+  microbatches of the batch's rows, and the stack's statistics [L, ...] summed over the microbatches (as
+  `pipeline.run` returns them; the objective here sees none of them, so its parts have no MoE terms: the caller
+  adds them from these). The objective must be a sum over rows (microbatches add up)."""
   x_BTD, pull_before, segment_ids_BT, positions_BT, model = _before_the_stack(objective, params, batch)
   split = lambda a: pipeline_lib._split(a, schedule.microbatches)
   rows = jax.tree.map(split, batch)
-  with pipeline_lib.substitute(lambda _layers, _stacked, x_BTD, *_: x_BTD):  # the parts' shapes
+  with pipeline_lib.substitute(lambda _layers, _stacked, x_BTD, *_: (x_BTD, {})):  # the parts' shapes
     parts_shape = jax.eval_shape(lambda p, r: objective(p, r)[1], params, jax.tree.map(lambda a: a[0], rows))
   stack, rest = model.parts(params)
   s_, r_ = schedule.stages, schedule.repeats
@@ -372,9 +383,10 @@ def value_and_grad(objective: Objective, params: Any, batch: dict[str, jax.Array
   prog = program(schedule)
   body = functools.partial(_stage, model, objective, schedule, prog, parts_shape)
   fn = jax.shard_map(body, in_specs=([P(None, AXIS)] * len(stack), [P()] * len(rest), P(), P(), P(), P(), P()),
-                     out_specs=([P(None, AXIS)] * len(stack), [P()] * len(rest), P(), P(AXIS)), axis_names={AXIS})
-  d_grouped, d_rest, parts, dxs = fn(grouped, rest, split(x_BTD), split(segment_ids_BT), split(positions_BT), rows,
+                     out_specs=([P(None, AXIS)] * len(stack), [P()] * len(rest), P(), P(AXIS), P(AXIS)),
+                     axis_names={AXIS})
+  d_grouped, d_rest, parts, dxs, stats = fn(grouped, rest, split(x_BTD), split(segment_ids_BT), split(positions_BT), rows,
                                      jnp.asarray(prog.rows))
   d_stack = [d.reshape(w.shape) for d, w in zip(d_grouped, stack)]
   (d_before,) = pull_before(pipeline_lib._merge(dxs[0]).astype(x_BTD.dtype))
-  return parts, jax.tree.map(jnp.add, d_before, model.rebuild(d_stack, d_rest))
+  return parts, jax.tree.map(jnp.add, d_before, model.rebuild(d_stack, d_rest)), pipeline_lib.stats_layers(stats)
