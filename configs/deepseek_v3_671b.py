@@ -7,13 +7,19 @@ this file sets only how it trains. Check it fits:
   python -m maxtrain.compile --config=configs/deepseek_v3_671b.py --config.hardware=h200x8 --devices 256 \
       --device-memory-gb 131
 
-`HARDWARE` refines the generic presets of maxtrain/config/hardware.py for this model (per node): each node's 8
-GPUs split the routed experts (`mesh.expert`, 32 of 256 per GPU, tokens sent by all-to-all over NVLink), and
-the nodes shard every parameter FSDP-style (`mesh.dcn_fsdp`: 32 nodes hold 1/32 each). Not a pipeline: the
-circular pipeline (configs/llama3_405b.py) does not run MoE layers yet (program/plan.py refuses them), and
-expert parallelism needs capacity dispatch (fixed-size messages) until dropless dispatch crosses devices.
-The fp32 state is 20 B a parameter (weights, two Adam moments, the guarded update's copy), 13.4 TB, so 32
-nodes is about the fewest: docs/fitting.md has the estimate and the compiled figures.
+`HARDWARE` refines the generic presets of maxtrain/config/hardware.py for this model (per node): a pipeline of
+2 stages of 16 nodes each (`mesh.dcn_pipeline=2`): stage 0 holds MoE layers 4-32, stage 1 layers 33-61, so only
+one microbatch's [T, D] activations cross between the two halves. Inside a stage each node's 8 GPUs split the
+256 routed experts (`mesh.expert=8`, 32 per GPU, tokens sent by all-to-all over NVLink) and the stage's 16 nodes
+shard every parameter FSDP-style (`mesh.dcn_fsdp`). The 3 dense first layers run before the pipeline on every
+stage (docs/sharding.md, "MoE layers under the pipeline": 58 MoE layers split 29 + 29; 61 would not split). Each
+batch shard runs its 8 sequences as the pipeline's 8 microbatches (bubble (2-1)/(8+2-1) = 11%), one step without
+accumulation; `pipeline.stage_remat` keeps one [T, D] input per stage iteration. gpipe, because the preset keeps
+DeepSeek's small balance loss: its gradient needs the whole batch's expert loads, which 1f1b does not have when it
+runs the first backward (exit 2 with 1f1b unless model.moe.aux_loss_weight=0). Capacity dispatch: XLA on a stock
+GPU build lowers dropless dispatch's `ragged_dot` densely over every expert (docs/fitting.md). The fp32 state is
+20 B a parameter (weights, two Adam moments, the guarded update's copy), 13.4 TB, so 32 nodes is about the
+fewest: docs/fitting.md has the estimate and the compiled figures.
 """
 
 from maxtrain.config import base_config
@@ -42,7 +48,7 @@ def get_config():
 
 
 HARDWARE = {
-    "h200x8": {"mesh.fsdp": 1, "mesh.expert": 8, "mesh.dcn_data": 1, "mesh.dcn_fsdp": -1,
-               "optimizer.microbatch_size": 1},
+    "h200x8": {"mesh.fsdp": 1, "mesh.expert": 8, "mesh.dcn_pipeline": 2, "mesh.dcn_data": 1, "mesh.dcn_fsdp": -1,
+               "pipeline.microbatches": 8, "pipeline.stage_remat": True, "optimizer.microbatch_size": 8},
     "cpu": {"data.batch_size": 8},
 }

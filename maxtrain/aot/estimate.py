@@ -371,7 +371,13 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   # down) and the layer input.
   dots_per_token = h_t * m.head_dim * 2 + kv_t * m.head_dim * 2 + 2 * d + 2 * f_t + d
   saved, host_activations = _saved_activations(m, tokens, dots_per_token, f_t, attention_saved, c_bytes)
-  saved, pipeline = _pipeline(plan, m.num_layers, saved, tokens * d * c_bytes, batch_rows * seq_local * d * c_bytes)
+  # A MoE model's dense first layers run before the pipeline on the whole batch (models/decoder.py): their share
+  # of the saved activations is not divided over stages and microbatches.
+  first_dense = m.moe.first_dense_layers if m.moe.enabled and plan.pipeline else 0
+  outside = saved * first_dense // m.num_layers
+  saved, pipeline = _pipeline(plan, m.num_layers - first_dense, saved - outside, tokens * d * c_bytes,
+                              batch_rows * seq_local * d * c_bytes)
+  saved += outside
   # With FSDP a weight is all-gathered (in the compute dtype) where it is used, and its gradient is
   # whole (fp32) until it is reduce-scattered.
   gathered = layout.shards("embed") > 1
