@@ -2,7 +2,7 @@
 (run before the pipeline on every stage) and MoE layers split over 2 stages, their experts over `expert` = 2 inside
 each stage (fsdp = 2), trains like the model without a pipeline under gpipe and 1f1b: the same per-step losses,
 the same MoE metrics (balance and z losses of the whole batch, per-expert load, drops, the capacity that drops
-nothing) and the same aux-loss-free router bias. The balance loss is a product of two batch means: under gpipe its
+nothing) and the same aux-loss-free router bias, and the gpipe run resumes bitwise. The balance loss is a product of two batch means: under gpipe its
 gradient is autodiff's through the statistics summed over microbatches (checked on a toy stack against the
 unpipelined scan); the other schedules refuse its weight. Each run compiles once (the `runs` fixture)."""
 
@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from maxtrain.checkpoint.identity import run_meta
+from maxtrain.checkpoint.storage import Checkpointer
 from maxtrain.config import loader as config_lib
 from maxtrain.errors import UserError
 from maxtrain.models import moe as moe_lib
@@ -26,14 +28,14 @@ from maxtrain.sharding.layout import param_name
 from tiny import TINY_MODEL
 
 STEPS = 10
-# 1 dense + 2 MoE layers (capacity dispatch: it drops), aux-loss-free balancing; the balance and z losses' weights
-# are 0 in every run so that 1f1b runs the same objective (their values are still reported and compared).
+# 1 dense + 2 MoE layers (capacity dispatch: it drops), aux-loss-free balancing and the router z-loss; the balance
+# loss's weight is 0 in every run so that 1f1b runs the same objective (its value is still reported and compared).
 MODEL = TINY_MODEL + ["--config.model.num_layers=3", "--config.model.d_model=64", "--config.data.batch_size=16",
                       "--config.optimizer.warmup_steps=1", "--config.model.moe.num_experts=4",
                       "--config.model.moe.expert_d_ff=32", "--config.model.moe.first_dense_layers=1",
                       "--config.model.moe.num_shared_experts=1", "--config.model.moe.capacity_factor=1.0",
                       "--config.model.moe.bias_update_rate=0.01", "--config.model.moe.aux_loss_weight=0",
-                      "--config.model.moe.router_z_loss_weight=0"]
+                      "--config.model.moe.router_z_loss_weight=0.01"]
 COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 PIPELINE = ["--config.mesh.pipeline=2", "--config.mesh.fsdp=2", "--config.mesh.expert=2",
             "--config.pipeline.microbatches=4"]
@@ -61,16 +63,24 @@ def _batches(cfg, n):
 
 
 def _train(args):
+  """(program, per-step metrics, the parameters after STEPS steps, the state then (numpy), a function of a state:
+  the loss of one more step on the next batch)."""
   cfg = config_lib.load(MODEL + args)
   program = build_lib.program_for(cfg, jax.devices(), require_data=False)
   compiled = program.lower().compile(compiler_options=COMPILE)
-  rows, metrics = _batches(cfg, STEPS), []
+  rows, metrics = _batches(cfg, STEPS + 1), []
   with jax.set_mesh(program.mesh):
     state = state_lib.initialize(program.state, program.mesh)
     for i in range(STEPS):
       state, m = compiled(state, batch_lib.to_device(rows[i], program.batch_shardings))
       metrics.append({k: np.asarray(v) for k, v in m.items()})
-  return program, metrics, jax.tree.map(np.asarray, state.params)
+  saved = jax.tree.map(np.asarray, state)
+
+  def next_loss(state):
+    with jax.set_mesh(program.mesh):
+      return float(compiled(jax.device_put(state, program.state.shardings),
+                            batch_lib.to_device(rows[STEPS], program.batch_shardings))[1]["loss"])
+  return program, metrics, saved.params, saved, next_loss
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +90,8 @@ def runs():
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_moe_pipeline_trains_like_no_pipeline(runs, name):
-  _, ref, ref_params = runs["reference"]
-  program, run, params = runs[name]
+  _, ref, ref_params, _, _ = runs["reference"]
+  program, run, params, _, _ = runs[name]
   assert program.plan.pipeline.stages == 2 and program.plan.pipeline.kind == name
   np.testing.assert_allclose([m["loss"] for m in run], [m["loss"] for m in ref], rtol=1e-5)
   assert ref[-1]["loss"] < ref[0]["loss"] and ref[-1]["moe/dropped"] > 0  # it trains, and capacity drops tokens
@@ -102,6 +112,23 @@ def test_dense_first_layers_are_held_by_every_stage_and_moe_layers_split(runs):
   moe = [s.spec for k, s in shardings.items() if k.startswith("moe_blocks/") and not moe_lib.is_router_bias(k)]
   assert dense and all(spec[0] is None for spec in dense)
   assert moe and all(spec[0] == "pipeline" for spec in moe)
+
+
+def test_moe_pipeline_resumes_bitwise(runs, tmp_path):
+  """The gpipe run's state (the router bias included) saves and restores bitwise, and its next step gives the loss
+  it gave without the round trip, exactly."""
+  program, _, _, saved, next_loss = runs["gpipe"]
+  ckpt = Checkpointer(program.cfg.checkpoint, str(tmp_path))
+  with jax.set_mesh(program.mesh):
+    ckpt.save(STEPS, jax.device_put(saved, program.state.shardings), {}, run_meta(program.cfg, dict(program.mesh.shape)))
+  ckpt.close()
+  ckpt = Checkpointer(program.cfg.checkpoint, str(tmp_path / "restore"))
+  restored = ckpt.restore(tmp_path / str(STEPS), program.state.abstract, program.state.shardings)
+  ckpt.close()
+  assert restored.step == STEPS
+  state = jax.tree.map(np.asarray, restored.state)
+  jax.tree.map(np.testing.assert_array_equal, state, saved)
+  assert next_loss(state) == next_loss(saved)
 
 
 def test_summed_statistics_give_the_full_batch_aux_and_z():
@@ -164,8 +191,8 @@ def test_gpipe_differentiates_a_product_of_batch_sums_like_the_scan():
     (["--config.model.num_layers=4"], "the 3 MoE layers (config.model.num_layers=4 - model.moe.first_dense_layers=1"),
     (["--config.pipeline.schedule=1f1b", "--config.model.moe.aux_loss_weight=0.01"],
      "config.pipeline.schedule='1f1b' with model.moe.aux_loss_weight=0.01"),
-    (["--config.pipeline.schedule=zb", "--config.model.moe.router_z_loss_weight=0.001"],
-     "config.pipeline.schedule='zb' with model.moe.router_z_loss_weight=0.001"),
+    (["--config.pipeline.schedule=zb", "--config.model.moe.aux_loss_weight=0.001"],
+     "config.pipeline.schedule='zb' with model.moe.aux_loss_weight=0.001"),
 ])
 def test_moe_pipeline_settings_that_cannot_run_are_refused_before_compiling(args, message):
   with pytest.raises(UserError, match=re.escape(message)):

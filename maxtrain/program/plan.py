@@ -266,14 +266,13 @@ def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: Ba
           "mesh.dcn_pipeline=1), or change those settings (docs/sharding.md lists what the pipeline supports).")
   # The balance loss is a product of two batch means (models/moe.py): its gradient for microbatch 1 needs the expert
   # loads of microbatch M, which these schedules have not run when they run microbatch 1's backward (gpipe's
-  # autodiff has). The router z-loss is left out with it for now. Their values are reported whatever the schedule.
-  weights = {"aux_loss_weight": moe.aux_loss_weight, "router_z_loss_weight": moe.router_z_loss_weight}
-  weighted = [f"model.moe.{k}={v}" for k, v in weights.items() if moe.num_experts > 0 and v]
-  require(p.schedule in ("gpipe", "auto") or not weighted,
-          f"{where}: config.pipeline.schedule={p.schedule!r} with {', '.join(weighted)}: the MoE balance and z "
-          "losses of a batch are functions of every microbatch's router statistics, which this schedule has not "
-          "all computed when it runs the first backward. Use pipeline.schedule=gpipe, or set them to 0 (balance the "
-          "experts by model.moe.bias_update_rate, DeepSeek-V3's aux-loss-free bias)")
+  # autodiff has; the router z-loss is linear in its sums: step._moe_cotangent). Its value is reported regardless.
+  require(p.schedule in ("gpipe", "auto") or not (moe.num_experts > 0 and moe.aux_loss_weight),
+          f"{where}: config.pipeline.schedule={p.schedule!r} with model.moe.aux_loss_weight={moe.aux_loss_weight}: "
+          "the MoE balance loss of a batch is E x sum_e f_e P_e over the whole batch, whose gradient for the first "
+          "microbatch needs every microbatch's expert loads f_e, which this schedule has not computed when it runs "
+          "the first backward. Use pipeline.schedule=gpipe, or set model.moe.aux_loss_weight=0 (balance the experts "
+          "by model.moe.bias_update_rate, DeepSeek-V3's aux-loss-free bias)")
   # auto: planned as gpipe here; build.program_for compiles the candidates and plans the chosen one
   # (program/schedule_fit.py).
   require(p.schedule not in ("1f1b", "zb") or p.repeats == 1, f"{where}: config.pipeline.schedule={p.schedule!r} with "

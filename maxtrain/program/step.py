@@ -8,7 +8,7 @@ Shape legend: B batch, T length, D model.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +86,19 @@ def _moe_parts(moe_stats: dict[str, jax.Array], count: jax.Array) -> dict[str, j
           "moe_capacity_needed_max": moe_stats["capacity_needed"]}
 
 
+def _moe_cotangent(cfg: Any, batch: Batch) -> dict[str, jax.Array]:
+  """The MoE terms' gradient with respect to each pipelined MoE layer's summed statistics (models/moe.py
+  `summable`), for a schedule that writes its own backward (sharding/schedules.py). Only the router z-loss:
+  router_z_loss_weight x count x (mean over layers of z_sum / tokens) is linear in z_sum, so its gradient,
+  weight x count / (layers x tokens), is known before any microbatch runs; the balance loss's is not (it needs the
+  whole batch's load: program/plan.py refuses its weight with these schedules). `cfg`: the model's ModelConfig."""
+  layers = cfg.moe.num_moe_layers(cfg.num_layers)
+  if not layers or not cfg.moe.router_z_loss_weight:
+    return {}
+  count, tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32)), batch["inputs"].size
+  return {"z_sum": jnp.full((layers,), cfg.moe.router_z_loss_weight / (layers * tokens)) * count}
+
+
 def loss_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, z_loss: float = 0.0, *,
               chunk_tokens: int = 0, batch_shards: int = 1, length_shards: int = 1,
               with_mtp: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -138,8 +151,9 @@ def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z
                                          batch_shards=batch_shards, length_shards=length_shards)
     schedule = pipeline_lib.active()
     if schedule is not None and schedule.kind != "gpipe":  # the backward written by the schedule, not autodiff
-      parts, grads, sums = schedules.value_and_grad(objective, p, b, schedule)
-      if sums:  # the MoE layers' statistics of the whole batch (their loss weights are 0: program/plan.py)
+      model_cfg = nnx.merge(graphdef, p).cfg
+      parts, grads, sums = schedules.value_and_grad(objective, p, b, schedule, _moe_cotangent(model_cfg, b))
+      if sums:  # the MoE layers' statistics of the whole batch
         parts.update(_moe_parts(moe_lib.from_sums(sums), parts["count"]))
       return parts, grads
     (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(p)

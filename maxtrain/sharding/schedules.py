@@ -252,15 +252,26 @@ def _before_the_stack(objective: Objective, params: Any, batch: dict[str, jax.Ar
   return x_BTD, pull, segment_ids_BT, positions_BT, split
 
 
-def _ops(forward: Callable, after: Callable, stack: list, rest: list, m_: int, r_: int) -> tuple[Callable, ...]:
+def _ops(forward: Callable, after: Callable, stack: list, rest: list, m_: int, r_: int,
+         stats_ct: dict[str, jax.Array]) -> tuple[Callable, ...]:
   """The ops by code (IDLE, F, H, B, W, BW): (x, g, p, accumulators) -> (y sent down, dx sent up, dy of the loss
   head, accumulators (layer gradients, the rest's gradients, the objective's parts, the layers' statistics)).
-  The statistics (pipeline.LayersFn) are summed by the forward ops and enter no gradient (program/plan.py refuses
-  MoE loss weights with these schedules: the balance loss of microbatch 1 needs the load of microbatch M)."""
+  The statistics (pipeline.LayersFn) are summed by the forward ops; the backward ops pull `stats_ct` [L/(R S), R]
+  (the objective's constant gradient with respect to a layer's summed statistic, per layer of this stage) back
+  through them with the pass's output gradient."""
   zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
   plus = lambda a, b: jax.tree.map(jnp.add, a, b)
   group = lambda p: 0 if r_ == 1 else p // m_
-  values = lambda w, x, p: forward(w, x, p)[0]
+
+  def values(w, x, p):  # the pass's output (and its statistics' part of the objective, linear in them)
+    y, stats = forward(w, x, p)
+    if not stats_ct:
+      return y
+    return y, sum(jnp.sum(stats[k] * ct[:, group(p)].reshape((-1,) + (1,) * (stats[k].ndim - 1)))
+                  for k, ct in stats_ct.items())
+
+  def pullback(pull, g):
+    return pull((g, _varying(jnp.ones((), jnp.float32))) if stats_ct else g)
 
   def idle(x, g, p, acc):
     return zeros(x), zeros(x), zeros(x), acc
@@ -280,16 +291,16 @@ def _ops(forward: Callable, after: Callable, stack: list, rest: list, m_: int, r
 
   def b(x, g, p, acc):  # the input gradient only: the critical path
     _, pull = jax.vjp(lambda x: values(stack, x, p), x)
-    return zeros(x), pull(g)[0], zeros(x), acc
+    return zeros(x), pullback(pull, g)[0], zeros(x), acc
 
   def w(x, g, p, acc):  # the weight gradient only
     _, pull = jax.vjp(lambda w: values(w, x, p), stack)
     d_stack, d_rest, parts, stats = acc
-    return zeros(x), zeros(x), zeros(x), (plus(d_stack, pull(g)[0]), d_rest, parts, stats)
+    return zeros(x), zeros(x), zeros(x), (plus(d_stack, pullback(pull, g)[0]), d_rest, parts, stats)
 
   def bw(x, g, p, acc):
     _, pull = jax.vjp(lambda w, x: values(w, x, p), stack, x)
-    d_stack_i, dx = pull(g)
+    d_stack_i, dx = pullback(pull, g)
     d_stack, d_rest, parts, stats = acc
     return zeros(x), dx, zeros(x), (plus(d_stack, d_stack_i), d_rest, parts, stats)
 
@@ -298,7 +309,7 @@ def _ops(forward: Callable, after: Callable, stack: list, rest: list, m_: int, r
 
 def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Program, parts_shape: Any, stack: list,
            rest: list, xs: jax.Array, segs: jax.Array, poss: jax.Array, rows: dict[str, jax.Array],
-           tab: jax.Array) -> tuple:
+           tab: jax.Array, stats_ct: dict[str, jax.Array]) -> tuple:
   """One stage's program (under shard_map over `pipeline`): per tick, the op of its row of `tab` by `lax.switch`,
   then one ppermute each way. Returns this stage's layer gradients [R, 1, L/(R S), ...], the rest's (and the
   objective's parts) summed over stages, and stage 0's input gradients."""
@@ -316,7 +327,8 @@ def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Progra
     with pipeline_lib.substitute(lambda *_: (y, {})):
       return objective(model.rebuild(stack, rest), jax.tree.map(lambda a: a[i], rows))
 
-  branches = _ops(forward, after, stack, rest, m_, r_)
+  stats_ct = {k: jnp.swapaxes(c[:, 0], 0, 1) for k, c in stats_ct.items()}  # [R, 1, L/(R S)] -> [L/(R S), R]
+  branches = _ops(forward, after, stack, rest, m_, r_, stats_ct)
   present = sorted(set(int(o) for o in np.unique(prog.rows[:, :, 0])) - {IDLE})
 
   def run_op(op, *operands):
@@ -363,13 +375,16 @@ def _ring(stages: int, step: int) -> list[tuple[int, int]]:
   return [(i, (i + step) % stages) for i in range(stages)]
 
 
-def value_and_grad(objective: Objective, params: Any, batch: dict[str, jax.Array],
-                   schedule: Schedule) -> tuple[dict[str, jax.Array], Any, dict[str, jax.Array]]:
+def value_and_grad(objective: Objective, params: Any, batch: dict[str, jax.Array], schedule: Schedule,
+                   stats_cotangent: dict[str, jax.Array] | None = None,
+                   ) -> tuple[dict[str, jax.Array], Any, dict[str, jax.Array]]:
   """(parts, gradient of the objective) as `jax.value_and_grad(objective, has_aux=True)` gives them, with the
   model's layer stack run by `schedule`'s table over `schedule.stages` stages and `schedule.microbatches`
   microbatches of the batch's rows, and the stack's statistics [L, ...] summed over the microbatches (as
-  `pipeline.run` returns them; the objective here sees none of them, so its parts have no MoE terms: the caller
-  adds them from these). The objective must be a sum over rows (microbatches add up)."""
+  `pipeline.run` returns them). The objective here sees none of them, so its parts have no terms of them: the
+  caller adds those from the sums, and hands their gradient with respect to each layer's summed statistic as
+  `stats_cotangent` ({name: [L]}; it must be a constant, known before the first backward: a term linear in the
+  sums, such as the router z-loss). The objective must be a sum over rows (microbatches add up)."""
   x_BTD, pull_before, segment_ids_BT, positions_BT, model = _before_the_stack(objective, params, batch)
   split = lambda a: pipeline_lib._split(a, schedule.microbatches)
   rows = jax.tree.map(split, batch)
@@ -382,11 +397,13 @@ def value_and_grad(objective: Objective, params: Any, batch: dict[str, jax.Array
   grouped = [w.reshape((r_, s_, -1) + w.shape[1:]) for w in stack]
   prog = program(schedule)
   body = functools.partial(_stage, model, objective, schedule, prog, parts_shape)
-  fn = jax.shard_map(body, in_specs=([P(None, AXIS)] * len(stack), [P()] * len(rest), P(), P(), P(), P(), P()),
+  stats_ct = {k: c.reshape(r_, s_, -1) for k, c in (stats_cotangent or {}).items()}  # viewed like the stack
+  fn = jax.shard_map(body, in_specs=([P(None, AXIS)] * len(stack), [P()] * len(rest), P(), P(), P(), P(), P(),
+                                     P(None, AXIS)),
                      out_specs=([P(None, AXIS)] * len(stack), [P()] * len(rest), P(), P(AXIS), P(AXIS)),
                      axis_names={AXIS})
   d_grouped, d_rest, parts, dxs, stats = fn(grouped, rest, split(x_BTD), split(segment_ids_BT), split(positions_BT), rows,
-                                     jnp.asarray(prog.rows))
+                                     jnp.asarray(prog.rows), stats_ct)
   d_stack = [d.reshape(w.shape) for d, w in zip(d_grouped, stack)]
   (d_before,) = pull_before(pipeline_lib._merge(dxs[0]).astype(x_BTD.dtype))
   return parts, jax.tree.map(jnp.add, d_before, model.rebuild(d_stack, d_rest)), pipeline_lib.stats_layers(stats)
