@@ -42,6 +42,7 @@ logits row, the same fp32 logsumexp); only the order of the `d head` summation o
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -230,7 +231,7 @@ def _chunked_bwd(C, compute_dtype, G, cap, residuals, cotangents):
   # Zeros with the inputs' varying manual axes (the loss head inside a pipeline schedule's shard_map,
   # sharding/schedules.py), as the carry out has them; zeros_like keeps them and XLA folds the adds.
   zero = jnp.zeros_like(head_DV[:1, :1], jnp.float32) + jnp.zeros_like(x_BTD[:1, :1, :1], jnp.float32)[0]
-  d_head_GDV, d_x_KBCD = jax.lax.scan(body, jnp.zeros((G, D, V), jnp.float32) + zero, chunks)
+  d_head_GDV, d_x_KBCD = jax.lax.scan(body, _per_batch_shard(jnp.zeros((G, D, V), jnp.float32) + zero), chunks)
   # Resharded from G (one partial sum per batch shard) to the parameter's layout, then summed locally:
   # a reduce-scatter as an all-to-all. A plain sum over G was an all-reduce of the whole fp32 [D, V]
   # on every device (then sliced to the parameter's shard) wherever XLA does not rewrite that into a
@@ -241,3 +242,16 @@ def _chunked_bwd(C, compute_dtype, G, cap, residuals, cotangents):
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def _per_batch_shard(a_GDV: jax.Array) -> jax.Array:
+  """The partial sums [G, D, V] with G over the batch's mesh axes (one per batch shard, when G is their count).
+  Left to propagation, the head's FSDP-sharded D can win (seen under the pipeline, whose loss runs replicated over
+  `pipeline`: the DeepSeek-V3 preset): then every device gathers every batch shard's [C, V] logit gradients."""
+  rules, mesh = sharding_rules.active(), jax.sharding.get_abstract_mesh()
+  if rules is None or mesh.empty:
+    return a_GDV
+  axes = sharding_rules.mesh_axes(rules["act_batch"])
+  if math.prod(mesh.shape[a] for a in axes) != a_GDV.shape[0]:
+    return a_GDV  # context parallelism: G also counts the sequence's shards
+  return sharding_rules.constrain(a_GDV, ("act_batch", None, None))
