@@ -149,10 +149,12 @@ class CompileReport:
     schedule = self.plan.pipeline
     if not schedule:
       return []
-    layers = self.cfg.model.num_layers // schedule.stages
+    m = self.cfg.model
+    dense = m.moe.first_dense_layers if m.moe.num_experts > 0 else 0  # run before the pipeline, on every stage
+    layers = f"{(m.num_layers - dense) // schedule.stages}" + (f" MoE layers each after {dense} dense" if dense else "")
     held = [int(x) for x in schedules.held(schedules.table(schedule))]
-    return [f"  per stage       {self.memory.peak / GiB:9.3f} GiB  on each of the {schedule.stages} stages ({layers} "
-            f"layers each; one SPMD program, the same buffers on every stage): max {self.memory.peak / GiB:.3f} GiB",
+    return [f"  per stage       {self.memory.peak / GiB:9.3f} GiB  on each of the {schedule.stages} stages ({layers}"
+            f"{'' if dense else ' layers each'}; one SPMD program, the same buffers on every stage): max {self.memory.peak / GiB:.3f} GiB",
             f"  activations     {self.memory.temporaries / GiB:9.3f} GiB  per stage (temporaries); {schedule.kind} holds "
             f"{held} microbatches' activations per stage (schedule table, bubble {schedules.bubble(schedules.table(schedule)):.4f})"]
 
