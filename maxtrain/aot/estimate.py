@@ -256,7 +256,7 @@ def boundary_bytes(cfg: ml_collections.ConfigDict, plan: Any) -> int:
   return 2 * schedule.iterations * rows * seq_local * cfg.model.d_model * _itemsize(cfg.model.compute_dtype)
 
 
-def _pipeline(plan: Any, num_layers: int, saved: int, microbatch_bytes: int,
+def _pipeline(plan: Any, m: Any, saved: int, microbatch_bytes: int,
               shard_bytes: int) -> tuple[int, dict[str, Any] | None]:
   """(saved activations per device, the schedule's figures) under the pipeline (sharding/pipeline.py).
 
@@ -273,6 +273,11 @@ def _pipeline(plan: Any, num_layers: int, saved: int, microbatch_bytes: int,
   schedule = plan.pipeline
   if schedule is None:
     return saved, None
+  # A MoE model's dense first layers run before the pipeline on the whole batch (models/decoder.py): their share of
+  # the saved activations is not divided over stages and microbatches.
+  first_dense = m.moe.first_dense_layers if m.moe.enabled else 0
+  outside = saved * first_dense // m.num_layers
+  num_layers, saved = m.num_layers - first_dense, saved - outside
   s_, r_, m_, its = schedule.stages, schedule.repeats, schedule.microbatches, schedule.iterations
   per_iteration = saved // (s_ * r_ * m_)
   allocated = per_iteration * its + 2 * microbatch_bytes
@@ -291,7 +296,7 @@ def _pipeline(plan: Any, num_layers: int, saved: int, microbatch_bytes: int,
   figures = {**schedule.to_json(), "boundary_bytes": 2 * its * shard_bytes // m_,
              "saved_bytes_per_iteration": per_iteration, "per_stage": stages,
              "max_stage_saved_bytes": max(x["saved_bytes"] for x in stages)}
-  return allocated, figures
+  return allocated + outside, figures
 
 
 def _largest_streamed_group(table: list[Param], moments: dict[str, int], state_bytes: int, max_groups: int) -> int:
@@ -371,13 +376,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
   # down) and the layer input.
   dots_per_token = h_t * m.head_dim * 2 + kv_t * m.head_dim * 2 + 2 * d + 2 * f_t + d
   saved, host_activations = _saved_activations(m, tokens, dots_per_token, f_t, attention_saved, c_bytes)
-  # A MoE model's dense first layers run before the pipeline on the whole batch (models/decoder.py): their share
-  # of the saved activations is not divided over stages and microbatches.
-  first_dense = m.moe.first_dense_layers if m.moe.enabled and plan.pipeline else 0
-  outside = saved * first_dense // m.num_layers
-  saved, pipeline = _pipeline(plan, m.num_layers - first_dense, saved - outside, tokens * d * c_bytes,
-                              batch_rows * seq_local * d * c_bytes)
-  saved += outside
+  saved, pipeline = _pipeline(plan, m, saved, tokens * d * c_bytes, batch_rows * seq_local * d * c_bytes)
   # With FSDP a weight is all-gathered (in the compute dtype) where it is used, and its gradient is
   # whole (fp32) until it is reduce-scattered.
   gathered = layout.shards("embed") > 1

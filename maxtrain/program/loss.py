@@ -245,13 +245,16 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def _per_batch_shard(a_GDV: jax.Array) -> jax.Array:
-  """The partial sums [G, D, V] with G over the batch's mesh axes (one per batch shard, when G is their count).
-  Left to propagation, the head's FSDP-sharded D can win (seen under the pipeline, whose loss runs replicated over
-  `pipeline`: the DeepSeek-V3 preset): then every device gathers every batch shard's [C, V] logit gradients."""
+  """The partial sums [G, D, V] with G over the batch's mesh axes (one per batch shard, when G is their count and
+  the vocabulary is not split). Left to propagation, the head's FSDP-sharded D can win (seen under the pipeline,
+  whose loss runs replicated over its stages: the DeepSeek-V3 preset, 253 -> 93 GiB per device): then every device
+  gathers every batch shard's [C, V] logit gradients. With V split too (tensor parallelism) propagation keeps G per
+  batch shard on its own, and pinning it makes the reshard to the head's layout a full rematerialisation
+  (tests/test_loss.py), so it is left alone there."""
   rules, mesh = sharding_rules.active(), jax.sharding.get_abstract_mesh()
   if rules is None or mesh.empty:
     return a_GDV
-  axes = sharding_rules.mesh_axes(rules["act_batch"])
-  if math.prod(mesh.shape[a] for a in axes) != a_GDV.shape[0]:
-    return a_GDV  # context parallelism: G also counts the sequence's shards
+  size = lambda logical: math.prod(mesh.shape[a] for a in sharding_rules.mesh_axes(rules[logical]))
+  if size("act_batch") != a_GDV.shape[0] or size(HEAD_AXES[1]) > 1:
+    return a_GDV  # context parallelism (G also counts a sequence's shards), or a split vocabulary
   return sharding_rules.constrain(a_GDV, ("act_batch", None, None))
