@@ -75,7 +75,8 @@ def orthogonalize(x: jax.Array, dims: MuonDimensionNumbers, logical: tuple[str |
   pad a stage's block only where that shortens the work per device), orthogonalised locally, resharded back
   to `logical`. Otherwise (an unstacked weight, one device) GSPMD partitions the iteration over the parameter's own
   layout, which all-gathers the matrix dims at every iteration."""
-  split = sharding_rules.active_layer_split(x.shape[0]) if logical is not None and logical[:1] == ("layers",) else None
+  stacked = logical is not None and logical[:1] in (("layers",), ("dense_layers",))  # a MoE model's dense first layers too
+  split = sharding_rules.active_layer_split(x.shape[0]) if stacked else None
   if split is None:
     return newton_schulz(x, dims, coeffs, steps, dtype)
   num_layers, out_dtype = x.shape[0], x.dtype
