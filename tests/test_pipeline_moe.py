@@ -197,3 +197,14 @@ def test_gpipe_differentiates_a_product_of_batch_sums_like_the_scan():
 def test_moe_pipeline_settings_that_cannot_run_are_refused_before_compiling(args, message):
   with pytest.raises(UserError, match=re.escape(message)):
     validate(config_lib.load(MODEL + PIPELINE + args), 8, require_data=False)
+
+
+def test_the_deepseek_v3_preset_plans_a_moe_pipeline_with_experts_inside_stages():
+  """configs/deepseek_v3_671b.py on 32 H200 nodes: 2 stages of 29 MoE layers, the 3 dense ones before them, experts
+  over each node's 8 GPUs (its AOT fit: docs/fitting.md)."""
+  cfg = config_lib.load(["--config=configs/deepseek_v3_671b.py", "--config.hardware=h200x8"])
+  plan = validate(cfg, 256, require_data=False)
+  assert (plan.pipeline.stages, plan.pipeline.kind, plan.pipeline.microbatches) == (2, "gpipe", 8)
+  assert plan.layout.shards("experts") == 8 and plan.layout.shards("layers") == 2
+  assert plan.layout.shards("dense_layers") == 1 and cfg.model.moe.first_dense_layers == 3
+
