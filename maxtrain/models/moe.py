@@ -48,10 +48,9 @@ DISPATCHES = ("capacity", "dropless")
 # capacity_needed: the capacity_factor capacity dispatch would need to drop nothing (a max, not a sum);
 # a2a_bytes: what the layer's expert-parallel all-to-alls send between devices (ragged_dispatch.py).
 STATS = ("aux", "z", "load", "dropped", "assignments", "capacity_needed", "a2a_bytes")
-# What aux and z are functions of, as sums over the layer's tokens (probs: [E] the normalised scores summed;
-# z_sum: logsumexp(logits)^2 summed; tokens: B x T): a pipeline adds them up over its microbatches
+# With them, what aux and z are functions of, as sums over the layer's tokens (probs: [E] the normalised scores
+# summed; z_sum: logsumexp(logits)^2 summed; tokens: B x T): a pipeline adds them up over its microbatches
 # (`summable`, `from_sums`), so its aux and z are the full batch's, not a mean of microbatch values.
-SUMS = ("probs", "z_sum", "tokens")
 
 
 @dataclasses.dataclass(frozen=True)
