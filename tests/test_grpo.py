@@ -370,7 +370,7 @@ def test_resume_after_sigkill_mid_run_is_bitwise_and_samples_the_same(tmp_path, 
   caplog.clear()
   with caplog.at_level(logging.INFO, logger="maxtrain"):
     assert train.main(args + kill) == 0  # the fault fires once
-  assert "restored step 8" in caplog.text and "killed/checkpoints/2" in caplog.text  # 2 rounds x 4 updates
+  assert "restored step 2 (8 optimizer updates)" in caplog.text and "killed/checkpoints/2" in caplog.text  # 2 rounds x 4
 
   straight, killed = rounds(tmp_path / "straight"), rounds(tmp_path / "killed")
   assert [r["round"] for r in straight] == [1, 2, 3, 4] and [r["round"] for r in killed] == [1, 2, 3, 3, 4]

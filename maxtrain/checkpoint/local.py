@@ -37,7 +37,7 @@ import numpy as np
 from maxtrain.checkpoint import manifest
 from maxtrain.checkpoint.local_write import (DATA_FILE, INDEX_FILE, META_FILE, STATE_FILE, LocalSave, LocalWriter,
                                              _slices, clean_leftovers)
-from maxtrain.checkpoint.tiers import Restored
+from maxtrain.checkpoint.tiers import Restored, saved_step
 from maxtrain.errors import UserError, require_writable_dir
 
 log = logging.getLogger("maxtrain")
@@ -247,11 +247,10 @@ class LocalTier:
 
   @staticmethod
   def restore(path: Path, abstract_state: Any, shardings: Any) -> Restored:
-    """The step on this run's devices (read_shards). Its `step` is the state's own counter, as the durable tier
-    reports it (optimizer updates: a GRPO round makes several); a bare pytree has none: the directory's name."""
+    """The step on this run's devices (read_shards); its `step` is the one it was saved under (tiers.saved_step)."""
     state, data_state = read_shards(path, abstract_state, shardings)
-    step = int(state.step) if hasattr(state, "step") else int(Path(path).name)
-    return Restored(step=step, state=state, data_state=data_state, meta=read_meta(path), path=str(path))
+    meta = read_meta(path)
+    return Restored(step=saved_step(meta, path, state), state=state, data_state=data_state, meta=meta, path=str(path))
 
 
 def read_shards(path: Path, abstract_state: Any, shardings: Any) -> tuple[Any, dict]:
