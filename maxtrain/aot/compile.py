@@ -21,6 +21,10 @@ from maxtrain.program.fit import Memory, entry_buffers  # noqa: F401 (Memory: th
 from maxtrain.sharding import schedules
 from maxtrain.sharding.mesh import AXES
 from maxtrain.program.plan import Plan
+from maxtrain.aot.estimate import boundary_bytes
+from maxtrain.aot.hlo_lint import neuron_problems
+from maxtrain.posttrain import rl_step
+from maxtrain.program import build as program_lib
 
 GiB = 2**30
 
@@ -152,8 +156,6 @@ class CompileReport:
             f"{held} microbatches' activations per stage (schedule table, bubble {schedules.bubble(schedules.table(schedule)):.4f})"]
 
   def describe(self) -> str:
-    from maxtrain.aot.estimate import boundary_bytes  # imports the model: after the backend is set up
-
     cfg, m, mem = self.cfg, self.cfg.model, self.memory
     k, micro = self.plan.batch.num_microbatches, self.plan.batch.per_microbatch
     lines = [
@@ -209,15 +211,11 @@ def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int, standin
   not started; otherwise it must already be that many CPU devices). `standin`: compile the model's memory
   stand-in (`program/fit.py` memory_standin); None: when `standin_wanted`."""
   use_cpu_devices(num_devices)
-  from maxtrain.program import build as program_lib  # imported after the backend is set up
-
   standin = standin_wanted(cfg) if standin is None else standin
   t0 = time.perf_counter()
   program = program_lib.program_for(cfg, jax.devices(), require_data=False, memory_standin=standin)
   plan = program.plan
   if plan.mode == "rl":  # the step an RL run compiles: its algorithm's objective on a minibatch (posttrain/rl_step.py)
-    from maxtrain.posttrain import rl_step
-
     lowered = rl_step.for_config(program).lower()
   else:
     lowered = program.lower()
@@ -265,8 +263,6 @@ def check_fits(report: CompileReport, device_memory_gib: float) -> str:
 def neuron_lint(report: CompileReport) -> str:
   """The lowered step (what the Neuron plugin would be given) checked for what neuronx-cc rejects;
   raises UserError listing the problems. The step draws no random numbers, so the PRNG is not checked."""
-  from maxtrain.aot.hlo_lint import neuron_problems
-
   problems = neuron_problems(report.lowered.as_text(dialect="hlo"), check_prng=False)
   if problems:
     raise UserError("the train step would not compile on Neuron: " + "; ".join(map(str, problems[:10])))

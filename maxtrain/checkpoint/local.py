@@ -39,6 +39,7 @@ from maxtrain.checkpoint.local_write import (DATA_FILE, INDEX_FILE, META_FILE, S
                                              _slices, clean_leftovers)
 from maxtrain.checkpoint.tiers import Restored, saved_step
 from maxtrain.errors import UserError, require_writable_dir
+from maxtrain.runtime.lock import RunLock
 
 log = logging.getLogger("maxtrain")
 IDENTITY_DIRS = ("output_dir", "checkpoint_dir")  # which run a step belongs to; config_hash: under which config
@@ -132,8 +133,6 @@ class LocalTier:
   output_dir, checkpoint_dir and config_hash, saved in every step's meta."""
 
   def __init__(self, local_dir: str, process_index: int, keep: int, identity: dict[str, str]):
-    from maxtrain.runtime.lock import RunLock
-
     self.key = f"checkpoint.local_dir={local_dir}"
     self.root = Path(local_dir).absolute() / f"process_{process_index}"
     # Exit 2 naming the key (under a regular file, in /proc, read-only), before any compute.

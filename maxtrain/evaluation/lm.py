@@ -23,6 +23,7 @@ from lm_eval.api.model import TemplateLM
 from maxtrain.data.tokenizer import ByteTokenizer, prompt_ids
 from maxtrain.inference import sampling
 from maxtrain.sharding import rules as sharding_rules
+from maxtrain.interop import init_from
 
 LENGTH_BUCKET = 64  # rows are padded to a multiple of this: few shapes, little padding
 
@@ -76,8 +77,6 @@ class MaxtrainLM(TemplateLM):
 
   def load_params(self, path: str) -> None:
     """Another checkpoint of the same model into this one's placed parameters: nothing recompiles."""
-    from maxtrain.interop import init_from
-
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             self.generator.params)
     self.generator.params = init_from.load_params(path, self.generator.cfg, abstract)

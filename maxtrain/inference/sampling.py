@@ -17,6 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maxtrain import config as config_lib
+from maxtrain.config.loader import DEFAULT_CONFIG, parse_args, set_override
+from maxtrain.data.tokenizer import load_tokenizer
+from maxtrain.errors import UserError, require
+from maxtrain.interop import init_from
+from maxtrain.interop.sources import open_source
+from maxtrain.program.build import program_for
+from maxtrain.sharding import rules as sharding_rules
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -58,8 +67,6 @@ class Generator:
   token), then every later token in one on-device loop. The host reads the tokens once, at the end."""
 
   def __init__(self, model: Any, mesh: Any, rules: Any, *, batch_multiple: int = 1):
-    from maxtrain.sharding import rules as sharding_rules
-
     self.graphdef, self.params = nnx.split(model)
     self.cfg, self.mesh, self.rules, self.batch_multiple = model.cfg, mesh, rules, batch_multiple
 
@@ -143,14 +150,6 @@ def load(path: str, *, seed: int = 0, overrides: Sequence[str] = ()) -> tuple[Ge
   training defaults (FSDP over every device), then `overrides` (`--config.KEY=VALUE`), validated as
   training validates them. The parameters are placed by the program the trainer builds
   (`program/build.py`), so they are sharded as in training."""
-  from maxtrain import config as config_lib
-  from maxtrain.config.loader import DEFAULT_CONFIG, parse_args, set_override
-  from maxtrain.data.tokenizer import load_tokenizer
-  from maxtrain.errors import UserError, require
-  from maxtrain.interop import init_from
-  from maxtrain.interop.sources import open_source
-  from maxtrain.program.build import program_for
-
   source = open_source(path)
   cfg = config_lib.base_config()
   for key, value in source.model.items():

@@ -27,6 +27,7 @@ from flax import nnx
 
 from maxtrain.errors import UserError
 from maxtrain.inference.sampling import Generator, Sampling, sample
+from maxtrain.sharding import rules as sharding_rules
 
 GREEDY = Sampling()
 
@@ -53,8 +54,6 @@ class SpeculativeGenerator:
   """Greedy decoding of one prompt at a time, drafted by the MTP depth 1 of `generator`'s model."""
 
   def __init__(self, generator: Generator):
-    from maxtrain.sharding import rules as sharding_rules
-
     self.generator, self.cfg = generator, generator.cfg
     graphdef, rules = generator.graphdef, generator.rules
 
