@@ -128,6 +128,46 @@ def test_no_import_cycles():
       visit(m, [m])
 
 
+def unexplained_local_imports(path: Path) -> list[int]:
+  """Lines of function-local imports of maxtrain with no comment saying why (on the line, or a comment line right
+  above the block of imports it starts): an import belongs at the top of the module unless it breaks a cycle, keeps
+  jax out of a jax-free path (config loading, `--help`) or defers a heavy optional dependency."""
+  lines = path.read_text().splitlines()
+  tree = parse(path)
+  top = {id(n) for n in tree.body}
+
+  def commented(number: int) -> bool:
+    if "#" in lines[number - 1]:
+      return True
+    above = number - 1
+    while above >= 1 and re.match(r"\s+(from|import) ", lines[above - 1]):
+      above -= 1
+    return above >= 1 and lines[above - 1].strip().startswith("#")
+
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top and not commented(node.lineno):
+      names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+      if getattr(node, "level", 0) or any(n == "maxtrain" or n.startswith("maxtrain.") for n in names):
+        found.append(node.lineno)
+  return sorted(found)
+
+
+def test_function_local_imports_of_maxtrain_say_why():
+  """Issue 42: the project's own modules are imported at the top; the few imported inside a function say why."""
+  found = {p.relative_to(REPO).as_posix(): unexplained_local_imports(p) for p in MODULES.values()}
+  assert {k: v for k, v in found.items() if v} == {}, "move these imports to the top of the module, or say why not"
+
+
+def test_the_local_import_check_would_catch_an_unexplained_one(tmp_path):
+  sample = tmp_path / "x.py"
+  sample.write_text("from maxtrain import errors\n\n\ndef f():\n  import json\n  from maxtrain.data import store\n"
+                    "  from maxtrain.models import registry  # jax: not for --help\n  return store, registry\n\n\n"
+                    "def g():\n  # lm-eval (an optional extra)\n  from maxtrain.evaluation import lm\n"
+                    "  from maxtrain.inference import sampling\n\n  from . import rules\n  return lm, sampling, rules\n")
+  assert unexplained_local_imports(sample) == [6, 16]
+
+
 # What the checkpoint policy may import: it decides from measurements and state, it never measures nor acts (no
 # files, clocks, key-value store, devices, Orbax), so each rule is unit-tested with plain values.
 POLICY_IMPORTS = {"__future__", "dataclasses", "math", "typing", "collections.abc", "maxtrain.errors"}

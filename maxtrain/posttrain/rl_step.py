@@ -27,6 +27,9 @@ from maxtrain.optim.masking import keep_if
 from maxtrain.program import critic as critic_lib, drills, step as step_lib, update as update_lib
 from maxtrain.program.state import TrainState
 from maxtrain.sharding import rules as sharding_rules
+from maxtrain.posttrain import algorithms
+from maxtrain.program import batch as batch_lib
+from maxtrain.program.build import loss_chunk_tokens
 
 RL_KEYS = ("old_logp", "ref_logp", "advantages")
 CRITIC_KEYS = ("old_values", "returns")  # an algorithm with a critic (PPO): the rollout's values and the targets
@@ -137,8 +140,6 @@ class RlProgram:
 
 def build(program: Any, algorithm: Algorithm, hp: Hyper, *, on_policy: bool) -> RlProgram:
   """The RL pieces of `program` for `algorithm` at `hp`."""
-  from maxtrain.program.build import loss_chunk_tokens
-
   layout, spec = program.plan.layout, program.state
   chunking = dict(chunk_tokens=loss_chunk_tokens(program.cfg.model), batch_shards=layout.shards("act_batch"),
                   length_shards=layout.shards("act_length"))
@@ -165,8 +166,6 @@ def build(program: Any, algorithm: Algorithm, hp: Hyper, *, on_policy: bool) -> 
 
 def for_config(program: Any) -> RlProgram:
   """The RL pieces the config's post.* asks for (the algorithm resolved by the registry)."""
-  from maxtrain.posttrain import algorithms
-
   algorithm, hp = algorithms.resolve(program.cfg.post)
   p = program.cfg.post
   return build(program, algorithm, hp, on_policy=p.ppo_epochs * p.minibatches == 1)
@@ -174,15 +173,11 @@ def for_config(program: Any) -> RlProgram:
 
 def jit_pieces(program: Any, algorithm: str = "grpo", *, on_policy: bool, **hyper: Any) -> tuple[Callable, Callable]:
   """(jitted logprobs, jitted step) for `algorithm` with the given Hyper fields (tests and tools)."""
-  from maxtrain.posttrain import algorithms
-
   pieces = build(program, algorithms.get(algorithm), Hyper(**hyper), on_policy=on_policy)
   return pieces.logprobs, pieces.step
 
 
 def to_device(rows: dict[str, np.ndarray], program: Any) -> dict[str, jax.Array]:
   """Host rows (KEYS + RL_KEYS) -> global arrays with the batch's row sharding."""
-  from maxtrain.program import batch as batch_lib
-
   shardings = {k: program.batch_shardings["inputs"] for k in rows}
   return batch_lib.to_device(rows, shardings)

@@ -29,6 +29,7 @@ from maxtrain.models.decoder import ModelConfig
 from maxtrain.sharding.layout import with_shardings
 from maxtrain.sharding.mesh import make_mesh
 from maxtrain.program.plan import Plan, schedule_config, validate
+from maxtrain.program import schedule_fit
 
 log = logging.getLogger("maxtrain")
 
@@ -135,8 +136,6 @@ def resolve_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Devic
   """`cfg` with `pipeline.schedule=auto` replaced by the schedule `program/schedule_fit.py` chooses from the
   ahead-of-time compile of each candidate on `devices` (of the memory stand-in when asked), and the table of
   candidates (also logged)."""
-  from maxtrain.program import schedule_fit
-
   def compile_candidate(trial: ml_collections.ConfigDict):
     program = program_for(trial, devices, require_data=False, memory_standin=memory_standin)
     with jax.set_mesh(program.mesh):

@@ -29,7 +29,10 @@ from typing import Any, Callable, Sequence
 import jax
 import ml_collections
 
+import maxtrain
 from maxtrain.errors import UserError, require
+from maxtrain.models import registry
+from maxtrain.monitor import mfu
 from maxtrain.runtime import cache
 
 log = logging.getLogger("maxtrain")
@@ -181,8 +184,6 @@ CPU_MEMCPY_BANDWIDTH = 10e9
 
 def cpu_target(devices: Sequence[Any]) -> Target:
   """This machine's CPU devices: the available RAM and the measured matmul peak, shared by the devices."""
-  from maxtrain.monitor import mfu
-
   n = max(len(devices), 1)
   try:
     with open("/proc/meminfo") as f:
@@ -252,8 +253,6 @@ class Candidate:
 def _cache_key(cfg: ml_collections.ConfigDict, devices: Sequence[Any], names: list[str],
                standin: bool = False) -> dict[str, Any]:
   """What the compiled figures depend on (not the target's memory or speed: the choice is made after)."""
-  import maxtrain
-
   parts = {"model": cfg.model.to_dict(), "mesh": cfg.mesh.to_dict(), "optimizer": cfg.optimizer.to_dict(),
            "stages": cfg.pipeline.to_dict()}
   parts["model"].pop("remat", None)
@@ -297,8 +296,6 @@ def choose_remat(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
   names = [c for c in CANDIDATES if c != "offload" or target.host_bandwidth > 0]
 
   def measure() -> list[Candidate]:
-    from maxtrain.models import registry
-
     out, pipelined = [], False
     for remat in names:
       # Under the pipeline the offloaded activations' bytes are not modelled (offloaded_activation_bytes counts
