@@ -517,5 +517,8 @@ def test_a_restored_step_is_its_directory_not_the_update_counter(tmp_path):
     assert ck.store.steps() == [1] and ck.local.steps() == []
     ck.close()
     metrics.close()
-  abandoned = [r for r in read_events(out / "events.jsonl") if r["kind"] == "checkpoint_abandoned"]
+  records = read_events(out / "events.jsonl")
+  abandoned = [r for r in records if r["kind"] == "checkpoint_abandoned"]
   assert [(r["step"], r["durable_steps"], r["local_steps"]) for r in abandoned] == [(1, [3], [2, 3])]
+  # in the step unit of every other event (goodput discards the steps after it, the report counts the recomputed)
+  assert [(r["tier"], r["step"]) for r in records if r["kind"] == "restore"] == [("local", 3), ("durable", 1)]

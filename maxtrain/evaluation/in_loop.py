@@ -2,7 +2,7 @@
 `eval.every_steps` and at the end), on the training mesh with the live parameters: the same
 `MaxtrainLM` as `python -m maxtrain.eval`, built over the training model once (its jitted scoring
 compiled at the first eval), no checkpoint read and no server. A task that fails is an
-`eval_task_failed` event and a warning, never a dead run. Off (nothing imported) when `eval.tasks` is "".
+`eval_task_failed` event and a warning, never a dead run. Off (lm-eval not imported) when `eval.tasks` is "".
 """
 
 from __future__ import annotations
