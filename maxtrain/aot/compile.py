@@ -48,8 +48,9 @@ def standin_wanted(cfg: ml_collections.ConfigDict) -> bool:
 
 
 def cpu_caveats(cfg: ml_collections.ConfigDict, standin: bool = False) -> list[str]:
-  """Where XLA:CPU's memory for this config is known to differ from a GPU's by far (beyond CPU_CAVEAT: one line per
-  part of fit.cpu_far_parts), or, for a compile of the memory stand-in (`standin`), what the stand-in changed."""
+  """Where XLA:CPU's memory for this config is known to differ from a GPU's by far (beyond CPU_CAVEAT), or, for a
+  compile of the memory stand-in (`standin`), what the stand-in changed."""
+  # one line per part of fit.cpu_far_parts, the predicate the stand-in asks too
   model = registry.model_config(cfg.model)
   parts = fit.cpu_far_parts(model)
   if standin:

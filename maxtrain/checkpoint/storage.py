@@ -28,10 +28,10 @@ import orbax.checkpoint as ocp
 import maxtrain
 from maxtrain.errors import UserError, require_writable_dir
 from maxtrain.checkpoint import manifest
-from maxtrain.checkpoint.durable_read import DurableReader, opt_state_paths, param_shapes, read_meta
-from maxtrain.checkpoint.tiers import Restored
 from maxtrain.checkpoint.remote import S3Mirror
 from maxtrain.runtime.lock import RunLock
+from maxtrain.checkpoint.durable_read import DurableReader, opt_state_paths, param_shapes, read_meta
+from maxtrain.checkpoint.tiers import Restored
 
 log = logging.getLogger("maxtrain")
 ITEMS = "state meta data".split()  # a step's Orbax items

@@ -20,10 +20,10 @@ import numpy as np
 from flax import nnx
 from lm_eval.api.model import TemplateLM
 
+from maxtrain.interop import init_from
 from maxtrain.data.tokenizer import ByteTokenizer, prompt_ids
 from maxtrain.inference import sampling
 from maxtrain.sharding import rules as sharding_rules
-from maxtrain.interop import init_from
 
 LENGTH_BUCKET = 64  # rows are padded to a multiple of this: few shapes, little padding
 

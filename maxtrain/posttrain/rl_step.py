@@ -22,14 +22,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxtrain.data.pipeline import KEYS
 from maxtrain.optim import optimizer as optim
+from maxtrain.posttrain import algorithms
 from maxtrain.posttrain.algorithms import Algorithm, Hyper
+from maxtrain.program import batch as batch_lib
+from maxtrain.program.build import loss_chunk_tokens
 from maxtrain.optim.masking import keep_if
 from maxtrain.program import critic as critic_lib, drills, step as step_lib, update as update_lib
 from maxtrain.program.state import TrainState
 from maxtrain.sharding import rules as sharding_rules
-from maxtrain.posttrain import algorithms
-from maxtrain.program import batch as batch_lib
-from maxtrain.program.build import loss_chunk_tokens
 
 RL_KEYS = ("old_logp", "ref_logp", "advantages")
 CRITIC_KEYS = ("old_values", "returns")  # an algorithm with a critic (PPO): the rollout's values and the targets

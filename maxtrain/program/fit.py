@@ -29,11 +29,11 @@ from typing import Any, Callable, Sequence
 import jax
 import ml_collections
 
-import maxtrain
 from maxtrain.errors import UserError, require
+from maxtrain.runtime import cache
+import maxtrain
 from maxtrain.models import registry
 from maxtrain.monitor import mfu
-from maxtrain.runtime import cache
 
 log = logging.getLogger("maxtrain")
 GiB = 2**30
