@@ -136,6 +136,7 @@ def resolve_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Devic
   """`cfg` with `pipeline.schedule=auto` replaced by the schedule `program/schedule_fit.py` chooses from the
   ahead-of-time compile of each candidate on `devices` (of the memory stand-in when asked), and the table of
   candidates (also logged)."""
+
   def compile_candidate(trial: ml_collections.ConfigDict):
     program = program_for(trial, devices, require_data=False, memory_standin=memory_standin)
     with jax.set_mesh(program.mesh):
