@@ -28,7 +28,6 @@ from maxtrain.program import state as state_lib
 from maxtrain.program import step as step_lib
 from maxtrain.program.plan import validate
 from maxtrain.runtime import faults
-from maxtrain.sharding import pipeline as pipeline_lib
 from maxtrain.sharding import rules as rules_lib
 from maxtrain.sharding.layout import param_name
 from tiny import TINY_MODEL
@@ -198,9 +197,8 @@ def test_the_backward_keeps_activations_per_iteration_not_the_stage_weights(name
   program = build_lib.program_for(cfg, jax.devices(), require_data=False)
   schedule, batch = program.plan.pipeline, program.abstract_batch()  # no drill set: the rows only
 
-  def loss(params, batch):
-    with rules_lib.activate(program.plan.layout.rules), pipeline_lib.activate(schedule):
-      return step_lib.loss_sums(program.state.graphdef, params, batch)[0]
+  def loss(params, batch):  # the graphdef's model: the plan's rules and pipeline (program/state.py)
+    return step_lib.loss_sums(program.state.graphdef, params, batch)[0]
 
   with jax.set_mesh(program.mesh):
     print_saved_residuals(loss, program.abstract_state().params, batch)
@@ -292,9 +290,8 @@ def test_muon_under_the_pipeline_orthogonalises_each_stages_own_layers():
   coeffs, steps = optim.parse_ns_coeffs(program.cfg.optimizer.muon_ns_coeffs), program.cfg.optimizer.muon_ns_steps
 
   def run(x, rules):
-    with rules_lib.activate(rules):
-      return {k: muon.orthogonalize(v, optim.matrix_dimension_numbers(names[k]), names[k], coeffs, steps, jnp.float32)
-              for k, v in x.items()}
+    return {k: muon.orthogonalize(v, optim.matrix_dimension_numbers(names[k]), names[k], coeffs, steps, jnp.float32,
+                                  rules_lib.Parallel.of(rules)) for k, v in x.items()}
 
   want = jax.jit(functools.partial(run, rules=None))(x)  # one device, no rules: the plain iteration
   with jax.set_mesh(program.mesh):

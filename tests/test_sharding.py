@@ -15,7 +15,7 @@ from maxtrain.errors import UserError
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.sharding.layout import param_name
 from maxtrain.sharding.mesh import make_mesh
-from maxtrain.sharding.rules import DEFAULT_RULES, activate, logical_to_mesh
+from maxtrain.sharding.rules import DEFAULT_RULES, logical_to_mesh
 
 MODEL = ModelConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, vocab_size=128,
                     max_seq_len=16)
@@ -67,14 +67,13 @@ def run_on_mesh(sizes, num_devices):
   context = sizes.get("context", 1)
   data = [jax.device_put(batch_lib.context_order(b, context), batch_sharding) for b in batches()]
   with jax.set_mesh(mesh):
-    def loss_and_grads(p, b):
-      with activate(DEFAULT_RULES):
-        return step_lib.loss_and_grads(graphdef, p, b)
+    def loss_and_grads(p, b):  # the graphdef's model is laid out by the rules state_lib built it with
+      return step_lib.loss_and_grads(graphdef, p, b)
 
     grad_fn = jax.jit(loss_and_grads, in_shardings=(shardings.params, batch_sharding))
     metrics0, grads0 = jax.device_get(grad_fn(state.params, data[0]))
     loss0 = metrics0["loss"]
-    train_step = jax.jit(step_lib.make_train_step(graphdef, optimizer, rules=DEFAULT_RULES), in_shardings=(shardings, batch_sharding),
+    train_step = jax.jit(step_lib.make_train_step(graphdef, optimizer), in_shardings=(shardings, batch_sharding),
                          out_shardings=(shardings, state_lib.replicated(mesh)), donate_argnums=0)
     for batch in data:
       state, _ = train_step(state, batch)
