@@ -159,8 +159,9 @@ class Parallel:
     return dict(self.items) if self.items else None
 
   def constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
-    """Sharding constraint on an activation by the rules; a no-op without them."""
-    if not self.items:
+    """Sharding constraint on an activation by the rules; a no-op without them, or outside a mesh (the builder's
+    model traced on its own, e.g. a one-device reference: the rules' axes name no devices there)."""
+    if not self.items or jax.sharding.get_abstract_mesh().empty:
       return x
     return jax.lax.with_sharding_constraint(x, logical_to_mesh(logical, self.rules))
 
