@@ -336,8 +336,6 @@ def test_muon_layer_split_prefers_dividing_axes_and_pads_only_to_shorten_the_wor
      "microbatches=2 is fewer than the 4 stages"),
     (["--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.microbatches=3"],
      "microbatches=3 does not divide the 4 sequences per batch shard"),
-    (["--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.microbatches=2",
-      "--config.model.scan_layers=False"], "does not support config.model.scan_layers=False"),
     (["--config.mesh.pipeline=2", "--config.mesh.fsdp=2", "--config.mesh.context=2", "--config.data.seq_len=32",
       "--config.pipeline.microbatches=2"], "context parallelism"),
     (["--config.mesh.fsdp=8", "--config.pipeline.microbatches=4"], "without a pipeline"),
@@ -345,3 +343,13 @@ def test_muon_layer_split_prefers_dividing_axes_and_pads_only_to_shorten_the_wor
 def test_bad_pipeline_settings_are_refused_before_compiling(args, message):
   with pytest.raises(UserError, match=re.escape(message)):
     validate(_cfg(*args), 8, require_data=False)
+
+
+def test_the_pipeline_stack_refuses_unscanned_layers_before_compiling():
+  """The stack owns what it cannot run (models/stack.py): a pipeline over a list of layers is its UserError,
+  raised while the program builds the model's state spec (nothing is compiled)."""
+  cfg = _cfg("--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.microbatches=2",
+             "--config.model.scan_layers=False")
+  validate(cfg, 8, require_data=False)  # the plan keeps no list of what the stack cannot do
+  with pytest.raises(UserError, match=re.escape("config.model.scan_layers=False with a pipeline of 2 stages")):
+    build_lib.program_for(cfg, jax.devices(), require_data=False)
