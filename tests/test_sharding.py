@@ -144,3 +144,23 @@ def test_replicated_parameters_are_refused():
   no_fsdp = {**DEFAULT_RULES, "embed": None}
   with pytest.raises(UserError, match=r"100% of parameter bytes would be replicated .* largest: blocks/mlp/down"):
     state_lib.create(MODEL, tx, mesh, seed=0, rules=no_fsdp)
+
+
+def test_the_layout_reaches_the_model_at_construction():
+  """The builder's rules are the model's own (sharding/rules.py Parallel, a static attribute of its graphdef): the
+  same forward, traced under the same mesh with nothing activated, constrains its activations only when the model
+  was built with them; the state spec's graphdef carries the rules it laid the state out by."""
+  from maxtrain.models import registry
+  from maxtrain.sharding.rules import NONE, Parallel
+
+  mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  tokens = jax.ShapeDtypeStruct((8, 16), np.int32)
+  constraints = {}
+  for name, parallel in (("none", NONE), ("rules", Parallel.of(DEFAULT_RULES))):
+    graphdef, params = registry.abstract(MODEL, parallel=parallel)
+    with jax.set_mesh(mesh):
+      jaxpr = jax.make_jaxpr(lambda p, t: nnx.merge(graphdef, p)(t, t, t))(params, tokens)
+    constraints[name] = str(jaxpr).count("sharding_constraint")
+  assert constraints["none"] == 0 and constraints["rules"] >= 2 * MODEL.num_layers, constraints
+  spec = state_lib.spec(MODEL, optim.make(opt_config(), total_steps=10).tx, mesh, seed=0)
+  assert nnx.merge(spec.graphdef, spec.abstract.params).parallel == Parallel.of(DEFAULT_RULES)
