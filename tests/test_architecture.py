@@ -1,7 +1,8 @@
 """The shape of the code: packages that import only those below them (no import cycles), the mesh named
 only in `sharding/` (tools included), tools that import the installed package, short functions, a
 supervisor that starts without jax, `--help` generated from the declarations, every entry point through the
-one shell (cli/shell.py), and a layout drawing (docs/architecture.md) that matches the tree."""
+one shell (cli/shell.py), no ambient state (ContextVar) in models/ or sharding/, and a layout drawing
+(docs/architecture.md) that matches the tree."""
 
 import ast
 import io
