@@ -1,7 +1,8 @@
 """The shape of the code: packages that import only those below them (no import cycles), the mesh named
 only in `sharding/` (tools included), tools that import the installed package, short functions, a
 supervisor that starts without jax, `--help` generated from the declarations, every entry point through the
-one shell (cli/shell.py), and a layout drawing (docs/architecture.md) that matches the tree."""
+one shell (cli/shell.py), no ambient state (ContextVar) in models/ or sharding/, and a layout drawing
+(docs/architecture.md) that matches the tree."""
 
 import ast
 import io
@@ -484,3 +485,32 @@ def test_the_fault_check_would_catch_a_fault_input(tmp_path):
                     "  from maxtrain.runtime.faults import Faults\n  rows, fault = faults.split(batch)\n")
   assert fault_mentions("maxtrain.program.x", sample) == ["imports maxtrain.runtime.faults", "fault (line 4)",
                                                            "fault (line 6)"]
+
+
+# Parallelism reaches the model as values the builder hands it at construction (sharding/rules.py Parallel,
+# models/stack.py): no ambient state steers the model's forward, nor a sharding function it calls.
+NO_AMBIENT_STATE = ("maxtrain/models/", "maxtrain/sharding/")
+
+
+def context_vars(path: Path) -> list[str]:
+  """Imports of `contextvars` (any form, function-level included) and mentions of `ContextVar`."""
+  found = [f"imports {m}" for m in sorted(module_imports(path)) if m.split(".")[0] == "contextvars"]
+  for node in ast.walk(parse(path)):
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    if name == "ContextVar":
+      found.append(f"ContextVar (line {node.lineno})")
+  return found
+
+
+def test_no_context_variable_steers_the_model():
+  offenders = {rel: found for path in MODULES.values() if (rel := path.relative_to(REPO).as_posix()).startswith(
+      NO_AMBIENT_STATE) and (found := context_vars(path))}
+  assert not offenders, ("ambient state in models/ or sharding/ (the builder hands the model its layout and layer "
+                         f"stack at construction: sharding/rules.py Parallel, models/stack.py): {offenders}")
+
+
+def test_the_context_variable_check_would_catch_one(tmp_path):
+  sample = tmp_path / "x.py"
+  sample.write_text("import contextvars\n\n_ACTIVE = contextvars.ContextVar('rules', default=None)\n\n\n"
+                    "def f():\n  from contextvars import ContextVar\n  return ContextVar('stack')\n")
+  assert context_vars(sample) == ["imports contextvars", "ContextVar (line 3)", "ContextVar (line 8)"]

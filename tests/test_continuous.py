@@ -21,7 +21,7 @@ def generator():
   keys = {"family": "mistral", "sliding_window": 5, "vocab_size": 64, "num_layers": 2, "d_model": 64, "num_heads": 4,
           "num_kv_heads": 2, "d_ff": 128, "max_seq_len": 128, "attention": "dot"}
   graph = registry.build(registry.model_config(keys), rngs=nnx.Rngs(params=0))
-  return sampling.Generator(graph, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)), None)
+  return sampling.Generator(graph, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)))
 
 
 def ends(tokens_NM, eos):
