@@ -259,8 +259,7 @@ def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: Ba
           f" (data.batch_size={batch.global_size} / {batch.shards} batch shards / {batch.num_microbatches} gradient "
           f"accumulation steps). Use a batch_size that is a multiple of {p.microbatches} x {batch.shards} x "
           f"{batch.num_microbatches} = {p.microbatches * batch.shards * batch.num_microbatches}.")
-  unsupported = [(not m.scan_layers, "config.model.scan_layers=False (the pipeline splits the stacked layers)"),
-                 (layout.shards("act_length") > 1, "context parallelism (mesh.context > 1)")]
+  unsupported = [(layout.shards("act_length") > 1, "context parallelism (mesh.context > 1)")]
   bad = [text for hit, text in unsupported if hit]
   require(not bad, f"{where}: the pipeline does not support {', '.join(bad)}. Set mesh.pipeline=1 (and "
           "mesh.dcn_pipeline=1), or change those settings (docs/sharding.md lists what the pipeline supports).")

@@ -17,10 +17,8 @@ non-adjacent groups s, S + s, ..., so each step reshuffles the stored contiguous
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -72,38 +70,6 @@ class Schedule:
             "iterations": self.iterations, "bubble_fraction": self.bubble, "stage_remat": self.stage_remat}
 
 
-_ACTIVE: contextvars.ContextVar[Schedule | None] = contextvars.ContextVar("maxtrain_pipeline", default=None)
-
-
-def active() -> Schedule | None:
-  return _ACTIVE.get()
-
-
-@contextlib.contextmanager
-def activate(schedule: Schedule | None) -> Iterator[None]:
-  """Within the block, the model runs its layer stacks through `run` (None or 1 stage: it does not)."""
-  token = _ACTIVE.set(schedule if schedule is not None and schedule.stages > 1 else None)
-  try:
-    yield
-  finally:
-    _ACTIVE.reset(token)
-
-
-# Set while sharding/schedules.py traces the model: `run` hands the layer stack to it instead of running it.
-_STACK: contextvars.ContextVar[Callable[..., tuple] | None] = contextvars.ContextVar("maxtrain_stack", default=None)
-
-
-@contextlib.contextmanager
-def substitute(hook: Callable[..., tuple]) -> Iterator[None]:
-  """Within the block `run(layers, stacked, x, segment_ids, positions, schedule)` returns
-  `hook(layers, stacked, x, segment_ids, positions)`: (x, the layers' statistics summed, {} for none)."""
-  token = _STACK.set(hook)
-  try:
-    yield
-  finally:
-    _STACK.reset(token)
-
-
 def _split(x_B: jax.Array, m: int) -> jax.Array:
   """[B, ...] -> [M, B/M, ...], microbatch i = rows i, i + M, ...: every batch shard keeps its rows."""
   return jnp.swapaxes(x_B.reshape(x_B.shape[0] // m, m, *x_B.shape[1:]), 0, 1)
@@ -140,6 +106,12 @@ def stats_layers(per_stage: dict[str, jax.Array]) -> dict[str, jax.Array]:
   return {k: jnp.moveaxis(a, 2, 0).reshape((-1,) + a.shape[3:]) for k, a in per_stage.items()}
 
 
+# What sharding/schedules.py passes down the model's forward (an argument: models/stack.py `Pipelined`) to run in
+# place of the pipelined stack while it traces the model: (layers, stacked, x, segment ids, positions) ->
+# (x, the layers' statistics [L, ...] summed over microbatches, {} for none).
+StackHook = Callable[[LayersFn, Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
 def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array,
         schedule: Schedule) -> tuple[jax.Array, dict[str, jax.Array]]:
   """`layers(stage, r, x, segment_ids, positions)` applies layer group r of a stage's layers [L/(R S), R, ...]
@@ -154,9 +126,6 @@ def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Ar
   one that recomputes only slices and reshapes, models/decoder.py), the residual is the loop-invariant stage
   weights, kept once. With R = 1 the index is the constant 0 (tests: the saved residuals; compiled temp
   memory: tools/pipeline_memory.py, docs/sharding.md)."""
-  hook = _STACK.get()
-  if hook is not None:
-    return hook(layers, stacked, x_BTD, segment_ids_BT, positions_BT)
   s_, m_, r_ = schedule.stages, schedule.microbatches, schedule.repeats
   grouped = jax.tree.map(lambda w: w.reshape((r_, s_, -1) + w.shape[1:]), stacked)
   xs, segs, poss = (_split(a, m_) for a in (x_BTD, segment_ids_BT, positions_BT))
