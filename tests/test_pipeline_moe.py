@@ -208,3 +208,24 @@ def test_the_deepseek_v3_preset_plans_a_moe_pipeline_with_experts_inside_stages(
   assert plan.layout.shards("experts") == 8 and plan.layout.shards("layers") == 2
   assert plan.layout.shards("dense_layers") == 1 and cfg.model.moe.first_dense_layers == 3
 
+
+
+@pytest.mark.parametrize("aux_loss_weight", [0.0, 0.01])
+def test_auto_offers_only_the_schedules_the_plan_accepts_for_a_moe_model(aux_loss_weight):
+  """pipeline.schedule=auto (program/schedule_fit.py) compiles only candidates the plan accepts: with a balance
+  loss weight, gpipe alone (the plan refuses 1f1b and zb); without one, all three."""
+  from maxtrain.program import schedule_fit
+
+  cfg = config_lib.load(MODEL + PIPELINE + [f"--config.model.moe.aux_loss_weight={aux_loss_weight}",
+                                            "--config.pipeline.schedule=auto"])
+  accepted = []
+  for kind in ("gpipe", "1f1b", "zb"):
+    trial = cfg.copy_and_resolve_references()
+    trial.pipeline.schedule = kind
+    try:
+      validate(trial, 8, require_data=False)
+      accepted.append(kind)
+    except UserError:
+      pass
+  offered = schedule_fit.candidates(cfg.pipeline.repeats, cfg.pipeline.microbatches, 2, schedule_fit.balance_loss(cfg))
+  assert offered == accepted == (["gpipe"] if aux_loss_weight else ["gpipe", "1f1b", "zb"])

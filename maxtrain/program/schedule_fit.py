@@ -1,7 +1,8 @@
 """`pipeline.schedule=auto`: the pipeline schedule chosen ahead of time from what each one costs.
 
 `choose_schedule` compiles the train step once per candidate schedule for the run's mesh (gpipe, 1f1b and zb
-with pipeline.repeats=1; gpipe and interleaved_1f1b with repeats > 1), reads each one's device peak
+with pipeline.repeats=1; gpipe and interleaved_1f1b with repeats > 1; only gpipe for a MoE model with a balance
+loss weight), reads each one's device peak
 (`Compiled.memory_analysis`), and picks the fastest by the cost model below whose peak fits the target's
 memory with `fit.headroom` to spare. The table (bubble, microbatches held, peak, bytes per stage boundary,
 estimated step time) is logged before training and printed by `maxtrain.compile`.
@@ -35,11 +36,20 @@ log = logging.getLogger("maxtrain")
 GiB = 2**30
 
 
-def candidates(repeats: int, microbatches: int, stages: int) -> list[str]:
-  """The schedules a config can run as it is (1f1b and zb run one layer group per stage)."""
+def candidates(repeats: int, microbatches: int, stages: int, balance_loss: bool = False) -> list[str]:
+  """The schedules a config can run as it is (1f1b and zb run one layer group per stage). `balance_loss`: a MoE
+  model with model.moe.aux_loss_weight > 0, whose gradient only gpipe's autodiff has (program/plan.py refuses the
+  others: their first backward runs before the last microbatch's expert loads exist)."""
+  if balance_loss:
+    return ["gpipe"]
   if repeats == 1:
     return ["gpipe", "1f1b", "zb"]
   return ["gpipe"] + (["interleaved_1f1b"] if microbatches % stages == 0 else [])
+
+
+def balance_loss(cfg: ml_collections.ConfigDict) -> bool:
+  """A MoE model with a balance loss weight (`candidates`)."""
+  return cfg.model.moe.num_experts > 0 and cfg.model.moe.aux_loss_weight > 0
 
 
 def tick_units(schedule: pipeline_lib.Schedule, recompute: float) -> float:
@@ -78,7 +88,7 @@ def choose_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
   layers_forward = (registry.flops_per_token(m, seq) - 6.0 * m.d_model * m.vocab_size) / 3  # per token, all layers
   recompute = fit.recompute_flops_per_token(m, cfg.model.remat if cfg.model.remat != "auto" else "full", seq)
   rows = []
-  for kind in candidates(cfg.pipeline.repeats, cfg.pipeline.microbatches, _stages(cfg, devices)):
+  for kind in candidates(cfg.pipeline.repeats, cfg.pipeline.microbatches, _stages(cfg, devices), balance_loss(cfg)):
     trial = cfg.copy_and_resolve_references()
     trial.pipeline.schedule = kind
     compiled, plan = compile_fn(trial)
