@@ -10,13 +10,12 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-import ml_collections
-
+from maxtrain.config import schema
 from maxtrain.loop.observers import Observers
 from maxtrain.runtime import faults
 
 
-def install(observers: Observers, cfg: ml_collections.ConfigDict, out_dir: Path, process_index: int,
+def install(observers: Observers, cfg: schema.Config, out_dir: Path, process_index: int,
             settle: Callable[[], None]) -> faults.Faults:
   """Registers config.faults' drills on `observers`. Reads the record of the drills that already fired
   (UserError when it is unreadable: exit 2, before compiling). `settle`: waits for the saves in flight

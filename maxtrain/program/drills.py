@@ -14,21 +14,21 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from maxtrain.config import schema
 from maxtrain.runtime import faults
 
 Step = Callable[[Any, dict], tuple[Any, dict]]
 
 
-def armed(cfg: ml_collections.ConfigDict) -> bool:
+def armed(cfg: schema.Config) -> bool:
   """Whether the run's step carries the fault input (an in-graph drill is set)."""
   return faults.in_graph_armed(cfg.faults)
 
 
-def wrap_step(cfg: ml_collections.ConfigDict, make_step: Callable[..., Step]) -> Step:
+def wrap_step(cfg: schema.Config, make_step: Callable[..., Step]) -> Step:
   """`make_step()` as it is, or, with an in-graph drill set, a step whose batch carries the fault input.
   `make_step(perturb=...)` builds the step with the loss and gradients changed before its guards."""
   if not armed(cfg):
@@ -41,7 +41,7 @@ def wrap_step(cfg: ml_collections.ConfigDict, make_step: Callable[..., Step]) ->
   return drilled_step
 
 
-def batch_shardings(cfg: ml_collections.ConfigDict, mesh: Mesh, rows: dict[str, NamedSharding]) -> dict[str, NamedSharding]:
+def batch_shardings(cfg: schema.Config, mesh: Mesh, rows: dict[str, NamedSharding]) -> dict[str, NamedSharding]:
   """The train step's batch shardings: the rows', plus the replicated fault input when drilled."""
   return {**rows, faults.INPUT: NamedSharding(mesh, P())} if armed(cfg) else dict(rows)
 

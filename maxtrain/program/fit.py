@@ -27,8 +27,8 @@ import re
 from typing import Any, Callable, Sequence
 
 import jax
-import ml_collections
 
+from maxtrain.config import schema
 from maxtrain.errors import UserError, require
 from maxtrain.runtime import cache
 
@@ -181,7 +181,7 @@ def cpu_target(devices: Sequence[Any]) -> Target:
                 f"available RAM / {n}; {how}")
 
 
-def target_for(cfg: ml_collections.ConfigDict, devices: Sequence[Any]) -> Target:
+def target_for(cfg: schema.Config, devices: Sequence[Any]) -> Target:
   """The hardware preset's device when the config names one (an ahead-of-time compile for it), else the
   devices at hand."""
   if cfg.hardware in TARGETS:
@@ -210,7 +210,7 @@ def recompute_flops_per_token(m: Any, remat: str, seq_len: int) -> float:
   return layers_forward - 2.0 * (m.num_layers * n * h * d + dense * m.d_ff * d)
 
 
-def offloaded_activation_bytes(cfg: ml_collections.ConfigDict, plan: Any) -> tuple[int, int]:
+def offloaded_activation_bytes(cfg: schema.Config, plan: Any) -> tuple[int, int]:
   """(host bytes held per device, bytes moved each way per step) of `model.remat=offload`: per layer the
   activations the decoder names that the backward pass needs (`residual` and `mlp_in`, each [b, T, D] in the
   compute dtype; `attn_out` is not needed: recomputed from nothing), for one microbatch at a time."""
@@ -236,7 +236,7 @@ class Candidate:
     return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("step_seconds", "fits")}
 
 
-def _cache_key(cfg: ml_collections.ConfigDict, devices: Sequence[Any], names: list[str],
+def _cache_key(cfg: schema.Config, devices: Sequence[Any], names: list[str],
                standin: bool = False) -> dict[str, Any]:
   """What the compiled figures depend on (not the target's memory or speed: the choice is made after)."""
   import maxtrain
@@ -271,8 +271,8 @@ def _cached(key: dict[str, Any], measure: Callable[[], list[Candidate]]) -> list
   return candidates
 
 
-def choose_remat(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
-                 compile_fn: Callable[[ml_collections.ConfigDict], tuple[Any, Any]],
+def choose_remat(cfg: schema.Config, devices: Sequence[Any],
+                 compile_fn: Callable[[schema.Config], tuple[Any, Any]],
                  standin: bool = False) -> tuple[str, str, list[Candidate]]:
   """(the remat policy, the table of candidates, the candidates) for `cfg` on `devices`. `compile_fn(cfg)` returns (the
   compiled train step of cfg, its plan); `standin`: it compiles `memory_standin` models (cached apart). UserError
@@ -292,8 +292,7 @@ def choose_remat(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
       # every layer on every device: llama3_405b read -445 GiB on the device), so offload is no candidate there.
       if remat == "offload" and pipelined:
         continue
-      trial = cfg.copy_and_resolve_references()
-      trial.model.remat = remat
+      trial = schema.with_values(schema.Config.of(cfg), {"model.remat": remat})
       compiled, plan = compile_fn(trial)
       pipelined = plan.pipeline is not None
       mem = Memory.of(compiled)

@@ -22,8 +22,7 @@ import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
-import ml_collections
-
+from maxtrain.config import schema
 from maxtrain.errors import UserError
 from maxtrain.program import fit
 from maxtrain.sharding import pipeline as pipeline_lib
@@ -65,8 +64,8 @@ class Row:
   fits: bool
 
 
-def choose_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
-                    compile_fn: Callable[[ml_collections.ConfigDict], tuple[Any, Any]]) -> tuple[str, str, list[Row]]:
+def choose_schedule(cfg: schema.Config, devices: Sequence[Any],
+                    compile_fn: Callable[[schema.Config], tuple[Any, Any]]) -> tuple[str, str, list[Row]]:
   """(the schedule, the table, its rows) for `cfg` (pipeline.schedule=auto) on `devices`. `compile_fn(cfg)` returns
   (the compiled train step of cfg, its plan). UserError when none fits."""
   from maxtrain.models import registry
@@ -79,8 +78,7 @@ def choose_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
   recompute = fit.recompute_flops_per_token(m, cfg.model.remat if cfg.model.remat != "auto" else "full", seq)
   rows = []
   for kind in candidates(cfg.pipeline.repeats, cfg.pipeline.microbatches, _stages(cfg, devices)):
-    trial = cfg.copy_and_resolve_references()
-    trial.pipeline.schedule = kind
+    trial = schema.with_values(schema.Config.of(cfg), {"pipeline.schedule": kind})
     compiled, plan = compile_fn(trial)
     mem, schedule = fit.Memory.of(compiled), plan.pipeline
     # One stage's forward of one microbatch's layer group, per device: its share of the step's layer FLOPs.
@@ -108,7 +106,7 @@ def choose_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
   return chosen.schedule, table, rows
 
 
-def _boundary_bytes(cfg: ml_collections.ConfigDict, plan: Any) -> int:
+def _boundary_bytes(cfg: schema.Config, plan: Any) -> int:
   """Bytes one device sends to its neighbour stages per step: each iteration (gpipe: its forward and its backward;
   the others: each tick, both ways) one microbatch's [b/M, T, D] (aot/estimate.boundary_bytes, the same count)."""
   import jax.numpy as jnp
@@ -119,7 +117,7 @@ def _boundary_bytes(cfg: ml_collections.ConfigDict, plan: Any) -> int:
   return 2 * schedule.iterations * rows * seq_local * cfg.model.d_model * jnp.dtype(cfg.model.compute_dtype).itemsize
 
 
-def _stages(cfg: ml_collections.ConfigDict, devices: Sequence[Any]) -> int:
+def _stages(cfg: schema.Config, devices: Sequence[Any]) -> int:
   from maxtrain.program.plan import validate
 
   plan = validate(cfg, len(devices), require_data=False)

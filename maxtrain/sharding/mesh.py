@@ -109,12 +109,9 @@ def from_config(mesh_cfg: Mapping[str, int], num_devices: int) -> MeshLayout:
   return resolve_layout({a: mesh_cfg[a] for a in AXES + DCN_AXES if a in mesh_cfg}, num_devices)
 
 
-def fully_sharded(mesh_cfg: Any) -> None:
-  """Sets the config's mesh sizes to one FSDP axis over every device (the RL rollout side's own mesh)."""
-  for axis in AXES + DCN_AXES:
-    if axis in mesh_cfg:
-      mesh_cfg[axis] = 1
-  mesh_cfg.fsdp = -1
+def fully_sharded(mesh_cfg: Any) -> dict[str, int]:
+  """The `config.mesh` sizes (dotted keys) of one FSDP axis over every device (the RL rollout side's own mesh)."""
+  return {**{f"mesh.{axis}": 1 for axis in AXES + DCN_AXES if axis in mesh_cfg}, "mesh.fsdp": -1}
 
 
 def make_mesh(layout: MeshLayout | Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
