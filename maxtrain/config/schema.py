@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, Mapping
 
-from maxtrain.config.keys import check_known
+from maxtrain.config.keys import check_known, unknown_key
 from maxtrain.errors import UserError, require
 
 
@@ -485,13 +485,14 @@ _index(Config)
 
 def with_values(section: Any, changes: Mapping[str, Any]) -> Any:
   """A copy of `section` (a Config or any section) with the dotted keys of `changes` set, nested sections
-  replaced on the way down; an undeclared key is a UserError naming it."""
+  replaced on the way down; an undeclared key is a UserError naming it (with the nearest declared one)."""
+  where = next((f"{path}." for path, cls in SECTIONS.items() if cls is type(section)), "")
   grouped: dict[str, dict[str, Any]] = {}
   direct = {}
   for key, value in changes.items():
     head, _, rest = key.partition(".")
-    if head not in section:
-      raise UserError(f"unknown config key {key!r} for {type(section).__name__}")
+    if head not in section or bool(rest) != (f"{where}{head}" in SECTIONS):
+      raise unknown_key(f"{where}{key}")
     if rest:
       grouped.setdefault(head, {})[rest] = value
     else:

@@ -168,7 +168,7 @@ class TrainingSource:
     meta = checkpointer.restore(self.dir, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     self.config = config_lib.saved_config(meta, f"checkpoint {self.dir}")  # today's keys (config/migrate.py)
     self.model = self.config["model"]
-    self.tokenizer = self.config["data"]["tokenizer"]
+    self.tokenizer = config_lib.Config.from_dict(self.config).data.tokenizer
     self.tokenizer_identity = meta.get("tokenizer_identity")  # of the stores it trained on (saved since issue 23)
     self.vocab_size = self.model["vocab_size"]
     from maxtrain.data.tokenizer import load_tokenizer

@@ -60,7 +60,7 @@ def check_tokenizer(store: TokenStore, tokenizer: str) -> None:
 def check_checkpoint_tokenizer(store: TokenStore, data_cfg: schema.Data, meta: dict, path: Any) -> None:
   """A resumed checkpoint was trained on stores of one tokenizer: this run's must be the same."""
   saved = meta.get("tokenizer_identity")
-  saved_cfg = config_lib.saved_config(meta, f"checkpoint {path}")["data"]["tokenizer"]
+  saved_cfg = config_lib.Config.from_dict(config_lib.saved_config(meta, f"checkpoint {path}")).data.tokenizer
   if saved is not None and saved != store.tokenizer_identity:
     raise UserError(f"checkpoint {path} was trained on stores tokenized by {saved} (data.tokenizer={saved_cfg!r}), "
                     f"but token store {store.prefix} was built with {store.tokenizer_identity}: resume with the "
