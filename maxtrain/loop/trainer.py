@@ -107,7 +107,7 @@ class Trainer:
     stack.callback(self.metrics.close)
     tracking.attach(cfg, self.out_dir, self.metrics, stack, lambda: self.exit_code)  # MLflow, OTel: off by default
     self.observers = Observers()
-    drills.install(self.observers, cfg, self.out_dir, jax.process_index(), settle=lambda: self.checkpoints.settle())
+    drills.install(self.observers, cfg.faults, self.out_dir, jax.process_index(), settle=lambda: self.checkpoints.settle())
     self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.observers.save_started,
                                    on_progress=self.watchdog.progress, on_saved=self.observers.saved,
                                    mesh_shape=dict(program.mesh.shape), state_spec=program.state)

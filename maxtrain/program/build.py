@@ -87,7 +87,7 @@ def build(cfg: schema.Config, plan: Plan, mesh: Mesh | None = None, *,
   state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window,
                               offload_optimizer=offload.enabled(cfg.optimizer))
   row_shardings = batch_lib.shardings(mesh, plan.layout)
-  batch_shardings = drills.batch_shardings(cfg, mesh, row_shardings)  # + the fault input only when drilled
+  batch_shardings = drills.batch_shardings(cfg.faults, mesh, row_shardings)  # + the fault input only when drilled
   replicated = NamedSharding(mesh, P())
   # Each batch shard keeps its own partial head gradient across loss chunks (maxtrain/program/loss.py).
   chunking = dict(chunk_tokens=loss_chunk_tokens(cfg.model), batch_shards=plan.layout.shards("act_batch"),
@@ -96,7 +96,7 @@ def build(cfg: schema.Config, plan: Plan, mesh: Mesh | None = None, *,
                                 moe=model_cfg.moe, grad_accum_steps=plan.batch.num_microbatches,
                                 spike_zscore=cfg.guards.spike_zscore, spike_warmup=cfg.guards.spike_warmup, rules=rules,
                                 **chunking)
-  step = drills.wrap_step(cfg, make_step)  # a fault input and its injection only when config.faults sets one
+  step = drills.wrap_step(cfg.faults, make_step)  # a fault input and its injection only when config.faults sets one
   train_step = jax.jit(step, in_shardings=(state_spec.shardings, batch_shardings),
                        out_shardings=(state_spec.shardings, replicated), donate_argnums=0)
   eval_step = jax.jit(step_lib.make_eval_step(state_spec.graphdef, rules, **chunking),
