@@ -176,6 +176,8 @@ def test_typed_sections_are_exactly_their_declared_keys():
     leaves = {k for k in declared if k.startswith(prefix) and "." not in k[len(prefix):]}
     assert fields == leaves, path
   assert set(schema.SECTIONS) == {k.rpartition(".")[0] for k in declared if "." in k}
+  methods = {name for name in dir(schema._Section) if not name.startswith("__")} | {"of"}
+  assert not {k for k in declared if k.rpartition(".")[2] in methods}  # a key would shadow the mapping view's method
   cfg = config_lib.base_config()
   typed = config_lib.Config.from_dict(cfg)
   assert json.dumps(typed.to_dict()) == json.dumps(cfg.to_dict())  # the same saved JSON, key order included

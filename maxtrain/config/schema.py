@@ -436,12 +436,6 @@ class Eval(_Section):
 class Config(_Section):
   """The whole config: the top-level keys and every section."""
 
-  @classmethod
-  def of(cls, cfg: Any) -> "Config":
-    """`cfg` typed: itself when it is, else built (strictly) from the ConfigDict or dict. The entry-point shell
-    builds it once at load; the entry functions a test or a tool calls with a ConfigDict type it here."""
-    return cfg if isinstance(cfg, Config) else cls.from_dict(cfg)
-
   hardware: str = "auto"
   seed: int = 0
   steps: int = 200
@@ -466,6 +460,11 @@ class Config(_Section):
   post: Post = dataclasses.field(default_factory=Post)
   eval: Eval = dataclasses.field(default_factory=Eval)
 
+  @classmethod
+  def of(cls, cfg: Any) -> "Config":
+    """`cfg` typed: itself when it is, else built (strictly) from the ConfigDict or dict. The entry-point shell
+    builds it once at load; the entry functions a test or a tool calls with a ConfigDict type it here."""
+    return cfg if isinstance(cfg, Config) else cls.from_dict(cfg)
 
 
 # Dotted path -> the dataclass of that (sub)section.
