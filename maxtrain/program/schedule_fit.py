@@ -27,6 +27,8 @@ from maxtrain.errors import UserError
 from maxtrain.program import fit
 from maxtrain.sharding import pipeline as pipeline_lib
 from maxtrain.sharding import schedules
+from maxtrain.models import registry
+from maxtrain.program.plan import validate
 
 log = logging.getLogger("maxtrain")
 GiB = 2**30
@@ -68,8 +70,6 @@ def choose_schedule(cfg: schema.Config, devices: Sequence[Any],
                     compile_fn: Callable[[schema.Config], tuple[Any, Any]]) -> tuple[str, str, list[Row]]:
   """(the schedule, the table, its rows) for `cfg` (pipeline.schedule=auto) on `devices`. `compile_fn(cfg)` returns
   (the compiled train step of cfg, its plan). UserError when none fits."""
-  from maxtrain.models import registry
-
   headroom, target = cfg.fit.headroom, fit.target_for(cfg, devices)
   limit = target.memory_bytes * (1 - headroom)
   m = registry.model_config(cfg.model)
@@ -118,7 +118,5 @@ def _boundary_bytes(cfg: schema.Config, plan: Any) -> int:
 
 
 def _stages(cfg: schema.Config, devices: Sequence[Any]) -> int:
-  from maxtrain.program.plan import validate
-
   plan = validate(cfg, len(devices), require_data=False)
   return plan.pipeline.stages if plan.pipeline else 1
