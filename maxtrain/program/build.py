@@ -144,9 +144,7 @@ def resolve_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Devic
 
   kind, table, _ = schedule_fit.choose_schedule(cfg, devices, compile_candidate)
   log.info("%s", table)
-  resolved = cfg.copy_and_resolve_references()
-  resolved.pipeline.schedule = kind
-  return resolved, table
+  return schedule_fit.resolved(cfg, kind), table  # NO_PIPELINE: the stages' devices become fsdp
 
 
 def split_devices(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]) -> tuple[list, list]:
