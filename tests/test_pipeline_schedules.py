@@ -264,7 +264,8 @@ def test_auto_compiles_each_schedule_and_picks_the_cheapest_that_fits():
   assert unpiped.times.boundary == 0 and unpiped.times.compute < min(r.times.compute for r in rows[:3])
   assert unpiped.device_peak not in [r.device_peak for r in rows[:3]]
   assert f"{schedule_fit.NO_PIPELINE:<17} {0.0:7.4f}" in table
-  assert schedule_fit.resolved(cfg, schedule_fit.NO_PIPELINE).mesh.fsdp == 8
+  resolved = schedule_fit.resolved(cfg, schedule_fit.NO_PIPELINE, 8)
+  assert (resolved.mesh.fsdp, resolved.mesh.pipeline, resolved.optimizer.microbatch_size) == (8, 1, 2)
   assert kind == min(rows, key=lambda r: r.step_seconds).schedule and f"{kind:<17}" in table.split("<- chosen")[0]
   # 1f1b and zb tick twice per ppermute pair what gpipe iterates: 2 ticks per stage boundary each way
   by = {r.schedule: r for r in rows}

@@ -144,7 +144,7 @@ def resolve_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Devic
 
   kind, table, _ = schedule_fit.choose_schedule(cfg, devices, compile_candidate)
   log.info("%s", table)
-  return schedule_fit.resolved(cfg, kind), table  # NO_PIPELINE: the stages' devices become fsdp
+  return schedule_fit.resolved(cfg, kind, len(devices)), table  # NO_PIPELINE: the stages' devices become fsdp
 
 
 def split_devices(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]) -> tuple[list, list]:

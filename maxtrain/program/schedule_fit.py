@@ -133,9 +133,14 @@ def step_times(schedule: pipeline_lib.Schedule | None, mesh: Any, *, forward_sec
   return Times(compute, collectives, boundary_bytes / 2 / bandwidth)
 
 
-def unpipelined(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def unpipelined(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
   """`cfg` without the pipeline: its stages' devices hold fsdp shards instead (mesh.pipeline folded into mesh.fsdp,
-  mesh.dcn_pipeline into mesh.dcn_fsdp: a pipeline across nodes becomes fsdp across them), one microbatch."""
+  mesh.dcn_pipeline into mesh.dcn_fsdp: a pipeline across nodes becomes fsdp across them), gradient accumulation
+  over microbatches of the pipeline's microbatch rows per device (optimizer.microbatch_size): the activations of
+  one microbatch at a time, as a stage holds them."""
+  from maxtrain.program.plan import validate
+
+  plan = validate(cfg, num_devices, require_data=False)
   trial = cfg.copy_and_resolve_references()
   mesh = trial.mesh
   for stages, fsdp in (("pipeline", "fsdp"), ("dcn_pipeline", "dcn_fsdp")):
@@ -143,6 +148,8 @@ def unpipelined(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       mesh[fsdp] = mesh[fsdp] * mesh[stages]
     mesh[stages] = 1
   trial.pipeline.update(schedule="gpipe", microbatches=1, repeats=1, stage_remat=False)
+  if plan.pipeline is not None:
+    trial.optimizer.microbatch_size = max(plan.batch.per_microbatch // plan.pipeline.microbatches, 1)
   return trial
 
 
@@ -176,7 +183,7 @@ def choose_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
   rows = []
   trials = [(kind, _with_schedule(cfg, kind)) for kind in candidates(cfg.pipeline.repeats, cfg.pipeline.microbatches,
                                                                       _stages(cfg, devices))]
-  for kind, trial in trials + [(NO_PIPELINE, unpipelined(cfg))]:
+  for kind, trial in trials + [(NO_PIPELINE, unpipelined(cfg, len(devices)))]:
     try:
       compiled, plan = compile_fn(trial)
     except UserError as e:  # the config without its pipeline may not divide the same way: a row that cannot run
@@ -216,9 +223,9 @@ def choose_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
   return chosen.schedule, table, rows
 
 
-def resolved(cfg: ml_collections.ConfigDict, kind: str) -> ml_collections.ConfigDict:
-  """`cfg` (pipeline.schedule=auto) as `choose_schedule`'s choice `kind` runs it."""
-  return unpipelined(cfg) if kind == NO_PIPELINE else _with_schedule(cfg, kind)
+def resolved(cfg: ml_collections.ConfigDict, kind: str, num_devices: int) -> ml_collections.ConfigDict:
+  """`cfg` (pipeline.schedule=auto) as `choose_schedule`'s choice `kind` runs it on `num_devices`."""
+  return unpipelined(cfg, num_devices) if kind == NO_PIPELINE else _with_schedule(cfg, kind)
 
 
 def _with_schedule(cfg: ml_collections.ConfigDict, kind: str) -> ml_collections.ConfigDict:
