@@ -313,12 +313,24 @@ def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Progra
   present = sorted(set(int(o) for o in np.unique(prog.rows[:, :, 0])) - {IDLE})
 
   def run_op(op, *operands):
-    if not schedule.branchless:  # only the op this stage runs this tick is computed
-      return jax.lax.switch(op, branches, *operands)
-    # No conditionals (Neuron rejects them): every op the table uses runs every tick, its results masked.
     out = branches[IDLE](*operands)
+    if schedule.branchless:  # no conditionals (Neuron rejects them): every op the table uses runs, results masked
+      for code in present:
+        out = jax.tree.map(lambda cur, new, code=code: jnp.where(op == code, new, cur), out, branches[code](*operands))
+      return out
+    # Only the op this stage runs this tick is computed: a while loop of 0 or 1 trips per op, not lax.switch. A
+    # conditional's operands and results are separate buffers, so the accumulators passing through a switch (the
+    # stage's f32 weight gradient) were copied every tick (+1.5 GiB per device at 70B widths, BENCHMARKS.md); a while
+    # loop updates its carry in place. The weights pass an optimization barrier with the trip counter, so XLA keeps
+    # each op's fsdp all-gathers inside its loop (hoisted out, every op's gathered weights are alive at once).
+    x, g, p, _ = operands
     for code in present:
-      out = jax.tree.map(lambda cur, new, code=code: jnp.where(op == code, new, cur), out, branches[code](*operands))
+      def body(carry, code=code):
+        trip, (_, _, _, acc) = carry
+        stack_t, rest_t, _ = jax.lax.optimization_barrier((stack, rest, trip))
+        return trip + 1, _ops(forward, after, stack_t, rest_t, m_)[code](x, g, p, acc)
+      trips = (op == code).astype(jnp.int32)
+      _, out = jax.lax.while_loop(lambda carry, trips=trips: carry[0] < trips, body, (jnp.int32(0), out))
     return out
 
   def tick(carry, tab_t):
