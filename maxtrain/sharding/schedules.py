@@ -3,8 +3,9 @@
 A schedule is a table int [ticks, S, 2]: per tick and stage, the op the stage runs (IDLE, F forward, H forward
 and the loss head on the last virtual stage, B input gradient, W weight gradient, BW both) and on which pass
 (p = r M + i: layer group r of microbatch i). Under `shard_map` over `pipeline` each device runs its own
-program, so a stage runs its tick's op by `lax.switch` on the table entry of `axis_index`: only that op's
-work is paid (an idle slot costs nothing but the tick's two `ppermute`s, which stay outside the switch). A
+program, so a stage runs its tick's op by the table entry of `axis_index` (a while loop of 0 or 1 trips per op,
+which updates the gradient accumulators in place where `lax.switch` copied them): only that op's work is paid
+(an idle slot costs nothing but the tick's two `ppermute`s, which stay outside the ops). A
 stage keeps the inputs and the incoming gradients of the passes in flight in slot buffers assigned on the
 host (`program`); F/H read the input, B/W/BW recompute the stage from it (these schedules imply stage remat).
 
@@ -292,8 +293,8 @@ def _ops(forward: Callable, after: Callable, stack: list, rest: list, m_: int) -
 def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Program, parts_shape: Any, stack: list,
            rest: list, xs: jax.Array, segs: jax.Array, poss: jax.Array, rows: dict[str, jax.Array],
            tab: jax.Array) -> tuple:
-  """One stage's program (under shard_map over `pipeline`): per tick, the op of its row of `tab` by `lax.switch`,
-  then one ppermute each way. Returns this stage's layer gradients [R, 1, L/(R S), ...], the rest's (and the
+  """One stage's program (under shard_map over `pipeline`): per tick, the op of its row of `tab` (`run_op`), then
+  one ppermute each way. Returns this stage's layer gradients [R, 1, L/(R S), ...], the rest's (and the
   objective's parts) summed over stages, and stage 0's input gradients."""
   s_, m_, r_ = schedule.stages, schedule.microbatches, schedule.repeats
   s = jax.lax.axis_index(AXIS)
