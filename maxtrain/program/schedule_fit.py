@@ -117,8 +117,7 @@ def step_times(schedule: pipeline_lib.Schedule | None, mesh: Any, *, forward_sec
   peak); `recompute`: the model's own remat recompute as a share of that forward; `layer_bytes`: the weights of
   the layers a device runs, gathered over fsdp (its tensor shard); `accumulation`: gradient accumulation steps;
   `boundary_bytes`: what a device sends to its neighbour stages per step, both directions."""
-  i = mesh_lib.AXES.index("fsdp")
-  fsdp_ici, fsdp_dcn, per_node = mesh.ici[i], mesh.dcn[i], math.prod(mesh.ici)
+  (fsdp_ici, fsdp_dcn), per_node = mesh.fsdp_levels, math.prod(mesh.ici)
   if schedule is None:
     collectives = 3 * accumulation * collective_seconds(layer_bytes, fsdp_ici, fsdp_dcn, per_node, target)
     return Times(forward_seconds * (3.0 + recompute), collectives, 0.0)
@@ -127,9 +126,8 @@ def step_times(schedule: pipeline_lib.Schedule | None, mesh: Any, *, forward_sec
   unit_bytes = layer_bytes / schedule.repeats
   collectives = accumulation * collective_units(schedule) * collective_seconds(unit_bytes, fsdp_ici, fsdp_dcn,
                                                                                 per_node, target)
-  p = mesh_lib.AXES.index("pipeline")
-  across = mesh.dcn[p] > 1  # some stage boundaries cross nodes: the lockstep ticks wait for the slowest
-  bandwidth = target.network_bandwidth / per_node if across else target.link_bandwidth
+  # Where some stage boundaries cross nodes, the lockstep ticks wait for the slowest.
+  bandwidth = target.network_bandwidth / per_node if mesh.pipeline_across_granules else target.link_bandwidth
   return Times(compute, collectives, boundary_bytes / 2 / bandwidth)
 
 
@@ -142,11 +140,7 @@ def unpipelined(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collecti
 
   plan = validate(cfg, num_devices, require_data=False)
   trial = cfg.copy_and_resolve_references()
-  mesh = trial.mesh
-  for stages, fsdp in (("pipeline", "fsdp"), ("dcn_pipeline", "dcn_fsdp")):
-    if mesh[fsdp] != -1:  # -1 fills the remaining devices: it takes the stages' share by itself
-      mesh[fsdp] = mesh[fsdp] * mesh[stages]
-    mesh[stages] = 1
+  mesh_lib.fold_pipeline_into_fsdp(trial.mesh)
   trial.pipeline.update(schedule="gpipe", microbatches=1, repeats=1, stage_remat=False)
   if plan.pipeline is not None:
     trial.optimizer.microbatch_size = max(plan.batch.per_microbatch // plan.pipeline.microbatches, 1)
@@ -246,9 +240,8 @@ def _stack_leaves(m: Any) -> list[tuple[tuple[int, ...], tuple, int]]:
 
 def _layer_bytes(stack: list[tuple[tuple[int, ...], tuple, int]], plan: Any, m: Any) -> float:
   """The layer weights one device runs, gathered over fsdp: its block of each stack parameter x the fsdp size."""
-  fsdp = plan.mesh.sizes["fsdp"]
   return float(sum(math.prod(plan.layout.local_shape(shape, logical)) * itemsize for shape, logical, itemsize in stack)
-               * fsdp)
+               * math.prod(plan.mesh.fsdp_levels))
 
 
 def _boundary_bytes(cfg: ml_collections.ConfigDict, plan: Any) -> int:

@@ -54,6 +54,17 @@ class MeshLayout:
   def granules(self) -> int:
     return math.prod(self.dcn)
 
+  @property
+  def fsdp_levels(self) -> tuple[int, int]:
+    """(fsdp devices inside a granule, granules along fsdp): the two levels an fsdp collective crosses."""
+    i = AXES.index("fsdp")
+    return self.ici[i], self.dcn[i]
+
+  @property
+  def pipeline_across_granules(self) -> bool:
+    """Some stage boundaries cross the network (mesh.dcn_pipeline > 1)."""
+    return self.dcn[AXES.index("pipeline")] > 1
+
   def describe(self) -> str:
     text = " x ".join(f"{a}={s}" for a, s in zip(AXES, self.shape) if a not in OPTIONAL or s != 1)
     if self.granules > 1:
@@ -115,6 +126,15 @@ def fully_sharded(mesh_cfg: Any) -> None:
     if axis in mesh_cfg:
       mesh_cfg[axis] = 1
   mesh_cfg.fsdp = -1
+
+
+def fold_pipeline_into_fsdp(mesh_cfg: Any) -> None:
+  """Sets the config's mesh sizes to the same devices without a pipeline: mesh.pipeline folded into mesh.fsdp and
+  mesh.dcn_pipeline into mesh.dcn_fsdp (a pipeline across nodes becomes fsdp across them)."""
+  for stages, fsdp in (("pipeline", "fsdp"), ("dcn_pipeline", "dcn_fsdp")):
+    if mesh_cfg[fsdp] != -1:  # -1 fills the remaining devices: it takes the stages' share by itself
+      mesh_cfg[fsdp] = mesh_cfg[fsdp] * mesh_cfg[stages]
+    mesh_cfg[stages] = 1
 
 
 def make_mesh(layout: MeshLayout | Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
