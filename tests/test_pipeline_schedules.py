@@ -232,10 +232,11 @@ def test_the_network_decides_whether_to_pipeline():
   assert winners == {1024: "pipeline", 16384: "fsdp"}
   # Inside a node the collective runs over the link: 4 nodes x 8 GPUs of fsdp, across nodes first then NVLink
   assert schedule_fit.collective_seconds(1e9, 8, 4, 8, target) == pytest.approx(1e9 * 3 / 4 / 8 / 50e9 + 1e9 * 7 / 8 / 450e9)
-  # fsdp collectives per accumulation step on the busiest stage, S = 4, M = 8: gpipe 3 per iteration; 1f1b F 1 +
-  # BW 3 per microbatch; zb F 1 + B 2 + W 3; branchless zb every op of the table (F, H, B, W) every tick
+  # fsdp collectives per accumulation step on the busiest stage, S = 4, M = 8, + 1 gradient reduction: gpipe the
+  # forward's gathers once and the backward's per iteration; 1f1b F 1 + BW 2 per microbatch; zb F 1 + B 2 + W 2;
+  # branchless zb every op of the table (F, H, B, W) every tick
   units = lambda kind, **kw: schedule_fit.collective_units(Schedule(stages=4, microbatches=8, repeats=1, kind=kind, **kw))
-  assert (units("gpipe"), units("1f1b"), units("zb"), units("zb", branchless=True)) == (33, 32, 48, 27 * 7)
+  assert (units("gpipe"), units("1f1b"), units("zb"), units("zb", branchless=True)) == (13, 25, 41, 27 * 6 + 1)
 
 
 def test_auto_compiles_each_schedule_and_picks_the_cheapest_that_fits():

@@ -20,10 +20,12 @@ fsdp at its level (`unpipelined`: mesh.pipeline into mesh.fsdp, mesh.dcn_pipelin
 same way, its layers' work (2 + u) forwards with no bubble. Every row also pays its fsdp collectives and stage sends
 (`step_times`, the target's network figures in program/fit.py TARGETS):
   step = max(layer work, fsdp collectives) + stage-boundary sends
-- fsdp collectives: per pass of a microbatch through a layer group, its weights (the device's tensor shard, at
-  model.param_dtype) are all-gathered for the forward, gathered again for the backward and their gradient is
-  reduce-scattered, each moving the same bytes (the pipeline ops: F and H 1, B 2, W and BW 3; gpipe 3 per
-  iteration; no pipeline 3 per accumulation step, all layers). One collective over an fsdp axis of n_ici devices
+- fsdp collectives, each moving a layer group's weights (the device's tensor shard, at model.param_dtype), where
+  XLA:CPU's compiled steps put them (70B widths, pipeline=4 x fsdp=2): the schedules' ops gather inside their
+  loops (F and H 1, B, W and BW 2: the recomputed forward's and the backward's); gpipe gathers the forward's once
+  (hoisted out of its loop) and the backward's every iteration; without a pipeline, each accumulation step gathers
+  all the layers for the forward and again for the backward; every row reduces the gradient once per accumulation
+  step (counted as one more collective). One collective over an fsdp axis of n_ici devices
   in a node x n_dcn nodes: across nodes first (each device fetches its 1/n_ici part of what the other nodes hold,
   bytes (n_dcn-1)/(n_dcn n_ici), over its share of the node's NICs: network bandwidth / devices per node), then
   inside the node (bytes (n_ici-1)/n_ici over the device's link). Overlapped with compute (XLA's scheduler gathers
@@ -52,9 +54,8 @@ from maxtrain.sharding import schedules
 log = logging.getLogger("maxtrain")
 GiB = 2**30
 NO_PIPELINE = "no pipeline"  # the row of the same devices as fsdp, the pipeline axis folded into it (`unpipelined`)
-# fsdp collectives (all-gathers of a layer group's weights, reduce-scatters of their gradient) per op of a table
-# (module docstring); gpipe runs 3 per iteration (forward gather, backward gather, reduce-scatter).
-COLLECTIVES = {schedules.F: 1, schedules.H: 1, schedules.B: 2, schedules.W: 3, schedules.BW: 3}
+# fsdp all-gathers of a layer group's weights per op of a table (module docstring)
+COLLECTIVES = {schedules.F: 1, schedules.H: 1, schedules.B: 2, schedules.W: 2, schedules.BW: 2}
 
 
 def candidates(repeats: int, microbatches: int, stages: int) -> list[str]:
@@ -78,14 +79,15 @@ def tick_units(schedule: pipeline_lib.Schedule, recompute: float) -> float:
 
 
 def collective_units(schedule: pipeline_lib.Schedule) -> int:
-  """fsdp collectives of one layer group per accumulation step on the busiest stage (COLLECTIVES)."""
+  """fsdp collectives of one layer group per accumulation step on the busiest stage: the gathers (COLLECTIVES;
+  gpipe: the forward's once, the backward's per iteration) and the gradient's reduction (module docstring)."""
   if schedule.kind == "gpipe":
-    return 3 * schedule.iterations
+    return 1 + schedule.iterations + 1
   ops = schedules.table(schedule)[:, :, 0]
   if schedule.branchless:  # every op of the table runs every tick
-    return schedule.iterations * sum(COLLECTIVES[int(o)] for o in set(ops.ravel().tolist()) - {schedules.IDLE})
+    return schedule.iterations * sum(COLLECTIVES[int(o)] for o in set(ops.ravel().tolist()) - {schedules.IDLE}) + 1
   per_op = np.vectorize(lambda o: COLLECTIVES.get(int(o), 0))(ops)
-  return int(per_op.sum(axis=0).max())
+  return int(per_op.sum(axis=0).max()) + 1
 
 
 def collective_seconds(nbytes: float, fsdp_ici: int, fsdp_dcn: int, devices_per_node: int, target: fit.Target) -> float:
