@@ -51,6 +51,7 @@ from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
 from maxtrain.program import plan as plan_lib
 from maxtrain.program.plan import stage_config, stage_shapes
+from maxtrain.interop import init_from
 
 log = logging.getLogger("maxtrain")
 
@@ -221,8 +222,6 @@ class Trainer:
     """The run's step-0 state: checkpoint.init_from's parameters with a new optimizer state, else the
     seed's initialisation (a fresh run, and a rollback with no checkpoint from before the fault)."""
     if self.cfg.checkpoint.init_from:
-      from maxtrain.interop import init_from
-
       return init_from.initial_state(self.program, self.cfg.checkpoint.init_from, self.cfg.guards.spike_window)
     return state_lib.initialize(self.program.state, self.program.mesh)
 

@@ -42,6 +42,8 @@ from maxtrain.monitor import events as ev
 from maxtrain.posttrain import rollout as rollout_lib
 from maxtrain.posttrain.rl import Outcome, RlStepper, completion_tokens
 from maxtrain.program import state as state_lib
+from maxtrain.program.build import program_for, split_devices
+from maxtrain.sharding.mesh import fully_sharded
 
 log = logging.getLogger("maxtrain")
 
@@ -282,9 +284,6 @@ def rollout_placement(cfg: Any, program: Any) -> tuple[Any, Callable[[Any], Any]
   on the last devices (the model fully sharded over them; nothing else of it is built or run) and
   a device_put onto its parameter sharding; without, the trainer's program and a copy (the trainer's
   state is donated to its next update)."""
-  from maxtrain.program.build import program_for, split_devices
-  from maxtrain.sharding.mesh import fully_sharded
-
   devices = split_devices(cfg, jax.devices())[1]
   if not devices:
     return program, lambda params: jax.tree.map(lambda x: x.copy(), params)

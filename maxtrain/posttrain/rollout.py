@@ -18,6 +18,8 @@ import numpy as np
 
 from maxtrain.errors import require
 from maxtrain.posttrain import rewards as rewards_lib
+from maxtrain.inference import continuous
+from maxtrain.inference.sampling import Sampling
 
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "sampler_logp", "entropy")
 
@@ -74,9 +76,6 @@ class Rollout:
 
 def sample(data: Any, generator: Any, params: Any, q: int, post: Any, seed: int, seq_len: int) -> Rollout:
   """Prompt batch q, each prompt post.group_size times, sampled at post.temperature and scored."""
-  from maxtrain.inference import continuous
-  from maxtrain.inference.sampling import Sampling
-
   tok = data.tokenizer
   examples = [e for e in data.prompts(q) for _ in range(post.group_size)]
   prompt_ids = [tok.encode(e["prompt"]).tolist() for e in examples]

@@ -50,6 +50,9 @@ from maxtrain.program import fit
 from maxtrain.sharding import mesh as mesh_lib
 from maxtrain.sharding import pipeline as pipeline_lib
 from maxtrain.sharding import schedules
+from maxtrain.sharding.layout import named_leaves
+from maxtrain.models import registry
+from maxtrain.program.plan import validate
 
 log = logging.getLogger("maxtrain")
 GiB = 2**30
@@ -138,8 +141,6 @@ def unpipelined(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collecti
   mesh.dcn_pipeline into mesh.dcn_fsdp: a pipeline across nodes becomes fsdp across them), gradient accumulation
   over microbatches of the pipeline's microbatch rows per device (optimizer.microbatch_size): the activations of
   one microbatch at a time, as a stage holds them."""
-  from maxtrain.program.plan import validate
-
   plan = validate(cfg, num_devices, require_data=False)
   trial = cfg.copy_and_resolve_references()
   mesh_lib.fold_pipeline_into_fsdp(trial.mesh)
@@ -167,8 +168,6 @@ def choose_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
                     compile_fn: Callable[[ml_collections.ConfigDict], tuple[Any, Any]]) -> tuple[str, str, list[Row]]:
   """(the schedule or NO_PIPELINE, the table, its rows) for `cfg` (pipeline.schedule=auto) on `devices`.
   `compile_fn(cfg)` returns (the compiled train step of cfg, its plan). UserError when none fits."""
-  from maxtrain.models import registry
-
   headroom, target = cfg.fit.headroom, fit.target_for(cfg, devices)
   limit = target.memory_bytes * (1 - headroom)
   m = registry.model_config(cfg.model)
@@ -232,9 +231,6 @@ def _with_schedule(cfg: ml_collections.ConfigDict, kind: str) -> ml_collections.
 
 def _stack_leaves(m: Any) -> list[tuple[tuple[int, ...], tuple, int]]:
   """(shape, logical axes, itemsize) of each parameter of the layer stacks (the weights fsdp gathers per layer)."""
-  from maxtrain.models import registry
-  from maxtrain.sharding.layout import named_leaves
-
   _, params = registry.abstract(m)
   return [(tuple(leaf.shape), logical, np.dtype(leaf.dtype).itemsize) for name, leaf, logical in named_leaves(params)
           if name.split("/", 1)[0] in ("blocks", "moe_blocks")]
@@ -258,7 +254,5 @@ def _boundary_bytes(cfg: ml_collections.ConfigDict, plan: Any) -> int:
 
 
 def _stages(cfg: ml_collections.ConfigDict, devices: Sequence[Any]) -> int:
-  from maxtrain.program.plan import validate
-
   plan = validate(cfg, len(devices), require_data=False)
   return plan.pipeline.stages if plan.pipeline else 1
