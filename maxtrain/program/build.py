@@ -145,7 +145,7 @@ def resolve_schedule(cfg: schema.Config, devices: Sequence[jax.Device],
 
   kind, table, _ = schedule_fit.choose_schedule(cfg, devices, compile_candidate)
   log.info("%s", table)
-  return schema.with_values(cfg, {"pipeline.schedule": kind}), table
+  return schedule_fit.resolved(cfg, kind, len(devices)), table  # NO_PIPELINE: the stages' devices become fsdp
 
 
 def split_devices(cfg: schema.Config, devices: Sequence[jax.Device]) -> tuple[list, list]:
