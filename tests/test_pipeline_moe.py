@@ -220,10 +220,8 @@ def test_auto_offers_only_the_schedules_the_plan_accepts_for_a_moe_model(aux_los
                                             "--config.pipeline.schedule=auto"])
   accepted = []
   for kind in ("gpipe", "1f1b", "zb"):
-    trial = cfg.copy_and_resolve_references()
-    trial.pipeline.schedule = kind
     try:
-      validate(trial, 8, require_data=False)
+      validate(schedule_fit._with_schedule(cfg, kind), 8, require_data=False)
       accepted.append(kind)
     except UserError:
       pass

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import jax
-import ml_collections
 from flax import nnx
 
 from maxtrain import config as config_lib
@@ -31,6 +30,7 @@ from maxtrain.program import build as program_lib
 from maxtrain.program import state as state_lib
 from maxtrain.checkpoint.identity import RunIdentity
 from maxtrain.checkpoint.schedule import Checkpoints
+from maxtrain.config import schema
 from maxtrain.loop import drills
 from maxtrain.loop.observers import Observers
 from maxtrain.loop.stepper import make_stepper
@@ -57,8 +57,8 @@ log = logging.getLogger("maxtrain")
 
 
 class Trainer:
-  def __init__(self, cfg: ml_collections.ConfigDict, t_process_start: float | None = None):
-    self.cfg = cfg
+  def __init__(self, cfg: schema.Config, t_process_start: float | None = None):
+    self.cfg = cfg = schema.Config.of(cfg)  # typed at load by the shell; a test or tool may hand the ConfigDict
     self.t_start = time.monotonic() if t_process_start is None else t_process_start
     distributed.initialize_distributed(cfg.runtime)
     self.kv = KeyValue.current()  # None with one process
@@ -108,7 +108,7 @@ class Trainer:
     stack.callback(self.metrics.close)
     tracking.attach(cfg, self.out_dir, self.metrics, stack, lambda: self.exit_code)  # MLflow, OTel: off by default
     self.observers = Observers()
-    drills.install(self.observers, cfg, self.out_dir, jax.process_index(), settle=lambda: self.checkpoints.settle())
+    drills.install(self.observers, cfg.faults, self.out_dir, jax.process_index(), settle=lambda: self.checkpoints.settle())
     self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.observers.save_started,
                                    on_progress=self.watchdog.progress, on_saved=self.observers.saved,
                                    mesh_shape=dict(program.mesh.shape), state_spec=program.state)
@@ -322,7 +322,7 @@ class Trainer:
     return summary
 
 
-def check_checkpoint_mode(cfg: ml_collections.ConfigDict, mode: str, meta: dict, path: object) -> None:
+def check_checkpoint_mode(cfg: schema.Config, mode: str, meta: dict, path: object) -> None:
   """A checkpoint resumes only in the mode that wrote it (its data state and step unit are that mode's):
   UserError naming both, before any data is read or anything compiles."""
   # a checkpoint from before post-training existed: migrated to post.mode's default, pretraining
@@ -339,6 +339,6 @@ def prepare_output_dir(out_dir: Path) -> None:
   require_writable_dir(out_dir, f"config.output_dir={out_dir}")
 
 
-def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) -> dict:
+def run(cfg: schema.Config, t_process_start: float | None = None) -> dict:
   """Trains per `cfg`. Raises UserError on bad input (before compiling), Preempted after saving."""
   return Trainer(cfg, t_process_start).train()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import copy
 import dataclasses
 import io
 import logging
@@ -35,6 +34,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from maxtrain import config as config_lib
 from maxtrain.config import redact_text
 from maxtrain.errors import Stalled, UserCodeExit, UserError
 from maxtrain.inference import sampling as sampling_lib
@@ -287,11 +287,10 @@ def rollout_placement(cfg: Any, program: Any) -> tuple[Any, Callable[[Any], Any]
   devices = split_devices(cfg, jax.devices())[1]
   if not devices:
     return program, lambda params: jax.tree.map(lambda x: x.copy(), params)
-  rcfg = copy.deepcopy(cfg)
-  rcfg.post.rollout_devices, rcfg.post.max_staleness, rcfg.post.rollout_dtype = 0, 0, ""
-  fully_sharded(rcfg.mesh)
+  changes = {"post.rollout_devices": 0, "post.max_staleness": 0, "post.rollout_dtype": "", **fully_sharded(cfg.mesh)}
   if cfg.post.rollout_dtype:  # e.g. a bf16 rollout mesh under an fp32 trainer (the mismatch rl/mismatch_kl measures)
-    rcfg.model.param_dtype = rcfg.model.compute_dtype = cfg.post.rollout_dtype
+    changes.update({"model.param_dtype": cfg.post.rollout_dtype, "model.compute_dtype": cfg.post.rollout_dtype})
+  rcfg = config_lib.with_values(config_lib.Config.of(cfg), changes)
   rollout_program = program_for(rcfg, devices, require_data=False)
   shardings = rollout_program.state.shardings.params
   dtypes = jax.tree.map(lambda a: a.dtype, rollout_program.state.abstract.params)
