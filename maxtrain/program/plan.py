@@ -237,7 +237,7 @@ def _validate_pipeline(cfg: schema.Config, layout: Layout, batch: BatchLayout,
     return None
   where = f"{mesh_text}: a pipeline of {layout.describe('layers')} stages"
   moe = m.moe
-  if moe.num_experts > 0 and moe.first_dense_layers:  # they run before the pipeline (models/decoder.py _run_stack)
+  if moe.num_experts > 0 and moe.first_dense_layers:  # they run before the pipeline (models/decoder.py Decoder._forward)
     piped = m.num_layers - moe.first_dense_layers
     require(piped % (stages * p.repeats) == 0,
             f"{where}: the {piped} MoE layers (config.model.num_layers={m.num_layers} - model.moe.first_dense_layers="
