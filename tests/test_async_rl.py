@@ -54,6 +54,16 @@ def test_rollout_devices_are_for_rl_and_leave_the_trainer_the_rest():
   assert plan.mesh.describe() == "data=1 x fsdp=2 x tensor=1"  # the trainer's mesh over the first 2
 
 
+def test_rollout_devices_across_processes_are_whole_processes():
+  # 2 processes x 4 devices: the rollout side is the last process (its 4 devices), the trainer the first
+  with pytest.raises(UserError, match=r"rollout_devices=2 with 2 processes of 4 devices: .* a multiple of 4"):
+    plan_lib.validate(tiny_cfg("--config.post.rollout_devices=2"), 8, 2)
+  with pytest.raises(UserError, match="leaves 8 - 8 = 0 devices for the trainer"):
+    plan_lib.validate(tiny_cfg("--config.post.rollout_devices=8"), 8, 2)
+  plan = plan_lib.validate(tiny_cfg("--config.post.rollout_devices=4"), 8, 2)
+  assert plan.mesh.describe() == "data=1 x fsdp=4 x tensor=1"  # the trainer's mesh: process 0's devices only
+
+
 def np_weights(old, sampler, mask, kind, cap):
   r = np.exp(old.astype(np.float64) - sampler)
   w = {"none": np.ones_like(r), "tis": np.minimum(r, cap), "mis": ((r >= 1 / cap) & (r <= cap)).astype(float),
@@ -235,3 +245,39 @@ def test_staleness_0_on_its_own_devices_is_bitwise_the_synchronous_run(tmp_path)
   assert train.main(args + ["--config.post.rollout_devices=4", f"--config.output_dir={tmp_path / 'split'}"]) == 0
   assert rounds(tmp_path / "sync") == rounds(tmp_path / "split")
   assert_bitwise_equal(restore_raw(tmp_path / "sync/checkpoints", 2), restore_raw(tmp_path / "split/checkpoints", 2))
+
+
+# Across hosts (posttrain/remote_rollout.py): 2 processes x 2 CPU devices, process 1 the rollout side.
+CROSS = RUN_ARGS + ["--config.post.rollout_devices=2", "--config.steps=3", "--config.post.sync_timeout_s=120",
+                    "--config.runtime.shutdown_timeout_s=30"]
+
+
+def _run(out: Path, extra: list[str], processes: int) -> subprocess.CompletedProcess:
+  env = {**cpu_env(4 // processes), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]]),
+         "JAX_DEFAULT_MATMUL_PRECISION": str(jax.config.jax_default_matmul_precision)}
+  args = [*CROSS, *extra, f"--config.output_dir={out}"]
+  command = (["-m", "maxtrain.launch", f"--processes={processes}", "--max-restarts=0", "--peer-grace=30", "--", *args]
+             if processes > 1 else ["-m", "maxtrain.train", *args])
+  return subprocess.run([sys.executable, *command], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_rollout_side_on_a_process_of_its_own(tmp_path):
+  """One trainer process and one rollout process of one jax.distributed job (post.rollout_devices=2 = the
+  second process's devices): each version goes over by a cross-process jax.device_put, each batch back
+  through the coordination service. max_staleness=0 is bit for bit the one-process run with the same split
+  (4 devices, the last 2 rolling out): the same completions every round and the same final state. With
+  max_staleness=1 round k trains on version max(0, k - 2), as on one host."""
+  one, two = _run(tmp_path / "one", ["--config.post.max_staleness=0"], 1), \
+      _run(tmp_path / "two", ["--config.post.max_staleness=0"], 2)
+  assert one.returncode == 0, one.stderr[-3000:]
+  assert two.returncode == 0 and "(processes, in exit order: 0, 0)" in two.stderr, two.stderr[-5000:]
+  assert "async: 2 rollout devices on processes [1]" in two.stderr
+  assert "rollout process 1: the trainer ended (exit 0) after" in two.stderr
+  assert rounds(tmp_path / "two") == rounds(tmp_path / "one")
+  assert_bitwise_equal(restore_raw(tmp_path / "one/checkpoints", 3), restore_raw(tmp_path / "two/checkpoints", 3))
+  stale = _run(tmp_path / "stale", ["--config.post.max_staleness=1"], 2)
+  assert stale.returncode == 0, stale.stderr[-5000:]
+  assert scalars(tmp_path / "stale", "rl/version") == {1: 0.0, 2: 0.0, 3: 1.0}
+  assert scalars(tmp_path / "stale", "rl/staleness_mean") == {1: 0.0, 2: 1.0, 3: 1.0}
+  assert scalars(tmp_path / "stale", "rl/dropped_rollouts") == {1: 0.0, 2: 0.0, 3: 0.0}
