@@ -29,7 +29,7 @@ import maxtrain
 from maxtrain.errors import UserError, require_writable_dir
 from maxtrain.runtime.kv import KeyValue
 from maxtrain.checkpoint import manifest
-from maxtrain.checkpoint.durable_read import DurableReader, opt_state_paths, param_shapes, read_meta
+from maxtrain.checkpoint.durable_read import DurableReader, opt_state_paths, param_shapes, processes, read_meta
 from maxtrain.checkpoint.tiers import Restored
 
 log = logging.getLogger("maxtrain")
@@ -166,8 +166,7 @@ class Checkpointer:
         enable_async_checkpointing=ckpt_cfg.async_save,
         create=not KeyValue.group,  # with active_processes Orbax does not: check_writable made it
         # An RL trainer whose rollout side is processes of their own: only the trainer's save (runtime/kv.py)
-        multiprocessing_options=ocp.options.MultiprocessingOptions(
-            active_processes=set(range(KeyValue.group)) if KeyValue.group else None),
+        multiprocessing_options=processes(),
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self.saves = _Saves(self._manager, self.directory, self.remote)
