@@ -22,11 +22,9 @@ have in a synchronous round (a reward's UserError is exit 2, anything else a cra
 
 from __future__ import annotations
 
-import base64
 import collections
 import copy
 import dataclasses
-import io
 import logging
 import threading
 import time
@@ -40,36 +38,11 @@ from maxtrain.errors import Stalled, UserCodeExit, UserError
 from maxtrain.inference import sampling as sampling_lib
 from maxtrain.monitor import events as ev
 from maxtrain.posttrain import remote_rollout, rollout as rollout_lib
+from maxtrain.posttrain.rollout import decode, encode
 from maxtrain.posttrain.rl import Outcome, RlStepper, completion_tokens
 from maxtrain.program import state as state_lib
 
 log = logging.getLogger("maxtrain")
-
-
-def _array(a: np.ndarray) -> str:
-  buf = io.BytesIO()
-  np.save(buf, np.asarray(a), allow_pickle=False)
-  return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _unarray(text: str) -> np.ndarray:
-  return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
-
-
-def encode(r: rollout_lib.Rollout) -> dict:
-  """A rollout as JSON (the checkpoint's data state): arrays as .npy bytes, bit for bit."""
-  return {"examples": r.examples, "texts": r.texts, "positions": r.positions, "dropped_groups": r.dropped_groups,
-          "score_s": r.score_s, "rows": {k: _array(v) for k, v in r.rows.items()},
-          "parts": {k: _array(v) for k, v in r.parts.items()},
-          **{k: _array(getattr(r, k)) for k in ("lengths", "rewards", "sampled_rewards")}}
-
-
-def decode(d: dict) -> rollout_lib.Rollout:
-  return rollout_lib.Rollout(examples=d["examples"], rows={k: _unarray(v) for k, v in d["rows"].items()},
-                             lengths=_unarray(d["lengths"]), texts=d["texts"], rewards=_unarray(d["rewards"]),
-                             parts={k: _unarray(v) for k, v in d["parts"].items()}, positions=d["positions"],
-                             sampled_rewards=_unarray(d["sampled_rewards"]), dropped_groups=d["dropped_groups"],
-                             score_s=d["score_s"])
 
 
 @dataclasses.dataclass
@@ -299,28 +272,11 @@ class RolloutSide:
     return e
 
 
-def rollout_program_for(cfg: Any) -> Any:
-  """The rollout side's program on the last post.rollout_devices devices (the model fully sharded over
-  them; nothing else of it is built or run), or None without them."""
-  from maxtrain.program.build import program_for, split_devices
-  from maxtrain.sharding.mesh import fully_sharded
-
-  devices = split_devices(cfg, jax.devices())[1]
-  if not devices:
-    return None
-  rcfg = copy.deepcopy(cfg)
-  rcfg.post.rollout_devices, rcfg.post.max_staleness, rcfg.post.rollout_dtype = 0, 0, ""
-  fully_sharded(rcfg.mesh)
-  if cfg.post.rollout_dtype:  # e.g. a bf16 rollout mesh under an fp32 trainer (the mismatch rl/mismatch_kl measures)
-    rcfg.model.param_dtype = rcfg.model.compute_dtype = cfg.post.rollout_dtype
-  return program_for(rcfg, devices, require_data=False)
-
-
 def rollout_placement(cfg: Any, program: Any) -> tuple[Any, Callable[[Any], Any]]:
   """(the rollout side's program, params -> the rollout side's copy): with post.rollout_devices, its
-  program (rollout_program_for) and a device_put onto its parameter sharding; without, the trainer's
+  program (rollout.rollout_program) and a device_put onto its parameter sharding; without, the trainer's
   program and a copy (the trainer's state is donated to its next update)."""
-  rollout_program = rollout_program_for(cfg)
+  rollout_program = rollout_lib.rollout_program(cfg)
   if rollout_program is None:
     return program, lambda params: jax.tree.map(lambda x: x.copy(), params)
   shardings = rollout_program.state.shardings.params

@@ -12,7 +12,7 @@ the same sharding layout on both meshes; when the two meshes differ it goes thro
 Messages (the coordination service's key-value store, runtime/kv.py, keys `maxtrain/rl/...`): the first
 trainer process posts `pub/<n>` (publish n, its version) and `req/<m>` (round, prompt position, version,
 publish), and `req/<m>`=`stop` at the end; the first rollout process answers `ack/<n>` once a version is in
-place and `batch/<restart>/<round>` with the rollout (async_rollout.encode: bit for bit), or `died` with the
+place and `batch/<restart>/<round>` with the rollout (rollout.encode: bit for bit), or `died` with the
 error that ended it. Every wait is bounded: the trainer's by post.sync_timeout_s (a publish or a batch
 past it is `rollout_stall` and exit 76), and a rollout process that died (`died`, or gone from the
 coordination service) ends the trainer's producer as the single-host contract says (`rollout_died`, the
@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtrain.config import redact_text
 from maxtrain.errors import Aborted, Preempted, Stalled, UserError
+from maxtrain.posttrain import rollout as rollout_lib
 from maxtrain.runtime.kv import KeyValue
 
 log = logging.getLogger("maxtrain")
@@ -111,8 +112,6 @@ class Link:
 
   def sample(self, round_: int, position: int, version: int, publish: int, stopping: threading.Event) -> Any:
     """Round `round_`'s batch, sampled by the rollout side with publish `publish`; None once `stopping`."""
-    from maxtrain.posttrain.async_rollout import decode
-
     if self.leader:
       m, self.requests = self.requests, self.requests + 1
       self.kv.set(f"rl/req/{m}", json.dumps({"round": round_, "position": position, "version": version,
@@ -121,7 +120,7 @@ class Link:
     while not stopping.is_set():
       value = self.kv.get(key, POLL_S)
       if value is not None:
-        return decode(json.loads(value))
+        return rollout_lib.decode(json.loads(value))
       self._check_alive()
     return None
 
@@ -151,12 +150,64 @@ def _try_get(kv: KeyValue, key: str) -> str | None:
     return None
 
 
+class _Receiver:
+  """A rollout process's publishes, in order, on a thread of its own (the main thread samples meanwhile)."""
+
+  def __init__(self, cfg: Any, kv: KeyValue, leader: bool, trainer_program: Any, rollout_program: Any):
+    self.kv, self.leader, self.keep = kv, leader, int(cfg.post.max_staleness) + 2
+    self.send, self.recv = transfer_shardings(trainer_program.state.shardings.params,
+                                              rollout_program.state.shardings.params)
+    self.final = rollout_program.state.shardings.params
+    self.abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), rollout_program.state.abstract.params)
+    self.versions: dict[int, Any] = {}
+    self.cond, self.stop, self.errors = threading.Condition(), threading.Event(), []
+    self.thread = threading.Thread(target=self._run, name="rollout-receive", daemon=True)
+    self.thread.start()
+
+  def get(self, n: int) -> Any:
+    """Publish n's parameters on the rollout mesh, once here."""
+    with self.cond:
+      while n not in self.versions and not self.errors:
+        self.cond.wait(POLL_S)
+      self.check()
+      return self.versions[n]
+
+  def check(self) -> None:
+    if self.errors:
+      raise self.errors[0]
+
+  def close(self) -> None:
+    self.stop.set()
+    self.thread.join(timeout=2 * POLL_S)
+
+  def _run(self) -> None:
+    n = 0
+    try:
+      while not self.stop.is_set():
+        if self.kv.get(f"rl/pub/{n}", POLL_S) is None:
+          continue
+        sources = jax.tree.map(lambda a, s: jax.make_array_from_single_device_arrays(a.shape, s, [], dtype=a.dtype),
+                               self.abstract, self.send)  # the trainer's shards: none of them here
+        params = jax.device_put(jax.device_put(sources, self.recv), self.final)
+        jax.block_until_ready(params)
+        with self.cond:
+          self.versions[n] = params
+          for old in [v for v in self.versions if v < n - self.keep]:
+            del self.versions[old]  # the trainer asks for publishes at most max_staleness + 1 behind
+          self.cond.notify_all()
+        if self.leader:
+          self.kv.set(f"rl/ack/{n}", "1")
+        n += 1
+    except BaseException as e:  # noqa: BLE001 - handed to the main thread
+      with self.cond:
+        self.errors.append(e)
+        self.cond.notify_all()
+
+
 def serve(cfg: Any) -> dict:
   """A rollout process's whole run: versions in, batches out, until the trainer's `stop`. Returns {} (exit 0);
   an error is posted (`died`) for the trainer, then raised (this process's exit code)."""
   from maxtrain.inference import sampling as sampling_lib
-  from maxtrain.posttrain import rollout as rollout_lib
-  from maxtrain.posttrain.async_rollout import encode, rollout_program_for
   from maxtrain.posttrain.data import PromptData
   from maxtrain.program.build import program_for
 
@@ -164,78 +215,39 @@ def serve(cfg: Any) -> dict:
   leader = me == rollout_processes(cfg)[0]
   try:
     trainer_program = program_for(cfg, jax.devices(), require_data=False)  # its shardings: the transfer's source
-    rollout_program = rollout_program_for(cfg)
-    send, recv = transfer_shardings(trainer_program.state.shardings.params, rollout_program.state.shardings.params)
-    final = rollout_program.state.shardings.params
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), rollout_program.state.abstract.params)
+    rollout_program = rollout_lib.rollout_program(cfg)
     data = PromptData(cfg, rollout_program.batch_shardings)
     log.info("rollout process %d: the rollout side of %s on %d devices", me, cfg.post.mode,
              len(rollout_program.mesh.devices.flat))
-    versions: dict[int, Any] = {}
-    cond, stop, errors = threading.Condition(), threading.Event(), []
-
-    def receive() -> None:  # publishes arrive in order, while the main thread samples
-      n = 0
-      try:
-        while not stop.is_set():
-          if kv.get(f"rl/pub/{n}", POLL_S) is None:
-            continue
-          sources = jax.tree.map(lambda a, s: jax.make_array_from_single_device_arrays(a.shape, s, [], dtype=a.dtype),
-                                 abstract, send)
-          params = jax.device_put(jax.device_put(sources, recv), final)
-          jax.block_until_ready(params)
-          with cond:
-            versions[n] = params
-            for old in [v for v in versions if v < n - int(cfg.post.max_staleness) - 2]:
-              del versions[old]  # the trainer asks for publishes at most max_staleness + 1 behind
-            cond.notify_all()
-          if leader:
-            kv.set(f"rl/ack/{n}", "1")
-          n += 1
-      except BaseException as e:  # noqa: BLE001 - handed to the main thread
-        with cond:
-          errors.append(e)
-          cond.notify_all()
-
-    receiver = threading.Thread(target=receive, name="rollout-receive", daemon=True)
-    receiver.start()
+    receiver = _Receiver(cfg, kv, leader, trainer_program, rollout_program)
     generator, m = None, 0
     while True:
       request = kv.get(f"rl/req/{m}", POLL_S)
-      if errors:
-        raise errors[0]
+      receiver.check()
       if request is None:
         code = _try_get(kv, "rl/stop")
         if code is None:
           continue
         break
-      m += 1
-      r = json.loads(request)
-      with cond:
-        while r["publish"] not in versions and not errors:
-          cond.wait(POLL_S)
-        if errors:
-          raise errors[0]
-        params = versions[r["publish"]]
+      m, r = m + 1, json.loads(request)
+      params = receiver.get(r["publish"])
       if generator is None:
         generator = sampling_lib.for_program(rollout_program, params)
       made = rollout_lib.sample(data, generator, params, r["position"], cfg.post, cfg.seed, cfg.data.seq_len)
       if leader:
-        kv.set(f"rl/batch/{r['restart']}/{r['round']}", json.dumps(encode(made)))
-    stop.set()
-    receiver.join(timeout=2 * POLL_S)
+        kv.set(f"rl/batch/{r['restart']}/{r['round']}", json.dumps(rollout_lib.encode(made)))
+    receiver.close()
     log.info("rollout process %d: the trainer ended (exit %s) after %d rollout batches", me, code, m)
     if int(code) != 0:
       raise TRAINER_ENDED.get(int(code), _Crashed)(f"the trainer's process 0 ended with exit {code}: this "
-                                                        "rollout process ends with it")
+                                                   "rollout process ends with it")
     return {}
   except BaseException as e:
-    if isinstance(e, _Ended):
-      raise
-    kind = "user" if isinstance(e, UserError) else "crash"
-    try:
-      kv.set("rl/died", json.dumps({"process": me, "kind": kind,
-                                    "error": redact_text(f"{type(e).__name__}: {e}")[:1000]}))
-    except Exception:  # noqa: BLE001 - the coordinator is gone too: the trainer's own wait ends it
-      pass
+    if not isinstance(e, _Ended):  # its own failure: the trainer's producer ends with it (rollout_died)
+      kind = "user" if isinstance(e, UserError) else "crash"
+      try:
+        kv.set("rl/died", json.dumps({"process": me, "kind": kind,
+                                      "error": redact_text(f"{type(e).__name__}: {e}")[:1000]}))
+      except Exception:  # noqa: BLE001 - the coordinator is gone too: the trainer's own wait ends it
+        pass
     raise
