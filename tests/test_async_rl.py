@@ -281,3 +281,21 @@ def test_rollout_side_on_a_process_of_its_own(tmp_path):
   assert scalars(tmp_path / "stale", "rl/version") == {1: 0.0, 2: 0.0, 3: 1.0}
   assert scalars(tmp_path / "stale", "rl/staleness_mean") == {1: 0.0, 2: 1.0, 3: 1.0}
   assert scalars(tmp_path / "stale", "rl/dropped_rollouts") == {1: 0.0, 2: 0.0, 3: 0.0}
+
+
+def reward_service_down(prompt, completion, meta):
+  """A reward that fails (on the rollout process: across hosts the rollout side scores its batches)."""
+  raise RuntimeError("reward service down")
+
+
+@pytest.mark.slow
+def test_a_rollout_process_that_fails_ends_the_trainer_with_rollout_died(tmp_path):
+  """The rollout process's error reaches the trainer's producer: a `rollout_died` event naming the process
+  and the error, and the error's exit code on both processes (a reward that raises is exit 2, as in a
+  synchronous round), within seconds (no timeout waited out)."""
+  result = _run(tmp_path / "died", ["--config.post.reward=test_async_rl:reward_service_down", "--config.steps=1"], 2)
+  assert "(processes, in exit order: 2, 2)" in result.stderr, result.stderr[-5000:]
+  [died] = [e for e in read_events(tmp_path / "died/events.jsonl") if e["kind"] == "rollout_died"]
+  assert "rollout process 1: UserError: config.post.reward='test_async_rl:reward_service_down' raised RuntimeError: " \
+      "reward service down" in died["error"] and died["round"] == 1
+  assert not [e for e in read_events(tmp_path / "died/events.jsonl") if e["kind"] == "rollout_stall"]

@@ -221,22 +221,24 @@ def serve(cfg: Any) -> dict:
              len(rollout_program.mesh.devices.flat))
     receiver = _Receiver(cfg, kv, leader, trainer_program, rollout_program)
     generator, m = None, 0
-    while True:
-      request = kv.get(f"rl/req/{m}", POLL_S)
-      receiver.check()
-      if request is None:
-        code = _try_get(kv, "rl/stop")
-        if code is None:
-          continue
-        break
-      m, r = m + 1, json.loads(request)
-      params = receiver.get(r["publish"])
-      if generator is None:
-        generator = sampling_lib.for_program(rollout_program, params)
-      made = rollout_lib.sample(data, generator, params, r["position"], cfg.post, cfg.seed, cfg.data.seq_len)
-      if leader:
-        kv.set(f"rl/batch/{r['restart']}/{r['round']}", json.dumps(rollout_lib.encode(made)))
-    receiver.close()
+    try:  # the receiver's thread ends before this process does (one blocked in jaxlib at exit aborts it)
+      while True:
+        request = kv.get(f"rl/req/{m}", POLL_S)
+        receiver.check()
+        if request is None:
+          code = _try_get(kv, "rl/stop")
+          if code is None:
+            continue
+          break
+        m, r = m + 1, json.loads(request)
+        params = receiver.get(r["publish"])
+        if generator is None:
+          generator = sampling_lib.for_program(rollout_program, params)
+        made = rollout_lib.sample(data, generator, params, r["position"], cfg.post, cfg.seed, cfg.data.seq_len)
+        if leader:
+          kv.set(f"rl/batch/{r['restart']}/{r['round']}", json.dumps(rollout_lib.encode(made)))
+    finally:
+      receiver.close()
     log.info("rollout process %d: the trainer ended (exit %s) after %d rollout batches", me, code, m)
     if int(code) != 0:
       raise TRAINER_ENDED.get(int(code), _Crashed)(f"the trainer's process 0 ended with exit {code}: this "
