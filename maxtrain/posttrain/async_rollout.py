@@ -17,13 +17,14 @@ older than the checkpoint's (`PromptData.in_flight`), with their round, prompt p
 a resumed run trains on those and samples the later ones with its own parameters, as the run that never
 stopped did. Faults: a publish, or the wait for a batch, that takes over post.sync_timeout_s is an event
 (`rollout_stall`) and exit 76 (`errors.Stalled`); an exception in the producer ends the run as it would
-have in a synchronous round (a reward's UserError is exit 2, anything else a crash).
+have in a synchronous round (a reward's UserError is exit 2, anything else a crash). Across hosts the
+rollout side is processes of their own (`remote_rollout.py`): the same queue, with a `Link` that places,
+acknowledges and samples remotely.
 """
 
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import logging
 import threading
@@ -31,7 +32,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from maxtrain.config import redact_text
 from maxtrain.errors import Stalled, UserCodeExit, UserError
@@ -295,7 +295,7 @@ class AsyncRlStepper(RlStepper):
     self.rollout_program, place = rollout_placement(cfg, program)
     link = None
     if remote_rollout.rollout_processes(cfg):  # the rollout side is processes of their own (across hosts)
-      link = remote_rollout.Link(program, self.rollout_program, cfg.post)
+      link = remote_rollout.Link(program, self.rollout_program)
       place = link.place
     self._generator = None
     self.side = RolloutSide(self.data, place, self._generator_for, cfg.post, cfg.seed, cfg.data.seq_len, observers, events,

@@ -10,19 +10,22 @@ on a port of each process: runtime/distributed.py transfer_address), in publish 
 the same sharding layout on both meshes; when the two meshes differ it goes through a replicated copy
 (gathered on the trainer's devices, spread on the rollout side's after).
 Messages (the coordination service's key-value store, runtime/kv.py, keys `maxtrain/rl/...`): the first
-trainer process posts `pub/<n>` (publish n, its version) and `req/<m>` (round, prompt position, version,
-publish), and `req/<m>`=`stop` at the end; the first rollout process answers `ack/<n>` once a version is in
-place and `batch/<restart>/<round>` with the rollout (rollout.encode: bit for bit), or `died` with the
-error that ended it. Every wait is bounded: the trainer's by post.sync_timeout_s (a publish or a batch
-past it is `rollout_stall` and exit 76), and a rollout process that died (`died`, or gone from the
-coordination service) ends the trainer's producer as the single-host contract says (`rollout_died`, the
-error's exit code). Batches travel as host data (they are host data: tokens, texts, rewards).
+trainer process posts `pub/<n>` (publish n is coming) and `req/<m>` (round, prompt position, version,
+publish, restart), and `stop` (its exit code) when its run ends however it ends; the first rollout process
+answers `ack/<n>` once publish n is in place and `batch/<restart>/<round>` with the rollout
+(rollout.encode: bit for bit), or `died` with the error that ended it. Every wait is bounded: the
+trainer's by post.sync_timeout_s (a publish or a batch past it is `rollout_stall` and exit 76); a rollout
+process that fails ends the trainer's producer as the single-host contract says (`rollout_died`, the
+error's exit code: a reward's error exit 2, anything else a crash); one killed outright is a stall (or jax's
+own heartbeat ends the job). The rollout processes exit with the trainer's code. Batches travel as the
+host data they are (tokens, texts, rewards).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 from typing import Any
 
@@ -35,7 +38,7 @@ from maxtrain.posttrain import rollout as rollout_lib
 from maxtrain.runtime.kv import KeyValue
 
 log = logging.getLogger("maxtrain")
-POLL_S = 1.0  # how often a wait looks at the stop flag and at the other side's health
+POLL_S = 1.0  # how often a wait looks at the stop flag and for the other side's `died` or `stop`
 
 
 class _Ended:
@@ -80,13 +83,12 @@ def transfer_shardings(trainer: Any, rollout: Any) -> tuple[Any, Any]:
 
 
 class Link:
-  """The trainer processes' end: `place` (publish a version), `wait` (its acknowledgement), `sample` (a
-  batch from the rollout side) for `RolloutSide`, and `stop`."""
+  """The trainer processes' end, for `RolloutSide`: `place` (publish a version), `wait` (its
+  acknowledgement), `sample` (a batch from the rollout side), `restart` (a new producer)."""
 
-  def __init__(self, trainer_program: Any, rollout_program: Any, post: Any):
-    self.kv, self.timeout = KeyValue.job(), float(post.sync_timeout_s)
+  def __init__(self, trainer_program: Any, rollout_program: Any):
+    self.kv = KeyValue.job()
     self.leader = jax.process_index() == 0  # posts the requests; every trainer process sends its shards
-    self.rollout = rollout_processes(trainer_program.cfg)
     self.dtypes = jax.tree.map(lambda a: a.dtype, rollout_program.state.abstract.params)
     self.send, self.recv = transfer_shardings(trainer_program.state.shardings.params,
                                               rollout_program.state.shardings.params)
@@ -213,6 +215,9 @@ def serve(cfg: Any) -> dict:
 
   kv, me = KeyValue.job(), jax.process_index()
   leader = me == rollout_processes(cfg)[0]
+  # A stop request (the launcher signals every process) is the trainer's to act on: it saves, then its
+  # `stop` ends this process with the same code (75).
+  signal.signal(signal.SIGTERM, lambda *_: log.warning("SIGTERM: this rollout process ends when the trainer stops"))
   try:
     trainer_program = program_for(cfg, jax.devices(), require_data=False)  # its shardings: the transfer's source
     rollout_program = rollout_lib.rollout_program(cfg)
