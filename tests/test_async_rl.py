@@ -252,17 +252,26 @@ CROSS = RUN_ARGS + ["--config.post.rollout_devices=2", "--config.steps=3", "--co
                     "--config.runtime.shutdown_timeout_s=30"]
 
 
-def _run(out: Path, extra: list[str], processes: int) -> subprocess.CompletedProcess:
+def _run(out: Path, extra: list[str], processes: int, restarts: int = 0) -> subprocess.CompletedProcess:
   env = {**cpu_env(4 // processes), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]]),
          "JAX_DEFAULT_MATMUL_PRECISION": str(jax.config.jax_default_matmul_precision)}
   args = [*CROSS, *extra, f"--config.output_dir={out}"]
-  command = (["-m", "maxtrain.launch", f"--processes={processes}", "--max-restarts=0", "--peer-grace=30", "--", *args]
-             if processes > 1 else ["-m", "maxtrain.train", *args])
+  command = (["-m", "maxtrain.launch", f"--processes={processes}", f"--max-restarts={restarts}", "--backoff=0.1",
+              "--peer-grace=30", "--", *args] if processes > 1 else ["-m", "maxtrain.train", *args])
   return subprocess.run([sys.executable, *command], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def stale_two(tmp_path_factory):
+  """max_staleness=1 on two processes, 3 rounds."""
+  out = tmp_path_factory.mktemp("cross") / "stale"
+  result = _run(out, ["--config.post.max_staleness=1"], 2)
+  assert result.returncode == 0, result.stderr[-5000:]
+  return out
+
+
 @pytest.mark.slow
-def test_rollout_side_on_a_process_of_its_own(tmp_path):
+def test_rollout_side_on_a_process_of_its_own(tmp_path, stale_two):
   """One trainer process and one rollout process of one jax.distributed job (post.rollout_devices=2 = the
   second process's devices): each version goes over by a cross-process jax.device_put, each batch back
   through the coordination service. max_staleness=0 is bit for bit the one-process run with the same split
@@ -276,11 +285,22 @@ def test_rollout_side_on_a_process_of_its_own(tmp_path):
   assert "rollout process 1: the trainer ended (exit 0) after" in two.stderr
   assert rounds(tmp_path / "two") == rounds(tmp_path / "one")
   assert_bitwise_equal(restore_raw(tmp_path / "one/checkpoints", 3), restore_raw(tmp_path / "two/checkpoints", 3))
-  stale = _run(tmp_path / "stale", ["--config.post.max_staleness=1"], 2)
-  assert stale.returncode == 0, stale.stderr[-5000:]
-  assert scalars(tmp_path / "stale", "rl/version") == {1: 0.0, 2: 0.0, 3: 1.0}
-  assert scalars(tmp_path / "stale", "rl/staleness_mean") == {1: 0.0, 2: 1.0, 3: 1.0}
-  assert scalars(tmp_path / "stale", "rl/dropped_rollouts") == {1: 0.0, 2: 0.0, 3: 0.0}
+  assert scalars(stale_two, "rl/version") == {1: 0.0, 2: 0.0, 3: 1.0}
+  assert scalars(stale_two, "rl/staleness_mean") == {1: 0.0, 2: 1.0, 3: 1.0}
+  assert scalars(stale_two, "rl/dropped_rollouts") == {1: 0.0, 2: 0.0, 3: 0.0}
+
+
+@pytest.mark.slow
+def test_across_processes_a_sigkill_mid_run_resumes_bitwise(tmp_path, stale_two):
+  """The trainer process SIGKILLed after round 3 (the newest checkpoint at round 2 holds round 3's batch,
+  made by version 1 on the rollout process); the launcher restarts both processes and the resumed run
+  trains on that batch: its round-3 state is the uninterrupted run's bit for bit."""
+  killed = tmp_path / "killed"
+  result = _run(killed, ["--config.post.max_staleness=1", "--config.faults.kill_at_step=3"], 2, restarts=1)
+  assert "attempt 1: exit 0 (finished)" in result.stderr, result.stderr[-5000:]
+  assert_bitwise_equal(restore_raw(stale_two / "checkpoints", 3), restore_raw(killed / "checkpoints", 3))
+  want, got = rounds(stale_two), rounds(killed)
+  assert [r["round"] for r in got] == [1, 2, 3, 3] and got[3:] == want[2:]  # round 3's batch restored, not redrawn
 
 
 def reward_service_down(prompt, completion, meta):
