@@ -32,11 +32,11 @@ def initialize_distributed(runtime_cfg, transfer_timeout_s: float = 0.0) -> clus
   for. On CPU the processes talk over gloo on the coordinator's address. `transfer_timeout_s` > 0: the
   processes move arrays to each other with `jax.device_put` (an RL rollout side on processes of its own,
   posttrain/remote_rollout.py), over a socket each process listens on (transfer_address). Called again
-  (the rollout processes' check, then the Trainer), it only resolves the layout."""
-  layout = cluster.resolve(runtime_cfg, os.environ)
-  if layout.kind != "none" and not jax.distributed.is_initialized():
+  (loop/trainer.py run, then the Trainer), it resolves the layout and checks the devices only."""
+  layout, again = cluster.resolve(runtime_cfg, os.environ), jax.distributed.is_initialized()
+  if layout.kind != "none" and not again:
     log.info("cluster %s", layout.describe())
-  if layout.num_processes > 1 and not jax.distributed.is_initialized():
+  if layout.num_processes > 1 and not again:
     if transfer_timeout_s > 0:  # read when the backend starts: before jax.devices()
       jax.config.update("jax_cross_host_transfer_socket_address", transfer_address(layout.coordinator,
                                                                                    layout.process_id))
@@ -44,7 +44,7 @@ def initialize_distributed(runtime_cfg, transfer_timeout_s: float = 0.0) -> clus
     _initialize(layout, runtime_cfg)
   device = jax.devices()[0]
   platform.check_devices(runtime_cfg.platform, device.platform, device.device_kind, os.environ)
-  if layout.num_processes > 1:
+  if layout.num_processes > 1 and not again:
     log.info("process %d of %d (coordinator %s): %d local / %d global devices", jax.process_index(),
              jax.process_count(), layout.coordinator, jax.local_device_count(), jax.device_count())
   return layout
