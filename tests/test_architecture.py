@@ -1,7 +1,8 @@
 """The shape of the code: packages that import only those below them (no import cycles), the mesh named
 only in `sharding/` (tools included), tools that import the installed package, short functions, a
 supervisor that starts without jax, `--help` generated from the declarations, every entry point through the
-one shell (cli/shell.py), and a layout drawing (docs/architecture.md) that matches the tree."""
+one shell (cli/shell.py), no ambient state (ContextVar) in models/ or sharding/, and a layout drawing
+(docs/architecture.md) that matches the tree."""
 
 import ast
 import io
@@ -126,6 +127,46 @@ def test_no_import_cycles():
   for m in sorted(graph):
     if m not in state:
       visit(m, [m])
+
+
+def unexplained_local_imports(path: Path) -> list[int]:
+  """Lines of function-local imports of maxtrain with no comment saying why (on the line, or a comment line right
+  above the block of imports it starts): an import belongs at the top of the module unless it breaks a cycle, keeps
+  jax out of a jax-free path (config loading, `--help`) or defers a heavy optional dependency."""
+  lines = path.read_text().splitlines()
+  tree = parse(path)
+  top = {id(n) for n in tree.body}
+
+  def commented(number: int) -> bool:
+    if "#" in lines[number - 1]:
+      return True
+    above = number - 1
+    while above >= 1 and re.match(r"\s+(from|import) ", lines[above - 1]):
+      above -= 1
+    return above >= 1 and lines[above - 1].strip().startswith("#")
+
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top and not commented(node.lineno):
+      names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+      if getattr(node, "level", 0) or any(n == "maxtrain" or n.startswith("maxtrain.") for n in names):
+        found.append(node.lineno)
+  return sorted(found)
+
+
+def test_function_local_imports_of_maxtrain_say_why():
+  """Issue 42: the project's own modules are imported at the top; the few imported inside a function say why."""
+  found = {p.relative_to(REPO).as_posix(): unexplained_local_imports(p) for p in MODULES.values()}
+  assert {k: v for k, v in found.items() if v} == {}, "move these imports to the top of the module, or say why not"
+
+
+def test_the_local_import_check_would_catch_an_unexplained_one(tmp_path):
+  sample = tmp_path / "x.py"
+  sample.write_text("from maxtrain import errors\n\n\ndef f():\n  import json\n  from maxtrain.data import store\n"
+                    "  from maxtrain.models import registry  # jax: not for --help\n  return store, registry\n\n\n"
+                    "def g():\n  # lm-eval (an optional extra)\n  from maxtrain.evaluation import lm\n"
+                    "  from maxtrain.inference import sampling\n\n  from . import rules\n  return lm, sampling, rules\n")
+  assert unexplained_local_imports(sample) == [6, 16]
 
 
 # What the checkpoint policy may import: it decides from measurements and state, it never measures nor acts (no
@@ -444,3 +485,32 @@ def test_the_fault_check_would_catch_a_fault_input(tmp_path):
                     "  from maxtrain.runtime.faults import Faults\n  rows, fault = faults.split(batch)\n")
   assert fault_mentions("maxtrain.program.x", sample) == ["imports maxtrain.runtime.faults", "fault (line 4)",
                                                            "fault (line 6)"]
+
+
+# Parallelism reaches the model as values the builder hands it at construction (sharding/rules.py Parallel,
+# models/stack.py): no ambient state steers the model's forward, nor a sharding function it calls.
+NO_AMBIENT_STATE = ("maxtrain/models/", "maxtrain/sharding/")
+
+
+def context_vars(path: Path) -> list[str]:
+  """Imports of `contextvars` (any form, function-level included) and mentions of `ContextVar`."""
+  found = [f"imports {m}" for m in sorted(module_imports(path)) if m.split(".")[0] == "contextvars"]
+  for node in ast.walk(parse(path)):
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    if name == "ContextVar":
+      found.append(f"ContextVar (line {node.lineno})")
+  return found
+
+
+def test_no_context_variable_steers_the_model():
+  offenders = {rel: found for path in MODULES.values() if (rel := path.relative_to(REPO).as_posix()).startswith(
+      NO_AMBIENT_STATE) and (found := context_vars(path))}
+  assert not offenders, ("ambient state in models/ or sharding/ (the builder hands the model its layout and layer "
+                         f"stack at construction: sharding/rules.py Parallel, models/stack.py): {offenders}")
+
+
+def test_the_context_variable_check_would_catch_one(tmp_path):
+  sample = tmp_path / "x.py"
+  sample.write_text("import contextvars\n\n_ACTIVE = contextvars.ContextVar('rules', default=None)\n\n\n"
+                    "def f():\n  from contextvars import ContextVar\n  return ContextVar('stack')\n")
+  assert context_vars(sample) == ["imports contextvars", "ContextVar (line 3)", "ContextVar (line 8)"]

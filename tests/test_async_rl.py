@@ -171,7 +171,7 @@ def test_resume_after_sigkill_mid_run_is_bitwise(straight, tmp_path, caplog):
   caplog.clear()
   with caplog.at_level(logging.INFO, logger="maxtrain"):
     assert train.main(args) == 0  # the fault fires once
-  assert "restored step 8" in caplog.text and "killed/checkpoints/2" in caplog.text  # 2 rounds x 4 updates
+  assert "restored step 2 (8 optimizer updates)" in caplog.text and "killed/checkpoints/2" in caplog.text  # 2 rounds x 4
   a, b = restore_raw(straight / "checkpoints", 4), restore_raw(tmp_path / "killed/checkpoints", 4)
   assert_bitwise_equal(a, b)
   want, got = rounds(straight), rounds(tmp_path / "killed")

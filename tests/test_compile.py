@@ -343,6 +343,29 @@ def test_cpu_caveats_name_what_xla_cpu_gets_far_wrong():
   assert "RaggedDotRewriter" in standin[2]
 
 
+def test_cpu_caveats_and_the_standin_ask_one_predicate():
+  """The report's caveats and the stand-in's changes name the same parts (program/fit.py cpu_far_parts), for
+  every combination of MoE dispatch, scanning, remat (auto included: each candidate compiles as none on XLA:CPU)
+  and depth; and the stand-in is wanted for a GPU target exactly when there is a caveat."""
+  from maxtrain.models import registry
+  from maxtrain.program import fit
+
+  seen = set()
+  for moe in ([], ["--config.model.moe.num_experts=4"], ["--config.model.moe.num_experts=4",
+                                                          "--config.model.moe.dispatch=dropless"]):
+    for scan in ("True", "False"):
+      for remat in ("none", "full", "auto"):
+        for layers in ("1", "2"):
+          cfg = config_lib.load(TINY_MODEL + moe + [f"--config.model.scan_layers={scan}", f"--config.model.remat={remat}",
+                                                    f"--config.model.num_layers={layers}", "--config.runtime.platform=gpu"])
+          parts = fit.cpu_far_parts(registry.model_config(cfg.model))
+          caveats, changes = compile_lib.cpu_caveats(cfg), fit.standin_changes(registry.model_config(cfg.model))
+          assert len(caveats) == len(changes) == len(parts), (moe, scan, remat, layers, caveats, changes)
+          assert compile_lib.standin_wanted(cfg) == bool(caveats)
+          seen.add(tuple(parts))
+  assert seen == {(), ("dropless",), ("unscanned_remat",), ("dropless", "unscanned_remat")}
+
+
 def test_memory_standin_compiles_the_same_parameters_scanned_with_a_grouped_matmul():
   """`maxtrain.compile --standin=on` on a dropless MoE with unscanned remat=full layers: the same parameter count,
   a scanned stack whose XLA cost line names the loop, and the stand-in said in the report (its memory against

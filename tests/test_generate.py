@@ -47,7 +47,7 @@ def test_cached_decode_equals_full_forward_on_one_device(converted):
   root, _ = converted
   source = open_source(root / "mt")
   model = maxtrain_model(source)
-  generator = sampling.Generator(model, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)), None)
+  generator = sampling.Generator(model, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)))
   rows = [list(np.random.default_rng(1).integers(0, 299, 24)), list(np.random.default_rng(2).integers(0, 299, 17))]
   cached = teacher_forced_logits(generator, rows)
   for i, row in enumerate(rows):
@@ -170,7 +170,7 @@ ROWS = [list(np.random.default_rng(4).integers(0, 299, 24)), list(np.random.defa
 
 
 def one_device_generator(model):
-  return sampling.Generator(model, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)), None)
+  return sampling.Generator(model, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)))
 
 
 def model_with(source, **overrides):

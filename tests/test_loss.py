@@ -158,9 +158,10 @@ def test_head_gradient_reduce_scattered_under_the_rules():
   the same values and gradients as one device."""
   Bs, Vs = 8, 256
   mesh = jax.make_mesh((2, 2, 1, 1, 2), ("data", "fsdp", "expert", "context", "tensor"), axis_types=(AxisType.Auto,) * 5)
-  fn = lambda x, h, t: loss.chunked_token_losses(x, h, t, chunk_tokens=16, batch_shards=4)
+  fn = lambda x, h, t: loss.chunked_token_losses(x, h, t, chunk_tokens=16, batch_shards=4,
+                                                 parallel=sharding_rules.Parallel.of(sharding_rules.get("default")))
   step, args = _sharded_objective_and_args(mesh, fn, Bs, Vs)
-  with jax.set_mesh(mesh), sharding_rules.activate(sharding_rules.get("default")):
+  with jax.set_mesh(mesh):
     compiled = step.lower(*args).compile()
   hlo = compiled.as_text()
   assert _all_reduces_of(hlo, f"{D},{Vs // 2}]") == {}, _all_reduces_of(hlo, f"{D},{Vs // 2}]")

@@ -12,7 +12,7 @@ from maxtrain.program import microbatch
 from maxtrain.program import state as state_lib
 from maxtrain.program import step as step_lib
 from maxtrain.models.llama import Llama, ModelConfig
-from maxtrain.sharding.rules import DEFAULT_RULES, activate
+from maxtrain.sharding.rules import DEFAULT_RULES, Parallel
 from maxtrain.sharding.mesh import make_mesh
 
 MODEL = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, vocab_size=128, max_seq_len=64)
@@ -35,7 +35,7 @@ def compiled():
   """Params, batch and the loss-and-gradients function compiled for k = 1 and k = 4, on a
   data=2 x fsdp=2 x tensor=2 mesh."""
   mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-  graphdef = nnx.split(nnx.eval_shape(lambda: Llama(MODEL, rngs=nnx.Rngs(0))))[0]
+  graphdef = nnx.split(nnx.eval_shape(lambda: Llama(MODEL, rngs=nnx.Rngs(0), parallel=Parallel.of(DEFAULT_RULES))))[0]
   spec = state_lib.spec(MODEL, optax.identity(), mesh, seed=0)
   abstract, shardings = spec.abstract, spec.shardings
   rng = np.random.default_rng(1)  # random weights: the model's own init would cost a compile
@@ -47,8 +47,7 @@ def compiled():
   with jax.set_mesh(mesh):
     for k in (1, 4):
       def fn(p, b, k=k):
-        with activate(DEFAULT_RULES):
-          return step_lib.loss_and_grads(graphdef, p, b, z_loss=1e-3, grad_accum_steps=k)
+        return step_lib.loss_and_grads(graphdef, p, b, z_loss=1e-3, grad_accum_steps=k)
 
       fns[k] = jax.jit(fn, in_shardings=(shardings.params, batch_sharding)).lower(params, batch).compile()
   return params, batch, fns

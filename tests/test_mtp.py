@@ -200,8 +200,7 @@ def test_mtp_speculative_greedy_of_a_random_deepseek_v3_equals_plain_greedy():
   assert "mtp/0/block/moe/router" in {param_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)}
   rng = np.random.default_rng(5)
   params = jax.tree.map(lambda a: jnp.asarray(0.2 * rng.standard_normal(a.shape), a.dtype), params)
-  generator = sampling.Generator(nnx.merge(graphdef, params), jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)),
-                                 None)
+  generator = sampling.Generator(nnx.merge(graphdef, params), jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)))
   prompts = [list(rng.integers(0, 128, 7)), list(rng.integers(0, 128, 12))]
   plain, _ = generator.generate(prompts, 20, sampling.Sampling())
   drafted, stats = speculative.SpeculativeGenerator(generator).generate(prompts, 20)

@@ -311,9 +311,8 @@ def test_sharded_newton_schulz_orthogonalises_whole_layers_per_device():
 
   def lowered(active, dtype=jnp.float32):
     def run(x):
-      with sharding_rules.activate(active):
-        return {name: muon.orthogonalize(v, optim.matrix_dimension_numbers(weights[name][1]), weights[name][1], coeffs, steps,
-                                         dtype) for name, v in x.items()}
+      return {name: muon.orthogonalize(v, optim.matrix_dimension_numbers(weights[name][1]), weights[name][1], coeffs, steps,
+                                       dtype, sharding_rules.Parallel.of(active)) for name, v in x.items()}
     return jax.jit(run, in_shardings=(shardings,), out_shardings=shardings).lower(x)
 
   compiled = lambda active, dtype=jnp.float32: lowered(active, dtype).compile()

@@ -28,7 +28,6 @@ from maxtrain.program import state as state_lib
 from maxtrain.program import step as step_lib
 from maxtrain.program.plan import validate
 from maxtrain.runtime import faults
-from maxtrain.sharding import pipeline as pipeline_lib
 from maxtrain.sharding import rules as rules_lib
 from maxtrain.sharding.layout import param_name
 from tiny import TINY_MODEL
@@ -198,9 +197,8 @@ def test_the_backward_keeps_activations_per_iteration_not_the_stage_weights(name
   program = build_lib.program_for(cfg, jax.devices(), require_data=False)
   schedule, batch = program.plan.pipeline, program.abstract_batch()  # no drill set: the rows only
 
-  def loss(params, batch):
-    with rules_lib.activate(program.plan.layout.rules), pipeline_lib.activate(schedule):
-      return step_lib.loss_sums(program.state.graphdef, params, batch)[0]
+  def loss(params, batch):  # the graphdef's model: the plan's rules and pipeline (program/state.py)
+    return step_lib.loss_sums(program.state.graphdef, params, batch)[0]
 
   with jax.set_mesh(program.mesh):
     print_saved_residuals(loss, program.abstract_state().params, batch)
@@ -292,9 +290,8 @@ def test_muon_under_the_pipeline_orthogonalises_each_stages_own_layers():
   coeffs, steps = optim.parse_ns_coeffs(program.cfg.optimizer.muon_ns_coeffs), program.cfg.optimizer.muon_ns_steps
 
   def run(x, rules):
-    with rules_lib.activate(rules):
-      return {k: muon.orthogonalize(v, optim.matrix_dimension_numbers(names[k]), names[k], coeffs, steps, jnp.float32)
-              for k, v in x.items()}
+    return {k: muon.orthogonalize(v, optim.matrix_dimension_numbers(names[k]), names[k], coeffs, steps, jnp.float32,
+                                  rules_lib.Parallel.of(rules)) for k, v in x.items()}
 
   want = jax.jit(functools.partial(run, rules=None))(x)  # one device, no rules: the plain iteration
   with jax.set_mesh(program.mesh):
@@ -339,8 +336,6 @@ def test_muon_layer_split_prefers_dividing_axes_and_pads_only_to_shorten_the_wor
      "microbatches=2 is fewer than the 4 stages"),
     (["--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.microbatches=3"],
      "microbatches=3 does not divide the 4 sequences per batch shard"),
-    (["--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.microbatches=2",
-      "--config.model.scan_layers=False"], "does not support config.model.scan_layers=False"),
     (["--config.mesh.pipeline=2", "--config.mesh.fsdp=2", "--config.mesh.context=2", "--config.data.seq_len=32",
       "--config.pipeline.microbatches=2"], "context parallelism"),
     (["--config.mesh.fsdp=8", "--config.pipeline.microbatches=4"], "without a pipeline"),
@@ -348,3 +343,13 @@ def test_muon_layer_split_prefers_dividing_axes_and_pads_only_to_shorten_the_wor
 def test_bad_pipeline_settings_are_refused_before_compiling(args, message):
   with pytest.raises(UserError, match=re.escape(message)):
     validate(_cfg(*args), 8, require_data=False)
+
+
+def test_the_pipeline_stack_refuses_unscanned_layers_before_compiling():
+  """The stack owns what it cannot run (models/stack.py): a pipeline over a list of layers is its UserError,
+  raised while the program builds the model's state spec (nothing is compiled)."""
+  cfg = _cfg("--config.mesh.pipeline=2", "--config.mesh.fsdp=4", "--config.pipeline.microbatches=2",
+             "--config.model.scan_layers=False")
+  validate(cfg, 8, require_data=False)  # the plan keeps no list of what the stack cannot do
+  with pytest.raises(UserError, match=re.escape("config.model.scan_layers=False with a pipeline of 2 stages")):
+    build_lib.program_for(cfg, jax.devices(), require_data=False)

@@ -19,8 +19,6 @@ from maxtrain.program import build as build_lib
 from maxtrain.program import state as state_lib
 from maxtrain.program import step as step_lib
 from maxtrain.program.plan import validate
-from maxtrain.sharding import pipeline as pipeline_lib
-from maxtrain.sharding import rules as rules_lib
 from maxtrain.sharding import schedules
 from maxtrain.sharding.pipeline import Schedule
 from tiny import TINY_MODEL
@@ -122,9 +120,8 @@ def _loss_and_grads(kind: str, *extra: str):
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments, "positions": positions,
            "loss_mask": (rng.random((b, t)) > 0.2).astype(np.float32)}
 
-  def f(params, batch):
-    with rules_lib.activate(program.plan.layout.rules), pipeline_lib.activate(program.plan.pipeline):
-      return step_lib.loss_and_grads(program.state.graphdef, params, batch, z_loss=1e-4, grad_accum_steps=2)
+  def f(params, batch):  # the graphdef's model: the plan's rules and pipeline (program/state.py)
+    return step_lib.loss_and_grads(program.state.graphdef, params, batch, z_loss=1e-4, grad_accum_steps=2)
 
   with jax.set_mesh(program.mesh):
     params = state_lib.initialize(program.state, program.mesh).params

@@ -15,7 +15,7 @@ from maxtrain.errors import UserError
 from maxtrain.models.llama import Llama, ModelConfig
 from maxtrain.sharding.layout import param_name
 from maxtrain.sharding.mesh import make_mesh
-from maxtrain.sharding.rules import DEFAULT_RULES, activate, logical_to_mesh
+from maxtrain.sharding.rules import DEFAULT_RULES, logical_to_mesh
 
 MODEL = ModelConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, vocab_size=128,
                     max_seq_len=16)
@@ -67,14 +67,13 @@ def run_on_mesh(sizes, num_devices):
   context = sizes.get("context", 1)
   data = [jax.device_put(batch_lib.context_order(b, context), batch_sharding) for b in batches()]
   with jax.set_mesh(mesh):
-    def loss_and_grads(p, b):
-      with activate(DEFAULT_RULES):
-        return step_lib.loss_and_grads(graphdef, p, b)
+    def loss_and_grads(p, b):  # the graphdef's model is laid out by the rules state_lib built it with
+      return step_lib.loss_and_grads(graphdef, p, b)
 
     grad_fn = jax.jit(loss_and_grads, in_shardings=(shardings.params, batch_sharding))
     metrics0, grads0 = jax.device_get(grad_fn(state.params, data[0]))
     loss0 = metrics0["loss"]
-    train_step = jax.jit(step_lib.make_train_step(graphdef, optimizer, rules=DEFAULT_RULES), in_shardings=(shardings, batch_sharding),
+    train_step = jax.jit(step_lib.make_train_step(graphdef, optimizer), in_shardings=(shardings, batch_sharding),
                          out_shardings=(shardings, state_lib.replicated(mesh)), donate_argnums=0)
     for batch in data:
       state, _ = train_step(state, batch)
@@ -145,3 +144,23 @@ def test_replicated_parameters_are_refused():
   no_fsdp = {**DEFAULT_RULES, "embed": None}
   with pytest.raises(UserError, match=r"100% of parameter bytes would be replicated .* largest: blocks/mlp/down"):
     state_lib.create(MODEL, tx, mesh, seed=0, rules=no_fsdp)
+
+
+def test_the_layout_reaches_the_model_at_construction():
+  """The builder's rules are the model's own (sharding/rules.py Parallel, a static attribute of its graphdef): the
+  same forward, traced under the same mesh with nothing activated, constrains its activations only when the model
+  was built with them; the state spec's graphdef carries the rules it laid the state out by."""
+  from maxtrain.models import registry
+  from maxtrain.sharding.rules import NONE, Parallel
+
+  mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  tokens = jax.ShapeDtypeStruct((8, 16), np.int32)
+  constraints = {}
+  for name, parallel in (("none", NONE), ("rules", Parallel.of(DEFAULT_RULES))):
+    graphdef, params = registry.abstract(MODEL, parallel=parallel)
+    with jax.set_mesh(mesh):
+      jaxpr = jax.make_jaxpr(lambda p, t: nnx.merge(graphdef, p)(t, t, t))(params, tokens)
+    constraints[name] = str(jaxpr).count("sharding_constraint")
+  assert constraints["none"] == 0 and constraints["rules"] >= 2 * MODEL.num_layers, constraints
+  spec = state_lib.spec(MODEL, optim.make(opt_config(), total_steps=10).tx, mesh, seed=0)
+  assert nnx.merge(spec.graphdef, spec.abstract.params).parallel == Parallel.of(DEFAULT_RULES)

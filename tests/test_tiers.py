@@ -462,3 +462,63 @@ def test_local_tier_round_trip_rotation_and_abandoned_steps(tmp_path):
     tier.restore(tier.path(4), abstract, shardings)
   assert tier.drop_after(1) == [2, 3, 4]
   tier.close()
+
+
+def test_a_restored_step_is_its_directory_not_the_update_counter(tmp_path):
+  """A GRPO round makes ppo_epochs x minibatches optimizer updates, so its state's counter is a multiple of the
+  step directory's number (here 4x). A restore reports the directory's step: promoting local step 3 writes durable
+  step 3 (not 12, which resume=auto would take next time), and restoring durable step 1 abandons steps 2 and 3
+  (the counter, 4, is above neither)."""
+  import dataclasses
+
+  import jax
+
+  from maxtrain.checkpoint.identity import RunIdentity
+  from maxtrain.checkpoint.schedule import Checkpoints
+  from maxtrain.models.llama import ModelConfig
+  from maxtrain.monitor.events import EventLog
+  from maxtrain.monitor.metrics import MetricsLogger
+  from maxtrain.optim import optimizer as optim
+  from maxtrain.program import state as state_lib
+  from maxtrain.sharding.mesh import make_mesh
+
+  per_step, out = 4, tmp_path / "out"
+  flags = TINY + [f"--config.output_dir={out}", f"--config.checkpoint.local_dir={tmp_path / 'l'}",
+                  "--config.checkpoint.local_every_steps=1"]
+  cfg = config_lib.load(flags)
+  mesh = make_mesh({"fsdp": 1}, jax.devices()[:1])
+  spec = state_lib.spec(ModelConfig.from_config(cfg.model), optim.make(cfg.optimizer, 4).tx, mesh, seed=0)
+  state, shape = state_lib.initialize(spec, mesh), dict(mesh.shape)
+
+  def checkpoints(resume: str) -> Checkpoints:
+    cfg.checkpoint.resume = resume
+    return Checkpoints(cfg, out, events, metrics, mesh_shape=shape, state_spec=spec)
+
+  def at(step: int):
+    return dataclasses.replace(state, step=jax.numpy.int32(step * per_step))
+
+  with EventLog(out / "events.jsonl") as events:
+    metrics = MetricsLogger(out, events, total_steps=4, tokens_per_step=1, flops_per_token=1.0, peak_flops=1.0)
+    ck = checkpoints("auto")
+    ck.save(1, at(1), {}, shape, RunIdentity(), sync=True)  # durable 1, local 2 and 3 (a preemption's)
+    for step in (2, 3):
+      ck.save_local(step, at(step), {}, shape, RunIdentity(), sync=True)
+    ck.close()
+
+    ck = checkpoints("auto")
+    restored = ck.restore(ck.resolve_resume(), spec)
+    assert (ck.resumed.tier, restored.step, int(restored.state.step)) == ("local", 3, 12)
+    ck.promote(restored, RunIdentity())
+    ck.close()
+    assert ck.store.steps() == [1, 3]
+
+    ck = checkpoints(str(out / "checkpoints" / "1"))  # an explicit path: its newer steps are another timeline
+    assert ck.restore(ck.resolve_resume(), spec).step == 1
+    assert ck.store.steps() == [1] and ck.local.steps() == []
+    ck.close()
+    metrics.close()
+  records = read_events(out / "events.jsonl")
+  abandoned = [r for r in records if r["kind"] == "checkpoint_abandoned"]
+  assert [(r["step"], r["durable_steps"], r["local_steps"]) for r in abandoned] == [(1, [3], [2, 3])]
+  # in the step unit of every other event (goodput discards the steps after it, the report counts the recomputed)
+  assert [(r["tier"], r["step"]) for r in records if r["kind"] == "restore"] == [("local", 3), ("durable", 1)]

@@ -42,7 +42,7 @@ def main() -> None:
   args = ap.parse_args()
   cfg = config_lib.base_config()
   model = registry.build(registry.model_config(cfg.model), rngs=nnx.Rngs(params=0))
-  generator = sampling.Generator(model, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)), None)
+  generator = sampling.Generator(model, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)))
   rng = np.random.default_rng(0)
   vocab = cfg.model.vocab_size
   prompts = [rng.integers(1, vocab - 1, int(rng.integers(4, 25))).tolist() for _ in range(args.prompts)]

@@ -55,7 +55,7 @@ def main() -> int:
   failed = False
   for dtype in args.dtype.split(","):
     gen = sampling.Generator(model_of(dtype, args.layers, args.d_model),
-                             jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)), None)
+                             jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)))
     spec = speculative.SpeculativeGenerator(gen)
     for _ in range(2):  # the second run is timed without compilation
       t0 = time.monotonic()

@@ -24,7 +24,6 @@ from maxtrain.loop.trainer import Trainer
 from maxtrain.posttrain import rl_step, rollout as rollout_lib
 from maxtrain.posttrain.algorithms import ppo
 from maxtrain.program import critic, step as step_lib
-from maxtrain.sharding import rules as sharding_rules
 
 
 def collect(init_from: str, rounds: int) -> tuple[dict[str, np.ndarray], object]:
@@ -37,8 +36,7 @@ def collect(init_from: str, rounds: int) -> tuple[dict[str, np.ndarray], object]
   stepper.start(state, 0)
 
   def features(params, batch):
-    with sharding_rules.activate(program.plan.layout.rules):
-      return step_lib.head_losses_and_features(program.state.graphdef, params, batch)[4].astype(jnp.float32)
+    return step_lib.head_losses_and_features(program.state.graphdef, params, batch)[4].astype(jnp.float32)
 
   features = jax.jit(features)
   out = {k: [] for k in ("x", "mask", "logp", "ref", "rewards")}

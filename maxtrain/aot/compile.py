@@ -16,10 +16,15 @@ import ml_collections
 
 from maxtrain.errors import UserError
 from maxtrain.models import registry
+from maxtrain.program import fit
 from maxtrain.program.fit import Memory, entry_buffers  # noqa: F401 (Memory: this module's figures)
 from maxtrain.sharding import schedules
 from maxtrain.sharding.mesh import AXES
 from maxtrain.program.plan import Plan
+from maxtrain.aot.estimate import boundary_bytes
+from maxtrain.aot.hlo_lint import neuron_problems
+from maxtrain.posttrain import rl_step
+from maxtrain.program import build as program_lib
 
 GiB = 2**30
 
@@ -39,33 +44,30 @@ def standin_wanted(cfg: ml_collections.ConfigDict) -> bool:
   """Whether an ahead-of-time compile of `cfg` on XLA:CPU measures the model's memory stand-in
   (`program/fit.py` memory_standin): for a GPU or Trainium target, when the model has a part XLA:CPU lowers
   far from its memory there. A CPU target's own figures are XLA:CPU's."""
-  from maxtrain.program import fit
-
-  return cfg.runtime.platform != "cpu" and bool(fit.standin_changes(registry.model_config(cfg.model)))
+  return cfg.runtime.platform != "cpu" and bool(fit.cpu_far_parts(registry.model_config(cfg.model)))
 
 
 def cpu_caveats(cfg: ml_collections.ConfigDict, standin: bool = False) -> list[str]:
   """Where XLA:CPU's memory for this config is known to differ from a GPU's by far (beyond CPU_CAVEAT), or, for a
   compile of the memory stand-in (`standin`), what the stand-in changed."""
+  # one line per part of fit.cpu_far_parts, the predicate the stand-in asks too
   model = registry.model_config(cfg.model)
+  parts = fit.cpu_far_parts(model)
   if standin:
-    from maxtrain.program import fit
-
-    changes = fit.standin_changes(model)
-    return [f"memory stand-in (--standin=off: the model as it is): {line}" for line in changes] + (
-        [GPU_RAGGED_CAVEAT] if model.moe.enabled and model.moe.dispatch == "dropless" else [])
-  out = []
-  if model.moe.num_experts and model.moe.dispatch == "dropless":
-    out.append("model.moe.dispatch=dropless: XLA:CPU lowers lax.ragged_dot densely (every token times every expert), "
-               "so the MoE layers' temporaries here are far above a grouped-matmul kernel's (gpt_oss_20b: ~431 GiB per "
-               "device on one node whatever the remat): for a GPU or Trainium target (runtime.platform, e.g. "
-               "--config.hardware=h100x8) maxtrain.compile measures a memory stand-in instead (--standin=auto).")
-  if not model.scan_layers and cfg.model.remat not in ("none", "auto") and cfg.model.num_layers > 1:
-    out.append(f"unscanned layers with model.remat={cfg.model.remat}: XLA:CPU keeps no remat in an unscanned stack "
-               "(it merges each layer's recompute back into its forward: tools/remat_unscanned.py), so the "
-               "temporaries here are those of remat=none; for a GPU or Trainium target maxtrain.compile measures a "
-               "scanned stand-in of the same parameters instead (--standin=auto).")
-  return out
+    return [f"memory stand-in (--standin=off: the model as it is): {line}" for line in fit.standin_changes(model)] + (
+        [GPU_RAGGED_CAVEAT] if fit.DROPLESS in parts else [])
+  lines = {
+      fit.DROPLESS: "model.moe.dispatch=dropless: XLA:CPU lowers lax.ragged_dot densely (every token times every "
+                    "expert), so the MoE layers' temporaries here are far above a grouped-matmul kernel's "
+                    "(gpt_oss_20b: ~431 GiB per device on one node whatever the remat): for a GPU or Trainium target "
+                    "(runtime.platform, e.g. --config.hardware=h100x8) maxtrain.compile measures a memory stand-in "
+                    "instead (--standin=auto).",
+      fit.UNSCANNED_REMAT: f"unscanned layers with model.remat={model.remat}: XLA:CPU keeps no remat in an unscanned "
+                           "stack (it merges each layer's recompute back into its forward: tools/remat_unscanned.py), "
+                           "so the temporaries here are those of remat=none; for a GPU or Trainium target "
+                           "maxtrain.compile measures a scanned stand-in of the same parameters instead "
+                           "(--standin=auto)."}
+  return [lines[part] for part in parts]
 
 
 def backend_initialized() -> bool:
@@ -131,8 +133,6 @@ class CompileReport:
     loops = []  # the family's pieces decide whether the layers are scanned (some families' are not)
     model = registry.model_config(self.cfg.model)
     if self.standin:
-      from maxtrain.program import fit
-
       model = fit.memory_standin(model)
     if model.scan_layers and self.cfg.model.num_layers > 1:
       loops.append(f"the {self.cfg.model.num_layers} scanned layers (model.scan_layers=True)")
@@ -157,8 +157,6 @@ class CompileReport:
             f"{held} microbatches' activations per stage (schedule table, bubble {schedules.bubble(schedules.table(schedule)):.4f})"]
 
   def describe(self) -> str:
-    from maxtrain.aot.estimate import boundary_bytes  # imports the model: after the backend is set up
-
     cfg, m, mem = self.cfg, self.cfg.model, self.memory
     k, micro = self.plan.batch.num_microbatches, self.plan.batch.per_microbatch
     lines = [
@@ -214,15 +212,11 @@ def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int, standin
   not started; otherwise it must already be that many CPU devices). `standin`: compile the model's memory
   stand-in (`program/fit.py` memory_standin); None: when `standin_wanted`."""
   use_cpu_devices(num_devices)
-  from maxtrain.program import build as program_lib  # imported after the backend is set up
-
   standin = standin_wanted(cfg) if standin is None else standin
   t0 = time.perf_counter()
   program = program_lib.program_for(cfg, jax.devices(), require_data=False, memory_standin=standin)
   plan = program.plan
   if plan.mode == "rl":  # the step an RL run compiles: its algorithm's objective on a minibatch (posttrain/rl_step.py)
-    from maxtrain.posttrain import rl_step
-
     lowered = rl_step.for_config(program).lower()
   else:
     lowered = program.lower()
@@ -270,8 +264,6 @@ def check_fits(report: CompileReport, device_memory_gib: float) -> str:
 def neuron_lint(report: CompileReport) -> str:
   """The lowered step (what the Neuron plugin would be given) checked for what neuronx-cc rejects;
   raises UserError listing the problems. The step draws no random numbers, so the PRNG is not checked."""
-  from maxtrain.aot.hlo_lint import neuron_problems
-
   problems = neuron_problems(report.lowered.as_text(dialect="hlo"), check_prng=False)
   if problems:
     raise UserError("the train step would not compile on Neuron: " + "; ".join(map(str, problems[:10])))

@@ -17,8 +17,9 @@ import orbax.checkpoint as ocp
 
 from maxtrain import config as config_lib
 from maxtrain.checkpoint import manifest
-from maxtrain.checkpoint.tiers import Restored
+from maxtrain.checkpoint.tiers import Restored, saved_step
 from maxtrain.errors import UserError
+from maxtrain.runtime.kv import KeyValue
 from maxtrain.sharding.layout import param_name, with_shardings
 
 
@@ -34,8 +35,6 @@ def opt_state_paths(state) -> list[str]:
 def processes() -> ocp.options.MultiprocessingOptions:
   """The processes that save and restore together: every process, or an RL trainer's when its rollout side
   is processes of their own that never touch a checkpoint (runtime/kv.py KeyValue.group)."""
-  from maxtrain.runtime.kv import KeyValue
-
   return ocp.options.MultiprocessingOptions(active_processes=set(range(KeyValue.group)) if KeyValue.group else None)
 
 
@@ -90,8 +89,7 @@ def restore_unchecked(path: Path, abstract_state: Any, shardings: Any) -> Restor
     if "tree structure" not in str(e).lower() and "do not match" not in str(e).lower():
       raise
     raise _optimizer_mismatch(path, meta) from None
-  step = int(restored.state.step)
-  return Restored(step=step, state=restored.state, data_state=restored.data, meta=meta, path=str(path))
+  return Restored(step=saved_step(meta, path, restored.state), state=restored.state, data_state=restored.data, meta=meta, path=str(path))
 
 
 class DurableReader:

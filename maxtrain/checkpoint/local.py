@@ -37,8 +37,9 @@ import numpy as np
 from maxtrain.checkpoint import manifest
 from maxtrain.checkpoint.local_write import (DATA_FILE, INDEX_FILE, META_FILE, STATE_FILE, LocalSave, LocalWriter,
                                              _slices, clean_leftovers)
-from maxtrain.checkpoint.tiers import Restored
+from maxtrain.checkpoint.tiers import Restored, saved_step
 from maxtrain.errors import UserError, require_writable_dir
+from maxtrain.runtime.lock import RunLock
 
 log = logging.getLogger("maxtrain")
 IDENTITY_DIRS = ("output_dir", "checkpoint_dir")  # which run a step belongs to; config_hash: under which config
@@ -132,8 +133,6 @@ class LocalTier:
   output_dir, checkpoint_dir and config_hash, saved in every step's meta."""
 
   def __init__(self, local_dir: str, process_index: int, keep: int, identity: dict[str, str]):
-    from maxtrain.runtime.lock import RunLock
-
     self.key = f"checkpoint.local_dir={local_dir}"
     self.root = Path(local_dir).absolute() / f"process_{process_index}"
     # Exit 2 naming the key (under a regular file, in /proc, read-only), before any compute.
@@ -247,11 +246,10 @@ class LocalTier:
 
   @staticmethod
   def restore(path: Path, abstract_state: Any, shardings: Any) -> Restored:
-    """The step on this run's devices (read_shards). Its `step` is the state's own counter, as the durable tier
-    reports it (optimizer updates: a GRPO round makes several); a bare pytree has none: the directory's name."""
+    """The step on this run's devices (read_shards); its `step` is the one it was saved under (tiers.saved_step)."""
     state, data_state = read_shards(path, abstract_state, shardings)
-    step = int(state.step) if hasattr(state, "step") else int(Path(path).name)
-    return Restored(step=step, state=state, data_state=data_state, meta=read_meta(path), path=str(path))
+    meta = read_meta(path)
+    return Restored(step=saved_step(meta, path, state), state=state, data_state=data_state, meta=meta, path=str(path))
 
 
 def read_shards(path: Path, abstract_state: Any, shardings: Any) -> tuple[Any, dict]:

@@ -120,8 +120,10 @@ class Checkpoints:
     tier = self.resumed.tier or policy.DURABLE
     self.events.emit(ev.RESTORE, restored.step, seconds=seconds, path=str(path), tier=tier,
                      reason=self.resumed.reason, verify_s=self.resumed.verify_s, read_s=seconds)
-    log.info("restored step %d from the %s tier, %s, in %.2fs (saved on mesh %s)", restored.step, tier, path,
-             seconds, restored.meta.get("mesh"))
+    updates = int(restored.state.step)
+    log.info("restored step %d%s from the %s tier, %s, in %.2fs (saved on mesh %s)", restored.step,
+             f" ({updates} optimizer updates)" if updates != restored.step else "", tier, path, seconds,
+             restored.meta.get("mesh"))
     note = quant.resume_note(config_lib.saved_config(restored.meta, f"checkpoint {path}")["model"], self.cfg.model)
     if note:
       log.warning("%s", note)

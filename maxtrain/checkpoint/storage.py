@@ -29,6 +29,8 @@ import maxtrain
 from maxtrain.errors import UserError, require_writable_dir
 from maxtrain.runtime.kv import KeyValue
 from maxtrain.checkpoint import manifest
+from maxtrain.checkpoint.remote import S3Mirror
+from maxtrain.runtime.lock import RunLock
 from maxtrain.checkpoint.durable_read import DurableReader, opt_state_paths, param_shapes, processes, read_meta
 from maxtrain.checkpoint.tiers import Restored
 
@@ -146,8 +148,6 @@ class Checkpointer:
     self._locks: list[Any] = []
     self.remote = None
     if location.startswith("s3://"):
-      from maxtrain.checkpoint.remote import S3Mirror
-
       self.remote = S3Mirror(location, ckpt_cfg.s3_connect_timeout_s, ckpt_cfg.s3_read_timeout_s,
                              ckpt_cfg.s3_max_attempts, on_progress)
       directory = staging if staging is not None else Path("checkpoints")
@@ -252,8 +252,6 @@ class Checkpointer:
 
 def take_locks(directory: Path, remote: Any) -> list[Any]:
   """The directory's lock (and an s3:// one's lease), so that two runs never save into one directory."""
-  from maxtrain.runtime.lock import RunLock
-
   locks = [RunLock(directory, "checkpoint.dir").acquire()]
   if remote is not None:
     try:

@@ -12,11 +12,22 @@ from typing import Any, Protocol
 
 @dataclasses.dataclass
 class Restored:
-  step: int
+  step: int  # the step its tier saved it under (its directory's name), not the state's update counter
   state: Any
   data_state: dict
   meta: dict
   path: str
+
+
+def saved_step(meta: dict, path: Path, state: Any) -> int:
+  """The loop step a checkpoint holds: the number its tier saved it under (meta `step`, its directory's name), which
+  is what the tiers' step lists, the abandon and promote logic and the events compare. Never the state's counter:
+  that counts optimizer updates, and a GRPO round makes ppo_epochs x minibatches of them."""
+  if "step" in meta:
+    return int(meta["step"])
+  if Path(path).name.isdigit():
+    return int(Path(path).name)
+  return int(state.step)  # saved before meta held its step and copied under another name: one update a step then
 
 
 class Tier(Protocol):

@@ -16,6 +16,7 @@ import sys
 from typing import Sequence
 
 from maxtrain.cli import shell
+from maxtrain.runtime import cluster
 
 UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "B": 1}
 BLOCK_HELP = "the most of one tensor held at once (fp32 bytes); peak memory is a few blocks above the imports"
@@ -53,8 +54,6 @@ def parser() -> argparse.ArgumentParser:
 def process_share(args: argparse.Namespace) -> tuple[int, int]:
   """(index, count) of this process among those exporting together."""
   if args.num_processes is None and args.process_index is None:
-    from maxtrain.runtime import cluster
-
     found = cluster.detect(os.environ)
     return (found.process_id, found.num_processes) if found else (0, 1)
   return args.process_index or 0, args.num_processes or 1
@@ -63,14 +62,14 @@ def process_share(args: argparse.Namespace) -> tuple[int, int]:
 def convert(invocation: shell.Invocation) -> None:
   args = invocation.args
   if args.command == "from-hf":
-    from maxtrain.interop.hf_import import from_hf
+    from maxtrain.interop.hf_import import from_hf  # jax only after the flags: --help without it
 
     summary = from_hf(args.hf_dir, args.out, vocab_multiple=args.vocab_multiple, dtype=args.dtype,
                       base_config=args.config, block_bytes=parse_size(args.block_size))
     print(f"converted {summary['parameters'] / 1e6:.2f}M parameters ({summary['bytes'] / 1e6:.1f} MB) in "
           f"{summary['seconds']:.1f}s to {args.out}; train with --config={args.out}/config.py")
   else:
-    from maxtrain.interop.hf_export import to_hf
+    from maxtrain.interop.hf_export import to_hf  # jax only after the flags: --help without it
 
     index, count = process_share(args)
     summary = to_hf(args.checkpoint, args.out, max_shard_bytes=parse_size(args.max_shard_size), dtype=args.dtype,

@@ -18,6 +18,7 @@ from typing import Sequence
 
 from maxtrain.cli import shell
 from maxtrain.errors import UserError
+from maxtrain.evaluation import run, watch
 
 MAX_POLL_SECONDS = 3600.0  # --watch polls at least hourly: a run's checkpoints are minutes apart
 
@@ -59,16 +60,12 @@ def check_flags(args: argparse.Namespace) -> None:
 def evaluate(invocation: shell.Invocation) -> int | None:
   args, overrides = invocation.args, invocation.config_argv
   check_flags(args)
-  from maxtrain.evaluation import run
-
   if args.checkpoint:
     output = run.check_output(args.output or str(default_output(args.checkpoint)),
                               "--output" if args.output else "the default --output")
   manager = run.task_manager(args.include_path)
   names = run.check_tasks(args.tasks.split(","), manager)
   if args.watch:
-    from maxtrain.evaluation import watch
-
     return watch.watch(Path(args.watch), names, manager, overrides, args.batch_size, args.poll_seconds)
   lm, _ = run.load_lm(args.checkpoint, overrides, args.batch_size)
   results = run.evaluate(lm, names, manager)
@@ -77,7 +74,7 @@ def evaluate(invocation: shell.Invocation) -> int | None:
   except OSError as e:  # checked before the evaluation; the disk can still fill up or the folder vanish
     # not bad input (a crash, exit 1): a full disk may have room on the next try
     raise OSError(f"--output={output}: cannot write the results ({e.strerror or e})") from e
-  from maxtrain.monitor.tensorboard import MetricWriter
+  from maxtrain.monitor.tensorboard import MetricWriter  # jax only after the flags: --help without it
 
   writer = MetricWriter(output.parent / "tensorboard")
   step = Path(args.checkpoint).name

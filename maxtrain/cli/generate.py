@@ -18,6 +18,7 @@ from typing import Sequence
 
 from maxtrain.cli import shell
 from maxtrain.errors import UserError
+from maxtrain.data.tokenizer import prompt_ids
 
 
 def parser() -> argparse.ArgumentParser:
@@ -59,11 +60,9 @@ def check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: in
 def generate(invocation: shell.Invocation) -> None:
   args = invocation.args
   check_sampling(args)
-  from maxtrain.inference import sampling
+  from maxtrain.inference import sampling  # jax only after the flags: --help without it
 
   generator, tokenizer, source = sampling.load(args.checkpoint, seed=args.seed, overrides=invocation.config_argv)
-  from maxtrain.data.tokenizer import prompt_ids
-
   # As the model's own tokenizer encodes a prompt (its post-processor; nothing for the byte tokenizer),
   # and never empty: an empty prompt starts after the end of a document.
   prompts = [prompt_ids(tokenizer, p) or [tokenizer.eos_id] for p in args.prompt]
@@ -71,7 +70,7 @@ def generate(invocation: shell.Invocation) -> None:
   eos = {tokenizer.eos_id} | ({source.eos_id} if isinstance(source.eos_id, int) else set(source.eos_id or ()))
   rule = sampling.Sampling(args.temperature, args.top_k, args.top_p, args.seed)
   if args.draft == "mtp":
-    from maxtrain.inference import speculative
+    from maxtrain.inference import speculative  # jax only after the flags: --help without it
 
     speculative.check(generator.cfg, rule)
     generator = speculative.SpeculativeGenerator(generator)

@@ -37,6 +37,7 @@ from typing import Sequence
 from maxtrain.cli import shell
 from maxtrain.errors import EXIT_CRASH, EXIT_HANG, EXIT_INTERRUPTED, EXIT_PREEMPTED, MEANINGS, NOT_RESTARTED, UserError
 from maxtrain.monitor import events as ev
+from maxtrain import config as config_lib
 
 
 @dataclasses.dataclass
@@ -87,8 +88,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 def output_dir(train_args: list[str]) -> Path:
   """The run's output_dir, resolved exactly as the trainer will (config file + overrides)."""
-  from maxtrain import config as config_lib
-
   return Path(config_lib.load(train_args).output_dir)
 
 

@@ -14,6 +14,7 @@ from typing import Sequence
 
 from maxtrain.cli import shell
 from maxtrain.runtime import preemption
+from maxtrain.runtime import platform
 
 COMMAND = shell.Command(name="maxtrain", prog="python -m maxtrain.train", log_level=logging.INFO,
                         interrupted="before a checkpoint could be saved: nothing new was saved; run again to resume "
@@ -26,8 +27,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   def train(invocation: shell.Invocation) -> None:
     cfg = invocation.load_config()
-    from maxtrain.runtime import platform
-
     platform.apply(cfg.runtime)  # XLA_FLAGS and plugin variables count only before the backend starts
     from maxtrain.loop import trainer  # imported late: config errors surface before any backend work
 

@@ -2,7 +2,7 @@
 `eval.every_steps` and at the end), on the training mesh with the live parameters: the same
 `MaxtrainLM` as `python -m maxtrain.eval`, built over the training model once (its jitted scoring
 compiled at the first eval), no checkpoint read and no server. A task that fails is an
-`eval_task_failed` event and a warning, never a dead run. Off (nothing imported) when `eval.tasks` is "".
+`eval_task_failed` event and a warning, never a dead run. Off (lm-eval not imported) when `eval.tasks` is "".
 """
 
 from __future__ import annotations
@@ -10,6 +10,10 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
+
+from maxtrain.data.tokenizer import load_tokenizer
+from maxtrain.evaluation import run
+from maxtrain.inference import sampling
 
 log = logging.getLogger("maxtrain")
 TASKS_DONE = "eval_tasks"  # In-loop lm-eval tasks finished at `step`: seconds, scalars.
@@ -22,16 +26,12 @@ class TaskEval:
     self.program, self.events, self.metrics, self.cfg = program, events, metrics, cfg
     self.lm: Any = None
     if self.names:  # checked now, before compiling: an unknown task is exit 2, not a failure at step N
-      from maxtrain.evaluation import run
-
       self.manager = run.task_manager(cfg.eval.tasks_include_path or None, key="config.eval.tasks_include_path")
       run.check_tasks(self.names, self.manager, key="config.eval.tasks")
 
   def _lm(self, params: Any) -> Any:
     if self.lm is None:
-      from maxtrain.data.tokenizer import load_tokenizer
-      from maxtrain.evaluation.lm import MaxtrainLM
-      from maxtrain.inference import sampling
+      from maxtrain.evaluation.lm import MaxtrainLM  # imports lm-eval (an optional extra): only with eval.tasks
 
       generator = sampling.for_program(self.program, params)
       tokenizer = load_tokenizer(self.cfg.data.tokenizer)
@@ -43,8 +43,6 @@ class TaskEval:
     """Each task at `step` (its scalars `eval/<task>/<metric>`); a failing task is reported, skipped."""
     if not self.names:
       return
-    from maxtrain.evaluation import run
-
     lm, scalars, t0 = self._lm(params), {}, time.monotonic()
     try:
       for name in self.names:

@@ -20,9 +20,9 @@ import numpy as np
 from flax import nnx
 from lm_eval.api.model import TemplateLM
 
+from maxtrain.interop import init_from
 from maxtrain.data.tokenizer import ByteTokenizer, prompt_ids
 from maxtrain.inference import sampling
-from maxtrain.sharding import rules as sharding_rules
 
 LENGTH_BUCKET = 64  # rows are padded to a multiple of this: few shapes, little padding
 
@@ -30,13 +30,12 @@ LENGTH_BUCKET = 64  # rows are padded to a multiple of this: few shapes, little 
 def make_scorer(generator: sampling.Generator, vocab_limit: int):
   """jit(params, tokens_BT, targets_BT, valid_BT) -> (log p(target) [B, T], target is the argmax [B, T]),
   over the real vocabulary only (padding rows of the embedding never count), in fp32."""
-  graphdef, rules = generator.graphdef, generator.rules
+  graphdef = generator.graphdef
 
   def score(params, tokens_BT, targets_BT, valid_BT):
-    with sharding_rules.activate(rules):
-      model = nnx.merge(graphdef, params)
-      positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
-      logits_BTV = model(tokens_BT, valid_BT.astype(jnp.int32), positions_BT).astype(jnp.float32)
+    model = nnx.merge(graphdef, params)
+    positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
+    logits_BTV = model(tokens_BT, valid_BT.astype(jnp.int32), positions_BT).astype(jnp.float32)
     logits_BTV = jnp.where(jnp.arange(logits_BTV.shape[-1]) < vocab_limit, logits_BTV, -jnp.inf)
     logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
     logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
@@ -76,8 +75,6 @@ class MaxtrainLM(TemplateLM):
 
   def load_params(self, path: str) -> None:
     """Another checkpoint of the same model into this one's placed parameters: nothing recompiles."""
-    from maxtrain.interop import init_from
-
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             self.generator.params)
     self.generator.params = init_from.load_params(path, self.generator.cfg, abstract)

@@ -135,6 +135,7 @@ def evaluate(lm: Any, names: Sequence[str], manager: Any, *, log_samples: bool =
 def load_lm(checkpoint: str, overrides: Sequence[str] = (), batch_size: int = 8,
             after_batch: Any = None) -> tuple[Any, Any]:
   """(MaxtrainLM, source) for the checkpoint, on the mesh its run trained on; `after_batch`: MaxtrainLM's."""
+  # lm-eval (an optional extra) and jax once a checkpoint is evaluated: `maxtrain.eval --help` needs neither
   from maxtrain.evaluation.lm import MaxtrainLM
   from maxtrain.inference import sampling
 

@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from maxtrain.errors import UserError
+from maxtrain.checkpoint import manifest
+from maxtrain.checkpoint.manifest import CorruptCheckpoint
+from maxtrain.evaluation import run
+from maxtrain.monitor import events as ev
 
 log = logging.getLogger("maxtrain")
 EVAL_START = "checkpoint_eval_start"  # The sidecar began evaluating the checkpoint of `step`: tasks.
@@ -40,8 +44,6 @@ def results_path(run_dir: Path, step: int) -> Path:
 
 def run_finished(run_dir: Path) -> bool:
   """Whether the trainer's latest attempt exited 0 in every one of its processes."""
-  from maxtrain.monitor import events as ev
-
   path = run_dir / ev.FILENAME
   if not path.exists():
     return False
@@ -65,8 +67,6 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 class Sidecar:
   def __init__(self, run_dir: Path, names: Sequence[str], manager: Any, overrides: Sequence[str], batch_size: int):
-    from maxtrain.monitor import events as ev
-
     if not run_dir.is_dir():
       raise UserError(f"--watch={run_dir}: no such directory (a run's output_dir)")
     self.run_dir, self.names, self.manager = run_dir, list(names), manager
@@ -86,8 +86,6 @@ class Sidecar:
     self.reconcile()
 
   def _event_steps(self, kind: str) -> set[int]:
-    from maxtrain.monitor import events as ev
-
     path = self.run_dir / "eval" / ev.FILENAME
     return {r["step"] for r in ev.read_events(path) if r.get("kind") == kind} if path.exists() else set()
 
@@ -122,22 +120,17 @@ class Sidecar:
   def pending(self) -> list[int]:
     """Checkpoint steps not evaluated yet whose manifest is written (the trainer writes it last, after
     Orbax's commit): loading verifies them, once; a step that fails is skipped from then on."""
-    from maxtrain.checkpoint import manifest
-
     return [step for step in checkpoint_steps(self.run_dir)
             if step not in self.skipped and not results_path(self.run_dir, step).exists()
             and (self.run_dir / "checkpoints" / str(step) / manifest.MANIFEST_NAME).is_file()]
 
   def evaluate(self, step: int) -> None:
-    from maxtrain.evaluation import run
-    from maxtrain.monitor.tensorboard import MetricWriter
+    from maxtrain.monitor.tensorboard import MetricWriter  # jax: not for `maxtrain.eval --help`
 
     path = str(self.run_dir / "checkpoints" / str(step))
     self.events.emit(EVAL_START, step, tasks=self.names)
     self.unfinished.add(step)
     t0 = time.monotonic()
-    from maxtrain.checkpoint.manifest import CorruptCheckpoint
-
     try:  # verified here, before any parameter is read
       if self.lm is None:
         self.lm, _ = run.load_lm(path, self.overrides, self.batch_size, after_batch=self._after_batch)

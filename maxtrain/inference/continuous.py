@@ -32,7 +32,6 @@ import numpy as np
 from flax import nnx
 
 from maxtrain.inference import sampling as sampling_lib
-from maxtrain.sharding import rules as sharding_rules
 
 CHUNK = 8  # tokens per on-device decode call: the host sees finished rows every CHUNK tokens
 _BATCHERS: "weakref.WeakKeyDictionary[Any, dict[int, ContinuousBatcher]]" = weakref.WeakKeyDictionary()
@@ -64,15 +63,14 @@ class ContinuousBatcher:
 
     assert rows % generator.batch_multiple == 0, (rows, generator.batch_multiple)
     self.generator, self.rows, self.chunk = generator, rows, chunk
-    graphdef, rules = generator.graphdef, generator.rules
+    graphdef = generator.graphdef
 
     def model(params):
       return nnx.merge(graphdef, params)
 
     def empty(params, rows, width, slots):
       """R rows of `slots` slots, `width` of them (L0) written already: the next chunk writes slot L0."""
-      with sharding_rules.activate(rules):
-        cache = model(params).init_cache(rows, slots, rings=False)
+      cache = model(params).init_cache(rows, slots, rings=False)
       return dataclasses.replace(cache, length=jnp.asarray(width, jnp.int32), fresh=False)
 
     def refill(params, cache, token_R, prompt_R, count_R, tokens_kP, valid_kP, rows_k, prompts_k, base, sampling,
@@ -80,9 +78,8 @@ class ContinuousBatcher:
       """Prompts `prompts_k` prefilled into rows `rows_k` (row index R: a padding row, dropped)."""
       k, p = tokens_kP.shape
       s, width = cache.valid_BS.shape[1], cache.length
-      with sharding_rules.activate(rules):
-        m = model(params)
-        logits_kPV, fresh = m.decode(tokens_kP, valid_kP, m.init_cache(k, p, rings=False))
+      m = model(params)
+      logits_kPV, fresh = m.decode(tokens_kP, valid_kP, m.init_cache(k, p, rings=False))
       keys_k = _token_keys(base, prompts_k, jnp.zeros_like(prompts_k))
       first_k = _per_row(logits_kPV[:, -1], keys_k, sampling, vocab_limit).astype(jnp.int32)
       start = s - self.chunk - p  # L0 - P (static: L0 and P are the shapes)
@@ -108,9 +105,8 @@ class ContinuousBatcher:
 
       def step(i, carry):
         cache, token_R, out_RK, score_RK2 = carry
-        with sharding_rules.activate(rules):
-          logits_R1V, cache = model(params).decode(token_R[:, None], jnp.ones_like(token_R, jnp.bool_)[:, None],
-                                                   cache)
+        logits_R1V, cache = model(params).decode(token_R[:, None], jnp.ones_like(token_R, jnp.bool_)[:, None],
+                                                 cache)
         keys_R = _token_keys(base, prompt_R, count_R + i)
         token_R = _per_row(logits_R1V[:, 0], keys_R, sampling, vocab_limit).astype(jnp.int32)
         return (cache, token_R, out_RK.at[:, i].set(token_R),

@@ -17,6 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maxtrain import config as config_lib
+from maxtrain.config.loader import DEFAULT_CONFIG, parse_args, set_override
+from maxtrain.data.tokenizer import load_tokenizer
+from maxtrain.errors import UserError, require
+from maxtrain.interop import init_from
+from maxtrain.interop.sources import open_source
+from maxtrain.program.build import program_for
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -53,23 +61,20 @@ def scores(logits_BV: jax.Array, token_B: jax.Array) -> jax.Array:
 
 
 class Generator:
-  """Batched generation with one model on one mesh (params already placed by the rules): the training
+  """Batched generation with one model on one mesh (params already placed by the model's rules): the training
   model's own cache path (`Decoder.init_cache` / `Decoder.decode`), jitted twice: the prefill (and the first
   token), then every later token in one on-device loop. The host reads the tokens once, at the end."""
 
-  def __init__(self, model: Any, mesh: Any, rules: Any, *, batch_multiple: int = 1):
-    from maxtrain.sharding import rules as sharding_rules
-
+  def __init__(self, model: Any, mesh: Any, *, batch_multiple: int = 1):
+    # The model's layout is its own (`model.parallel`: the builder's rules, program/state.py).
     self.graphdef, self.params = nnx.split(model)
-    self.cfg, self.mesh, self.rules, self.batch_multiple = model.cfg, mesh, rules, batch_multiple
+    self.cfg, self.mesh, self.batch_multiple = model.cfg, mesh, batch_multiple
 
     def init_cache(params, batch, length):
-      with sharding_rules.activate(rules):
-        return nnx.merge(self.graphdef, params).init_cache(batch, length)
+      return nnx.merge(self.graphdef, params).init_cache(batch, length)
 
     def forward(params, tokens_BT, valid_BT, cache):
-      with sharding_rules.activate(rules):
-        return nnx.merge(self.graphdef, params).decode(tokens_BT, valid_BT, cache)
+      return nnx.merge(self.graphdef, params).decode(tokens_BT, valid_BT, cache)
 
     def prefill(params, tokens_BT, valid_BT, key, length, sampling, vocab_limit):
       logits_BTV, cache = forward(params, tokens_BT, valid_BT, init_cache(params, tokens_BT.shape[0], length))
@@ -143,14 +148,6 @@ def load(path: str, *, seed: int = 0, overrides: Sequence[str] = ()) -> tuple[Ge
   training defaults (FSDP over every device), then `overrides` (`--config.KEY=VALUE`), validated as
   training validates them. The parameters are placed by the program the trainer builds
   (`program/build.py`), so they are sharded as in training."""
-  from maxtrain import config as config_lib
-  from maxtrain.config.loader import DEFAULT_CONFIG, parse_args, set_override
-  from maxtrain.data.tokenizer import load_tokenizer
-  from maxtrain.errors import UserError, require
-  from maxtrain.interop import init_from
-  from maxtrain.interop.sources import open_source
-  from maxtrain.program.build import program_for
-
   source = open_source(path)
   cfg = config_lib.base_config()
   for key, value in source.model.items():
@@ -182,7 +179,6 @@ def load(path: str, *, seed: int = 0, overrides: Sequence[str] = ()) -> tuple[Ge
 
 def for_program(program: Any, params: Any) -> Generator:
   """The one way to build a generator from a program: its model (graph) with `params`, on its mesh and
-  sharding rules, prompts padded to its batch shards. Callers that reuse it set `.params` per call."""
+  model's sharding rules, prompts padded to its batch shards. Callers that reuse it set `.params` per call."""
   model = nnx.merge(program.state.graphdef, params)
-  return Generator(model, program.mesh, program.plan.layout.rules,
-                   batch_multiple=program.plan.layout.shards("act_batch"))
+  return Generator(model, program.mesh, batch_multiple=program.plan.layout.shards("act_batch"))

@@ -53,24 +53,21 @@ class SpeculativeGenerator:
   """Greedy decoding of one prompt at a time, drafted by the MTP depth 1 of `generator`'s model."""
 
   def __init__(self, generator: Generator):
-    from maxtrain.sharding import rules as sharding_rules
-
     self.generator, self.cfg = generator, generator.cfg
-    graphdef, rules = generator.graphdef, generator.rules
+    graphdef = generator.graphdef
 
     def model(params):
       return nnx.merge(graphdef, params)
 
     def prefill(params, tokens_BT, length, vocab_limit):
       """The prompt through both models: the first new token x_P, the first draft, and the loop's state."""
-      with sharding_rules.activate(rules):
-        m = model(params)
-        b, p = tokens_BT.shape
-        h_BTD, cache = m.decode_features(tokens_BT, jnp.ones_like(tokens_BT, jnp.bool_), m.init_cache(b, length))
-        x_B = sample(m._logits(h_BTD[:, -1:])[:, 0], None, GREEDY, vocab_limit).astype(jnp.int32)
-        next_BT = jnp.concatenate([tokens_BT[:, 1:], x_B[:, None]], axis=1)
-        logits_BTV, mtp_cache = m.mtp_decode(h_BTD, next_BT, m.init_mtp_cache(b, length))
-        draft_B = sample(logits_BTV[:, -1], None, GREEDY, vocab_limit).astype(jnp.int32)
+      m = model(params)
+      b, p = tokens_BT.shape
+      h_BTD, cache = m.decode_features(tokens_BT, jnp.ones_like(tokens_BT, jnp.bool_), m.init_cache(b, length))
+      x_B = sample(m._logits(h_BTD[:, -1:])[:, 0], None, GREEDY, vocab_limit).astype(jnp.int32)
+      next_BT = jnp.concatenate([tokens_BT[:, 1:], x_B[:, None]], axis=1)
+      logits_BTV, mtp_cache = m.mtp_decode(h_BTD, next_BT, m.init_mtp_cache(b, length))
+      draft_B = sample(logits_BTV[:, -1], None, GREEDY, vocab_limit).astype(jnp.int32)
       h_BSD = jnp.zeros((b, length, h_BTD.shape[-1]), h_BTD.dtype).at[:, :p].set(h_BTD)
       tokens_BS = jnp.zeros((b, length), jnp.int32).at[:, :p].set(tokens_BT).at[:, p].set(x_B)
       return x_B, draft_B, cache, mtp_cache, h_BSD, tokens_BS
@@ -80,25 +77,24 @@ class SpeculativeGenerator:
       def step(carry):
         x_B, draft_B, cache, mtp_cache, h_BSD, tokens_BS, out_BN, n, calls, accepted = carry
         m_ = cache.length  # x_m = x_B goes to slot m, the draft to m + 1
-        with sharding_rules.activate(rules):
-          mdl = model(params)
-          pair_BT = jnp.stack([x_B, draft_B], axis=1)
-          h_BTD, cache = mdl.decode_features(pair_BT, jnp.ones_like(pair_BT, jnp.bool_), cache)
-          logits_BTV = mdl._logits(h_BTD)
-          a_B = sample(logits_BTV[:, 0], None, GREEDY, vocab_limit).astype(jnp.int32)  # x_{m+1}, the greedy token
-          b_B = sample(logits_BTV[:, 1], None, GREEDY, vocab_limit).astype(jnp.int32)  # x_{m+2} if the draft held
-          ok = (a_B[0] == draft_B[0]).astype(jnp.int32)  # every row is the same prompt
-          h_BSD = jax.lax.dynamic_update_slice_in_dim(h_BSD, h_BTD, m_, axis=1)
-          tokens_BS = jax.lax.dynamic_update_slice_in_dim(tokens_BS, jnp.stack([x_B, a_B, b_B], axis=1), m_, axis=1)
-          cache = dataclasses.replace(cache, length=m_ + 1 + ok)  # a rejected draft's slot: written over next
-          # The MTP cache catches up to the new main length: positions s, s + 1 (s = m - 1 on a rejection, which
-          # writes position m - 1 again with the same values), each (h_i, x_{i+1}).
-          s = m_ - 1 + ok
-          mtp_cache = dataclasses.replace(mtp_cache, length=s)
-          mtp_logits_BTV, mtp_cache = mdl.mtp_decode(jax.lax.dynamic_slice_in_dim(h_BSD, s, 2, axis=1),
-                                                     jax.lax.dynamic_slice_in_dim(tokens_BS, s + 1, 2, axis=1),
-                                                     mtp_cache)
-          draft_B = sample(mtp_logits_BTV[:, 1], None, GREEDY, vocab_limit).astype(jnp.int32)
+        mdl = model(params)
+        pair_BT = jnp.stack([x_B, draft_B], axis=1)
+        h_BTD, cache = mdl.decode_features(pair_BT, jnp.ones_like(pair_BT, jnp.bool_), cache)
+        logits_BTV = mdl._logits(h_BTD)
+        a_B = sample(logits_BTV[:, 0], None, GREEDY, vocab_limit).astype(jnp.int32)  # x_{m+1}, the greedy token
+        b_B = sample(logits_BTV[:, 1], None, GREEDY, vocab_limit).astype(jnp.int32)  # x_{m+2} if the draft held
+        ok = (a_B[0] == draft_B[0]).astype(jnp.int32)  # every row is the same prompt
+        h_BSD = jax.lax.dynamic_update_slice_in_dim(h_BSD, h_BTD, m_, axis=1)
+        tokens_BS = jax.lax.dynamic_update_slice_in_dim(tokens_BS, jnp.stack([x_B, a_B, b_B], axis=1), m_, axis=1)
+        cache = dataclasses.replace(cache, length=m_ + 1 + ok)  # a rejected draft's slot: written over next
+        # The MTP cache catches up to the new main length: positions s, s + 1 (s = m - 1 on a rejection, which
+        # writes position m - 1 again with the same values), each (h_i, x_{i+1}).
+        s = m_ - 1 + ok
+        mtp_cache = dataclasses.replace(mtp_cache, length=s)
+        mtp_logits_BTV, mtp_cache = mdl.mtp_decode(jax.lax.dynamic_slice_in_dim(h_BSD, s, 2, axis=1),
+                                                   jax.lax.dynamic_slice_in_dim(tokens_BS, s + 1, 2, axis=1),
+                                                   mtp_cache)
+        draft_B = sample(mtp_logits_BTV[:, 1], None, GREEDY, vocab_limit).astype(jnp.int32)
         out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, jnp.stack([a_B, b_B], axis=1), n, axis=1)
         x_B = jnp.where(ok > 0, b_B, a_B)
         return x_B, draft_B, cache, mtp_cache, h_BSD, tokens_BS, out_BN, n + 1 + ok, calls + 1, accepted + ok

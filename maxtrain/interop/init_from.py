@@ -18,6 +18,8 @@ from maxtrain.program import guards
 from maxtrain.errors import UserError
 from maxtrain.interop.sources import open_source
 from maxtrain.sharding.layout import param_name
+from maxtrain.program.state import TrainState
+from maxtrain.sharding.layout import with_shardings
 
 log = logging.getLogger("maxtrain")
 # config.model keys that change the model's math without changing any parameter's shape.
@@ -56,9 +58,6 @@ def load_params(path: str, model_cfg: Any, abstract_params: Any) -> Any:
 
 def initial_state(program: Any, path: str, guard_window: int) -> Any:
   """A TrainState at step 0 with `path`'s parameters and a fresh optimizer state, on the run's mesh."""
-  from maxtrain.program.state import TrainState
-  from maxtrain.sharding.layout import with_shardings
-
   spec = program.state
   params = load_params(path, program.model_cfg, with_shardings(spec.abstract.params, spec.shardings.params))
   tx = program.optimizer.tx

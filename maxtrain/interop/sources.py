@@ -26,6 +26,8 @@ from maxtrain.errors import UserError
 from maxtrain.interop import dequant, hf_config, names as names_lib, params_store
 from maxtrain.models import hf_adapter, registry
 from maxtrain.sharding.layout import param_name
+from maxtrain.checkpoint import manifest
+from maxtrain.data.tokenizer import load_tokenizer
 
 IGNORED_HF = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed, never read
 log = logging.getLogger("maxtrain")
@@ -161,8 +163,6 @@ class TrainingSource:
   def __init__(self, step_dir: Path):
     import orbax.checkpoint as ocp
 
-    from maxtrain.checkpoint import manifest
-
     self.dir = step_dir.absolute()
     manifest.check(self.dir)  # CorruptCheckpoint: a UserError naming the file
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
@@ -172,8 +172,6 @@ class TrainingSource:
     self.tokenizer = ml_collections.ConfigDict(self.config).data.tokenizer
     self.tokenizer_identity = meta.get("tokenizer_identity")  # of the stores it trained on (saved since issue 23)
     self.vocab_size = self.model["vocab_size"]
-    from maxtrain.data.tokenizer import load_tokenizer
-
     tok = load_tokenizer(self.tokenizer) if self.tokenizer == "byte" or Path(self.tokenizer).exists() else None
     self.bos_id, self.eos_id = (tok.bos_id, tok.eos_id) if tok else (None, None)
     tree = ocp.StandardCheckpointHandler().metadata(self.dir / "state").tree["params"]

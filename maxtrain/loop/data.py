@@ -17,6 +17,7 @@ from maxtrain.data import corpus, mixture, pipeline
 from maxtrain.data.loader import MixtureLoader, process_rows
 from maxtrain.data.store import TokenStore
 from maxtrain.errors import UserError
+from maxtrain.data.tokenizer import load_tokenizer
 
 log = logging.getLogger("maxtrain")
 
@@ -47,8 +48,6 @@ def open_stores(data_cfg: ml_collections.ConfigDict, vocab_size: int) -> tuple[T
 def check_tokenizer(store: TokenStore, tokenizer: str) -> None:
   """The tokenizer is part of a run's identity: the store's header must name the config's `data.tokenizer`
   (what generate and convert will decode with). UserError naming both."""
-  from maxtrain.data.tokenizer import load_tokenizer
-
   identity = load_tokenizer(tokenizer).identity
   if store.tokenizer_identity != identity:
     raise UserError(f"token store {store.prefix} was built with tokenizer {store.tokenizer_identity}, but "

@@ -32,6 +32,7 @@ from maxtrain.models import registry
 from maxtrain.posttrain.data import SftData
 from maxtrain.posttrain.rl import Outcome, RlStepper
 from maxtrain.program import build as program_lib
+from maxtrain.posttrain.async_rollout import AsyncRlStepper
 
 log = logging.getLogger("maxtrain")
 
@@ -104,8 +105,6 @@ def make_stepper(cfg: ml_collections.ConfigDict, program: program_lib.Program, s
   """The stepper of the plan's mode, with its data (built here: bad data is exit 2 before compiling)."""
   mode = program.plan.mode
   if mode == "rl" and (cfg.post.rollout_devices or cfg.post.max_staleness):  # rollouts on their own thread (and devices)
-    from maxtrain.posttrain.async_rollout import AsyncRlStepper
-
     return AsyncRlStepper(cfg, program, observers, metrics, out_dir, starting_state, metrics.events)
   if mode == "rl":
     return RlStepper(cfg, program, observers, metrics, out_dir, starting_state)

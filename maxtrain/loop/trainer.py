@@ -51,6 +51,8 @@ from maxtrain.runtime.lock import RunLock
 from maxtrain.runtime.preemption import StopRequest
 from maxtrain.program import plan as plan_lib
 from maxtrain.program.plan import stage_config, stage_shapes
+from maxtrain.interop import init_from
+from maxtrain.posttrain import remote_rollout
 
 log = logging.getLogger("maxtrain")
 
@@ -221,8 +223,6 @@ class Trainer:
     """The run's step-0 state: checkpoint.init_from's parameters with a new optimizer state, else the
     seed's initialisation (a fresh run, and a rollback with no checkpoint from before the fault)."""
     if self.cfg.checkpoint.init_from:
-      from maxtrain.interop import init_from
-
       return init_from.initial_state(self.program, self.cfg.checkpoint.init_from, self.cfg.guards.spike_window)
     return state_lib.initialize(self.program.state, self.program.mesh)
 
@@ -343,8 +343,6 @@ def prepare_output_dir(out_dir: Path) -> None:
 def _initialize(cfg: ml_collections.ConfigDict) -> bool:
   """jax.distributed (runtime/distributed.py); True on a process of an RL job's rollout side (whole processes
   of their own: posttrain/remote_rollout.py), which runs no Loop."""
-  from maxtrain.posttrain import remote_rollout
-
   distributed.initialize_distributed(cfg.runtime, cfg.post.sync_timeout_s if cfg.post.rollout_devices else 0.0)
   return bool(cfg.post.rollout_devices) and remote_rollout.join_trainer_group(cfg)
 
@@ -352,8 +350,6 @@ def _initialize(cfg: ml_collections.ConfigDict) -> bool:
 def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) -> dict:
   """Trains per `cfg` (or, on a rollout process, serves the trainer's rollouts). Raises UserError on bad
   input (before compiling), Preempted after saving."""
-  from maxtrain.posttrain import remote_rollout
-
   if _initialize(cfg):
     return remote_rollout.serve(cfg)
   code = EXIT_CRASH

@@ -38,8 +38,9 @@ from maxtrain.models import quant as quant_lib
 from maxtrain.models.attention.layer import Attention, CacheWrite, KVCache
 from maxtrain.models.layers import ACTIVATIONS, MLP, RMSNorm, Rope, param, project
 from maxtrain.models.moe import MoE, MoEConfig
+from maxtrain.models import stack as stack_lib
 from maxtrain.sharding import pipeline as pipeline_lib
-from maxtrain.sharding import rules as sharding_rules
+from maxtrain.sharding.rules import NONE, Parallel
 
 # Activations a Block names (jax.ad_checkpoint.checkpoint_name) for `model.remat=offload`: saved to host
 # memory in the forward pass and brought back for the backward; the rest of the layer is recomputed.
@@ -55,15 +56,6 @@ REMAT_POLICIES = {
 }
 # auto: the program builder picks one of the above for the target (maxtrain/program/fit.py) before the model is built.
 REMAT_CHOICES = (*REMAT_POLICIES, "auto")
-# Under the pipeline without remat: keep every activation, but recompute slices and reshapes, so that a layer's
-# weights picked from its stage's repeats are not kept per loop iteration (sharding/pipeline.py). Casts are
-# kept: recomputing them would keep an fp32 source in place of its bf16 cast.
-_LAYOUT_OPS = frozenset({"dynamic_slice", "slice", "squeeze", "reshape", "expand_dims", "broadcast_in_dim",
-                         "transpose"})
-
-
-def _save_all_but_layout_ops(prim: Any, *_, **__) -> bool:
-  return prim.name not in _LAYOUT_OPS
 ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 # The config key that sets each logical parameter dim: what a layout error tells the user to change.
@@ -283,11 +275,13 @@ def validate(m: Any) -> None:
 class Block(nnx.Module):
   """One decoder layer; its feed-forward part is a dense SwiGLU (`mlp`) or a mixture of experts (`moe`)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, moe: bool = False, layer: int = 0):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, moe: bool = False, layer: int = 0,
+               parallel: Parallel = NONE):
     # GPT-2/LLaMA practice: shrink residual-branch outputs with depth so activations stay O(1).
     out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
     common = dict(init_std=cfg.init_std, out_std=out_std, param_dtype=cfg.param_dtype,
-                  compute_dtype=cfg.compute_dtype, rngs=rngs)
+                  compute_dtype=cfg.compute_dtype, rngs=rngs, parallel=parallel)
+    self.parallel = parallel
     norm = functools.partial(RMSNorm, cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs,
                              one_plus=cfg.norm_one_plus)
     self.attn_norm = norm()
@@ -332,27 +326,33 @@ class Block(nnx.Module):
     if self.post_norms:
       y_BTD = self.post_mlp_norm(y_BTD)
     x_BTD = x_BTD + y_BTD
-    return sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed")), stats, cache
+    return self.parallel.constrain(x_BTD, ("act_batch", "act_length", "act_embed")), stats, cache
 
 
 class Decoder(nnx.Module):
-  """The model of every family (models/registry.py): `Decoder(cfg, rngs=...)`."""
+  """The model of every family (models/registry.py): `Decoder(cfg, rngs=..., parallel=..., stack=...)`.
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    # Parameters and activations carry logical names only; placement is decided by the rules the
-    # step activates (`sharding/rules.py`) and the jit that creates the sharded train state.
+  How it is laid out and run comes from the builder at construction (program/state.py), kept as static
+  attributes: `parallel` (sharding/rules.py Parallel: the logical -> mesh rules its layers constrain their
+  activations by; the default, none: a model on its own) and `stack` (models/stack.py: scanned, a list, or a
+  pipeline with its schedule; the default: `model.scan_layers`'s, no pipeline)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, parallel: Parallel = NONE,
+               stack: stack_lib.Stack | None = None):
+    # Parameters and activations carry logical names only; placement is decided by `parallel`'s rules and the
+    # jit that creates the sharded train state.
     with nnx.use_eager_sharding(False):
-      self._build(cfg, rngs)
+      self._build(cfg, rngs, parallel, stack_lib.for_model(cfg) if stack is None else stack)
 
-  def _build(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
-    self.cfg = cfg
+  def _build(self, cfg: ModelConfig, rngs: nnx.Rngs, parallel: Parallel, stack: stack_lib.Stack) -> None:
+    self.cfg, self.parallel, self.stack = cfg, parallel, stack
     self.embed = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
                        ("vocab", "embed"), cfg.param_dtype)
     num_moe = cfg.moe.num_moe_layers(cfg.num_layers)
     if cfg.num_layers - num_moe:
-      self.blocks = _stack(cfg, rngs, cfg.num_layers - num_moe, moe=False)
+      self.blocks = _stack(cfg, stack, parallel, rngs, cfg.num_layers - num_moe, moe=False)
     if num_moe:
-      self.moe_blocks = _stack(cfg, rngs, num_moe, moe=True)
+      self.moe_blocks = _stack(cfg, stack, parallel, rngs, num_moe, moe=True)
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs,
                               one_plus=cfg.norm_one_plus)
     if not cfg.tie_embeddings:
@@ -362,7 +362,8 @@ class Decoder(nnx.Module):
       norm = functools.partial(RMSNorm, cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs,
                                one_plus=cfg.norm_one_plus)
       self.mtp = nnx.List([
-          mtp_lib.MTPLayer(cfg.d_model, Block(cfg, rngs, moe=num_moe > 0, layer=cfg.num_layers + j), norm,
+          mtp_lib.MTPLayer(cfg.d_model, Block(cfg, rngs, moe=num_moe > 0, layer=cfg.num_layers + j, parallel=parallel),
+                           norm,
                            init_std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
                            rngs=rngs)
           for j in range(cfg.mtp_layers)])
@@ -377,7 +378,7 @@ class Decoder(nnx.Module):
     logits_BTV = project(x_BTD, self.head_weights().astype(self.cfg.compute_dtype), preferred_element_type=jnp.float32,
                          quant=self.cfg.quant.for_kind("head"))
     logits_BTV = attention.softcap(logits_BTV, self.cfg.final_logit_softcap)  # Gemma 2 (0: off)
-    return sharding_rules.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
+    return self.parallel.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
 
   def init_cache(self, batch: int, length: int, rings: bool = True) -> "Cache":
     """An empty cache of `length` slots per row, in the compute dtype, laid out like the stacks. `rings=False`:
@@ -397,14 +398,14 @@ class Decoder(nnx.Module):
       logical = ("act_batch", None, "act_kv_heads", None) if not cfg.mla.latent_cache else ("act_batch", None, None, None)
       if layers is not None:
         shapes, logical = [(layers,) + s for s in shapes], (None,) + logical
-      return KVCache(*(sharding_rules.constrain(jnp.zeros(s, cfg.compute_dtype), logical) for s in shapes))
+      return KVCache(*(self.parallel.constrain(jnp.zeros(s, cfg.compute_dtype), logical) for s in shapes))
 
     stacks = {}
     for name in ("blocks", "moe_blocks"):
       if hasattr(self, name):
         blocks = getattr(self, name)
-        first = cfg.num_layers - len(blocks) if name == "moe_blocks" and not cfg.scan_layers else 0
-        stacks[name] = (kv(_stack_length(blocks), slots_of(0)) if cfg.scan_layers
+        first = cfg.num_layers - len(blocks) if name == "moe_blocks" and not self.stack.scanned else 0
+        stacks[name] = (kv(_stack_length(blocks), slots_of(0)) if self.stack.scanned
                         else [kv(None, slots_of(first + i)) for i in range(len(blocks))])
     return Cache(stacks, jnp.zeros((batch, length), jnp.bool_), jnp.zeros((), jnp.int32), fresh=True)
 
@@ -432,11 +433,12 @@ class Decoder(nnx.Module):
     """The output head [D, V] at the parameter dtype (the embedding transposed when tied)."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
 
-  def features(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array,
-               positions_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def features(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array,
+               stack_hook: pipeline_lib.StackHook | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(the final-norm hidden states [B, T, D] in the compute dtype: the output head's input, the MoE
-    layers' statistics stacked over them: models/moe.py STATS, {} for a dense model)."""
-    x_BTD, moe_stats, _ = self._forward(tokens_BT, segment_ids_BT, positions_BT, None, None)
+    layers' statistics stacked over them: models/moe.py STATS, {} for a dense model). `stack_hook`: run in
+    place of a pipelined layer stack (sharding/schedules.py, while it traces the model; models/stack.py)."""
+    x_BTD, moe_stats, _ = self._forward(tokens_BT, segment_ids_BT, positions_BT, None, None, stack_hook)
     return x_BTD, moe_stats
 
   def mtp_features(self, x_BTD: jax.Array, tokens_BT: jax.Array, segment_ids_BT: jax.Array,
@@ -481,17 +483,20 @@ class Decoder(nnx.Module):
     x_BTD = self.embed[...].astype(cfg.compute_dtype)[tokens_BT]
     if cfg.embed_scale:  # Gemma: times sqrt(d_model), rounded to the compute dtype as transformers does
       x_BTD = x_BTD * jnp.asarray(cfg.d_model**0.5, cfg.compute_dtype)
-    return sharding_rules.constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
+    return self.parallel.constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
 
-  def _forward(self, tokens_BT, segment_ids_BT, positions_BT, kv: dict | None, write: CacheWrite | None):
+  def _forward(self, tokens_BT, segment_ids_BT, positions_BT, kv: dict | None, write: CacheWrite | None,
+               stack_hook: pipeline_lib.StackHook | None = None):
     cfg = self.cfg
+    assert cfg.remat != "auto", "model.remat=auto is resolved by the program builder (maxtrain/program/fit.py)"
     x_BTD = self._embed(tokens_BT)
     moe_stats: dict[str, jax.Array] = {}
     new_kv = None if kv is None else {}
     for name in ("blocks", "moe_blocks"):
       if hasattr(self, name):
-        x_BTD, moe_stats, stack_kv = _run_stack(cfg, getattr(self, name), x_BTD, segment_ids_BT, positions_BT,
-                                                None if kv is None else kv[name], write)
+        x_BTD, moe_stats, stack_kv = self.stack.run(getattr(self, name), x_BTD, segment_ids_BT, positions_BT,
+                                                    None if kv is None else kv[name], write,
+                                                    REMAT_POLICIES[cfg.remat], stack_hook)
         if kv is not None:
           new_kv[name] = stack_kv
     return self.final_norm(x_BTD), moe_stats, new_kv
@@ -508,64 +513,16 @@ class Cache:
   fresh: bool  # nothing written yet: the next call is a prefill (static: it picks the attention path)
 
 
-def _stack(cfg: ModelConfig, rngs: nnx.Rngs, num: int, *, moe: bool) -> nnx.Module:
-  """`num` Blocks: one stacked Block whose parameters have a leading `layers` dim (scan_layers: the
-  step compiles one layer body and scans it), or a list."""
-  if not cfg.scan_layers:
-    first = cfg.num_layers - num if moe else 0  # the model's index of the stack's first layer
-    return nnx.List([Block(cfg, rngs, moe=moe, layer=first + i) for i in range(num)])
-
-  @nnx.split_rngs(splits=num)
-  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num, transform_metadata={nnx.PARTITION_NAME: "layers"})
-  def make_blocks(rngs: nnx.Rngs) -> Block:
-    return Block(cfg, rngs, moe=moe)
-
-  return make_blocks(rngs)
+def _stack(cfg: ModelConfig, stack: stack_lib.Stack, parallel: Parallel, rngs: nnx.Rngs, num: int, *,
+           moe: bool) -> nnx.Module:
+  """`num` Blocks as `stack` keeps them: one stacked Block whose parameters have a leading `layers` dim
+  (scanned), or a list."""
+  make_block = lambda rngs, layer: Block(cfg, rngs, moe=moe, layer=layer, parallel=parallel)
+  return stack.build(make_block, rngs, num, first=cfg.num_layers - num if moe else 0)
 
 
 def _stack_length(blocks: nnx.Module) -> int:
   return jax.tree.leaves(nnx.state(blocks))[0].shape[0]
-
-
-def _run_stack(cfg: ModelConfig, blocks: nnx.Module, x_BTD: jax.Array, segment_ids_BT: jax.Array,
-               positions_BT: jax.Array, kv: Any = None, write: CacheWrite | None = None,
-               ) -> tuple[jax.Array, dict[str, jax.Array], Any]:
-  """The stack's output, its layers' statistics, stacked: each [layers, ...], and its KV cache updated
-  (None without one)."""
-  def apply_block(x_BTD, block_state, graphdef, kv):
-    x_BTD, stats, kv = nnx.merge(graphdef, block_state)(x_BTD, segment_ids_BT, positions_BT, kv, write)
-    return x_BTD, (stats, kv)
-
-  assert cfg.remat != "auto", "model.remat=auto is resolved by the program builder (maxtrain/program/fit.py)"
-  policy = REMAT_POLICIES[cfg.remat]
-  if policy is not None and kv is None:  # decoding differentiates nothing: no remat
-    apply_block = jax.checkpoint(apply_block, policy=policy, static_argnums=(2,))
-  schedule = pipeline_lib.active()
-  if cfg.scan_layers and kv is None and schedule is not None:  # training / evaluation under the pipeline
-    graphdef, stacked = nnx.split(blocks)
-
-    def group(stage, r, x_BTD, segment_ids_BT, positions_BT):  # a stage's layers [n, R, ...] of repeat r, scanned
-      def body(x, layer_repeats):  # the repeat picked inside the remat: pipeline.run says why
-        layer_state = jax.tree.map(lambda w: w[r], layer_repeats)
-        return nnx.merge(graphdef, layer_state)(x, segment_ids_BT, positions_BT)[0], None
-      body = jax.checkpoint(body, policy=policy or _save_all_but_layout_ops)
-      return jax.lax.scan(body, x_BTD, stage)[0]
-
-    return pipeline_lib.run(group, stacked, x_BTD, segment_ids_BT, positions_BT, schedule), {}, None
-  if cfg.scan_layers:
-    graphdef, stacked = nnx.split(blocks)
-    length = jax.tree.leaves(stacked)[0].shape[0]
-    x_BTD, (stats, kv) = jax.lax.scan(lambda x, xs: apply_block(x, xs[0], graphdef, xs[1]), x_BTD, (stacked, kv),
-                                      unroll=min(cfg.scan_unroll, length))
-    return x_BTD, stats, kv
-  stats, new_kv = [], []
-  for i, block in enumerate(blocks):
-    graphdef, state = nnx.split(block)
-    x_BTD, (layer_stats, layer_kv) = apply_block(x_BTD, state, graphdef, None if kv is None else kv[i])
-    stats.append(layer_stats)
-    new_kv.append(layer_kv)
-  stacked_stats = jax.tree.map(lambda *s: jnp.stack(s), *stats) if stats[0] else {}
-  return x_BTD, stacked_stats, None if kv is None else new_kv
 
 
 def param_count(state: nnx.State) -> int:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.models import quant as quant_lib
-from maxtrain.sharding import rules as sharding_rules
+from maxtrain.sharding.rules import NONE, Parallel
 
 
 def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...], dtype) -> nnx.Param:
@@ -150,16 +150,18 @@ class MLP(nnx.Module):
   """A GLU: down(act(x @ gate) * (x @ up)); act silu (SwiGLU) or gelu_tanh (Gemma)."""
 
   def __init__(self, d_model: int, d_ff: int, *, init_std: float, out_std: float, param_dtype,
-               compute_dtype, rngs: nnx.Rngs, quant: "quant_lib.Quant | None" = None, activation: str = "silu"):
+               compute_dtype, rngs: nnx.Rngs, quant: "quant_lib.Quant | None" = None, activation: str = "silu",
+               parallel: Parallel = NONE):
     init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
     self.gate = param(rngs, init, (d_model, d_ff), ("embed", "mlp"), param_dtype)
     self.up = param(rngs, init, (d_model, d_ff), ("embed", "mlp"), param_dtype)
     self.down = param(rngs, out_init, (d_ff, d_model), ("mlp", "embed"), param_dtype)
-    self.compute_dtype, self.quant, self.activation = compute_dtype, quant, activation
+    self.compute_dtype, self.quant, self.activation, self.parallel = compute_dtype, quant, activation, parallel
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     dt, q = self.compute_dtype, self.quant
     gate_BTF = project(x_BTD, self.gate[...].astype(dt), quant=q)
     up_BTF = project(x_BTD, self.up[...].astype(dt), quant=q)
-    h_BTF = sharding_rules.constrain(ACTIVATIONS[self.activation](gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
+    h_BTF = self.parallel.constrain(ACTIVATIONS[self.activation](gate_BTF) * up_BTF,
+                                    ("act_batch", "act_length", "act_mlp"))
     return project(h_BTF, self.down[...].astype(dt), quant=q)

@@ -32,7 +32,7 @@ from maxtrain.errors import require
 from maxtrain.models.attention import mask as mask_lib
 from maxtrain.models.attention.layer import Attention, KVCache
 from maxtrain.models.layers import RMSNorm, apply_rope, param, project
-from maxtrain.sharding import rules as sharding_rules
+from maxtrain.sharding.rules import NONE, Parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +87,11 @@ class MLAttention(nnx.Module):
   logit_cap = 0.0  # Attention's soft-cap: off (validate refuses model.attn_logit_softcap with MLA)
 
   def __init__(self, d_model: int, num_heads: int, c: MLAConfig, *, rope, norm_eps: float, init_std: float,
-               out_std: float, param_dtype, compute_dtype, kernel: str, block_q: int, block_kv: int, rngs: nnx.Rngs):
+               out_std: float, param_dtype, compute_dtype, kernel: str, block_q: int, block_kv: int, rngs: nnx.Rngs,
+               parallel: Parallel = NONE):
     init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
     n = num_heads
-    self.c, self.rope, self.compute_dtype = c, rope, compute_dtype
+    self.c, self.rope, self.compute_dtype, self.parallel = c, rope, compute_dtype, parallel
     self.kernel, self.block_q, self.block_kv, self.window, self.has_sinks = kernel, block_q, block_kv, 0, False
     if c.q_lora_rank:
       self.wq_a = param(rngs, init, (d_model, c.q_lora_rank), ("embed", "lora"), param_dtype)
@@ -156,7 +157,7 @@ class MLAttention(nnx.Module):
     pad = lambda a: jnp.pad(a, [(0, 0)] * 3 + [(0, h - a.shape[-1])]) if a.shape[-1] < h else a
     q_BTNH = pad(q_BTNH) * jnp.asarray((h / c.qk_head_dim) ** 0.5 * c.softmax_mscale ** 2, dt)
     k_BTNH, v_BTNH = pad(k_BTNH).astype(dt), pad(v_BTNH)
-    q_BTNH = sharding_rules.constrain(q_BTNH, ("act_batch", "act_length", "act_heads", None))
+    q_BTNH = self.parallel.constrain(q_BTNH, ("act_batch", "act_length", "act_heads", None))
     if cache is None:
       out_BTNH = self._attend(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT, positions_BT)
     else:

@@ -39,6 +39,7 @@ from maxtrain.models import moe_dispatch
 from maxtrain.models.layers import MLP, param
 from maxtrain.sharding import expert_dispatch, ragged_dispatch
 from maxtrain.sharding.layout import param_name
+from maxtrain.sharding.rules import NONE, Parallel
 
 ROUTERS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
@@ -175,10 +176,11 @@ def route(x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: MoECon
 
 class MoE(nnx.Module):
   def __init__(self, d_model: int, cfg: MoEConfig, *, init_std: float, out_std: float, param_dtype, compute_dtype,
-               rngs: nnx.Rngs, quant=None, shared_quant=None, balanced_standin: bool = False):
+               rngs: nnx.Rngs, quant=None, shared_quant=None, balanced_standin: bool = False,
+               parallel: Parallel = NONE):
     E, F = cfg.num_experts, cfg.expert_d_ff
     init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_std)
-    self.cfg, self.compute_dtype = cfg, compute_dtype
+    self.cfg, self.compute_dtype, self.parallel = cfg, compute_dtype, parallel
     # Dropless: lax.ragged_dot, or its memory stand-in for ahead-of-time compiles on XLA:CPU (program/fit.py).
     self.balanced_standin = balanced_standin
     self.quant = quant  # models/quant.py Quant of the routed experts' matmuls (capacity dispatch), or None
@@ -199,7 +201,8 @@ class MoE(nnx.Module):
     self.down = param(rngs, out_init, (E, F, d_model), ("experts", "expert_mlp", "expert_embed"), param_dtype)
     if cfg.num_shared_experts:
       self.shared = MLP(d_model, cfg.num_shared_experts * F, init_std=init_std, out_std=out_std,
-                        param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, quant=shared_quant)
+                        param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, quant=shared_quant,
+                        parallel=parallel)
 
   def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(output [B, T, D] in the compute dtype, this layer's STATS)."""
@@ -221,7 +224,7 @@ class MoE(nnx.Module):
       if self.balanced_standin:
         ffn = _standin_ffn(ffn)
       stats["dropped"], stats["a2a_bytes"] = jnp.float32(0.0), jnp.float32(0.0)
-      parallel = ragged_dispatch.for_active_rules(ffn, cfg.num_experts, logical)
+      parallel = ragged_dispatch.for_rules(self.parallel.rules, ffn, cfg.num_experts, logical)
       if parallel is not None:  # experts split over devices: every assignment travels to its expert and back
         y_BTD, stats["a2a_bytes"] = parallel(x_BTD, experts_BTK, weights_BTK, *weights)
       else:
@@ -231,10 +234,10 @@ class MoE(nnx.Module):
       capacity = cfg.capacity(x_BTD.shape[1])
       slot_BTK, kept_BTK = moe_dispatch.capacity_slots(experts_BTK, cfg.num_experts, capacity)
       stats["dropped"] = jnp.sum(~kept_BTK).astype(jnp.float32)
-      stats["a2a_bytes"] = jnp.float32(ragged_dispatch.capacity_bytes(cfg.num_experts, capacity, x_BTD.shape,
-                                                                       x_BTD.dtype.itemsize))
+      stats["a2a_bytes"] = jnp.float32(ragged_dispatch.capacity_bytes(self.parallel.rules, cfg.num_experts, capacity,
+                                                                       x_BTD.shape, x_BTD.dtype.itemsize))
       local = moe_dispatch.local_experts(self.quant)
-      parallel = expert_dispatch.for_active_rules(local, cfg.num_experts, capacity)
+      parallel = expert_dispatch.for_rules(self.parallel.rules, local, cfg.num_experts, capacity)
       if parallel is not None:  # experts split over devices: tokens travel to them and back
         y_BTD = parallel(x_BTD, slot_BTK, weights_BTK, *weights)
       else:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from maxtrain.models.layers import project
+from maxtrain.models.layers import param, project
 
 
 class MTPLayer(nnx.Module):
@@ -34,8 +34,6 @@ class MTPLayer(nnx.Module):
 
   def __init__(self, d_model: int, block: nnx.Module, make_norm, *, init_std: float, param_dtype: Any,
                compute_dtype: Any, rngs: nnx.Rngs):
-    from maxtrain.models.layers import param
-
     self.enorm, self.hnorm, self.norm = make_norm(), make_norm(), make_norm()
     # Logical axes of a residual-writing matrix (the MLP's down projection's): its 2D input dim is not the stream.
     self.eh_proj = param(rngs, nnx.initializers.normal(init_std), (2 * d_model, d_model), ("mlp", "embed"),

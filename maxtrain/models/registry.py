@@ -22,8 +22,10 @@ from flax import nnx
 from maxtrain.config.keys import flat_items
 from maxtrain.errors import UserError, choice
 from maxtrain.models import decoder
+from maxtrain.models import stack as stack_lib
 from maxtrain.models.decoder import ModelConfig
 from maxtrain.models.hf_adapter import HFAdapter
+from maxtrain.sharding.rules import NONE, Parallel
 
 # The families, each a module of models/ holding FAMILY (the order of --help and docs/models.md).
 _MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3", "gemma2", "gemma3")
@@ -39,7 +41,7 @@ class Family:
   name: str
   pieces: dict[str, Any]  # model.* values the family sets whatever the keys say (qwen2: qkv_bias=True)
   hf: HFAdapter
-  module: Callable[..., nnx.Module] = decoder.Decoder  # (ModelConfig, *, rngs) -> the model
+  module: Callable[..., nnx.Module] = decoder.Decoder  # (ModelConfig, *, rngs, parallel, stack) -> the model
   window_layers: str = "all"  # WINDOW_PATTERNS: the layers model.sliding_window applies to
   window_pattern: int = 0  # model.window_pattern's value when the key is 0 (Gemma 3: 6); 0: window_layers
   validate: Callable[[Any], None] = lambda m: None  # family-specific UserErrors on config.model
@@ -106,14 +108,17 @@ def validate(m: Any) -> None:
                     "need model.scan_layers=False")
 
 
-def build(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
-  """The model of `cfg`'s family."""
-  return get(cfg.family).module(cfg, rngs=rngs)
+def build(cfg: ModelConfig, *, rngs: nnx.Rngs, parallel: Parallel = NONE,
+          stack: stack_lib.Stack | None = None) -> nnx.Module:
+  """The model of `cfg`'s family, laid out by `parallel` and run by `stack` (the builder's: program/state.py;
+  the defaults: a model on its own, `model.scan_layers`'s stack)."""
+  return get(cfg.family).module(cfg, rngs=rngs, parallel=parallel, stack=stack)
 
 
-def abstract(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract(cfg: ModelConfig, seed: int = 0, *, parallel: Parallel = NONE,
+             stack: stack_lib.Stack | None = None) -> tuple[nnx.GraphDef, nnx.State]:
   """(graph definition, parameters as ShapeDtypeStructs with their logical axes): nothing allocated."""
-  return nnx.split(nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(params=seed))))
+  return nnx.split(nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(params=seed), parallel=parallel, stack=stack)))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from maxtrain.runtime.cache import cache_dir
+
 log = logging.getLogger("maxtrain")
 
 CACHE_NAME = "cpu_peak.json"
@@ -175,8 +177,6 @@ def cpu_peak(cache_file: Path | None = None, cpu_share: float | None = None) -> 
   to measure_cpu_peak.
   Delete the cache file (`<maxtrain cache dir>/cpu_peak.json`) to start over."""
   if cache_file is None:
-    from maxtrain.runtime.cache import cache_dir
-
     cache_file = cache_dir() / CACHE_NAME
   identity = machine_identity()
   key = "|".join(f"{k}={v}" for k, v in identity.items())

@@ -13,6 +13,7 @@ import socket
 from typing import Any, Callable, Mapping
 
 from maxtrain.monitor import prometheus
+from maxtrain.errors import UserError
 
 log = logging.getLogger("maxtrain")
 LABELS = ("run", "process", "host")  # the whole label set
@@ -101,8 +102,6 @@ def otlp_gauges(endpoint: str, interval_s: float, run: str, process_index: int,
   """Gauges exported to an OTLP/HTTP endpoint every `interval_s` (the `otel` extra); a failed export is
   a warning and `on_failure(reason)` once (the trainer probes the endpoint first: tracking.attach)."""
   from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
-  from maxtrain.errors import UserError
 
   try:
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter

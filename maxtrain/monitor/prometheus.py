@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Mapping
 
 from maxtrain.errors import UserError
+from maxtrain.config import redact_text  # a label is public: no credential in it, whatever the run's name
 
 log = logging.getLogger("maxtrain")
 
@@ -31,8 +32,6 @@ def metric_name(name: str) -> str:
 
 
 def _label_value(value: str) -> str:
-  from maxtrain.config import redact_text  # a label is public: no credential in it, whatever the run's name
-
   return redact_text(str(value)).replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
 
 

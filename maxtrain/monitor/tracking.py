@@ -31,6 +31,10 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from maxtrain import config as config_lib
+from maxtrain.errors import UserError
+from maxtrain.monitor import otel
+
 log = logging.getLogger("maxtrain")
 RUN_FILE = "mlflow_run.json"
 MAX_PARAM = 500  # MLflow caps a param value's length; longer values (data.stages lists) are cut
@@ -239,16 +243,11 @@ def attach(cfg: Any, out_dir: Path, metrics: Any, stack: Any, exit_code: Any) ->
   and the run is closed at exit (`exit_code()` read then). Either failing is a warning and an event."""
   import jax
 
-  from maxtrain import config as config_lib
-  from maxtrain.errors import UserError
-
   def failed(system: str, reason: str) -> None:
     log.warning("%s is unavailable (%s); training goes on without it", system, reason)
     metrics.events.emit(SIDE_SYSTEM_FAILED, system=system, reason=reason[:1000])
 
   if cfg.tracking.otel_endpoint:
-    from maxtrain.monitor import otel
-
     endpoint = cfg.tracking.otel_endpoint
     try:
       probe(endpoint)

@@ -30,6 +30,7 @@ from optax.contrib import MuonDimensionNumbers, MuonState
 
 from maxtrain.optim.masking import keep_if
 from maxtrain.sharding import rules as sharding_rules
+from maxtrain.sharding.rules import NONE, Parallel
 from maxtrain.sharding.layout import param_name
 
 NS_DTYPES = ("float32", "bfloat16")
@@ -68,14 +69,15 @@ def newton_schulz(x: jax.Array, dims: MuonDimensionNumbers, coeffs: Any, steps: 
 
 
 def orthogonalize(x: jax.Array, dims: MuonDimensionNumbers, logical: tuple[str | None, ...] | None, coeffs: Any,
-                  steps: int, dtype: jnp.dtype) -> jax.Array:
+                  steps: int, dtype: jnp.dtype, parallel: Parallel = NONE) -> jax.Array:
   """`newton_schulz`, with whole layers per device when `x` is a stacked weight (its logical names
-  start with `layers`) and the active rules split `opt_layers`: resharded to layers over the axes
+  start with `layers`) and `parallel`'s rules (the model's, passed to the update by program/update.py) split
+  `opt_layers`: resharded to layers over the axes
   `sharding.rules.layer_split` picks (under a pipeline each stage orthogonalises its own layers; zero layers
   pad a stage's block only where that shortens the work per device), orthogonalised locally, resharded back
   to `logical`. Otherwise (an unstacked weight, one device) GSPMD partitions the iteration over the parameter's own
   layout, which all-gathers the matrix dims at every iteration."""
-  split = sharding_rules.active_layer_split(x.shape[0]) if logical is not None and logical[:1] == ("layers",) else None
+  split = parallel.layer_split(x.shape[0]) if logical is not None and logical[:1] == ("layers",) else None
   if split is None:
     return newton_schulz(x, dims, coeffs, steps, dtype)
   num_layers, out_dtype = x.shape[0], x.dtype
@@ -89,7 +91,7 @@ def orthogonalize(x: jax.Array, dims: MuonDimensionNumbers, logical: tuple[str |
   y = newton_schulz(sharding_rules.constrain_layers(x, split), dims, coeffs, steps, dtype)
   if pad:
     y = y.reshape(split.groups, split.per_group, *y.shape[1:])[:, :per_group].reshape(num_layers, *y.shape[1:])
-  return sharding_rules.constrain(y, logical).astype(out_dtype)
+  return parallel.constrain(y, logical).astype(out_dtype)
 
 
 def nesterov_input(mu: Any, grads: Any, beta: float, count: jax.Array) -> Any:
@@ -119,7 +121,7 @@ def scale_by_muon_guarded(*, ns_coeffs: tuple[float, float, float], ns_steps: in
     return MuonState(count=jnp.zeros([], jnp.int32), mu=optax.tree.zeros_like(params, dtype=mu_dtype),
                      ns_coeffs=jnp.asarray(ns_coeffs))
 
-  def update(updates, state, params=None, *, skip=None, **extra_args):
+  def update(updates, state, params=None, *, skip=None, parallel: Parallel = NONE, **extra_args):
     del params, extra_args
     mu = optax.tree.update_moment(updates, state.mu, beta, 1)
     count = optax.safe_increment(state.count)
@@ -129,7 +131,7 @@ def scale_by_muon_guarded(*, ns_coeffs: tuple[float, float, float], ns_steps: in
     names = logical_names(updates)
     ortho = jax.tree_util.tree_map_with_path(
         lambda path, x: orthogonalize(x, matrix_dims(names[param_name(path)]), names[param_name(path)],
-                                      state.ns_coeffs, ns_steps, dtype),
+                                      state.ns_coeffs, ns_steps, dtype, parallel),
         nesterov_input(mu, updates, beta, count))
     return ortho, MuonState(count=kept_count, mu=optax.tree.cast(mu, mu_dtype), ns_coeffs=state.ns_coeffs)
 

@@ -25,6 +25,7 @@ from maxtrain.errors import UserError, require
 from maxtrain.inference import sampling as sampling_lib
 from maxtrain.posttrain import rewards as rewards_lib
 from maxtrain.program import batch as batch_lib
+from maxtrain.inference.sampling import Sampling
 
 log = logging.getLogger("maxtrain")
 
@@ -188,8 +189,6 @@ class PromptData(SftData):
     random stream at every eval, so two evals differ only by the parameters)."""
     if not self.eval_examples:
       return {}
-    from maxtrain.inference.sampling import Sampling
-
     generator = self._generator_for(program, params)
     prompts = [self.tokenizer.encode(e["prompt"]).tolist() for e in self.eval_examples]
     out = {}
@@ -214,8 +213,6 @@ def _unigram_entropy(targets: np.ndarray, mask: np.ndarray) -> float:
 def exact_match(generator: Any, tokenizer: Any, examples: Sequence[dict], max_new_tokens: int,
                 batch: int = 256) -> float:
   """Fraction of examples whose greedy completion (to EOS) equals the response, whitespace-stripped."""
-  from maxtrain.inference.sampling import Sampling
-
   hits = 0
   for i in range(0, len(examples), batch):
     chunk = examples[i:i + batch]

@@ -34,7 +34,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtrain.config import redact_text
 from maxtrain.errors import Aborted, Preempted, Stalled, UserError
+from maxtrain.inference import sampling as sampling_lib
 from maxtrain.posttrain import rollout as rollout_lib
+from maxtrain.posttrain.data import PromptData
+from maxtrain.program.build import program_for, split_devices
 from maxtrain.runtime.kv import KeyValue
 
 log = logging.getLogger("maxtrain")
@@ -52,8 +55,6 @@ TRAINER_ENDED = {code: type(f"TrainerEnded{code}", (error, _Ended), {})
 
 def rollout_processes(cfg: Any) -> list[int]:
   """The processes of the rollout side (the last ones) in a multi-process job; [] on one process."""
-  from maxtrain.program.build import split_devices
-
   if jax.process_count() == 1:
     return []
   return sorted({d.process_index for d in split_devices(cfg, jax.devices())[1]})
@@ -209,10 +210,6 @@ class _Receiver:
 def serve(cfg: Any) -> dict:
   """A rollout process's whole run: versions in, batches out, until the trainer's `stop`. Returns {} (exit 0);
   an error is posted (`died`) for the trainer, then raised (this process's exit code)."""
-  from maxtrain.inference import sampling as sampling_lib
-  from maxtrain.posttrain.data import PromptData
-  from maxtrain.program.build import program_for
-
   kv, me = KeyValue.job(), jax.process_index()
   leader = me == rollout_processes(cfg)[0]
   # A stop request (the launcher signals every process) is the trainer's to act on: it saves, then its

@@ -36,6 +36,8 @@ from maxtrain.monitor import events as ev
 from maxtrain.posttrain import algorithms, correction, packing, rl_step, rollout as rollout_lib
 from maxtrain.posttrain.data import PromptData
 from maxtrain.program import state as state_lib
+from maxtrain.interop import init_from
+from maxtrain.sharding.layout import with_shardings
 
 log = logging.getLogger("maxtrain")
 ROLLOUTS_FILE = "rollouts.jsonl"  # post.log_rollouts
@@ -97,9 +99,6 @@ class RlStepper:
   def _reference(self, state: state_lib.TrainState) -> Any:
     """The frozen reference: the run's starting parameters (rebuilt, not saved: also after a resume)."""
     if self.cfg.checkpoint.init_from:
-      from maxtrain.interop import init_from
-      from maxtrain.sharding.layout import with_shardings
-
       spec = self.program.state
       return init_from.load_params(self.cfg.checkpoint.init_from, self.program.model_cfg,
                                    with_shardings(spec.abstract.params, spec.shardings.params))

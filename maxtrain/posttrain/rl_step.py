@@ -22,11 +22,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxtrain.data.pipeline import KEYS
 from maxtrain.optim import optimizer as optim
+from maxtrain.posttrain import algorithms
 from maxtrain.posttrain.algorithms import Algorithm, Hyper
+from maxtrain.program import batch as batch_lib
+from maxtrain.program.build import loss_chunk_tokens
 from maxtrain.optim.masking import keep_if
 from maxtrain.program import critic as critic_lib, drills, step as step_lib, update as update_lib
 from maxtrain.program.state import TrainState
-from maxtrain.sharding import rules as sharding_rules
 
 RL_KEYS = ("old_logp", "ref_logp", "advantages")
 CRITIC_KEYS = ("old_values", "returns")  # an algorithm with a critic (PPO): the rollout's values and the targets
@@ -38,27 +40,24 @@ def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: dict, **chu
   return -ce_BT
 
 
-def make_values(graphdef: nnx.GraphDef, max_new_tokens: int, rules: sharding_rules.Rules | None = None,
+def make_values(graphdef: nnx.GraphDef, max_new_tokens: int,
                 **chunking) -> Callable[[nnx.State, dict, dict], jax.Array]:
   """values(params, critic head, batch) -> V per position, fp32 [B, T] (the critic at the rollout)."""
   def values(params, head, batch):
-    with sharding_rules.activate(rules):
-      ce_BT, _, _, _, x_BTD = step_lib.head_losses_and_features(graphdef, params, batch, **chunking)
-      return critic_lib.values(head, x_BTD, -ce_BT, batch["loss_mask"], max_new_tokens)
+    ce_BT, _, _, _, x_BTD = step_lib.head_losses_and_features(graphdef, params, batch, **chunking)
+    return critic_lib.values(head, x_BTD, -ce_BT, batch["loss_mask"], max_new_tokens)
   return values
 
 
-def make_logprobs(graphdef: nnx.GraphDef, rules: sharding_rules.Rules | None = None,
-                  **chunking) -> Callable[[nnx.State, dict], jax.Array]:
+def make_logprobs(graphdef: nnx.GraphDef, **chunking) -> Callable[[nnx.State, dict], jax.Array]:
   def logprobs(params, batch):
-    with sharding_rules.activate(rules):
-      return token_logprobs(graphdef, params, batch, **chunking)
+    return token_logprobs(graphdef, params, batch, **chunking)
   return logprobs
 
 
 def make_rl_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, algorithm: Algorithm, hp: Hyper, *,
                  on_policy: bool, spike_zscore: float = 6.0, spike_warmup: int = 20,
-                 rules: sharding_rules.Rules | None = None, perturb: update_lib.Perturb | None = None,
+                 perturb: update_lib.Perturb | None = None,
                  **chunking) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """One optimizer step on an RL batch (`perturb`: a drill's, `program/drills.py`). `on_policy` (one
   optimizer step per rollout): the old log-probs are this forward pass's own, gradient stopped, so the
@@ -84,17 +83,17 @@ def make_rl_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, algorithm: 
 
   def rl_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rows = batch
-    with sharding_rules.activate(rules):
-      if algorithm.critic:
-        head = state.opt_state.params
-        (_, (loss, metrics)), (grads, head_grads) = jax.value_and_grad(critic_objective, argnums=(0, 1),
-                                                                       has_aux=True)(state.params, head, rows)
-      else:
-        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params, rows)
+    if algorithm.critic:
+      head = state.opt_state.params
+      (_, (loss, metrics)), (grads, head_grads) = jax.value_and_grad(critic_objective, argnums=(0, 1),
+                                                                     has_aux=True)(state.params, head, rows)
+    else:
+      (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params, rows)
     before = state
     state, loss, update_metrics = update_lib.guarded_update(state, loss, grads, optimizer,
                                                             spike_zscore=spike_zscore, spike_warmup=spike_warmup,
-                                                            rules=rules, spike_signal="grad_norm", perturb=perturb)
+                                                            parallel=nnx.merge(graphdef, state.params).parallel,
+                                                            spike_signal="grad_norm", perturb=perturb)
     skipped = update_metrics["nonfinite"] | update_metrics["spike"]
     if algorithm.critic:  # the critic's own Adam step, skipped with the policy's (a NaN round moves neither)
       critic = before.opt_state
@@ -137,8 +136,6 @@ class RlProgram:
 
 def build(program: Any, algorithm: Algorithm, hp: Hyper, *, on_policy: bool) -> RlProgram:
   """The RL pieces of `program` for `algorithm` at `hp`."""
-  from maxtrain.program.build import loss_chunk_tokens
-
   layout, spec = program.plan.layout, program.state
   chunking = dict(chunk_tokens=loss_chunk_tokens(program.cfg.model), batch_shards=layout.shards("act_batch"),
                   length_shards=layout.shards("act_length"))
@@ -146,17 +143,17 @@ def build(program: Any, algorithm: Algorithm, hp: Hyper, *, on_policy: bool) -> 
   rl_keys = RL_KEYS + (CRITIC_KEYS if algorithm.critic else ())
   batch_shardings = {**{k: v for k, v in program.batch_shardings.items() if k in KEYS},
                      **{k: rows for k in rl_keys}}
-  logprobs = jax.jit(make_logprobs(spec.graphdef, layout.rules, **chunking),
+  logprobs = jax.jit(make_logprobs(spec.graphdef, **chunking),
                      in_shardings=(spec.shardings.params, batch_shardings), out_shardings=rows)
   values = None
   if algorithm.critic:
-    values = jax.jit(make_values(spec.graphdef, hp.max_new_tokens, layout.rules, **chunking),
+    values = jax.jit(make_values(spec.graphdef, hp.max_new_tokens, **chunking),
                      in_shardings=(spec.shardings.params, spec.shardings.opt_state.params, batch_shardings),
                      out_shardings=rows)
   guards_cfg = program.cfg.guards
   step = drills.wrap_step(program.cfg, lambda **drill: make_rl_step(
       spec.graphdef, program.optimizer, algorithm, hp, on_policy=on_policy, spike_zscore=guards_cfg.spike_zscore,
-      spike_warmup=guards_cfg.spike_warmup, rules=layout.rules, **chunking, **drill))
+      spike_warmup=guards_cfg.spike_warmup, **chunking, **drill))
   step_shardings = drills.batch_shardings(program.cfg, program.mesh, batch_shardings)  # + a drilled run's fault input
   train = jax.jit(step, in_shardings=(spec.shardings, step_shardings),
                   out_shardings=(spec.shardings, NamedSharding(program.mesh, P())), donate_argnums=0)
@@ -165,8 +162,6 @@ def build(program: Any, algorithm: Algorithm, hp: Hyper, *, on_policy: bool) -> 
 
 def for_config(program: Any) -> RlProgram:
   """The RL pieces the config's post.* asks for (the algorithm resolved by the registry)."""
-  from maxtrain.posttrain import algorithms
-
   algorithm, hp = algorithms.resolve(program.cfg.post)
   p = program.cfg.post
   return build(program, algorithm, hp, on_policy=p.ppo_epochs * p.minibatches == 1)
@@ -174,15 +169,11 @@ def for_config(program: Any) -> RlProgram:
 
 def jit_pieces(program: Any, algorithm: str = "grpo", *, on_policy: bool, **hyper: Any) -> tuple[Callable, Callable]:
   """(jitted logprobs, jitted step) for `algorithm` with the given Hyper fields (tests and tools)."""
-  from maxtrain.posttrain import algorithms
-
   pieces = build(program, algorithms.get(algorithm), Hyper(**hyper), on_policy=on_policy)
   return pieces.logprobs, pieces.step
 
 
 def to_device(rows: dict[str, np.ndarray], program: Any) -> dict[str, jax.Array]:
   """Host rows (KEYS + RL_KEYS) -> global arrays with the batch's row sharding."""
-  from maxtrain.program import batch as batch_lib
-
   shardings = {k: program.batch_shardings["inputs"] for k in rows}
   return batch_lib.to_device(rows, shardings)

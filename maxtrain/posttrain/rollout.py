@@ -24,6 +24,10 @@ import numpy as np
 
 from maxtrain.errors import require
 from maxtrain.posttrain import rewards as rewards_lib
+from maxtrain.inference import continuous
+from maxtrain.inference.sampling import Sampling
+from maxtrain.program.build import program_for, split_devices
+from maxtrain.sharding.mesh import fully_sharded
 
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "sampler_logp", "entropy")
 
@@ -80,9 +84,6 @@ class Rollout:
 
 def sample(data: Any, generator: Any, params: Any, q: int, post: Any, seed: int, seq_len: int) -> Rollout:
   """Prompt batch q, each prompt post.group_size times, sampled at post.temperature and scored."""
-  from maxtrain.inference import continuous
-  from maxtrain.inference.sampling import Sampling
-
   tok = data.tokenizer
   examples = [e for e in data.prompts(q) for _ in range(post.group_size)]
   prompt_ids = [tok.encode(e["prompt"]).tolist() for e in examples]
@@ -159,9 +160,6 @@ def decode(d: dict) -> Rollout:
 def rollout_program(cfg: Any) -> Any:
   """The rollout side's program on the last post.rollout_devices devices (the model fully sharded over
   them; nothing else of it is built or run), or None without them."""
-  from maxtrain.program.build import program_for, split_devices
-  from maxtrain.sharding.mesh import fully_sharded
-
   devices = split_devices(cfg, jax.devices())[1]
   if not devices:
     return None

@@ -29,6 +29,7 @@ from maxtrain.models.decoder import ModelConfig
 from maxtrain.sharding.layout import with_shardings
 from maxtrain.sharding.mesh import make_mesh
 from maxtrain.program.plan import Plan, schedule_config, validate
+from maxtrain.program import schedule_fit
 
 log = logging.getLogger("maxtrain")
 
@@ -83,22 +84,22 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None, 
   optimizer = optim.make(*schedule_config(cfg, plan.updates_per_step))  # the schedule in optimizer updates
   if plan.critic:  # PPO: a value head and its own optimizer state ride in the optimizer state
     optimizer = critic.with_critic(optimizer, model_cfg.d_model, cfg.post.critic_lr)
+  # The model as every step runs it: laid out by the plan's rules, its stacks through the plan's pipeline.
   state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window,
-                              offload_optimizer=offload.enabled(cfg.optimizer))
+                              offload_optimizer=offload.enabled(cfg.optimizer), pipeline=plan.pipeline)
   row_shardings = batch_lib.shardings(mesh, plan.layout)
   batch_shardings = drills.batch_shardings(cfg, mesh, row_shardings)  # + the fault input only when drilled
   replicated = NamedSharding(mesh, P())
   # Each batch shard keeps its own partial head gradient across loss chunks (maxtrain/program/loss.py).
   chunking = dict(chunk_tokens=loss_chunk_tokens(cfg.model), batch_shards=plan.layout.shards("act_batch"),
-                  length_shards=plan.layout.shards("act_length"), pipeline=plan.pipeline)
+                  length_shards=plan.layout.shards("act_length"))
   make_step = functools.partial(step_lib.make_train_step, state_spec.graphdef, optimizer, z_loss=cfg.optimizer.z_loss,
                                 moe=model_cfg.moe, grad_accum_steps=plan.batch.num_microbatches,
-                                spike_zscore=cfg.guards.spike_zscore, spike_warmup=cfg.guards.spike_warmup, rules=rules,
-                                **chunking)
+                                spike_zscore=cfg.guards.spike_zscore, spike_warmup=cfg.guards.spike_warmup, **chunking)
   step = drills.wrap_step(cfg, make_step)  # a fault input and its injection only when config.faults sets one
   train_step = jax.jit(step, in_shardings=(state_spec.shardings, batch_shardings),
                        out_shardings=(state_spec.shardings, replicated), donate_argnums=0)
-  eval_step = jax.jit(step_lib.make_eval_step(state_spec.graphdef, rules, **chunking),
+  eval_step = jax.jit(step_lib.make_eval_step(state_spec.graphdef, **chunking),
                       in_shardings=(state_spec.shardings.params, row_shardings), out_shardings=replicated)
   return Program(cfg=cfg, plan=plan, mesh=mesh, model_cfg=model_cfg, optimizer=optimizer, state=state_spec,
                  batch_shardings=batch_shardings, train_step=train_step, eval_step=eval_step)
@@ -135,7 +136,6 @@ def resolve_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Devic
   """`cfg` with `pipeline.schedule=auto` replaced by the schedule `program/schedule_fit.py` chooses from the
   ahead-of-time compile of each candidate on `devices` (of the memory stand-in when asked), and the table of
   candidates (also logged)."""
-  from maxtrain.program import schedule_fit
 
   def compile_candidate(trial: ml_collections.ConfigDict):
     program = program_for(trial, devices, require_data=False, memory_standin=memory_standin)

@@ -31,6 +31,9 @@ import ml_collections
 
 from maxtrain.errors import UserError, require
 from maxtrain.runtime import cache
+import maxtrain
+from maxtrain.models import registry
+from maxtrain.monitor import mfu
 
 log = logging.getLogger("maxtrain")
 GiB = 2**30
@@ -112,21 +115,34 @@ class Memory:
 
 # ---- memory stand-ins for ahead-of-time compiles on XLA:CPU --------------------------------------------
 
-def standin_changes(model_cfg: Any) -> list[str]:
-  """What `memory_standin` changes in this model, one line each (empty: it compiles as it is). Two things
-  XLA:CPU lowers far from a GPU's memory: lax.ragged_dot (dense over every expert) and remat in an unscanned
-  stack (merged back into the forward: tools/remat_unscanned.py)."""
+DROPLESS, UNSCANNED_REMAT = "dropless", "unscanned_remat"
+
+
+def cpu_far_parts(model_cfg: Any) -> list[str]:
+  """The parts of this model whose memory XLA:CPU gets far from a GPU's or Trainium's, the one test both
+  `standin_changes` (what the stand-in replaces) and aot/compile.py `cpu_caveats` (what a report warns about) ask:
+  DROPLESS, a dropless MoE (lax.ragged_dot, lowered densely over every expert), and UNSCANNED_REMAT, remat in an
+  unscanned stack of more than one layer (XLA:CPU merges each layer's recompute back into its forward:
+  tools/remat_unscanned.py). remat=auto counts: each of its candidates compiles as remat=none there."""
   out = []
   if model_cfg.moe.enabled and model_cfg.moe.dispatch == "dropless":
-    out.append("model.moe.dispatch=dropless: the experts' grouped matmuls are compiled as one batched matmul over "
-               "equal groups (models/moe_dispatch.py balanced_ragged_dot: the buffers and FLOPs of a grouped-matmul "
-               "kernel with every expert equally loaded), not lax.ragged_dot, which XLA:CPU lowers densely over "
-               "every expert")
+    out.append(DROPLESS)
   if not model_cfg.scan_layers and model_cfg.remat != "none" and model_cfg.num_layers > 1:
-    out.append(f"unscanned layers with model.remat={model_cfg.remat}: compiled as one scanned stack of the same "
-               "parameters, every layer with the window of the local layers (flash's memory is linear in T whatever "
-               "the window), as XLA:CPU keeps no remat in an unscanned stack")
+    out.append(UNSCANNED_REMAT)
   return out
+
+
+def standin_changes(model_cfg: Any) -> list[str]:
+  """What `memory_standin` changes in this model, one line per part of `cpu_far_parts` (empty: it compiles as it is)."""
+  lines = {
+      DROPLESS: "model.moe.dispatch=dropless: the experts' grouped matmuls are compiled as one batched matmul over "
+                "equal groups (models/moe_dispatch.py balanced_ragged_dot: the buffers and FLOPs of a grouped-matmul "
+                "kernel with every expert equally loaded), not lax.ragged_dot, which XLA:CPU lowers densely over "
+                "every expert",
+      UNSCANNED_REMAT: f"unscanned layers with model.remat={model_cfg.remat}: compiled as one scanned stack of the "
+                       "same parameters, every layer with the window of the local layers (flash's memory is linear in "
+                       "T whatever the window), as XLA:CPU keeps no remat in an unscanned stack"}
+  return [lines[part] for part in cpu_far_parts(model_cfg)]
 
 
 def memory_standin(model_cfg: Any) -> Any:
@@ -134,7 +150,7 @@ def memory_standin(model_cfg: Any) -> Any:
   parameters, the same activations per layer, the memory of the target's kernels. Compiled, never run: with
   unequal expert loads its values are not the model's."""
   changes: dict[str, Any] = {"memory_standin": True}
-  if not model_cfg.scan_layers and model_cfg.remat != "none" and model_cfg.num_layers > 1:
+  if UNSCANNED_REMAT in cpu_far_parts(model_cfg):
     changes.update(scan_layers=True, window_layers="all", window_pattern=0, rope_local_theta=0.0)
   return dataclasses.replace(model_cfg, **changes)
 
@@ -168,8 +184,6 @@ CPU_MEMCPY_BANDWIDTH = 10e9
 
 def cpu_target(devices: Sequence[Any]) -> Target:
   """This machine's CPU devices: the available RAM and the measured matmul peak, shared by the devices."""
-  from maxtrain.monitor import mfu
-
   n = max(len(devices), 1)
   try:
     with open("/proc/meminfo") as f:
@@ -239,8 +253,6 @@ class Candidate:
 def _cache_key(cfg: ml_collections.ConfigDict, devices: Sequence[Any], names: list[str],
                standin: bool = False) -> dict[str, Any]:
   """What the compiled figures depend on (not the target's memory or speed: the choice is made after)."""
-  import maxtrain
-
   parts = {"model": cfg.model.to_dict(), "mesh": cfg.mesh.to_dict(), "optimizer": cfg.optimizer.to_dict(),
            "stages": cfg.pipeline.to_dict()}
   parts["model"].pop("remat", None)
@@ -284,8 +296,6 @@ def choose_remat(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
   names = [c for c in CANDIDATES if c != "offload" or target.host_bandwidth > 0]
 
   def measure() -> list[Candidate]:
-    from maxtrain.models import registry
-
     out, pipelined = [], False
     for remat in names:
       # Under the pipeline the offloaded activations' bytes are not modelled (offloaded_activation_bytes counts

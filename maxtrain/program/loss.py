@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain.models.layers import project
-from maxtrain.sharding import rules as sharding_rules
+from maxtrain.sharding.rules import NONE, Parallel
 
 # Default `chunk_tokens` (per device), from `tools/bench_loss.py` on the 2-core CPU, jax 0.10.2: at
 # 8B dims (8192 tokens, V=128256, bf16) the compiled fwd+bwd temp is 4.7 GiB at 2048 (4.3 at 512,
@@ -97,9 +97,10 @@ def default_chunk_tokens(vocab_size: int) -> int:
 
 def head_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, chunk_tokens: int,
                 compute_dtype=jnp.float32, batch_shards: int = 1, length_shards: int = 1,
-                quant=None, logit_cap: float = 0.0) -> tuple[jax.Array, jax.Array]:
+                quant=None, logit_cap: float = 0.0, parallel: Parallel = NONE) -> tuple[jax.Array, jax.Array]:
   """`(ce_BT, log_z_BT)` of the head: chunked when `chunk_tokens > 0`, else the reference; the logits
-  soft-capped by `logit_cap` (0: off) in both.
+  soft-capped by `logit_cap` (0: off) in both. `parallel`: the model's layout (sharding/rules.py), by which the
+  chunked backward lays out its head gradient (none: GSPMD decides).
 
   `length_shards` > 1 (context parallelism: the length dim split into that many shards): the chunked
   path sees each sequence as `length_shards` rows of T / length_shards tokens, so its chunks cut
@@ -112,7 +113,8 @@ def head_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, 
     rows, cols = B * length_shards, T // length_shards
     ce, log_z = chunked_token_losses(x_BTD.reshape(rows, cols, -1), head_DV, targets_BT.reshape(rows, cols),
                                      chunk_tokens=chunk_tokens, compute_dtype=compute_dtype,
-                                     batch_shards=batch_shards * length_shards, logit_cap=logit_cap)
+                                     batch_shards=batch_shards * length_shards, logit_cap=logit_cap,
+                                     parallel=parallel)
     return ce.reshape(B, T), log_z.reshape(B, T)
   return reference_head_losses(x_BTD, head_DV, targets_BT, compute_dtype=compute_dtype, quant=quant,
                                logit_cap=logit_cap)
@@ -120,7 +122,8 @@ def head_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, 
 
 def chunked_token_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *,
                          chunk_tokens: int, compute_dtype=jnp.float32,
-                         batch_shards: int = 1, logit_cap: float = 0.0) -> tuple[jax.Array, jax.Array]:
+                         batch_shards: int = 1, logit_cap: float = 0.0,
+                         parallel: Parallel = NONE) -> tuple[jax.Array, jax.Array]:
   """`reference_head_losses` without the `[B, T, V]` logits, forward or backward.
 
   `logit_cap` > 0: the logits soft-capped (c tanh(z / c)); the backward multiplies d logits by its
@@ -143,7 +146,7 @@ def chunked_token_losses(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.A
   if batch_shards <= 0 or B % batch_shards:
     raise ValueError(f"batch_shards={batch_shards} must be positive and divide the batch size {B}")
   C = min(T, max(1, chunk_tokens * batch_shards // B))
-  return _chunked(x_BTD, head_DV, targets_BT, C, np.dtype(compute_dtype), batch_shards, float(logit_cap))
+  return _chunked(x_BTD, head_DV, targets_BT, C, np.dtype(compute_dtype), batch_shards, float(logit_cap), parallel)
 
 
 def _to_chunks(a_BT: jax.Array, C: int) -> jax.Array:
@@ -175,12 +178,13 @@ def _target_mask(targets_BC, V):
   return jax.lax.broadcasted_iota(jnp.int32, (*targets_BC.shape, V), 2) == targets_BC[..., None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _chunked(x_BTD, head_DV, targets_BT, C, compute_dtype, G, cap):
-  return _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype, G, cap)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _chunked(x_BTD, head_DV, targets_BT, C, compute_dtype, G, cap, parallel):
+  return _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype, G, cap, parallel)[0]
 
 
-def _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype, G, cap):
+def _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype, G, cap, parallel):
+  del parallel  # only the backward lays out what it computes (the head gradient)
   T, V = targets_BT.shape[1], head_DV.shape[1]
   head_cd_DV = head_DV.astype(compute_dtype)
 
@@ -196,7 +200,7 @@ def _chunked_fwd(x_BTD, head_DV, targets_BT, C, compute_dtype, G, cap):
   return (_from_chunks(ce_KBC, T), log_z_BT), (x_BTD, head_DV, targets_BT, log_z_BT)
 
 
-def _chunked_bwd(C, compute_dtype, G, cap, residuals, cotangents):
+def _chunked_bwd(C, compute_dtype, G, cap, parallel, residuals, cotangents):
   x_BTD, head_DV, targets_BT, log_z_BT = residuals
   g_ce_BT, g_z_BT = cotangents
   D, V = head_DV.shape
@@ -235,8 +239,8 @@ def _chunked_bwd(C, compute_dtype, G, cap, residuals, cotangents):
   # a reduce-scatter as an all-to-all. A plain sum over G was an all-reduce of the whole fp32 [D, V]
   # on every device (then sliced to the parameter's shard) wherever XLA does not rewrite that into a
   # reduce-scatter (XLA:CPU, hence the AOT memory figures).
-  d_head_GDV = sharding_rules.constrain(d_head_GDV, (None, *HEAD_AXES))
-  d_head_DV = sharding_rules.constrain(jnp.sum(d_head_GDV, axis=0), HEAD_AXES)
+  d_head_GDV = parallel.constrain(d_head_GDV, (None, *HEAD_AXES))
+  d_head_DV = parallel.constrain(jnp.sum(d_head_GDV, axis=0), HEAD_AXES)
   return _from_chunks(d_x_KBCD, T), d_head_DV.astype(head_DV.dtype), None
 
 

@@ -260,7 +260,6 @@ def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: Ba
           f"accumulation steps). Use a batch_size that is a multiple of {p.microbatches} x {batch.shards} x "
           f"{batch.num_microbatches} = {p.microbatches * batch.shards * batch.num_microbatches}.")
   unsupported = [(m.moe.num_experts > 0, "config.model.moe.num_experts > 0 (MoE layers)"),
-                 (not m.scan_layers, "config.model.scan_layers=False (the pipeline splits the stacked layers)"),
                  (layout.shards("act_length") > 1, "context parallelism (mesh.context > 1)"),
                  (layout.shards("experts") > 1, "expert parallelism")]
   bad = [text for hit, text in unsupported if hit]

@@ -28,6 +28,8 @@ from maxtrain.errors import UserError
 from maxtrain.program import fit
 from maxtrain.sharding import pipeline as pipeline_lib
 from maxtrain.sharding import schedules
+from maxtrain.models import registry
+from maxtrain.program.plan import validate
 
 log = logging.getLogger("maxtrain")
 GiB = 2**30
@@ -69,8 +71,6 @@ def choose_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
                     compile_fn: Callable[[ml_collections.ConfigDict], tuple[Any, Any]]) -> tuple[str, str, list[Row]]:
   """(the schedule, the table, its rows) for `cfg` (pipeline.schedule=auto) on `devices`. `compile_fn(cfg)` returns
   (the compiled train step of cfg, its plan). UserError when none fits."""
-  from maxtrain.models import registry
-
   headroom, target = cfg.fit.headroom, fit.target_for(cfg, devices)
   limit = target.memory_bytes * (1 - headroom)
   m = registry.model_config(cfg.model)
@@ -120,7 +120,5 @@ def _boundary_bytes(cfg: ml_collections.ConfigDict, plan: Any) -> int:
 
 
 def _stages(cfg: ml_collections.ConfigDict, devices: Sequence[Any]) -> int:
-  from maxtrain.program.plan import validate
-
   plan = validate(cfg, len(devices), require_data=False)
   return plan.pipeline.stages if plan.pipeline else 1

@@ -19,7 +19,9 @@ from maxtrain.optim import offload as offload_lib
 from maxtrain.program import guards
 from maxtrain.models import registry
 from maxtrain.models.decoder import ModelConfig
+from maxtrain.models import stack as stack_lib
 from maxtrain.sharding import rules as sharding_rules
+from maxtrain.sharding.pipeline import Schedule
 from maxtrain.sharding.layout import Layout, check_divisible, check_replication
 
 
@@ -31,9 +33,10 @@ class TrainState:
   guard: guards.GuardState
 
 
-def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, guard_window: int):
+def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, guard_window: int,
+             stack: stack_lib.Stack | None = None):
   def init() -> TrainState:
-    _, params = nnx.split(registry.build(model_cfg, rngs=nnx.Rngs(params=seed)))
+    _, params = nnx.split(registry.build(model_cfg, rngs=nnx.Rngs(params=seed), stack=stack))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       guard=guards.init(guard_window))
 
@@ -51,12 +54,17 @@ class StateSpec:
 
 def spec(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
          rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES, guard_window: int = 32,
-         offload_optimizer: bool = False) -> StateSpec:
+         offload_optimizer: bool = False, pipeline: Schedule | None = None) -> StateSpec:
   """Shapes and placement of the state, without allocating it. Fails (UserError) on a layout that
   does not divide the parameters or replicates most of them. `offload_optimizer`: the optimizer state's
-  shardings are in host memory (`optim/offload.py`; `tx` must then be `offload.streamed`)."""
-  graphdef, _ = registry.abstract(model_cfg, seed)
-  init = _init_fn(model_cfg, tx, seed, guard_window)
+  shardings are in host memory (`optim/offload.py`; `tx` must then be `offload.streamed`).
+
+  The graphdef is the model as every step runs it: laid out by `rules` (a `Parallel` the model keeps) and its
+  layer stacks run through `pipeline` (None: no pipeline; models/stack.py). The steps built from it read
+  nothing else about parallelism."""
+  stack = stack_lib.for_model(model_cfg, pipeline)  # UserError for what the stack cannot run, before compiling
+  graphdef, _ = registry.abstract(model_cfg, seed, parallel=sharding_rules.Parallel.of(rules), stack=stack)
+  init = _init_fn(model_cfg, tx, seed, guard_window, stack)
   abstract = jax.eval_shape(init)
   layout = Layout(dict(mesh.shape), rules)
   check_divisible(abstract.params, layout, registry.CONFIG_KEYS)
@@ -77,9 +85,9 @@ def initialize(state_spec: StateSpec, mesh: Mesh) -> TrainState:
 
 
 def create(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
-           rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES):
+           rules: sharding_rules.Rules = sharding_rules.DEFAULT_RULES, pipeline: Schedule | None = None):
   """Returns (graphdef, state, state_shardings) of a freshly initialized state."""
-  state_spec = spec(model_cfg, tx, mesh, seed, rules)
+  state_spec = spec(model_cfg, tx, mesh, seed, rules, pipeline=pipeline)
   return state_spec.graphdef, initialize(state_spec, mesh), state_spec.shardings
 
 

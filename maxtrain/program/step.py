@@ -19,9 +19,9 @@ from maxtrain.optim import optimizer as optim
 from maxtrain.models import moe as moe_lib
 from maxtrain.models import mtp as mtp_lib
 from maxtrain.models.moe import MoEConfig
+from maxtrain.models import stack as stack_lib
 from maxtrain.sharding import context_attention, pipeline as pipeline_lib
 from maxtrain.sharding import schedules
-from maxtrain.sharding import rules as sharding_rules
 from maxtrain.program.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -39,10 +39,13 @@ def head_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, chun
 
 
 def head_losses_and_features(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, chunk_tokens: int = 0,
-                             batch_shards: int = 1, length_shards: int = 1) -> tuple[jax.Array, jax.Array, dict, MoEConfig, jax.Array]:
-  """`head_losses` and the features the head reads, [B, T, D] (a critic's value head reads them too)."""
+                             batch_shards: int = 1, length_shards: int = 1,
+                             stack_hook: pipeline_lib.StackHook | None = None,
+                             ) -> tuple[jax.Array, jax.Array, dict, MoEConfig, jax.Array]:
+  """`head_losses` and the features the head reads, [B, T, D] (a critic's value head reads them too).
+  `stack_hook`: sharding/schedules.py's, run in place of the pipelined layer stack (models/stack.py)."""
   model = nnx.merge(graphdef, params)
-  x_BTD, moe_stats = model.features(batch["inputs"], batch["segment_ids"], batch["positions"])
+  x_BTD, moe_stats = model.features(batch["inputs"], batch["segment_ids"], batch["positions"], stack_hook)
   ce_BT, log_z_BT = _head(model, x_BTD, batch["targets"], chunk_tokens, batch_shards, length_shards)
   return ce_BT, log_z_BT, moe_stats, model.cfg.moe, x_BTD
 
@@ -51,7 +54,7 @@ def _head(model, x_BTD, targets_BT, chunk_tokens, batch_shards, length_shards) -
   return loss.head_losses(x_BTD, model.head_weights(), targets_BT, chunk_tokens=chunk_tokens,
                           compute_dtype=model.cfg.compute_dtype, batch_shards=batch_shards,
                           length_shards=length_shards, quant=model.cfg.quant.for_kind("head"),
-                          logit_cap=model.cfg.final_logit_softcap)
+                          logit_cap=model.cfg.final_logit_softcap, parallel=model.parallel)
 
 
 def mtp_parts(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, x_BTD: jax.Array, *, chunk_tokens: int = 0,
@@ -88,16 +91,19 @@ def _moe_parts(moe_stats: dict[str, jax.Array], count: jax.Array) -> dict[str, j
 
 def loss_sums(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, z_loss: float = 0.0, *,
               chunk_tokens: int = 0, batch_shards: int = 1, length_shards: int = 1,
-              with_mtp: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
+              with_mtp: bool = True, stack_hook: pipeline_lib.StackHook | None = None,
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(objective summed over loss tokens, its parts): sums, not means, so that microbatches add up.
 
   objective = sum of (cross-entropy + z_loss * log(Z)^2) over loss tokens; the z term keeps the
   softmax normaliser near 1 (PaLM), which keeps bf16 logits well conditioned. A MoE model adds
   aux_loss_weight x its load-balancing loss and router_z_loss_weight x its router z-loss (`_moe_parts`),
   the weights of the model's own config; a model with multi-token prediction (`with_mtp`) its `mtp_parts`.
+  `stack_hook`: see `head_losses_and_features`.
   """
   chunking = dict(chunk_tokens=chunk_tokens, batch_shards=batch_shards, length_shards=length_shards)
-  ce_BT, log_z_BT, moe_stats, moe, x_BTD = head_losses_and_features(graphdef, params, batch, **chunking)
+  ce_BT, log_z_BT, moe_stats, moe, x_BTD = head_losses_and_features(graphdef, params, batch, **chunking,
+                                                                    stack_hook=stack_hook)
   mask_BT = batch["loss_mask"].astype(jnp.float32)
   parts = {"ce": jnp.sum(ce_BT * mask_BT), "z": jnp.sum(jnp.square(log_z_BT) * mask_BT), "count": jnp.sum(mask_BT)}
   objective = parts["ce"] + z_loss * parts["z"]
@@ -133,10 +139,14 @@ def loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *, z
   """Metrics (mean cross-entropy `loss`, `z_loss` term, `loss_tokens`; of a MoE model `moe_metrics`
   and `moe_load`, the [L, E] assignments per layer and expert that the router bias follows) and the
   gradient of the mean objective over the batch's loss tokens."""
+  # The model's own stack (the builder's: models/stack.py) says whether a schedule writes the backward.
+  stack = nnx.merge(graphdef, params).stack
+  schedule = stack.schedule if isinstance(stack, stack_lib.Pipelined) else None
+
   def sums_and_grads(p, b):
-    objective = lambda p, b=b: loss_sums(graphdef, p, b, z_loss, chunk_tokens=chunk_tokens,
-                                         batch_shards=batch_shards, length_shards=length_shards)
-    schedule = pipeline_lib.active()
+    objective = lambda p, b=b, hook=None: loss_sums(graphdef, p, b, z_loss, chunk_tokens=chunk_tokens,
+                                                    batch_shards=batch_shards, length_shards=length_shards,
+                                                    stack_hook=hook)
     if schedule is not None and schedule.kind != "gpipe":  # the backward written by the schedule, not autodiff
       return schedules.value_and_grad(objective, p, b, schedule)
     (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(p)
@@ -163,41 +173,38 @@ def mtp_metrics(parts: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optim.Optimizer, *, z_loss: float = 0.0,
                     moe: MoEConfig = MoEConfig(), grad_accum_steps: int = 1, spike_zscore: float = 6.0,
-                    spike_warmup: int = 20,
-                    rules: sharding_rules.Rules | None = None, chunk_tokens: int = 0,
+                    spike_warmup: int = 20, chunk_tokens: int = 0,
                     batch_shards: int = 1, length_shards: int = 1,
-                    pipeline: pipeline_lib.Schedule | None = None,
                     perturb: update_lib.Perturb | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
   """The step. `perturb`: a change to the loss and gradients before the guards (a drill: `program/drills.py`).
-  `rules` lay out the model's activations (None: GSPMD decides alone); `chunk_tokens`, `batch_shards`, `length_shards`: see
-  `loss.head_losses`; `pipeline`: the layer stacks run through a circular pipeline (`sharding/pipeline.py`)."""
+  `chunk_tokens`, `batch_shards`, `length_shards`: see `loss.head_losses`. How the model is laid out and its
+  layer stacks run (a pipeline) is the graphdef's own (program/state.py `spec` builds it): the step reads the
+  model's `parallel` for the optimizer's layout (Muon) too."""
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-    with sharding_rules.activate(rules), pipeline_lib.activate(pipeline):
-      metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss,
-                                      grad_accum_steps=grad_accum_steps,
-                                      chunk_tokens=chunk_tokens, batch_shards=batch_shards,
-                                      length_shards=length_shards)
+    metrics, grads = loss_and_grads(graphdef, state.params, batch, z_loss=z_loss,
+                                    grad_accum_steps=grad_accum_steps,
+                                    chunk_tokens=chunk_tokens, batch_shards=batch_shards,
+                                    length_shards=length_shards)
     load_LE = metrics.pop("moe_load", None)
     # aux-loss-free balancing: part of the candidate, so a skipped step keeps the old bias too
     adjust = (lambda p: moe_lib.update_router_bias(p, load_LE, moe.bias_update_rate)) if moe.bias_update_rate else None
     state, metrics["loss"], update_metrics = update_lib.guarded_update(
         state, metrics["loss"], grads, optimizer, spike_zscore=spike_zscore, spike_warmup=spike_warmup,
-        rules=rules, adjust_candidate=adjust, perturb=perturb)
+        parallel=nnx.merge(graphdef, state.params).parallel, adjust_candidate=adjust, perturb=perturb)
     metrics.update(update_metrics)
     return state, metrics
 
   return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, rules: sharding_rules.Rules | None = None, *, chunk_tokens: int = 0,
-                   batch_shards: int = 1, length_shards: int = 1,
-                   pipeline: pipeline_lib.Schedule | None = None) -> Callable[[nnx.State, Batch], tuple[jax.Array, jax.Array]]:
-  """(sum of token losses, loss tokens) of a batch: sums, so batches add up."""
+def make_eval_step(graphdef: nnx.GraphDef, *, chunk_tokens: int = 0, batch_shards: int = 1,
+                   length_shards: int = 1) -> Callable[[nnx.State, Batch], tuple[jax.Array, jax.Array]]:
+  """(sum of token losses, loss tokens) of a batch: sums, so batches add up. The graphdef's layout and stack
+  (a pipeline runs its forward: sharding/pipeline.py) are the model's own."""
   def eval_step(params: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    with sharding_rules.activate(rules), pipeline_lib.activate(pipeline):
-      # the main model's loss only: the MTP depths would add compute to a number no one reads
-      _, parts = loss_sums(graphdef, params, batch, chunk_tokens=chunk_tokens, batch_shards=batch_shards,
-                           length_shards=length_shards, with_mtp=False)
+    # the main model's loss only: the MTP depths would add compute to a number no one reads
+    _, parts = loss_sums(graphdef, params, batch, chunk_tokens=chunk_tokens, batch_shards=batch_shards,
+                         length_shards=length_shards, with_mtp=False)
     return parts["ce"], parts["count"]
 
   return eval_step

@@ -21,7 +21,7 @@ from maxtrain.optim import optimizer as optim
 from maxtrain.optim.masking import keep_if
 from maxtrain.program import guards
 from maxtrain.program.state import TrainState
-from maxtrain.sharding import rules as sharding_rules
+from maxtrain.sharding.rules import NONE, Parallel
 
 
 Perturb = Callable[[jax.Array, Any], tuple[jax.Array, Any]]  # (loss, grads) -> (loss, grads)
@@ -29,14 +29,16 @@ Perturb = Callable[[jax.Array, Any], tuple[jax.Array, Any]]  # (loss, grads) -> 
 
 def guarded_update(state: TrainState, loss: jax.Array, grads: Any, optimizer: optim.Optimizer, *,
                    spike_zscore: float, spike_warmup: int,
-                   rules: sharding_rules.Rules | None = None, spike_signal: str = "loss",
+                   parallel: Parallel = NONE, spike_signal: str = "loss",
                    adjust_candidate: Callable[[Any], Any] | None = None,
                    perturb: Perturb | None = None) -> tuple[TrainState, jax.Array, dict]:
   """(new state, the loss the guards saw, metrics: grad_norm, param_norm, the guards' flags,
   the learning rates, the update norms). `spike_signal`: the value the spike check watches, "loss"
   or "grad_norm" (RL: its surrogate loss is ~0 by construction). `adjust_candidate`: a change made to
   the candidate parameters that a skipped step drops with the update (MoE aux-loss-free balancing).
-  `perturb`: a drill's change to the loss and gradients (`program/drills.py`); None in a production step."""
+  `perturb`: a drill's change to the loss and gradients (`program/drills.py`); None in a production step.
+  `parallel`: the model's layout (its `parallel`: sharding/rules.py), by which Muon's Newton-Schulz lays out
+  whole layers per device (maxtrain/optim/muon.py); none: GSPMD partitions it by the parameters' layout."""
   if perturb is not None:  # trace time: only a drilled step has it
     loss, grads = perturb(loss, grads)
   grad_norm = optax.tree.norm(grads)  # before clipping
@@ -44,8 +46,7 @@ def guarded_update(state: TrainState, loss: jax.Array, grads: Any, optimizer: op
                                             signal=grad_norm if spike_signal == "grad_norm" else None)
   # A skipped step keeps the optimizer state inside the optimizer (maxtrain.optim.guarded: the moments
   # are updated in place) and the parameters here.
-  with sharding_rules.activate(rules):  # Muon's Newton-Schulz lays out whole layers per device (maxtrain/optim/muon.py)
-    updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params, skip=skip)
+  updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params, skip=skip, parallel=parallel)
   candidate = optax.apply_updates(state.params, updates)
   if adjust_candidate is not None:  # part of the candidate, so a skipped step keeps it too
     candidate = adjust_candidate(candidate)

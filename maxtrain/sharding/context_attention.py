@@ -39,7 +39,7 @@ XLA runs collectives asynchronously. A ring pays off across slow links or at C b
 the mesh does not do (context stays inside a granule); it would be a second function with this
 signature.
 
-The model never names a mesh axis: `for_active_rules` returns this attention when the active rules
+The model never names a mesh axis: `for_rules(rules, ...)` returns this attention when the model's rules
 split `act_length` over mesh axes of total size > 1 in the current mesh, else None. The local kernel
 is the caller's (models/ passes `flash_attention_qkv`): sharding/ sits below models/ and imports
 nothing from it, so the collective takes the kernel as an argument.
@@ -141,11 +141,10 @@ def sharded(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh, rules: rules_li
                        out_specs=spec(Q_LOGICAL))
 
 
-def for_active_rules(kernel: Callable, *, block_q: int, block_kv: int) -> Callable | None:
-  """Context-parallel attention when the active rules split `act_length` over mesh axes of total
-  size > 1 in the current mesh (the step traces under `jax.set_mesh`); None otherwise (the caller
-  runs its own kernel on the whole sequence)."""
-  rules = rules_lib.active()
+def for_rules(rules: rules_lib.Rules | None, kernel: Callable, *, block_q: int, block_kv: int) -> Callable | None:
+  """Context-parallel attention when `rules` (the model's: sharding/rules.py Parallel) split `act_length` over
+  mesh axes of total size > 1 in the current mesh (the step traces under `jax.set_mesh`); None otherwise
+  (no rules: a model on its own; the caller runs its own kernel on the whole sequence)."""
   mesh = jax.sharding.get_abstract_mesh()
   if rules is None or mesh.empty:
     return None

@@ -17,7 +17,7 @@ in as a `LocalExperts`: sharding/ sits below models/ and imports nothing from it
 Fixed capacity makes every message the same size, which `lax.all_to_all` needs (and which runs on
 CPU); the dropless exchange (`ragged_dispatch.py`) sends ragged messages.
 
-The model never names a mesh axis: `for_active_rules` returns this dispatch when the active rules
+The model never names a mesh axis: `for_rules(rules, ...)` returns this dispatch when the model's rules
 split `experts` over mesh axes of total size > 1 in the current mesh, else None.
 """
 
@@ -82,11 +82,11 @@ def expert_shards(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh, rules: ru
   return math.prod(mesh.shape[a] for a in rules_lib.mesh_axes(rules["experts"]))
 
 
-def for_active_rules(local: LocalExperts, num_experts: int, capacity: int) -> Callable | None:
-  """Expert-parallel dispatch when the active rules split `experts` over mesh axes of total size > 1
+def for_rules(rules: rules_lib.Rules | None, local: LocalExperts, num_experts: int,
+              capacity: int) -> Callable | None:
+  """Expert-parallel dispatch when `rules` (the model's) split `experts` over mesh axes of total size > 1
   in the current mesh (the step traces under `jax.set_mesh`); None otherwise (the caller dispatches
   on its own devices)."""
-  rules = rules_lib.active()
   mesh = jax.sharding.get_abstract_mesh()
   if rules is None or mesh.empty or expert_shards(mesh, rules) == 1:
     return None

@@ -17,10 +17,8 @@ non-adjacent groups s, S + s, ..., so each step reshuffles the stored contiguous
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -72,38 +70,6 @@ class Schedule:
             "iterations": self.iterations, "bubble_fraction": self.bubble, "stage_remat": self.stage_remat}
 
 
-_ACTIVE: contextvars.ContextVar[Schedule | None] = contextvars.ContextVar("maxtrain_pipeline", default=None)
-
-
-def active() -> Schedule | None:
-  return _ACTIVE.get()
-
-
-@contextlib.contextmanager
-def activate(schedule: Schedule | None) -> Iterator[None]:
-  """Within the block, the model runs its layer stacks through `run` (None or 1 stage: it does not)."""
-  token = _ACTIVE.set(schedule if schedule is not None and schedule.stages > 1 else None)
-  try:
-    yield
-  finally:
-    _ACTIVE.reset(token)
-
-
-# Set while sharding/schedules.py traces the model: `run` hands the layer stack to it instead of running it.
-_STACK: contextvars.ContextVar[Callable[..., jax.Array] | None] = contextvars.ContextVar("maxtrain_stack", default=None)
-
-
-@contextlib.contextmanager
-def substitute(hook: Callable[..., jax.Array]) -> Iterator[None]:
-  """Within the block `run(layers, stacked, x, segment_ids, positions, schedule)` returns
-  `hook(layers, stacked, x, segment_ids, positions)`."""
-  token = _STACK.set(hook)
-  try:
-    yield
-  finally:
-    _STACK.reset(token)
-
-
 def _split(x_B: jax.Array, m: int) -> jax.Array:
   """[B, ...] -> [M, B/M, ...], microbatch i = rows i, i + M, ...: every batch shard keeps its rows."""
   return jnp.swapaxes(x_B.reshape(x_B.shape[0] // m, m, *x_B.shape[1:]), 0, 1)
@@ -115,6 +81,9 @@ def _merge(x_M: jax.Array) -> jax.Array:
 
 # (this stage's layers [L/(R S), R, ...], the repeat r (an int when R = 1), x, segment ids, positions) -> x
 LayersFn = Callable[[Any, jax.Array | int, jax.Array, jax.Array, jax.Array], jax.Array]
+# What sharding/schedules.py passes down the model's forward (an argument: models/stack.py `Pipelined`) to run in
+# place of the pipelined stack while it traces the model: (layers, stacked, x, segment ids, positions) -> x.
+StackHook = Callable[[LayersFn, Any, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array,
@@ -129,9 +98,6 @@ def run(layers: LayersFn, stacked: Any, x_BTD: jax.Array, segment_ids_BT: jax.Ar
   one that recomputes only slices and reshapes, models/decoder.py), the residual is the loop-invariant stage
   weights, kept once. With R = 1 the index is the constant 0 (tests: the saved residuals; compiled temp
   memory: tools/pipeline_memory.py, docs/sharding.md)."""
-  hook = _STACK.get()
-  if hook is not None:
-    return hook(layers, stacked, x_BTD, segment_ids_BT, positions_BT)
   s_, m_, r_ = schedule.stages, schedule.microbatches, schedule.repeats
   grouped = jax.tree.map(lambda w: w.reshape((r_, s_, -1) + w.shape[1:]), stacked)
   xs, segs, poss = (_split(a, m_) for a in (x_BTD, segment_ids_BT, positions_BT))

@@ -22,7 +22,7 @@ Per device, per layer (under `jax.shard_map`, the same specs as `expert_dispatch
 The gradient is JAX's own: `ragged_all_to_all`'s transpose is the reverse ragged exchange, the padded
 one's is made of gathers, all-to-alls and scatters.
 
-The model never names a mesh axis: `for_active_rules` returns this dispatch when the active rules split
+The model never names a mesh axis: `for_rules(rules, ...)` returns this dispatch when the model's rules split
 `experts` over mesh axes of total size > 1 in the current mesh, else None.
 """
 
@@ -176,11 +176,10 @@ def sharded(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh, rules: rules_li
                        out_specs=(spec(expert_dispatch.TOKENS_LOGICAL), jax.sharding.PartitionSpec()))
 
 
-def for_active_rules(grouped_ffn: GroupedFFN, num_experts: int,
-                     weight_logical: tuple[tuple[str | None, ...], ...] = SWIGLU_LOGICAL) -> Callable | None:
-  """Dropless expert-parallel dispatch when the active rules split `experts` over mesh axes of total
+def for_rules(rules: rules_lib.Rules | None, grouped_ffn: GroupedFFN, num_experts: int,
+              weight_logical: tuple[tuple[str | None, ...], ...] = SWIGLU_LOGICAL) -> Callable | None:
+  """Dropless expert-parallel dispatch when `rules` (the model's) split `experts` over mesh axes of total
   size > 1 in the current mesh, with the transport of the default backend; None otherwise."""
-  rules = rules_lib.active()
   mesh = jax.sharding.get_abstract_mesh()
   if rules is None or mesh.empty or expert_dispatch.expert_shards(mesh, rules) == 1:
     return None
@@ -188,11 +187,12 @@ def for_active_rules(grouped_ffn: GroupedFFN, num_experts: int,
                  transport=transport_for(jax.default_backend()), weight_logical=weight_logical)
 
 
-def capacity_bytes(num_experts: int, capacity: int, x_shape: tuple[int, ...], itemsize: int) -> float:
+def capacity_bytes(rules: rules_lib.Rules | None, num_experts: int, capacity: int, x_shape: tuple[int, ...],
+                   itemsize: int) -> float:
   """The bytes capacity dispatch's all-to-alls (`expert_dispatch.py`) send to other devices in one
   layer's forward and backward, all devices together (0 without expert parallelism): each device's
   slots [B/batch shards, E, C, D], all but 1/X of them leaving it, there and back, twice."""
-  rules, mesh = rules_lib.active(), jax.sharding.get_abstract_mesh()
+  mesh = jax.sharding.get_abstract_mesh()
   if rules is None or mesh.empty or (shards := expert_dispatch.expert_shards(mesh, rules)) == 1:
     return 0.0
   batch_shards = math.prod(mesh.shape[a] for a in rules_lib.mesh_axes(rules["act_batch"]))

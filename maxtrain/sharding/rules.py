@@ -7,18 +7,17 @@ parameter `embed` dim can be FSDP-sharded while the activation `act_embed` dim s
 are named and chosen by `mesh.rules`; a new strategy (context or expert parallelism) is a new entry
 in `RULE_SETS`, nothing else.
 
-The model is built and traced without knowing the rules: `activate(rules)` makes them the ones that
-`constrain` applies while a step is traced (`step.py` activates the run's rules around the model).
+The builder hands the rules to the model at construction as a `Parallel` (a frozen, hashable value the
+modules keep as a static attribute): `Parallel.constrain` lays an activation out by them; an empty `Parallel`
+(a model on its own: a test, a conversion) constrains nothing. Nothing here is ambient state.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import itertools
 import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -70,16 +69,9 @@ OPTIMIZER_ONLY = ("opt_layers",)
 
 RULE_SETS: dict[str, Rules] = {"default": DEFAULT_RULES}  # config key mesh.rules
 
-_ACTIVE: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("maxtrain_sharding_rules", default=None)
-
 
 def get(name: str) -> Rules:
   return RULE_SETS[name]
-
-
-def active() -> Rules | None:
-  """The rules `activate` made current (None outside a step's tracing)."""
-  return _ACTIVE.get()
 
 
 def mesh_axes(mapped: MeshAxes) -> tuple[str, ...]:
@@ -109,16 +101,6 @@ def named_shardings(logical_specs: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES
   return jax.tree.map(
       lambda spec: NamedSharding(mesh, logical_to_mesh(spec, rules)), logical_specs, is_leaf=is_spec
   )
-
-
-@contextlib.contextmanager
-def activate(rules: Rules | None) -> Iterator[None]:
-  """Within the block, `constrain` lays activations out by `rules` (None: it does nothing)."""
-  token = _ACTIVE.set(rules)
-  try:
-    yield
-  finally:
-    _ACTIVE.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,25 +135,44 @@ def layer_split(num_layers: int, sizes: Mapping[str, int], rules: Rules = DEFAUL
   return LayerSplit(axes=own + best, groups=size(own), per_group=per_group + cost(best)[1])
 
 
-def active_layer_split(num_layers: int) -> LayerSplit | None:
-  """`layer_split` by the active rules on the current mesh; None outside a step's tracing or when it
-  splits nothing."""
-  rules, mesh = _ACTIVE.get(), jax.sharding.get_abstract_mesh()
-  if rules is None or mesh.empty:
-    return None
-  split = layer_split(num_layers, dict(mesh.shape), rules)
-  return split if split.axes else None
-
-
 def constrain_layers(x: jax.Array, split: LayerSplit) -> jax.Array:
   """`x` [L, ...] with L split over `split.axes`, its other dims whole."""
   return jax.lax.with_sharding_constraint(x, P(split.axes, *(None,) * (x.ndim - 1)))
 
 
-def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
-  """Sharding constraint on an activation by the active rules; a no-op when none are active (a
-  model run on its own, outside a step)."""
-  rules = _ACTIVE.get()
-  if rules is None:
-    return x
-  return jax.lax.with_sharding_constraint(x, logical_to_mesh(logical, rules))
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+  """How a model lays out its activations on the mesh: the rule set as a frozen tuple of (logical name, mesh
+  axes) pairs, so that it is hashable (an NNX static attribute, part of the graphdef). The builder resolves it
+  (`Parallel.of(plan.layout.rules)`) and hands it to the model at construction; empty (the default): a model on
+  its own, `constrain` does nothing (GSPMD decides alone)."""
+  items: tuple[tuple[str, MeshAxes], ...] = ()
+
+  @classmethod
+  def of(cls, rules: Rules | None) -> "Parallel":
+    freeze = lambda v: tuple(v) if isinstance(v, list) else v
+    return cls(tuple((name, freeze(mapped)) for name, mapped in (rules or {}).items()))
+
+  @property
+  def rules(self) -> Rules | None:
+    """The rule set as a mapping; None when empty (no layout: the callers' `for_rules` return None)."""
+    return dict(self.items) if self.items else None
+
+  def constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+    """Sharding constraint on an activation by the rules; a no-op without them, or outside a mesh (the builder's
+    model traced on its own, e.g. a one-device reference: the rules' axes name no devices there)."""
+    if not self.items or jax.sharding.get_abstract_mesh().empty:
+      return x
+    return jax.lax.with_sharding_constraint(x, logical_to_mesh(logical, self.rules))
+
+  def layer_split(self, num_layers: int) -> LayerSplit | None:
+    """`layer_split` by these rules on the current mesh (the step traces under `jax.set_mesh`); None without
+    rules or a mesh, or when it splits nothing."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not self.items or mesh.empty:
+      return None
+    split = layer_split(num_layers, dict(mesh.shape), self.rules)
+    return split if split.axes else None
+
+
+NONE = Parallel()  # a model on its own

@@ -26,8 +26,9 @@ Ticks are lockstep (each tick ends with the two ppermutes), so with a BW costing
 matmuls per F matmul) a 1f1b tick on a real device lasts as long as its slowest stage's op.
 
 Everything the model computes outside its layer stack (embedding, final norm, head, loss) runs unchanged:
-the model is traced with `pipeline.substitute` capturing the stack's input (the part before the stack, its
-gradient by `jax.vjp`) and, per microbatch on the last stage, returning the stage output (the part after).
+the model is traced with a stack hook (`pipeline.StackHook`, the objective's third argument) capturing the
+stack's input (the part before the stack, its gradient by `jax.vjp`) and, per microbatch on the last stage,
+returning the stage output (the part after).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ from maxtrain.sharding.pipeline import AXIS, Schedule
 
 IDLE, F, H, B, W, BW = range(6)
 OPS = ("idle", "F", "H", "B", "W", "BW")
-# (params, batch) -> (the objective summed over the batch's loss tokens, its parts: sums over rows)
-Objective = Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
+# (params, batch, stack hook) -> (the objective summed over the batch's loss tokens, its parts: sums over rows); the
+# hook runs in place of the model's pipelined layer stack (models/stack.py Pipelined), never None here
+Objective = Callable[[Any, dict[str, jax.Array], pipeline_lib.StackHook], tuple[jax.Array, dict[str, jax.Array]]]
 
 
 def _orders(schedule: Schedule) -> list[list[tuple[int, int]]]:
@@ -235,8 +237,7 @@ def _before_the_stack(objective: Objective, params: Any, batch: dict[str, jax.Ar
     def capture(layers, stacked, x_BTD, segment_ids_BT, positions_BT):
       box.update(layers=layers, stacked=stacked, x=x_BTD, ids=(segment_ids_BT, positions_BT))
       return x_BTD
-    with pipeline_lib.substitute(capture):
-      objective(p, batch)
+    objective(p, batch, capture)
     assert box, "pipeline.schedule: the model ran no layer stack through the pipeline"
     # Which parameter leaves the stack is made of: the same traced arrays (nnx.split does not copy).
     where = {id(w): i for i, w in enumerate(jax.tree.leaves(p))}
@@ -306,8 +307,7 @@ def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Progra
     return model.layers(stage, 0 if r_ == 1 else p // m_, x, segs[p % m_], poss[p % m_])
 
   def after(rest, y, i):  # the model after the stack on microbatch i (the last stage's loss head)
-    with pipeline_lib.substitute(lambda *_: y):
-      return objective(model.rebuild(stack, rest), jax.tree.map(lambda a: a[i], rows))
+    return objective(model.rebuild(stack, rest), jax.tree.map(lambda a: a[i], rows), lambda *_: y)
 
   branches = _ops(forward, after, stack, rest, m_)
   present = sorted(set(int(o) for o in np.unique(prog.rows[:, :, 0])) - {IDLE})
@@ -362,8 +362,9 @@ def value_and_grad(objective: Objective, params: Any, batch: dict[str, jax.Array
   x_BTD, pull_before, segment_ids_BT, positions_BT, model = _before_the_stack(objective, params, batch)
   split = lambda a: pipeline_lib._split(a, schedule.microbatches)
   rows = jax.tree.map(split, batch)
-  with pipeline_lib.substitute(lambda _layers, _stacked, x_BTD, *_: x_BTD):  # the parts' shapes
-    parts_shape = jax.eval_shape(lambda p, r: objective(p, r)[1], params, jax.tree.map(lambda a: a[0], rows))
+  identity = lambda _layers, _stacked, x_BTD, *_: x_BTD
+  parts_shape = jax.eval_shape(lambda p, r: objective(p, r, identity)[1], params,  # the parts' shapes
+                               jax.tree.map(lambda a: a[0], rows))
   stack, rest = model.parts(params)
   s_, r_ = schedule.stages, schedule.repeats
   # Stage s's layer groups s, S + s, ...: the stored [L, ...] stack viewed [R, S, L/(R S), ...] (with R = 1 the

@@ -16,9 +16,9 @@ Kernels behind one signature (q, k, v, segment ids), chosen by `model.attention`
          `auto` picks it when a GPU runs the program in bf16 (3.5x flash on one H200; BENCHMARKS.md).
   nki    `vendor_attention.nki_attention`: the Neuron NKI flash kernels (Trainium, jax-neuronx); it has not
          run on this project's machines (see that module).
-When the active sharding rules split the sequence over devices (mesh.context > 1), attention runs
-as `sharding/context_attention.py` (flash on each shard against all-gathered keys) whatever the
-kernel: it needs per-token positions and a block-pair list, which only the flash core takes.
+When the model's sharding rules (its `parallel`: sharding/rules.py Parallel) split the sequence over devices
+(mesh.context > 1), attention runs as `sharding/context_attention.py` (flash on each shard against all-gathered
+keys) whatever the kernel: it needs per-token positions and a block-pair list, which only the flash core takes.
 Every kernel asks `mask.py` which keys a query sees and fills the rest with its one MASK_VALUE.
 
 With a KV cache (generation: `Decoder.decode`) the same module writes this call's keys and values into
@@ -43,7 +43,7 @@ from maxtrain.models.attention.blocked import blocked_attention
 from maxtrain.models.attention.flash import flash_attention, flash_attention_qkv
 from maxtrain.models.layers import RMSNorm, apply_rope, param, project
 from maxtrain.sharding import context_attention
-from maxtrain.sharding import rules as sharding_rules
+from maxtrain.sharding.rules import NONE, Parallel
 
 
 KERNELS = ("dot", "flash", "blocked", "cudnn", "nki")
@@ -138,7 +138,7 @@ class Attention(nnx.Module):
                block_q: int = 128, block_kv: int = 128, rngs: nnx.Rngs, quant=None, head_dim: int | None = None,
                qkv_bias: bool = False, qk_norm_eps: float | None = None, window: int = 0, sinks: bool = False,
                o_bias: bool = False, query_pre_attn_scalar: float = 0.0, logit_cap: float = 0.0,
-               qk_norm_one_plus: bool = False):
+               qk_norm_one_plus: bool = False, parallel: Parallel = NONE):
     head_dim = head_dim or d_model // num_heads
     self.q_mult = (head_dim / query_pre_attn_scalar) ** 0.5 if query_pre_attn_scalar else 1.0
     self.logit_cap = logit_cap
@@ -166,6 +166,7 @@ class Attention(nnx.Module):
     self.compute_dtype = compute_dtype
     self.quant = quant  # models/quant.py Quant of the projections, or None
     self.kernel, self.block_q, self.block_kv, self.window = kernel, block_q, block_kv, window
+    self.parallel = parallel  # the builder's layout (static): the rules `constrain` and context attention read
 
   def _project_qkv(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [B, T, N, H], k and v [B, T, K, H], with their biases and qk-norm (before RoPE)."""
@@ -189,10 +190,10 @@ class Attention(nnx.Module):
     q_BTNH = apply_rope(q_BTNH, positions_BT, self.rope_theta)
     if self.q_mult != 1.0:  # query_pre_attn_scalar: the kernels scale by head_dim^-1/2, this makes it scalar^-1/2
       q_BTNH = q_BTNH * jnp.asarray(self.q_mult, q_BTNH.dtype)
-    q_BTNH = sharding_rules.constrain(q_BTNH, ("act_batch", "act_length", "act_heads", None))
-    k_BTKH = sharding_rules.constrain(apply_rope(k_BTKH, positions_BT, self.rope_theta),
+    q_BTNH = self.parallel.constrain(q_BTNH, ("act_batch", "act_length", "act_heads", None))
+    k_BTKH = self.parallel.constrain(apply_rope(k_BTKH, positions_BT, self.rope_theta),
                                       ("act_batch", "act_length", "act_kv_heads", None))
-    v_BTKH = sharding_rules.constrain(v_BTKH, ("act_batch", "act_length", "act_kv_heads", None))
+    v_BTKH = self.parallel.constrain(v_BTKH, ("act_batch", "act_length", "act_kv_heads", None))
     if cache is None:
       out_BTNH = self._attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT)
     else:
@@ -210,7 +211,7 @@ class Attention(nnx.Module):
     if cache.k_BSKH.shape[1] < write.valid_BS.shape[1]:  # a window layer's ring of window-many slots
       return self._attend_ring(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cache, write)
     kv_logical = ("act_batch", None, "act_kv_heads", None)
-    put = lambda c_BSKH, x_BTKH: sharding_rules.constrain(
+    put = lambda c_BSKH, x_BTKH: self.parallel.constrain(
         jax.lax.dynamic_update_slice_in_dim(c_BSKH, x_BTKH.astype(c_BSKH.dtype), write.start, axis=1), kv_logical)
     cache = KVCache(put(cache.k_BSKH, k_BTKH), put(cache.v_BSKH, v_BTKH))
     if write.fresh:
@@ -235,7 +236,7 @@ class Attention(nnx.Module):
     r, s, t = cache.k_BSKH.shape[1], write.valid_BS.shape[1], q_BTNH.shape[1]
     keep = min(t, r)
     entries = (write.start + t - keep + jnp.arange(keep, dtype=jnp.int32)) % r
-    put = lambda c_BRKH, x_BTKH: sharding_rules.constrain(
+    put = lambda c_BRKH, x_BTKH: self.parallel.constrain(
         c_BRKH.at[:, entries].set(x_BTKH[:, t - keep:].astype(c_BRKH.dtype)), kv_logical)
     cache = KVCache(put(cache.k_BSKH, k_BTKH), put(cache.v_BSKH, v_BTKH))
     if write.fresh:
@@ -256,9 +257,9 @@ class Attention(nnx.Module):
   def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, positions_BT) -> jax.Array:
     # Under context parallelism the window is a mask on explicit per-document positions (every causal block
     # pair is visited: correct, but the work does not shrink with the window there).
-    context_parallel = context_attention.for_active_rules(
-        functools.partial(flash_attention_qkv, window=self.window, logit_cap=self.logit_cap), block_q=self.block_q,
-        block_kv=self.block_kv)
+    context_parallel = context_attention.for_rules(
+        self.parallel.rules, functools.partial(flash_attention_qkv, window=self.window, logit_cap=self.logit_cap),
+        block_q=self.block_q, block_kv=self.block_kv)
     # No positions: a prefill's prompt, in natural (not zigzag) order, attends whole on every device.
     if context_parallel is not None and positions_BT is not None:  # the sequence is split over devices
       if self.has_sinks:
