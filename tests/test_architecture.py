@@ -514,3 +514,39 @@ def test_the_context_variable_check_would_catch_one(tmp_path):
   sample.write_text("import contextvars\n\n_ACTIVE = contextvars.ContextVar('rules', default=None)\n\n\n"
                     "def f():\n  from contextvars import ContextVar\n  return ContextVar('stack')\n")
   assert context_vars(sample) == ["imports contextvars", "ContextVar (line 3)", "ContextVar (line 8)"]
+
+
+# Issue 42: the ConfigDict is the file and command-line format only; components take typed sections
+# (config/schema.py), built once at load.
+CONFIGDICT_PACKAGES = ("config", "cli")
+
+
+def configdict_mentions(path: Path) -> list[str]:
+  """Where the file imports ml_collections (any form) or names ConfigDict in code (docstrings aside)."""
+  found = []
+  for node in ast.walk(parse(path)):
+    if isinstance(node, ast.Import):
+      found += [f"import {a.name} (line {node.lineno})" for a in node.names if a.name.split(".")[0] == "ml_collections"]
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ml_collections":
+      found.append(f"from {node.module} import (line {node.lineno})")
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    if name == "ConfigDict":
+      found.append(f"ConfigDict (line {node.lineno})")
+  return found
+
+
+def test_no_configdict_outside_config_and_cli():
+  offenders = {module: configdict_mentions(path) for module, path in MODULES.items()
+               if package_of(module) not in CONFIGDICT_PACKAGES}
+  offenders = {m: found for m, found in offenders.items() if found}
+  assert not offenders, ("a ConfigDict outside config/ and cli/: take the typed section (config/schema.py: "
+                         f"cfg.optimizer is a schema.Optimizer) or the typed Config: {offenders}")
+
+
+def test_the_configdict_check_would_catch_one(tmp_path):
+  sample = tmp_path / "x.py"
+  sample.write_text('import ml_collections\nfrom ml_collections import config_dict\n\n\n'
+                    'def make(opt_cfg: ml_collections.ConfigDict) -> None:\n  """Not a ConfigDict."""\n'
+                    '  return config_dict.ConfigDict(opt_cfg)\n')
+  assert configdict_mentions(sample) == ["import ml_collections (line 1)", "from ml_collections import (line 2)",
+                                         "ConfigDict (line 5)", "ConfigDict (line 7)"]

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from maxtrain import config as config_lib
-from maxtrain.config import migrate as migrate_lib, sections
+from maxtrain.config import migrate as migrate_lib, schema, sections
 from maxtrain.config.migrate import migrate
 from maxtrain.config.keys import FAMILY_BASE, declared_keys, flat_items
 from maxtrain.config.loader import family_defaults
@@ -164,16 +164,45 @@ def test_section_checks_beside_their_keys(check, key, value, message):
 
 
 def test_typed_sections_are_exactly_their_declared_keys():
-  """A typed section's fields are its section's declared keys, no more, no fewer (a key added to keys.py but not
-  to the dataclass, or the reverse, fails here); built from the config, strict, and checked as it is built."""
-  for cls, name in ((sections.Fleet, "fleet"),):
-    fields = {f"{name}.{f.name}" for f in dataclasses.fields(cls)}
-    assert fields == {k for k in declared_keys() if k.startswith(name + ".")}, name
+  """Every section's dataclass (config/schema.py, nested ones too): its fields are the section's declared keys,
+  no more, no fewer, and its defaults the declared defaults (a key added to keys.py but not to the dataclass, a
+  default changed in one place only, fails here); built from the config, strict, frozen, checked as built."""
+  declared = {k: v for k, v in flat_items(config_lib.base_config()).items()}
+  typed_defaults = flat_items(schema.Config().to_dict())
+  assert typed_defaults == declared  # every key, every default (llama's model keys)
+  for path, cls in [("", schema.Config), *schema.SECTIONS.items()]:
+    prefix = f"{path}." if path else ""
+    fields = {f"{prefix}{f.name}" for f in dataclasses.fields(cls) if f"{prefix}{f.name}" not in schema.SECTIONS}
+    leaves = {k for k in declared if k.startswith(prefix) and "." not in k[len(prefix):]}
+    assert fields == leaves, path
+  assert set(schema.SECTIONS) == {k.rpartition(".")[0] for k in declared if "." in k}
+  methods = {name for name in dir(schema._Section) if not name.startswith("__")} | {"of"}
+  assert not {k for k in declared if k.rpartition(".")[2] in methods}  # a key would shadow the mapping view's method
   cfg = config_lib.base_config()
-  fleet = sections.typed(sections.Fleet, cfg.fleet, "fleet")
-  assert dataclasses.asdict(fleet) == cfg.fleet.to_dict()
+  typed = config_lib.Config.from_dict(cfg)
+  assert json.dumps(typed.to_dict()) == json.dumps(cfg.to_dict())  # the same saved JSON, key order included
+  assert config_lib.redacted(typed) == config_lib.redacted(cfg) and config_lib.Config.of(typed) is typed
+  assert isinstance(typed.model.moe, schema.MoE) and isinstance(typed.fleet, sections.Fleet)
   with pytest.raises(dataclasses.FrozenInstanceError):
-    fleet.straggler_threshold = 0.5
+    typed.model.d_model = 512
+  changed = config_lib.with_values(typed, {"model.remat": "full", "model.moe.num_experts": 4, "steps": 7})
+  assert (changed.model.remat, changed.model.moe.num_experts, changed.steps) == ("full", 4, 7)
+  assert (typed.model.remat, typed.model.moe.num_experts, typed.steps) == ("none", 0, 200)  # the original stays
+  assert changed.model.mla is typed.model.mla  # untouched sections are shared, not copied
+  saved = saved_dict()
+  saved["model"]["moe"]["num_expert"] = 8
+  with pytest.raises(UserError, match=r"unknown config key config\.model\.moe\.num_expert\. Did you mean "
+                     r"config\.model\.moe\.num_experts"):
+    config_lib.Config.from_dict(saved)
+  del saved["model"]["moe"]["num_expert"], saved["optimizer"]["lr"]
+  with pytest.raises(UserError, match=r"config\.optimizer\.lr is missing"):
+    config_lib.Config.from_dict(saved)
+  with pytest.raises(UserError, match=r"unknown config key config\.model\.d_modle\. Did you mean config\.model\.d_model"):
+    config_lib.with_values(typed, {"model.d_modle": 1})
+  with pytest.raises(UserError, match=r"unknown config key config\.model\.moe\."):
+    config_lib.with_values(typed.model, {"moe": 1})  # a whole section is not a value
+  fleet = sections.typed(sections.Fleet, cfg.fleet, "fleet")
+  assert dataclasses.asdict(fleet) == cfg.fleet.to_dict() and fleet == typed.fleet
   with pytest.raises(UserError, match=r"unknown config key config\.fleet\.straggler_treshold\. Did you mean "
                      r"config\.fleet\.straggler_threshold"):
     sections.typed(sections.Fleet, {**cfg.fleet.to_dict(), "straggler_treshold": 0.1}, "fleet")

@@ -96,12 +96,12 @@ def test_host_drills_are_observers_of_the_loop(tmp_path):
   inputs = program().abstract_batch()["inputs"]  # rows on a mesh, as the loaders place them
   batch = {"inputs": jax.device_put(np.zeros(inputs.shape, inputs.dtype), inputs.sharding)}
   quiet = Observers()
-  loop_drills.install(quiet, config_lib.load([]), tmp_path / "a", 0, settle=lambda: None)
+  loop_drills.install(quiet, config_lib.load([]).faults, tmp_path / "a", 0, settle=lambda: None)
   assert quiet.batch(3, batch) is batch and quiet.publish(1)
   cfg = config_lib.load(["--config.faults.nan_at_step=3", "--config.faults.publish_stall_at_step=2"])
   (tmp_path / "b").mkdir()
   observers = Observers()
-  loop_drills.install(observers, cfg, tmp_path / "b", 0, settle=lambda: None)
+  loop_drills.install(observers, cfg.faults, tmp_path / "b", 0, settle=lambda: None)
   assert np.asarray(observers.batch(2, batch)[faults.INPUT]).tolist() == list(faults.NONE)
   assert np.asarray(observers.batch(3, batch)[faults.INPUT]).tolist() == [1.0, 1.0]
   observers.step_ran(3)  # the NaN step ran: fired, recorded, and a redone step 3 is clean

@@ -198,6 +198,44 @@ def test_the_cost_model_counts_lockstep_ticks():
   assert cost("zb", branchless=True) == 27 * (1 + 1 + 2 + 2)
 
 
+def test_the_network_decides_whether_to_pipeline():
+  """`auto`'s cost model on plain values (program/schedule_fit.py step_times): 18 H200 nodes of 8 GPUs (tensor=8
+  inside), the layers of a 405B-size model (1.6e12 bytes of f32 weights: 2e11 per tensor shard), full remat. fsdp
+  across the 18 nodes gathers a device's 2e11 bytes twice and reduce-scatters them once per step through its
+  50 GB/s share of the node's 8 x 400 Gb/s: 3 x 2e11 x 17/18 / 50e9 = 11.3 s, overlapped with its layer work.
+  A pipeline of 18 stages across the nodes (gpipe, M=18, stage remat) sends only activations, and pays its
+  bubble and recompute: 35 iterations x 5 forwards of a microbatch. At 1024 tokens per device the network makes
+  fsdp lose; at 16384 the layer work hides the collectives and fsdp wins."""
+  from maxtrain.program import fit, schedule_fit
+  from maxtrain.sharding.mesh import MeshLayout
+
+  target = fit.TARGETS["h200x8"]  # AXES: pipeline, data, fsdp, expert, context, tensor
+  fsdp_mesh, pipe_mesh = MeshLayout((1, 1, 1, 1, 1, 8), (1, 1, 18, 1, 1, 1)), MeshLayout((1, 1, 1, 1, 1, 8), (18, 1, 1, 1, 1, 1))
+  schedule = Schedule(stages=18, microbatches=18, repeats=1, stage_remat=True)
+  layer_bytes, width = 1.6e12 / 8, 16384
+  winners = {}
+  for tokens in (1024, 16384):
+    forward = tokens * 2 * 4e11 / target.flops  # all layers, per device
+    sent = 2 * schedule.iterations * tokens / 18 * width * 2  # both ways, a microbatch of bf16 activations per iteration
+    common = dict(forward_seconds=forward, recompute=1.0, layer_bytes=layer_bytes, accumulation=1, target=target)
+    fsdp = schedule_fit.step_times(None, fsdp_mesh, boundary_bytes=0, **common)
+    piped = schedule_fit.step_times(schedule, pipe_mesh, boundary_bytes=sent, **common)
+    assert fsdp.fsdp == pytest.approx(3 * layer_bytes * 17 / 18 / (8 * 50e9 / 8))
+    assert fsdp.compute == pytest.approx(4 * forward) and fsdp.boundary == 0
+    assert fsdp.step == pytest.approx(max(4 * forward, fsdp.fsdp))  # overlapped
+    assert piped.compute == pytest.approx(35 * 5 * forward / 18) and piped.fsdp == 0  # no fsdp axis in a stage
+    assert piped.boundary == pytest.approx(sent / 2 / 50e9) and piped.step == pytest.approx(piped.compute + piped.boundary)
+    winners[tokens] = "fsdp" if fsdp.step < piped.step else "pipeline"
+  assert winners == {1024: "pipeline", 16384: "fsdp"}
+  # Inside a node the collective runs over the link: 4 nodes x 8 GPUs of fsdp, across nodes first then NVLink
+  assert schedule_fit.collective_seconds(1e9, 8, 4, 8, target) == pytest.approx(1e9 * 3 / 4 / 8 / 50e9 + 1e9 * 7 / 8 / 450e9)
+  # fsdp collectives per accumulation step on the busiest stage, S = 4, M = 8, + 1 gradient reduction: gpipe the
+  # forward's gathers once and the backward's per iteration; 1f1b F 1 + BW 2 per microbatch; zb F 1 + B 2 + W 2;
+  # branchless zb every op of the table (F, H, B, W) every tick
+  units = lambda kind, **kw: schedule_fit.collective_units(Schedule(stages=4, microbatches=8, repeats=1, kind=kind, **kw))
+  assert (units("gpipe"), units("1f1b"), units("zb"), units("zb", branchless=True)) == (13, 25, 41, 27 * 6 + 1)
+
+
 def test_auto_compiles_each_schedule_and_picks_the_cheapest_that_fits():
   """pipeline.schedule=auto (program/schedule_fit.py): gpipe, 1f1b and zb compiled for the run's mesh, each one's
   bubble (its formula), peak and boundary bytes tabled, the cheapest by the cost model chosen (every one fits
@@ -213,10 +251,19 @@ def test_auto_compiles_each_schedule_and_picks_the_cheapest_that_fits():
       return program.lower().compile(COMPILE), program.plan
 
   kind, table, rows = schedule_fit.choose_schedule(cfg, jax.devices(), compile_fn)
-  assert [r.schedule for r in rows] == ["gpipe", "1f1b", "zb"] and all(r.fits for r in rows)
-  for r in rows:
+  print(table)
+  assert [r.schedule for r in rows] == ["gpipe", "1f1b", "zb", schedule_fit.NO_PIPELINE] and all(r.fits for r in rows)
+  for r in rows[:3]:
     assert r.bubble == pytest.approx(FORMULAS[r.schedule](2, 2, 1)) and r.device_peak > r.temporaries > 0
     assert f"{r.schedule:<17} {r.bubble:7.4f}" in table
+  # No pipeline: the same 8 devices as fsdp=8, compiled the same way; its own peak, no bubble, nothing sent
+  unpiped = rows[3]
+  assert unpiped.device_peak > unpiped.temporaries > 0 and unpiped.bubble == 0 and unpiped.boundary_bytes == 0
+  assert unpiped.times.boundary == 0 and unpiped.times.compute < min(r.times.compute for r in rows[:3])
+  assert unpiped.device_peak not in [r.device_peak for r in rows[:3]]
+  assert f"{schedule_fit.NO_PIPELINE:<17} {0.0:7.4f}" in table
+  resolved = schedule_fit.resolved(cfg, schedule_fit.NO_PIPELINE, 8)
+  assert (resolved.mesh.fsdp, resolved.mesh.pipeline, resolved.optimizer.microbatch_size) == (8, 1, 2)
   assert kind == min(rows, key=lambda r: r.step_seconds).schedule and f"{kind:<17}" in table.split("<- chosen")[0]
   # 1f1b and zb tick twice per ppermute pair what gpipe iterates: 2 ticks per stage boundary each way
   by = {r.schedule: r for r in rows}

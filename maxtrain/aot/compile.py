@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 
+from maxtrain.config import schema
 from maxtrain.errors import UserError
 from maxtrain.models import registry
 from maxtrain.program import fit
@@ -40,14 +40,14 @@ GPU_RAGGED_CAVEAT = ("the stand-in's figures are those of a grouped-matmul kerne
                      "(tools/gpu_ragged_dot_memory.py shows which on the device)")
 
 
-def standin_wanted(cfg: ml_collections.ConfigDict) -> bool:
+def standin_wanted(cfg: schema.Config) -> bool:
   """Whether an ahead-of-time compile of `cfg` on XLA:CPU measures the model's memory stand-in
   (`program/fit.py` memory_standin): for a GPU or Trainium target, when the model has a part XLA:CPU lowers
   far from its memory there. A CPU target's own figures are XLA:CPU's."""
   return cfg.runtime.platform != "cpu" and bool(fit.cpu_far_parts(registry.model_config(cfg.model)))
 
 
-def cpu_caveats(cfg: ml_collections.ConfigDict, standin: bool = False) -> list[str]:
+def cpu_caveats(cfg: schema.Config, standin: bool = False) -> list[str]:
   """Where XLA:CPU's memory for this config is known to differ from a GPU's by far (beyond CPU_CAVEAT), or, for a
   compile of the memory stand-in (`standin`), what the stand-in changed."""
   # one line per part of fit.cpu_far_parts, the predicate the stand-in asks too
@@ -95,7 +95,7 @@ def use_cpu_devices(num_devices: int) -> None:
   jax.config.update("jax_platforms", "cpu")  # jax read JAX_PLATFORMS when it was imported
 
 
-def default_devices(cfg: ml_collections.ConfigDict) -> int:
+def default_devices(cfg: schema.Config) -> int:
   """One granule (node) of the config's mesh when its per-node sizes are all fixed (a hardware preset)."""
   sizes = [cfg.mesh[a] for a in AXES]
   if -1 in sizes:
@@ -112,7 +112,7 @@ def xla_flops(compiled: Any) -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
-  cfg: ml_collections.ConfigDict
+  cfg: schema.Config
   num_devices: int
   plan: Plan
   lowered: Any  # jax.stages.Lowered: .as_text() is the StableHLO the compiler was given
@@ -169,7 +169,7 @@ class CompileReport:
         f"compute {m.compute_dtype}, remat {m.remat}",
         f"batch: {cfg.data.batch_size} x {cfg.data.seq_len} tokens, grad_accum_steps {k} "
         f"({micro} sequence(s) per device per microbatch); optimizer {cfg.optimizer.name}, state "
-        f"{cfg.optimizer.state_dtype}, offload {cfg.optimizer.get('offload', 'none')}",
+        f"{cfg.optimizer.state_dtype}, offload {cfg.optimizer.offload}",
         *([f"step: RL ({cfg.post.algorithm}), one optimizer update on a minibatch of {cfg.data.batch_size} rollout rows "
            f"(a round makes {self.plan.updates_per_step})"] if self.plan.mode == "rl" else []),
         "per-device memory (Compiled.memory_analysis): device, and host (pinned_host) beside it",
@@ -207,7 +207,7 @@ class CompileReport:
     return "\n".join(lines)
 
 
-def compile_train_step(cfg: ml_collections.ConfigDict, num_devices: int, standin: bool | None = None) -> CompileReport:
+def compile_train_step(cfg: schema.Config, num_devices: int, standin: bool | None = None) -> CompileReport:
   """Compiles `cfg`'s train step for `num_devices` fake CPU devices (set up here when the backend has
   not started; otherwise it must already be that many CPU devices). `standin`: compile the model's memory
   stand-in (`program/fit.py` memory_standin); None: when `standin_wanted`."""

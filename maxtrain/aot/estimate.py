@@ -20,9 +20,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
+from maxtrain.config import schema
 from maxtrain.errors import UserError
 from maxtrain.optim import offload
 from maxtrain.optim import optimizer as optim
@@ -247,7 +247,7 @@ def _largest_layer_gathered(table: list[Param], m: ModelConfig, layout: Layout) 
   return largest
 
 
-def boundary_bytes(cfg: ml_collections.ConfigDict, plan: Any) -> int:
+def boundary_bytes(cfg: schema.Config, plan: Any) -> int:
   """Bytes one device sends to the next stage per step: every iteration of every accumulation step
   passes one microbatch's activations [b/M, T, D] forward (ppermute) and its gradient back."""
   schedule = plan.pipeline
@@ -332,7 +332,7 @@ def _saved_activations(m: ModelConfig, tokens: int, dots_per_token: int, f_t: in
   return saved, host_activations
 
 
-def estimate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1) -> Estimate:
+def estimate(cfg: schema.Config, num_devices: int, num_processes: int = 1) -> Estimate:
   """Per-device memory and FLOPs of `cfg`'s train step on `num_devices` devices (over `num_processes`)."""
   plan = validate(cfg, num_devices, num_processes, require_data=False)
   layout = plan.layout
@@ -432,7 +432,7 @@ def available_memory(devices: Any) -> tuple[int, str] | None:
   return host // max(len(devices), 1), f"available host RAM / {max(len(devices), 1)} local CPU device(s)"
 
 
-def check_fits(cfg: ml_collections.ConfigDict, num_devices: int, devices: Any, num_processes: int = 1) -> None:
+def check_fits(cfg: schema.Config, num_devices: int, devices: Any, num_processes: int = 1) -> None:
   """UserError (exit 2) with the estimate when the step's estimated peak per device exceeds what a
   device has: by arithmetic, before anything is allocated or compiled (a model far too large would
   otherwise hang in the host allocator or abort inside XLA). `runtime.check_memory=false` skips it."""

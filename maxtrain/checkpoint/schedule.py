@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import ml_collections
 
 from maxtrain import config as config_lib
 from maxtrain.checkpoint import policy, timeline
@@ -28,6 +27,7 @@ from maxtrain.checkpoint.record import SaveRecord
 from maxtrain.checkpoint.resume import Resolved, Resume
 from maxtrain.checkpoint.storage import Checkpointer
 from maxtrain.checkpoint.tiers import Restored
+from maxtrain.config import schema
 from maxtrain.config.sections import checkpoint_tiers as validate_tiers  # beside the keys
 from maxtrain.errors import UserError
 from maxtrain.models import quant, registry
@@ -37,7 +37,7 @@ from maxtrain.runtime.kv import KeyValue
 log = logging.getLogger("maxtrain")
 
 
-def check_model(cfg: ml_collections.ConfigDict, path: Path, meta: dict, state_spec: Any, events: Any) -> None:
+def check_model(cfg: schema.Config, path: Path, meta: dict, state_spec: Any, events: Any) -> None:
   """DESIGN rule 1 for the model: a step saved under other model math (same parameter tree, another function:
   a sliding window, a RoPE base, another family) is exit 2 naming the keys before anything is restored,
   unless checkpoint.resume_new_model (then on the record). Another parameter tree is left to the restore,
@@ -63,7 +63,7 @@ class Checkpoints:
   (every `checkpoint.every_steps`, at the end, on preemption), restoring onto the run's state spec,
   and the record of every save (events, TensorBoard, the log)."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, output_dir: Path, events: Any, metrics: Any,
+  def __init__(self, cfg: schema.Config, output_dir: Path, events: Any, metrics: Any,
                on_save_started: Any = None, on_progress: Callable[[], None] | None = None,
                on_saved: Callable[[int, Path], None] | None = None, mesh_shape: dict | None = None,
                state_spec: Any = None):

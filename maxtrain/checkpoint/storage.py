@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 
 import maxtrain
@@ -33,6 +32,7 @@ from maxtrain.checkpoint.remote import S3Mirror
 from maxtrain.runtime.lock import RunLock
 from maxtrain.checkpoint.durable_read import DurableReader, opt_state_paths, param_shapes, processes, read_meta
 from maxtrain.checkpoint.tiers import Restored
+from maxtrain.config import schema
 
 log = logging.getLogger("maxtrain")
 ITEMS = "state meta data".split()  # a step's Orbax items
@@ -138,7 +138,7 @@ class Checkpointer:
   mirrored to object storage in the background (`maxtrain.remote`).
   """
 
-  def __init__(self, ckpt_cfg: ml_collections.ConfigDict, location: str, staging: Path | None = None,
+  def __init__(self, ckpt_cfg: schema.Checkpoint, location: str, staging: Path | None = None,
                on_progress: Callable[[], None] | None = None, lock: bool = False,
                target: tuple[Any, Any] | None = None):
     """`lock`: hold the checkpoint directory for the life of this object (the trainer's process 0 does; an

@@ -18,7 +18,6 @@ import threading
 import traceback
 from typing import Callable, Sequence
 
-import ml_collections
 
 from maxtrain import config as config_lib
 from maxtrain.config.loader import parse_args as parse_config_args
@@ -50,9 +49,10 @@ class Invocation:
   config_argv: list[str]  # `--config=PATH` and `--config.KEY=VALUE`, as given (the loader's and sampling's input)
   rest: list[str]  # after `--` (passthrough commands)
 
-  def load_config(self) -> ml_collections.ConfigDict:
-    """The config file, its hardware preset and the overrides, validated and locked (config.load)."""
-    return config_lib.load(self.config_argv)
+  def load_config(self) -> config_lib.Config:
+    """The config file, its hardware preset and the overrides (config.load), typed once here: the frozen
+    sections every component takes (config/schema.py)."""
+    return config_lib.Config.of(config_lib.load(self.config_argv))
 
 
 def run(command: Command, main: Callable[[Invocation], int | None], argv: Sequence[str] | None = None) -> int:

@@ -56,12 +56,12 @@ def _redact_value(key: str, value: Any) -> Any:
   return redact_text(value)
 
 
-def redacted(cfg: ml_collections.ConfigDict | dict, prefix: str = "") -> dict:
-  """The config as a plain dict with every secret value replaced by <redacted>: the only form in which
+def redacted(cfg: Any, prefix: str = "") -> dict:
+  """The config (a ConfigDict, its typed Config or a dict) as a plain dict with every secret value replaced by <redacted>: the only form in which
   a config is written or logged."""
   out = {}
   for key, value in cfg.items():
-    if isinstance(value, (ml_collections.ConfigDict, dict)):
+    if isinstance(value, (ml_collections.ConfigDict, dict)) or hasattr(value, "to_dict"):  # or a typed section
       out[key] = redacted(value, f"{prefix}{key}.")
     else:
       out[key] = _redact_value(prefix + key, value)
@@ -76,6 +76,6 @@ def write_private(path: str | Path, text: str) -> None:
     f.write(text)
 
 
-def save(cfg: ml_collections.ConfigDict, path: str | Path) -> None:
+def save(cfg: Any, path: str | Path) -> None:
   """The resolved config as JSON (config.json of a run), secrets redacted, readable by its owner only."""
   write_private(path, json.dumps(redacted(cfg), indent=2, sort_keys=True) + "\n")

@@ -1,9 +1,7 @@
 """Config sections beside their keys (config/, no jax), so that validating a config imports no component.
 
-Typed sections: a frozen dataclass per section, built strictly once (`typed`: an undeclared key is exit 2
-naming it; its fields are exactly the section's declared keys, tests/test_config.py checks) and validated as
-it is built, handed to its component instead of the ConfigDict (`Fleet`: the straggler monitor). The
-pattern for the other sections.
+Typed sections (schema.py: a frozen dataclass per section, built strictly once at load by `Config.from_dict`;
+`typed` builds one section alone) are handed to their components instead of the ConfigDict.
 
 Checks that are pure functions of the keys: the checkpoint section (its component is Orbax storage), the
 monitor section (its component starts a Prometheus server), and the LR warmup against its schedule (checked
@@ -14,11 +12,10 @@ Each raises a UserError (exit 2) naming the key, the value and the fix.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, TypeVar
 
-from maxtrain.config.keys import check_known
+from maxtrain.config.schema import Fleet  # noqa: F401 - sections.Fleet: the straggler monitor's section
 from maxtrain.errors import UserError, require
 
 Section = TypeVar("Section")
@@ -26,22 +23,7 @@ Section = TypeVar("Section")
 
 def typed(cls: type[Section], values: Any, name: str) -> Section:
   """Section `name` of a config (a ConfigDict or a dict) as its frozen dataclass `cls`, every field from its key."""
-  check_known(values, name)
-  return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
-
-
-@dataclasses.dataclass(frozen=True)
-class Fleet:
-  """`config.fleet`: the straggler verdict over the processes' step times (monitor/stragglers.py). The fields'
-  meanings and defaults are the keys' (keys.py declares them once)."""
-  straggler_threshold: float
-  straggler_min_s: float
-  exchange_timeout_s: float
-
-  def __post_init__(self) -> None:
-    for key in ("straggler_threshold", "straggler_min_s"):
-      require(getattr(self, key) >= 0, f"config.fleet.{key}={getattr(self, key)}: must be >= 0")
-    require(self.exchange_timeout_s > 0, f"config.fleet.exchange_timeout_s={self.exchange_timeout_s}: must be > 0")
+  return cls.from_dict(values, name)
 
 
 def checkpoint(ck: Any) -> None:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
 from maxtrain import config as config_lib
@@ -169,7 +168,7 @@ class TrainingSource:
     meta = checkpointer.restore(self.dir, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     self.config = config_lib.saved_config(meta, f"checkpoint {self.dir}")  # today's keys (config/migrate.py)
     self.model = self.config["model"]
-    self.tokenizer = ml_collections.ConfigDict(self.config).data.tokenizer
+    self.tokenizer = config_lib.Config.from_dict(self.config).data.tokenizer
     self.tokenizer_identity = meta.get("tokenizer_identity")  # of the stores it trained on (saved since issue 23)
     self.vocab_size = self.model["vocab_size"]
     tok = load_tokenizer(self.tokenizer) if self.tokenizer == "byte" or Path(self.tokenizer).exists() else None

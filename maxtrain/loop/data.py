@@ -9,9 +9,9 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 
 from maxtrain import config as config_lib
+from maxtrain.config import schema
 from maxtrain.program import batch as batch_lib
 from maxtrain.data import corpus, mixture, pipeline
 from maxtrain.data.loader import MixtureLoader, process_rows
@@ -22,7 +22,7 @@ from maxtrain.data.tokenizer import load_tokenizer
 log = logging.getLogger("maxtrain")
 
 
-def open_stores(data_cfg: ml_collections.ConfigDict, vocab_size: int) -> tuple[TokenStore, TokenStore]:
+def open_stores(data_cfg: schema.Data, vocab_size: int) -> tuple[TokenStore, TokenStore]:
   """Opens (building the embedded corpus on first use) and checks the train and val stores."""
   if data_cfg.path:
     train_prefix, val_prefix = f"{data_cfg.path}.train", f"{data_cfg.path}.val"
@@ -56,10 +56,10 @@ def check_tokenizer(store: TokenStore, tokenizer: str) -> None:
                     "the store with tools/index_data.py --tokenizer")
 
 
-def check_checkpoint_tokenizer(store: TokenStore, data_cfg: ml_collections.ConfigDict, meta: dict, path: Any) -> None:
+def check_checkpoint_tokenizer(store: TokenStore, data_cfg: schema.Data, meta: dict, path: Any) -> None:
   """A resumed checkpoint was trained on stores of one tokenizer: this run's must be the same."""
   saved = meta.get("tokenizer_identity")
-  saved_cfg = ml_collections.ConfigDict(config_lib.saved_config(meta, f"checkpoint {path}")).data.tokenizer
+  saved_cfg = config_lib.Config.from_dict(config_lib.saved_config(meta, f"checkpoint {path}")).data.tokenizer
   if saved is not None and saved != store.tokenizer_identity:
     raise UserError(f"checkpoint {path} was trained on stores tokenized by {saved} (data.tokenizer={saved_cfg!r}), "
                     f"but token store {store.prefix} was built with {store.tokenizer_identity}: resume with the "
@@ -73,11 +73,12 @@ class Data:
   """The train loader over the config's sources (one store, or a mixture in stages: `data/mixture.py`)
   and each source's fixed eval batches."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, batch_shardings: dict[str, Any]):
+  def __init__(self, cfg: schema.Config, batch_shardings: dict[str, Any]):
+    cfg = config_lib.Config.of(cfg)
     d, vocab = cfg.data, cfg.model.vocab_size
     sources, stages = mixture.from_config(d)
     if d.sources:  # each source is a PREFIX.train / PREFIX.val pair, checked as data.path would be
-      pairs = [open_stores(ml_collections.ConfigDict({**d.to_dict(), "path": s.prefix}), vocab) for s in sources]
+      pairs = [open_stores(config_lib.with_values(d, {"path": s.prefix}), vocab) for s in sources]
     else:
       pairs = [open_stores(d, vocab)]
     self.train_store, self.val_store = pairs[0]

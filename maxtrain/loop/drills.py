@@ -10,19 +10,18 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-import ml_collections
-
+from maxtrain.config import schema
 from maxtrain.loop.observers import Observers
 from maxtrain.runtime import faults
 
 
-def install(observers: Observers, cfg: ml_collections.ConfigDict, out_dir: Path, process_index: int,
+def install(observers: Observers, faults_cfg: schema.FaultDrills, out_dir: Path, process_index: int,
             settle: Callable[[], None]) -> faults.Faults:
   """Registers config.faults' drills on `observers`. Reads the record of the drills that already fired
   (UserError when it is unreadable: exit 2, before compiling). `settle`: waits for the saves in flight
   (a kill drill lets them land first)."""
-  host = faults.Faults(cfg.faults, out_dir, process_index, before_kill=settle)
-  if faults.in_graph_armed(cfg.faults):  # the drilled step (program/drills.py) takes a fault input on every batch
+  host = faults.Faults(faults_cfg, out_dir, process_index, before_kill=settle)
+  if faults.in_graph_armed(faults_cfg):  # the drilled step (program/drills.py) takes a fault input on every batch
     observers.on("batch", lambda step, batch: faults.attach(batch, host.in_graph(step), faults.replicated(batch)))
   observers.on("step_ran", host.in_graph_ran)  # before a rollback: a redone step is clean
   observers.on("step_done", host.after_step)

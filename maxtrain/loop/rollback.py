@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jax
-import ml_collections
 
+from maxtrain.config import schema
 from maxtrain.errors import Aborted, UserError
 from maxtrain.monitor import events as ev
 
@@ -36,7 +36,7 @@ class Rollback:
 
 
 class GuardPolicy:
-  def __init__(self, guards_cfg: ml_collections.ConfigDict, events: ev.EventLog, rollbacks_used: int, *,
+  def __init__(self, guards_cfg: schema.Guards, events: ev.EventLog, rollbacks_used: int, *,
                unit: str = "step", signal: str = "loss"):
     self.cfg = guards_cfg
     self.events = events
@@ -130,7 +130,7 @@ class RollbackBudget:
 class Rollbacks:
   """The run's rollback component: the policy over the guards' flags, the budget, and the restore."""
 
-  def __init__(self, guards_cfg: ml_collections.ConfigDict, events: ev.EventLog, checkpoints: Any,
+  def __init__(self, guards_cfg: schema.Guards, events: ev.EventLog, checkpoints: Any,
                resume_path: Path | None, *, unit: str = "step", signal: str = "loss"):
     self.budget = RollbackBudget(checkpoints.store.directory)
     meta = checkpoints.read_meta(resume_path) if resume_path is not None else None

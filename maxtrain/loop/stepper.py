@@ -24,8 +24,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-import ml_collections
-
+from maxtrain.config import schema
 from maxtrain.loop.data import Data
 from maxtrain.loop.observers import Observers
 from maxtrain.models import registry
@@ -45,7 +44,7 @@ class PretrainStepper:
   updates_per_step = 1
   spike_signal = "loss"
 
-  def __init__(self, cfg: ml_collections.ConfigDict, data: Any, stage_programs: dict, observers: Observers,
+  def __init__(self, cfg: schema.Config, data: Any, stage_programs: dict, observers: Observers,
                metrics: Any, compile_fn: Callable):
     self.cfg, self.data, self.stage_programs, self.observers, self.metrics = cfg, data, stage_programs, observers, metrics
     self.program = stage_programs[cfg.data.batch_size]
@@ -100,7 +99,7 @@ class PretrainStepper:
     return self._steps[shape]
 
 
-def make_stepper(cfg: ml_collections.ConfigDict, program: program_lib.Program, stage_programs: dict, *, observers: Observers,
+def make_stepper(cfg: schema.Config, program: program_lib.Program, stage_programs: dict, *, observers: Observers,
                  metrics: Any, out_dir: Path, compile_fn: Callable, starting_state: Callable) -> Any:
   """The stepper of the plan's mode, with its data (built here: bad data is exit 2 before compiling)."""
   mode = program.plan.mode

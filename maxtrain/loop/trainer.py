@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import jax
-import ml_collections
 from flax import nnx
 
 from maxtrain import config as config_lib
@@ -31,6 +30,7 @@ from maxtrain.program import build as program_lib
 from maxtrain.program import state as state_lib
 from maxtrain.checkpoint.identity import RunIdentity
 from maxtrain.checkpoint.schedule import Checkpoints
+from maxtrain.config import schema
 from maxtrain.loop import drills
 from maxtrain.loop.observers import Observers
 from maxtrain.loop.stepper import make_stepper
@@ -58,8 +58,8 @@ log = logging.getLogger("maxtrain")
 
 
 class Trainer:
-  def __init__(self, cfg: ml_collections.ConfigDict, t_process_start: float | None = None):
-    self.cfg = cfg
+  def __init__(self, cfg: schema.Config, t_process_start: float | None = None):
+    self.cfg = cfg = schema.Config.of(cfg)  # typed at load by the shell; a test or tool may hand the ConfigDict
     self.t_start = time.monotonic() if t_process_start is None else t_process_start
     _initialize(cfg)
     self.kv = KeyValue.current()  # None with one process (or one trainer process)
@@ -109,7 +109,7 @@ class Trainer:
     stack.callback(self.metrics.close)
     tracking.attach(cfg, self.out_dir, self.metrics, stack, lambda: self.exit_code)  # MLflow, OTel: off by default
     self.observers = Observers()
-    drills.install(self.observers, cfg, self.out_dir, jax.process_index(), settle=lambda: self.checkpoints.settle())
+    drills.install(self.observers, cfg.faults, self.out_dir, jax.process_index(), settle=lambda: self.checkpoints.settle())
     self.checkpoints = Checkpoints(cfg, self.out_dir, self.events, self.metrics, self.observers.save_started,
                                    on_progress=self.watchdog.progress, on_saved=self.observers.saved,
                                    mesh_shape=dict(program.mesh.shape), state_spec=program.state)
@@ -323,7 +323,7 @@ class Trainer:
     return summary
 
 
-def check_checkpoint_mode(cfg: ml_collections.ConfigDict, mode: str, meta: dict, path: object) -> None:
+def check_checkpoint_mode(cfg: schema.Config, mode: str, meta: dict, path: object) -> None:
   """A checkpoint resumes only in the mode that wrote it (its data state and step unit are that mode's):
   UserError naming both, before any data is read or anything compiles."""
   # a checkpoint from before post-training existed: migrated to post.mode's default, pretraining
@@ -340,16 +340,17 @@ def prepare_output_dir(out_dir: Path) -> None:
   require_writable_dir(out_dir, f"config.output_dir={out_dir}")
 
 
-def _initialize(cfg: ml_collections.ConfigDict) -> bool:
+def _initialize(cfg: schema.Config) -> bool:
   """jax.distributed (runtime/distributed.py); True on a process of an RL job's rollout side (whole processes
   of their own: posttrain/remote_rollout.py), which runs no Loop."""
   distributed.initialize_distributed(cfg.runtime, cfg.post.sync_timeout_s if cfg.post.rollout_devices else 0.0)
   return bool(cfg.post.rollout_devices) and remote_rollout.join_trainer_group(cfg)
 
 
-def run(cfg: ml_collections.ConfigDict, t_process_start: float | None = None) -> dict:
+def run(cfg: schema.Config, t_process_start: float | None = None) -> dict:
   """Trains per `cfg` (or, on a rollout process, serves the trainer's rollouts). Raises UserError on bad
   input (before compiling), Preempted after saving."""
+  cfg = schema.Config.of(cfg)
   if _initialize(cfg):
     return remote_rollout.serve(cfg)
   code = EXIT_CRASH

@@ -184,7 +184,7 @@ class ModelConfig:
 
   @classmethod
   def from_config(cls, model_cfg: Any) -> "ModelConfig":
-    """From `config.model` (a ConfigDict, or a dict of its keys: a migrated saved config, an HF import); a key
+    """From `config.model` (its typed section, or a dict of its keys: a migrated saved config, an HF import); a key
     missing takes its default, an undeclared one is a UserError naming it (never dropped unread)."""
     check_known(model_cfg, "model")
     fields = {f.name for f in dataclasses.fields(cls)}

@@ -72,7 +72,7 @@ class QuantConfig:
 
   @classmethod
   def from_config(cls, m: Any) -> "QuantConfig":
-    """From `config.model` (a ConfigDict, or a dict of its keys: a migrated saved config, an HF import, which
+    """From `config.model` (its typed section, or a dict of its keys: a migrated saved config, an HF import, which
     may lack the quant keys: their defaults); an undeclared key is a UserError naming it, never dropped."""
     check_known(m, "model")
     base = cls()

@@ -87,7 +87,7 @@ def of_keys(model_cfg: Any) -> Family:
 
 
 def model_config(model_cfg: Any) -> ModelConfig:
-  """The typed config of `config.model` (a ConfigDict or dict of its keys): the keys, then the family's
+  """The typed config of `config.model` (its typed section or a dict of its keys): the keys, then the family's
   pieces over them (a family's pieces are on whatever the keys say)."""
   family = of_keys(model_cfg)
   cfg = ModelConfig.from_config(model_cfg)

@@ -39,7 +39,7 @@ def validate(o: Any) -> None:
 
 
 def enabled(opt_cfg: Any) -> bool:
-  return opt_cfg.get("offload", "none") == "host"
+  return opt_cfg.offload == "host"
 
 
 def check_devices(opt_cfg: Any, devices: Sequence[Any], platform: str = "") -> None:

@@ -30,11 +30,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
+from maxtrain.config import schema
 from maxtrain.errors import choice, require
 from maxtrain.optim import offload as offload_lib
 from maxtrain.optim.masking import keep_if
@@ -141,7 +141,7 @@ def decay_mask(no_decay: str) -> Callable[[Any], Any]:
   return lambda params: _map_kinds(lambda kind, leaf: kind not in excluded, params)
 
 
-def lr_multiplier(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+def lr_multiplier(opt_cfg: schema.Optimizer, total_steps: int) -> optax.Schedule:
   """Schedule shape in [0, 1], shared by every parameter group (each scales its own peak lr).
 
   Warmup: step / warmup_steps (optax's convention: 0 at step 0, the peak at step warmup_steps). Then
@@ -260,7 +260,7 @@ class Optimizer:
   labels: Callable[[Any], Any]  # params -> tree of 'muon' / 'adam'
 
 
-def validate(o: ml_collections.ConfigDict) -> None:
+def validate(o: schema.Optimizer) -> None:
   """UserError naming the key for a bad `config.optimizer` (the warmup against the schedule: config/sections.py,
   at load)."""
   choice("optimizer.name", o.name, OPTIMIZERS)
@@ -295,7 +295,7 @@ def validate(o: ml_collections.ConfigDict) -> None:
            f"config.optimizer.muon_consistent_rms={o.muon_consistent_rms}: must be >= 0 (0: width scaling)")
 
 
-def make(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
+def make(opt_cfg: schema.Optimizer, total_steps: int) -> Optimizer:
   """The optimizer of a validated `config.optimizer` for a run of `total_steps`."""
   multiplier = lr_multiplier(opt_cfg, total_steps)
   lr = lambda step: opt_cfg.lr * multiplier(step)
@@ -328,7 +328,7 @@ def make(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
   parts = [optax.clip_by_global_norm(opt_cfg.clip_norm)] if opt_cfg.clip_norm > 0 else []
   tx = _init_state_in(optax.chain(*parts, _partition_used(transforms, labels)), state_dtype)
   if offload_lib.enabled(opt_cfg):  # the moments live in host memory; on the device for the update only
-    tx = offload_lib.streamed(tx, opt_cfg.get("offload_groups", offload_lib.DEFAULT_GROUPS))
+    tx = offload_lib.streamed(tx, opt_cfg.offload_groups)
   return Optimizer(tx=tx, learning_rates=learning_rates, labels=labels)
 
 

@@ -15,9 +15,9 @@ import time
 from typing import Any, Sequence
 
 import jax
-import ml_collections
 import numpy as np
 
+from maxtrain.config import schema
 from maxtrain.data import sft as sft_data
 from maxtrain.data.pipeline import KEYS
 from maxtrain.data.tokenizer import load_tokenizer
@@ -31,7 +31,7 @@ log = logging.getLogger("maxtrain")
 
 
 class SftData:
-  def __init__(self, cfg: ml_collections.ConfigDict, batch_shardings: dict[str, Any], *, pack_train: bool = True):
+  def __init__(self, cfg: schema.Config, batch_shardings: dict[str, Any], *, pack_train: bool = True):
     d, p = cfg.data, cfg.post
     self.tokenizer = load_tokenizer(d.tokenizer)
     require(self.tokenizer.vocab_size <= cfg.model.vocab_size,
@@ -138,7 +138,7 @@ class PromptData(SftData):
   """SftData's held-out eval rows and examples, plus the round's prompts; evals score greedy
   completions with the reward (`rl/eval_reward`)."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, batch_shardings: dict[str, Any]):
+  def __init__(self, cfg: schema.Config, batch_shardings: dict[str, Any]):
     super().__init__(cfg, batch_shardings, pack_train=False)
     self.examples = sft_data.load_examples(cfg.post.data, "train", self.tokenizer)
     self.per_round = cfg.post.prompts_per_step

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
+from maxtrain.config import schema
 from maxtrain.inference import sampling as sampling_lib
 from maxtrain.monitor import events as ev
 from maxtrain.posttrain import algorithms, correction, packing, rl_step, rollout as rollout_lib
@@ -68,7 +68,7 @@ class RlStepper:
   evaluates_at_start = True  # the starting model's held-out reward is the baseline
   reports_mismatch = False  # rl/mismatch_kl and the correction's shares without a correction (the async stepper)
 
-  def __init__(self, cfg: ml_collections.ConfigDict, program: Any, observers: Any, metrics: Any, out_dir: Path,
+  def __init__(self, cfg: schema.Config, program: Any, observers: Any, metrics: Any, out_dir: Path,
                starting_state: Any):
     self.cfg, self.program, self.observers, self.metrics, self.out_dir = cfg, program, observers, metrics, out_dir
     self.algorithm, self.hp = algorithms.resolve(cfg.post)

@@ -151,10 +151,10 @@ def build(program: Any, algorithm: Algorithm, hp: Hyper, *, on_policy: bool) -> 
                      in_shardings=(spec.shardings.params, spec.shardings.opt_state.params, batch_shardings),
                      out_shardings=rows)
   guards_cfg = program.cfg.guards
-  step = drills.wrap_step(program.cfg, lambda **drill: make_rl_step(
+  step = drills.wrap_step(program.cfg.faults, lambda **drill: make_rl_step(
       spec.graphdef, program.optimizer, algorithm, hp, on_policy=on_policy, spike_zscore=guards_cfg.spike_zscore,
       spike_warmup=guards_cfg.spike_warmup, **chunking, **drill))
-  step_shardings = drills.batch_shardings(program.cfg, program.mesh, batch_shardings)  # + a drilled run's fault input
+  step_shardings = drills.batch_shardings(program.cfg.faults, program.mesh, batch_shardings)  # + a drilled run's fault input
   train = jax.jit(step, in_shardings=(spec.shardings, step_shardings),
                   out_shardings=(spec.shardings, NamedSharding(program.mesh, P())), donate_argnums=0)
   return RlProgram(program=program, logprobs=logprobs, step=train, batch_shardings=step_shardings, values=values)

@@ -13,7 +13,6 @@ post.rollout_devices it is sampled by the rollout side's own program (`rollout_p
 from __future__ import annotations
 
 import base64
-import copy
 import dataclasses
 import io
 import time
@@ -22,6 +21,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from maxtrain import config as config_lib
 from maxtrain.errors import require
 from maxtrain.posttrain import rewards as rewards_lib
 from maxtrain.inference import continuous
@@ -163,9 +163,8 @@ def rollout_program(cfg: Any) -> Any:
   devices = split_devices(cfg, jax.devices())[1]
   if not devices:
     return None
-  rcfg = copy.deepcopy(cfg)
-  rcfg.post.rollout_devices, rcfg.post.max_staleness, rcfg.post.rollout_dtype = 0, 0, ""
-  fully_sharded(rcfg.mesh)
+  changes = {"post.rollout_devices": 0, "post.max_staleness": 0, "post.rollout_dtype": "", **fully_sharded(cfg.mesh)}
   if cfg.post.rollout_dtype:  # e.g. a bf16 rollout mesh under an fp32 trainer (the mismatch rl/mismatch_kl measures)
-    rcfg.model.param_dtype = rcfg.model.compute_dtype = cfg.post.rollout_dtype
+    changes.update({"model.param_dtype": cfg.post.rollout_dtype, "model.compute_dtype": cfg.post.rollout_dtype})
+  rcfg = config_lib.with_values(config_lib.Config.of(cfg), changes)
   return program_for(rcfg, devices, require_data=False)

@@ -12,9 +12,9 @@ import logging
 from typing import Any, Callable, Sequence
 
 import jax
-import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from maxtrain.config import schema
 from maxtrain.program import batch as batch_lib, critic
 from maxtrain.program import drills
 from maxtrain.program import fit
@@ -36,7 +36,7 @@ log = logging.getLogger("maxtrain")
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-  cfg: ml_collections.ConfigDict
+  cfg: schema.Config
   plan: Plan
   mesh: Mesh
   model_cfg: ModelConfig
@@ -65,17 +65,18 @@ class Program:
       return self.train_step.lower(self.abstract_state(), self.abstract_batch())
 
 
-def loss_chunk_tokens(model_cfg: ml_collections.ConfigDict) -> int:
+def loss_chunk_tokens(model_cfg: schema.Model) -> int:
   """`model.loss_chunk_tokens`, with -1 resolved by the vocabulary size."""
   n = model_cfg.loss_chunk_tokens
   return loss.default_chunk_tokens(model_cfg.vocab_size) if n < 0 else n
 
 
-def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None, *,
+def build(cfg: schema.Config, plan: Plan, mesh: Mesh | None = None, *,
           memory_standin: bool = False) -> Program:
   """Everything but the state's values and the data. Raises UserError for a layout that does not
   divide the model or would replicate most of it. `memory_standin`: the model `fit.memory_standin` makes of
   it, for an ahead-of-time compile's memory only (never run)."""
+  cfg = schema.Config.of(cfg)  # typed once (a tool or test may hand the ConfigDict)
   mesh = make_mesh(plan.mesh) if mesh is None else mesh
   rules = plan.layout.rules
   model_cfg = registry.model_config(cfg.model)
@@ -88,7 +89,7 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None, 
   state_spec = state_lib.spec(model_cfg, optimizer.tx, mesh, cfg.seed, rules, guard_window=cfg.guards.spike_window,
                               offload_optimizer=offload.enabled(cfg.optimizer), pipeline=plan.pipeline)
   row_shardings = batch_lib.shardings(mesh, plan.layout)
-  batch_shardings = drills.batch_shardings(cfg, mesh, row_shardings)  # + the fault input only when drilled
+  batch_shardings = drills.batch_shardings(cfg.faults, mesh, row_shardings)  # + the fault input only when drilled
   replicated = NamedSharding(mesh, P())
   # Each batch shard keeps its own partial head gradient across loss chunks (maxtrain/program/loss.py).
   chunking = dict(chunk_tokens=loss_chunk_tokens(cfg.model), batch_shards=plan.layout.shards("act_batch"),
@@ -96,7 +97,7 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None, 
   make_step = functools.partial(step_lib.make_train_step, state_spec.graphdef, optimizer, z_loss=cfg.optimizer.z_loss,
                                 moe=model_cfg.moe, grad_accum_steps=plan.batch.num_microbatches,
                                 spike_zscore=cfg.guards.spike_zscore, spike_warmup=cfg.guards.spike_warmup, **chunking)
-  step = drills.wrap_step(cfg, make_step)  # a fault input and its injection only when config.faults sets one
+  step = drills.wrap_step(cfg.faults, make_step)  # a fault input and its injection only when config.faults sets one
   train_step = jax.jit(step, in_shardings=(state_spec.shardings, batch_shardings),
                        out_shardings=(state_spec.shardings, replicated), donate_argnums=0)
   eval_step = jax.jit(step_lib.make_eval_step(state_spec.graphdef, **chunking),
@@ -105,7 +106,7 @@ def build(cfg: ml_collections.ConfigDict, plan: Plan, mesh: Mesh | None = None, 
                  batch_shardings=batch_shardings, train_step=train_step, eval_step=eval_step)
 
 
-def program_for(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], *,
+def program_for(cfg: schema.Config, devices: Sequence[jax.Device], *,
                 require_data: bool = True, memory_standin: bool = False) -> Program:
   """The program `cfg` runs on `devices`: validated to a Plan (UserError on a bad config, before anything
   is built), then built on a mesh over exactly those devices. The process count is that of the devices,
@@ -113,7 +114,7 @@ def program_for(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], *
   needed (ahead-of-time compiles, generation, benchmarks on synthetic batches). `memory_standin`: build the
   model's memory stand-in (`fit.memory_standin`: an ahead-of-time compile for a GPU/Trainium target on
   XLA:CPU; its values are not the model's, so it is compiled, never run)."""
-  devices = list(devices)
+  cfg, devices = schema.Config.of(cfg), list(devices)  # typed once (a tool or test may hand the ConfigDict)
   num_processes = len({d.process_index for d in devices})
   plan = validate(cfg, len(devices), num_processes, require_data=require_data)
   every, devices = devices, split_devices(cfg, devices)[0]  # the trainer's devices (post.rollout_devices: not the last)
@@ -131,43 +132,39 @@ def program_for(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], *
                              remat_table=table, schedule_table=schedule_table)
 
 
-def resolve_schedule(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device],
-                     memory_standin: bool = False) -> tuple[ml_collections.ConfigDict, str]:
+def resolve_schedule(cfg: schema.Config, devices: Sequence[jax.Device],
+                     memory_standin: bool = False) -> tuple[schema.Config, str]:
   """`cfg` with `pipeline.schedule=auto` replaced by the schedule `program/schedule_fit.py` chooses from the
   ahead-of-time compile of each candidate on `devices` (of the memory stand-in when asked), and the table of
   candidates (also logged)."""
 
-  def compile_candidate(trial: ml_collections.ConfigDict):
+  def compile_candidate(trial: schema.Config):
     program = program_for(trial, devices, require_data=False, memory_standin=memory_standin)
     with jax.set_mesh(program.mesh):
       return program.lower().compile(), program.plan
 
   kind, table, _ = schedule_fit.choose_schedule(cfg, devices, compile_candidate)
   log.info("%s", table)
-  resolved = cfg.copy_and_resolve_references()
-  resolved.pipeline.schedule = kind
-  return resolved, table
+  return schedule_fit.resolved(cfg, kind, len(devices)), table  # NO_PIPELINE: the stages' devices become fsdp
 
 
-def split_devices(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]) -> tuple[list, list]:
+def split_devices(cfg: schema.Config, devices: Sequence[jax.Device]) -> tuple[list, list]:
   """(the trainer's devices, the rollout side's): post.rollout_devices takes the last ones (validated by
   `plan.validate`); without it the trainer has them all and the rollout side none."""
-  devices, n = list(devices), cfg.post.get("rollout_devices", 0)
+  devices, n = list(devices), cfg.post.rollout_devices
   return (devices[:len(devices) - n], devices[len(devices) - n:]) if n else (devices, [])
 
 
-def resolve_remat(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device],
-                  memory_standin: bool = False) -> tuple[ml_collections.ConfigDict, str]:
+def resolve_remat(cfg: schema.Config, devices: Sequence[jax.Device],
+                  memory_standin: bool = False) -> tuple[schema.Config, str]:
   """`cfg` with `model.remat=auto` replaced by the policy `program/fit.py` chooses for the target from the
   ahead-of-time compile of each candidate on `devices` (of its memory stand-in with `memory_standin`), and the
   table of candidates (also logged)."""
-  def compile_candidate(trial: ml_collections.ConfigDict):
+  def compile_candidate(trial: schema.Config):
     program = program_for(trial, devices, require_data=False, memory_standin=memory_standin)
     with jax.set_mesh(program.mesh):
       return program.lower().compile(), program.plan
 
   remat, table, _ = fit.choose_remat(cfg, devices, compile_candidate, memory_standin)
   log.info("%s", table)
-  resolved = cfg.copy_and_resolve_references()
-  resolved.model.remat = remat
-  return resolved, table
+  return schema.with_values(cfg, {"model.remat": remat}), table

@@ -14,24 +14,24 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from maxtrain.config import schema
 from maxtrain.runtime import faults
 
 Step = Callable[[Any, dict], tuple[Any, dict]]
 
 
-def armed(cfg: ml_collections.ConfigDict) -> bool:
+def armed(faults_cfg: schema.FaultDrills) -> bool:
   """Whether the run's step carries the fault input (an in-graph drill is set)."""
-  return faults.in_graph_armed(cfg.faults)
+  return faults.in_graph_armed(faults_cfg)
 
 
-def wrap_step(cfg: ml_collections.ConfigDict, make_step: Callable[..., Step]) -> Step:
+def wrap_step(faults_cfg: schema.FaultDrills, make_step: Callable[..., Step]) -> Step:
   """`make_step()` as it is, or, with an in-graph drill set, a step whose batch carries the fault input.
   `make_step(perturb=...)` builds the step with the loss and gradients changed before its guards."""
-  if not armed(cfg):
+  if not armed(faults_cfg):
     return make_step()
 
   def drilled_step(state: Any, batch: dict) -> tuple[Any, dict]:
@@ -41,9 +41,9 @@ def wrap_step(cfg: ml_collections.ConfigDict, make_step: Callable[..., Step]) ->
   return drilled_step
 
 
-def batch_shardings(cfg: ml_collections.ConfigDict, mesh: Mesh, rows: dict[str, NamedSharding]) -> dict[str, NamedSharding]:
+def batch_shardings(faults_cfg: schema.FaultDrills, mesh: Mesh, rows: dict[str, NamedSharding]) -> dict[str, NamedSharding]:
   """The train step's batch shardings: the rows', plus the replicated fault input when drilled."""
-  return {**rows, faults.INPUT: NamedSharding(mesh, P())} if armed(cfg) else dict(rows)
+  return {**rows, faults.INPUT: NamedSharding(mesh, P())} if armed(faults_cfg) else dict(rows)
 
 
 def abstract_batch(batch_shardings: dict[str, NamedSharding], rows: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtypeStruct]:

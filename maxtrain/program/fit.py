@@ -27,8 +27,8 @@ import re
 from typing import Any, Callable, Sequence
 
 import jax
-import ml_collections
 
+from maxtrain.config import schema
 from maxtrain.errors import UserError, require
 from maxtrain.runtime import cache
 import maxtrain
@@ -168,17 +168,27 @@ class Target:
   flops: float  # dense peak FLOP/s at the compute dtype
   host_bandwidth: float  # bytes/s each way between host and device memory; 0: no host offload there
   source: str
+  # The interconnects (program/schedule_fit.py: pipeline or fsdp across the network). 0: not known.
+  network_bandwidth: float = 0.0  # bytes/s each way per node across the data-centre network (all its NICs)
+  link_bandwidth: float = 0.0  # bytes/s each way per device over the node's fast interconnect (NVLink, NeuronLink)
 
 
 # One device of each hardware preset. Memory: the usable HBM per device (H100 SXM 80 GB; H200 141 GB; a trn2
 # LNC=2 core: 96 GiB per chip / 4). Host link: PCIe Gen5 x16 (64 GB/s per direction, ~55 achieved).
+# Network, per node each way: DGX H100/H200 have 8 ConnectX-7 400 Gb/s InfiniBand NICs (one per GPU: 8 x 50 GB/s);
+# trn2.48xlarge 3.2 Tb/s of EFAv3 (400 GB/s). Inside a node, per device each way: NVLink 4 900 GB/s per GPU (both
+# directions: 450 GB/s each way); NeuronLink-v3 1.28 TB/s per Trainium2 chip (taken as both directions: 640 GB/s
+# each way, shared by its 4 LNC=2 cores: 160 GB/s). Published peaks: achieved bandwidth is lower (~80-90%).
 TARGETS = {
-    "h100x8": Target("H100 SXM", 80 * GiB, 989e12, 55e9, "H100 datasheet (989 TFLOP/s bf16 dense); PCIe Gen5 x16"),
-    "h200x8": Target("H200 SXM", 141 * 10**9, 989e12, 55e9, "H200 datasheet (141 GB, 989 TFLOP/s bf16 dense); PCIe Gen5 x16"),
+    "h100x8": Target("H100 SXM", 80 * GiB, 989e12, 55e9, "H100 datasheet (989 TFLOP/s bf16 dense); PCIe Gen5 x16",
+                     network_bandwidth=8 * 50e9, link_bandwidth=450e9),
+    "h200x8": Target("H200 SXM", 141 * 10**9, 989e12, 55e9, "H200 datasheet (141 GB, 989 TFLOP/s bf16 dense); PCIe Gen5 x16",
+                     network_bandwidth=8 * 50e9, link_bandwidth=450e9),
     "trn2.48xlarge": Target("trn2 core (LNC=2)", 24 * GiB, 2 * 667e12 / 8, 0.0,
-                            "Trainium2 architecture: 96 GiB, 667 TFLOP/s per chip of 4 LNC=2 cores; no host memory kind"),
+                            "Trainium2 architecture: 96 GiB, 667 TFLOP/s per chip of 4 LNC=2 cores; no host memory kind",
+                            network_bandwidth=400e9, link_bandwidth=640e9 / 4),
 }
-# XLA:CPU: host and device memory are the same RAM; an offload is a memcpy.
+# XLA:CPU: host and device memory are the same RAM; an offload (and a collective between fake devices) is a memcpy.
 CPU_MEMCPY_BANDWIDTH = 10e9
 
 
@@ -192,10 +202,10 @@ def cpu_target(devices: Sequence[Any]) -> Target:
     available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   flops, how = mfu.cached_cpu_peak()
   return Target(f"CPU device (1/{n} of this host)", available // n, flops / n, CPU_MEMCPY_BANDWIDTH,
-                f"available RAM / {n}; {how}")
+                f"available RAM / {n}; {how}", network_bandwidth=CPU_MEMCPY_BANDWIDTH, link_bandwidth=CPU_MEMCPY_BANDWIDTH)
 
 
-def target_for(cfg: ml_collections.ConfigDict, devices: Sequence[Any]) -> Target:
+def target_for(cfg: schema.Config, devices: Sequence[Any]) -> Target:
   """The hardware preset's device when the config names one (an ahead-of-time compile for it), else the
   devices at hand."""
   if cfg.hardware in TARGETS:
@@ -224,7 +234,7 @@ def recompute_flops_per_token(m: Any, remat: str, seq_len: int) -> float:
   return layers_forward - 2.0 * (m.num_layers * n * h * d + dense * m.d_ff * d)
 
 
-def offloaded_activation_bytes(cfg: ml_collections.ConfigDict, plan: Any) -> tuple[int, int]:
+def offloaded_activation_bytes(cfg: schema.Config, plan: Any) -> tuple[int, int]:
   """(host bytes held per device, bytes moved each way per step) of `model.remat=offload`: per layer the
   activations the decoder names that the backward pass needs (`residual` and `mlp_in`, each [b, T, D] in the
   compute dtype; `attn_out` is not needed: recomputed from nothing), for one microbatch at a time."""
@@ -250,7 +260,7 @@ class Candidate:
     return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("step_seconds", "fits")}
 
 
-def _cache_key(cfg: ml_collections.ConfigDict, devices: Sequence[Any], names: list[str],
+def _cache_key(cfg: schema.Config, devices: Sequence[Any], names: list[str],
                standin: bool = False) -> dict[str, Any]:
   """What the compiled figures depend on (not the target's memory or speed: the choice is made after)."""
   parts = {"model": cfg.model.to_dict(), "mesh": cfg.mesh.to_dict(), "optimizer": cfg.optimizer.to_dict(),
@@ -283,8 +293,8 @@ def _cached(key: dict[str, Any], measure: Callable[[], list[Candidate]]) -> list
   return candidates
 
 
-def choose_remat(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
-                 compile_fn: Callable[[ml_collections.ConfigDict], tuple[Any, Any]],
+def choose_remat(cfg: schema.Config, devices: Sequence[Any],
+                 compile_fn: Callable[[schema.Config], tuple[Any, Any]],
                  standin: bool = False) -> tuple[str, str, list[Candidate]]:
   """(the remat policy, the table of candidates, the candidates) for `cfg` on `devices`. `compile_fn(cfg)` returns (the
   compiled train step of cfg, its plan); `standin`: it compiles `memory_standin` models (cached apart). UserError
@@ -302,8 +312,7 @@ def choose_remat(cfg: ml_collections.ConfigDict, devices: Sequence[Any],
       # every layer on every device: llama3_405b read -445 GiB on the device), so offload is no candidate there.
       if remat == "offload" and pipelined:
         continue
-      trial = cfg.copy_and_resolve_references()
-      trial.model.remat = remat
+      trial = schema.with_values(schema.Config.of(cfg), {"model.remat": remat})
       compiled, plan = compile_fn(trial)
       pipelined = plan.pipeline is not None
       mem = Memory.of(compiled)

@@ -8,15 +8,12 @@ Errors are UserErrors (exit 2) that name the key, the values, the arithmetic and
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import types
 from typing import Any
 
-import ml_collections
-
-from maxtrain.config import sections
+from maxtrain.config import schema, sections
 from maxtrain.data import mixture
 from maxtrain.program import guards
 from maxtrain.optim import optimizer as optim
@@ -56,17 +53,17 @@ def describe_mode(mode: str) -> str:
       mode, f"post.mode={mode!r}")
 
 
-def _floats(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, float]]:
+def _floats(cfg: schema.Config, prefix: str = "") -> list[tuple[str, float]]:
   out = []
   for key, value in cfg.items():
-    if isinstance(value, ml_collections.ConfigDict):
+    if hasattr(value, "items"):  # a section
       out += _floats(value, f"{prefix}{key}.")
     elif isinstance(value, float):
       out.append((prefix + key, value))
   return out
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, *,
+def validate(cfg: schema.Config, num_devices: int, num_processes: int = 1, *,
              require_data: bool = True) -> Plan:
   """Checks everything that can be checked before touching data or compiling (`require_data=False`:
   everything but the data source, for ahead-of-time compiles)."""
@@ -131,7 +128,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, num_processes: in
               critic=mode == "rl" and cfg.post.algorithm in CRITIC_ALGORITHMS, fleet=fleet)
 
 
-def _validate_post(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchLayout,
+def _validate_post(cfg: schema.Config, layout: Layout, batch: BatchLayout,
                    schedule: pipeline_lib.Schedule | None,
                    mesh_layout: mesh_lib.MeshLayout) -> tuple[str, int]:
   """post.*: the mode, and for RL the round's arithmetic and what its step supports (the algorithm's own
@@ -160,8 +157,8 @@ def _validate_post(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchL
           "both must be > 0")
   # The critic's parameters ride in the optimizer state (program/critic.py), which offload keeps in host memory:
   # the value head would run on host arrays. Not built yet.
-  require(p.algorithm not in CRITIC_ALGORITHMS or cfg.optimizer.get("offload", "none") == "none",
-          f"config.post.algorithm={p.algorithm} with optimizer.offload={cfg.optimizer.get('offload')}: the critic lives in "
+  require(p.algorithm not in CRITIC_ALGORITHMS or cfg.optimizer.offload == "none",
+          f"config.post.algorithm={p.algorithm} with optimizer.offload={cfg.optimizer.offload}: the critic lives in "
           "the optimizer state and cannot run from host memory; set optimizer.offload=none for PPO")
   require(batch.num_microbatches == 1, f"config.optimizer.grad_accum_steps={cfg.optimizer.grad_accum_steps}, "
           f"optimizer.microbatch_size={cfg.optimizer.microbatch_size}: {batch.num_microbatches} microbatches, but an RL "
@@ -180,12 +177,12 @@ DYNAMIC_SAMPLING_ALGORITHMS = ("dapo",)  # post.algorithm values that draw a var
 ROW_LEVEL_ALGORITHMS = ("dr_grpo", "gspo", "ppo")  # losses that read whole rows (a per-row sum, the row count, a critic)
 
 
-def _validate_rollout_devices(cfg: ml_collections.ConfigDict, num_devices: int,
+def _validate_rollout_devices(cfg: schema.Config, num_devices: int,
                               num_processes: int) -> tuple[int, int]:
   """post.rollout_devices: how many of the run's devices generate rollouts only (the last ones), checked
   before the trainer's mesh is laid out over the rest. Returns (rollout devices, rollout processes): on
   one host a part of its devices; across hosts whole processes (posttrain/remote_rollout.py), the last ones."""
-  n = cfg.post.get("rollout_devices", 0)
+  n = cfg.post.rollout_devices
   if not n:
     return 0, 0
   require(MODES.get(cfg.post.mode) == "rl", f"config.post.rollout_devices={n} with post.mode={cfg.post.mode!r}: "
@@ -202,7 +199,7 @@ def _validate_rollout_devices(cfg: ml_collections.ConfigDict, num_devices: int,
   return n, n // per_process
 
 
-def _validate_async(cfg: ml_collections.ConfigDict) -> None:
+def _validate_async(cfg: schema.Config) -> None:
   """The asynchronous rollout keys (posttrain/async_rollout.py) and the correction (posttrain/correction.py)."""
   p = cfg.post
   require(p.max_staleness >= 0, f"config.post.max_staleness={p.max_staleness}: policy versions a rollout may lag "
@@ -232,7 +229,7 @@ def _validate_async(cfg: ml_collections.ConfigDict) -> None:
           "no rollout log-probs to correct by; set post.temperature=1 or post.correction=none")
 
 
-def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: BatchLayout,
+def _validate_pipeline(cfg: schema.Config, layout: Layout, batch: BatchLayout,
                        mesh_text: str) -> pipeline_lib.Schedule | None:
   """The circular pipeline's arithmetic, and what it does not support (docs/sharding.md), before compiling.
   None when the mesh has one stage."""
@@ -280,7 +277,7 @@ def _validate_pipeline(cfg: ml_collections.ConfigDict, layout: Layout, batch: Ba
                                branchless=cfg.runtime.platform == "neuron")
 
 
-def _validate_stages(cfg: ml_collections.ConfigDict, layout: Layout, mesh_text: str, num_processes: int) -> None:
+def _validate_stages(cfg: schema.Config, layout: Layout, mesh_text: str, num_processes: int) -> None:
   """data.sources and data.stages parse (names, weights, increasing steps), and every stage's batch (a batch
   ramp changes it) divides over the processes, batch shards and microbatches, before anything compiles."""
   _, stages = mixture.from_config(cfg.data)
@@ -295,18 +292,16 @@ def _validate_stages(cfg: ml_collections.ConfigDict, layout: Layout, mesh_text: 
       raise UserError(f"{where} (batch_size={stage.batch_size}, seq_len={stage.seq_len}): {e}") from None
 
 
-def stage_shapes(cfg: ml_collections.ConfigDict) -> list[tuple[int, int]]:
+def stage_shapes(cfg: schema.Config) -> list[tuple[int, int]]:
   """The distinct (batch_size, seq_len) of the config's data stages, the first stage's first."""
   shapes = [(s.batch_size, s.seq_len) for s in mixture.from_config(cfg.data)[1]]
   return list(dict.fromkeys(shapes))
 
 
-def stage_config(cfg: ml_collections.ConfigDict, batch_size: int, seq_len: int) -> ml_collections.ConfigDict:
+def stage_config(cfg: schema.Config, batch_size: int, seq_len: int) -> schema.Config:
   """`cfg` with the data shape of a stage (a batch ramp or a seq_len stage): what its step is built from.
   The LR schedule is in steps, so nothing else changes."""
-  stage = copy.deepcopy(cfg)
-  stage.data.batch_size, stage.data.seq_len = batch_size, seq_len
-  return stage
+  return schema.with_values(schema.Config.of(cfg), {"data.batch_size": batch_size, "data.seq_len": seq_len})
 
 
 def _validate_expert_parallel(moe: Any, layout: Layout, mesh_layout: mesh_lib.MeshLayout) -> None:
@@ -323,7 +318,7 @@ def _validate_expert_parallel(moe: Any, layout: Layout, mesh_layout: mesh_lib.Me
           "parallelism routes whole sequences per device (capacity slots are per sequence). Use one of the two.")
 
 
-def _validate_fleet(cfg: ml_collections.ConfigDict, num_processes: int) -> None:
+def _validate_fleet(cfg: schema.Config, num_processes: int) -> None:
   faults = cfg.faults  # (config.fleet: sections.Fleet checks itself)
   for key in ("process", "sigterm_process"):
     require(-1 <= faults[key] < num_processes, f"config.faults.{key}={faults[key]}: must be -1 or a process "
@@ -341,6 +336,6 @@ def schedule_config(cfg: Any, updates_per_step: int) -> tuple[Any, int]:
   over 160 updates). One update a step: the config itself."""
   if updates_per_step == 1:
     return cfg.optimizer, total_steps(cfg)
-  opt = copy.deepcopy(cfg.optimizer)
-  opt.warmup_steps = cfg.optimizer.warmup_steps * updates_per_step
+  warmup = cfg.optimizer.warmup_steps * updates_per_step
+  opt = schema.with_values(schema.Config.of(cfg).optimizer, {"warmup_steps": warmup})
   return opt, total_steps(cfg) * updates_per_step

@@ -28,10 +28,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from maxtrain.config import schema
 from maxtrain.errors import UserError
 
 log = logging.getLogger("maxtrain")
@@ -40,7 +40,7 @@ NONE = (0.0, 1.0)  # (not NaN, loss x 1): nothing injected
 IN_GRAPH = ("nan_at_step", "spike_at_step")  # the drills that ride in the step (the rest are host-side)
 
 
-def in_graph_armed(faults_cfg: ml_collections.ConfigDict) -> bool:
+def in_graph_armed(faults_cfg: schema.FaultDrills) -> bool:
   """Whether an in-graph drill is set: only then does the step take the fault input (`program/drills.py`)."""
   return any(faults_cfg[name] != -1 for name in IN_GRAPH)
 
@@ -71,7 +71,7 @@ def inject(fault: jax.Array | None, loss: jax.Array, grads: Any) -> tuple[jax.Ar
 
 
 class Faults:
-  def __init__(self, faults_cfg: ml_collections.ConfigDict, output_dir: Path, process_index: int = 0,
+  def __init__(self, faults_cfg: schema.FaultDrills, output_dir: Path, process_index: int = 0,
                before_kill: Any = lambda: None):
     self.cfg, self.process_index = faults_cfg, process_index
     self.targeted = faults_cfg.process in (-1, process_index)

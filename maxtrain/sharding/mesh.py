@@ -54,6 +54,17 @@ class MeshLayout:
   def granules(self) -> int:
     return math.prod(self.dcn)
 
+  @property
+  def fsdp_levels(self) -> tuple[int, int]:
+    """(fsdp devices inside a granule, granules along fsdp): the two levels an fsdp collective crosses."""
+    i = AXES.index("fsdp")
+    return self.ici[i], self.dcn[i]
+
+  @property
+  def pipeline_across_granules(self) -> bool:
+    """Some stage boundaries cross the network (mesh.dcn_pipeline > 1)."""
+    return self.dcn[AXES.index("pipeline")] > 1
+
   def describe(self) -> str:
     text = " x ".join(f"{a}={s}" for a, s in zip(AXES, self.shape) if a not in OPTIONAL or s != 1)
     if self.granules > 1:
@@ -109,12 +120,20 @@ def from_config(mesh_cfg: Mapping[str, int], num_devices: int) -> MeshLayout:
   return resolve_layout({a: mesh_cfg[a] for a in AXES + DCN_AXES if a in mesh_cfg}, num_devices)
 
 
-def fully_sharded(mesh_cfg: Any) -> None:
-  """Sets the config's mesh sizes to one FSDP axis over every device (the RL rollout side's own mesh)."""
-  for axis in AXES + DCN_AXES:
-    if axis in mesh_cfg:
-      mesh_cfg[axis] = 1
-  mesh_cfg.fsdp = -1
+def fully_sharded(mesh_cfg: Any) -> dict[str, int]:
+  """The `config.mesh` sizes (dotted keys) of one FSDP axis over every device (the RL rollout side's own mesh)."""
+  return {**{f"mesh.{axis}": 1 for axis in AXES + DCN_AXES if axis in mesh_cfg}, "mesh.fsdp": -1}
+
+
+def fold_pipeline_into_fsdp(mesh_cfg: Any) -> dict[str, int]:
+  """The `config.mesh` sizes (dotted keys) of the same devices without a pipeline: mesh.pipeline folded into
+  mesh.fsdp and mesh.dcn_pipeline into mesh.dcn_fsdp (a pipeline across nodes becomes fsdp across them)."""
+  sizes = {}
+  for stages, fsdp in (("pipeline", "fsdp"), ("dcn_pipeline", "dcn_fsdp")):
+    if mesh_cfg[fsdp] != -1:  # -1 fills the remaining devices: it takes the stages' share by itself
+      sizes[f"mesh.{fsdp}"] = mesh_cfg[fsdp] * mesh_cfg[stages]
+    sizes[f"mesh.{stages}"] = 1
+  return sizes
 
 
 def make_mesh(layout: MeshLayout | Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:

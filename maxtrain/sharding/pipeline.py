@@ -36,7 +36,7 @@ class Schedule:
   repeats: int  # R: circular repeats
   stage_remat: bool = False  # the model recomputes a stage's layers in the backward from the stage's input
   kind: str = "gpipe"  # pipeline.schedule: gpipe (this module) or 1f1b, interleaved_1f1b, zb (sharding/schedules.py)
-  branchless: bool = False  # run every op of a tick masked, no lax.switch (runtime.platform=neuron: no conditionals)
+  branchless: bool = False  # run every op of a tick masked, no per-op loops (runtime.platform=neuron: no conditionals or dynamic loops)
 
   @property
   def iterations(self) -> int:

@@ -3,8 +3,9 @@
 A schedule is a table int [ticks, S, 2]: per tick and stage, the op the stage runs (IDLE, F forward, H forward
 and the loss head on the last virtual stage, B input gradient, W weight gradient, BW both) and on which pass
 (p = r M + i: layer group r of microbatch i). Under `shard_map` over `pipeline` each device runs its own
-program, so a stage runs its tick's op by `lax.switch` on the table entry of `axis_index`: only that op's
-work is paid (an idle slot costs nothing but the tick's two `ppermute`s, which stay outside the switch). A
+program, so a stage runs its tick's op by the table entry of `axis_index` (a while loop of 0 or 1 trips per op,
+which updates the gradient accumulators in place where `lax.switch` copied them): only that op's work is paid
+(an idle slot costs nothing but the tick's two `ppermute`s, which stay outside the ops). A
 stage keeps the inputs and the incoming gradients of the passes in flight in slot buffers assigned on the
 host (`program`); F/H read the input, B/W/BW recompute the stage from it (these schedules imply stage remat).
 
@@ -293,8 +294,8 @@ def _ops(forward: Callable, after: Callable, stack: list, rest: list, m_: int) -
 def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Program, parts_shape: Any, stack: list,
            rest: list, xs: jax.Array, segs: jax.Array, poss: jax.Array, rows: dict[str, jax.Array],
            tab: jax.Array) -> tuple:
-  """One stage's program (under shard_map over `pipeline`): per tick, the op of its row of `tab` by `lax.switch`,
-  then one ppermute each way. Returns this stage's layer gradients [R, 1, L/(R S), ...], the rest's (and the
+  """One stage's program (under shard_map over `pipeline`): per tick, the op of its row of `tab` (`run_op`), then
+  one ppermute each way. Returns this stage's layer gradients [R, 1, L/(R S), ...], the rest's (and the
   objective's parts) summed over stages, and stage 0's input gradients."""
   s_, m_, r_ = schedule.stages, schedule.microbatches, schedule.repeats
   s = jax.lax.axis_index(AXIS)
@@ -313,12 +314,24 @@ def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Progra
   present = sorted(set(int(o) for o in np.unique(prog.rows[:, :, 0])) - {IDLE})
 
   def run_op(op, *operands):
-    if not schedule.branchless:  # only the op this stage runs this tick is computed
-      return jax.lax.switch(op, branches, *operands)
-    # No conditionals (Neuron rejects them): every op the table uses runs every tick, its results masked.
     out = branches[IDLE](*operands)
+    if schedule.branchless:  # no conditionals (Neuron rejects them): every op the table uses runs, results masked
+      for code in present:
+        out = jax.tree.map(lambda cur, new, code=code: jnp.where(op == code, new, cur), out, branches[code](*operands))
+      return out
+    # Only the op this stage runs this tick is computed: a while loop of 0 or 1 trips per op, not lax.switch. A
+    # conditional's operands and results are separate buffers, so the accumulators passing through a switch (the
+    # stage's f32 weight gradient) were copied every tick (+1.5 GiB per device at 70B widths, BENCHMARKS.md); a while
+    # loop updates its carry in place. The weights pass an optimization barrier with the trip counter, so XLA keeps
+    # each op's fsdp all-gathers inside its loop (hoisted out, every op's gathered weights are alive at once).
+    x, g, p, _ = operands
     for code in present:
-      out = jax.tree.map(lambda cur, new, code=code: jnp.where(op == code, new, cur), out, branches[code](*operands))
+      def body(carry, code=code):
+        trip, (_, _, _, acc) = carry
+        stack_t, rest_t, _ = jax.lax.optimization_barrier((stack, rest, trip))
+        return trip + 1, _ops(forward, after, stack_t, rest_t, m_)[code](x, g, p, acc)
+      trips = (op == code).astype(jnp.int32)
+      _, out = jax.lax.while_loop(lambda carry, trips=trips: carry[0] < trips, body, (jnp.int32(0), out))
     return out
 
   def tick(carry, tab_t):
