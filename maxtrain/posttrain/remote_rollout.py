@@ -146,6 +146,15 @@ def stop(cfg: Any, code: int) -> None:
       log.warning("could not tell the rollout processes to stop: %s", e)
 
 
+def _forget(kv: KeyValue, key: str) -> None:
+  """A batch every trainer process has taken: the request for round k comes once the trainer took round
+  k - max_staleness - 1, so round k - max_staleness - 3 leaves the coordinator's memory (the rest is small)."""
+  try:
+    kv.delete(key)
+  except Exception:  # noqa: BLE001 - never posted (a rollback's restart): nothing to forget
+    pass
+
+
 def _try_get(kv: KeyValue, key: str) -> str | None:
   try:
     return kv.client.key_value_try_get("maxtrain/" + key)
@@ -239,6 +248,7 @@ def serve(cfg: Any) -> dict:
         made = rollout_lib.sample(data, generator, params, r["position"], cfg.post, cfg.seed, cfg.data.seq_len)
         if leader:
           kv.set(f"rl/batch/{r['restart']}/{r['round']}", json.dumps(rollout_lib.encode(made)))
+          _forget(kv, f"rl/batch/{r['restart']}/{r['round'] - int(cfg.post.max_staleness) - 3}")
     finally:
       receiver.close()
     log.info("rollout process %d: the trainer ended (exit %s) after %d rollout batches", me, code, m)
