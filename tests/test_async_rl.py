@@ -54,6 +54,16 @@ def test_rollout_devices_are_for_rl_and_leave_the_trainer_the_rest():
   assert plan.mesh.describe() == "data=1 x fsdp=2 x tensor=1"  # the trainer's mesh over the first 2
 
 
+def test_rollout_devices_across_processes_are_whole_processes():
+  # 2 processes x 4 devices: the rollout side is the last process (its 4 devices), the trainer the first
+  with pytest.raises(UserError, match=r"rollout_devices=2 with 2 processes of 4 devices: .* a multiple of 4"):
+    plan_lib.validate(tiny_cfg("--config.post.rollout_devices=2"), 8, 2)
+  with pytest.raises(UserError, match="leaves 8 - 8 = 0 devices for the trainer"):
+    plan_lib.validate(tiny_cfg("--config.post.rollout_devices=8"), 8, 2)
+  plan = plan_lib.validate(tiny_cfg("--config.post.rollout_devices=4"), 8, 2)
+  assert plan.mesh.describe() == "data=1 x fsdp=4 x tensor=1"  # the trainer's mesh: process 0's devices only
+
+
 def np_weights(old, sampler, mask, kind, cap):
   r = np.exp(old.astype(np.float64) - sampler)
   w = {"none": np.ones_like(r), "tis": np.minimum(r, cap), "mis": ((r >= 1 / cap) & (r <= cap)).astype(float),
@@ -235,3 +245,77 @@ def test_staleness_0_on_its_own_devices_is_bitwise_the_synchronous_run(tmp_path)
   assert train.main(args + ["--config.post.rollout_devices=4", f"--config.output_dir={tmp_path / 'split'}"]) == 0
   assert rounds(tmp_path / "sync") == rounds(tmp_path / "split")
   assert_bitwise_equal(restore_raw(tmp_path / "sync/checkpoints", 2), restore_raw(tmp_path / "split/checkpoints", 2))
+
+
+# Across hosts (posttrain/remote_rollout.py): 2 processes x 2 CPU devices, process 1 the rollout side.
+CROSS = RUN_ARGS + ["--config.post.rollout_devices=2", "--config.steps=3", "--config.post.sync_timeout_s=120",
+                    "--config.runtime.shutdown_timeout_s=30"]
+
+
+def _run(out: Path, extra: list[str], processes: int, restarts: int = 0) -> subprocess.CompletedProcess:
+  env = {**cpu_env(4 // processes), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]]),
+         "JAX_DEFAULT_MATMUL_PRECISION": str(jax.config.jax_default_matmul_precision)}
+  args = [*CROSS, *extra, f"--config.output_dir={out}"]
+  command = (["-m", "maxtrain.launch", f"--processes={processes}", f"--max-restarts={restarts}", "--backoff=0.1",
+              "--peer-grace=30", "--", *args] if processes > 1 else ["-m", "maxtrain.train", *args])
+  return subprocess.run([sys.executable, *command], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def stale_two(tmp_path_factory):
+  """max_staleness=1 on two processes, 3 rounds."""
+  out = tmp_path_factory.mktemp("cross") / "stale"
+  result = _run(out, ["--config.post.max_staleness=1"], 2)
+  assert result.returncode == 0, result.stderr[-5000:]
+  return out
+
+
+@pytest.mark.slow
+def test_rollout_side_on_a_process_of_its_own(tmp_path, stale_two):
+  """One trainer process and one rollout process of one jax.distributed job (post.rollout_devices=2 = the
+  second process's devices): each version goes over by a cross-process jax.device_put, each batch back
+  through the coordination service. max_staleness=0 is bit for bit the one-process run with the same split
+  (4 devices, the last 2 rolling out): the same completions every round and the same final state. With
+  max_staleness=1 round k trains on version max(0, k - 2), as on one host."""
+  one, two = _run(tmp_path / "one", ["--config.post.max_staleness=0"], 1), \
+      _run(tmp_path / "two", ["--config.post.max_staleness=0"], 2)
+  assert one.returncode == 0, one.stderr[-3000:]
+  assert two.returncode == 0 and "(processes, in exit order: 0, 0)" in two.stderr, two.stderr[-5000:]
+  assert "async: 2 rollout devices on processes [1]" in two.stderr
+  assert "rollout process 1: the trainer ended (exit 0) after" in two.stderr
+  assert rounds(tmp_path / "two") == rounds(tmp_path / "one")
+  assert_bitwise_equal(restore_raw(tmp_path / "one/checkpoints", 3), restore_raw(tmp_path / "two/checkpoints", 3))
+  assert scalars(stale_two, "rl/version") == {1: 0.0, 2: 0.0, 3: 1.0}
+  assert scalars(stale_two, "rl/staleness_mean") == {1: 0.0, 2: 1.0, 3: 1.0}
+  assert scalars(stale_two, "rl/dropped_rollouts") == {1: 0.0, 2: 0.0, 3: 0.0}
+
+
+@pytest.mark.slow
+def test_across_processes_a_sigkill_mid_run_resumes_bitwise(tmp_path, stale_two):
+  """The trainer process SIGKILLed after round 3 (the newest checkpoint at round 2 holds round 3's batch,
+  made by version 1 on the rollout process); the launcher restarts both processes and the resumed run
+  trains on that batch: its round-3 state is the uninterrupted run's bit for bit."""
+  killed = tmp_path / "killed"
+  result = _run(killed, ["--config.post.max_staleness=1", "--config.faults.kill_at_step=3"], 2, restarts=1)
+  assert "attempt 1: exit 0 (finished)" in result.stderr, result.stderr[-5000:]
+  assert_bitwise_equal(restore_raw(stale_two / "checkpoints", 3), restore_raw(killed / "checkpoints", 3))
+  want, got = rounds(stale_two), rounds(killed)
+  assert [r["round"] for r in got] == [1, 2, 3, 3] and got[3:] == want[2:]  # round 3's batch restored, not redrawn
+
+
+def reward_service_down(prompt, completion, meta):
+  """A reward that fails (on the rollout process: across hosts the rollout side scores its batches)."""
+  raise RuntimeError("reward service down")
+
+
+@pytest.mark.slow
+def test_a_rollout_process_that_fails_ends_the_trainer_with_rollout_died(tmp_path):
+  """The rollout process's error reaches the trainer's producer: a `rollout_died` event naming the process
+  and the error, and the error's exit code on both processes (a reward that raises is exit 2, as in a
+  synchronous round), within seconds (no timeout waited out)."""
+  result = _run(tmp_path / "died", ["--config.post.reward=test_async_rl:reward_service_down", "--config.steps=1"], 2)
+  assert "(processes, in exit order: 2, 2)" in result.stderr, result.stderr[-5000:]
+  [died] = [e for e in read_events(tmp_path / "died/events.jsonl") if e["kind"] == "rollout_died"]
+  assert "rollout process 1: UserError: config.post.reward='test_async_rl:reward_service_down' raised RuntimeError: " \
+      "reward service down" in died["error"] and died["round"] == 1
+  assert not [e for e in read_events(tmp_path / "died/events.jsonl") if e["kind"] == "rollout_stall"]

@@ -19,6 +19,7 @@ from maxtrain import config as config_lib
 from maxtrain.checkpoint import manifest
 from maxtrain.checkpoint.tiers import Restored, saved_step
 from maxtrain.errors import UserError
+from maxtrain.runtime.kv import KeyValue
 from maxtrain.sharding.layout import param_name, with_shardings
 
 
@@ -31,8 +32,18 @@ def opt_state_paths(state) -> list[str]:
   return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(state.opt_state)]
 
 
+def processes() -> ocp.options.MultiprocessingOptions:
+  """The processes that save and restore together: every process, or an RL trainer's when its rollout side
+  is processes of their own that never touch a checkpoint (runtime/kv.py KeyValue.group)."""
+  return ocp.options.MultiprocessingOptions(active_processes=set(range(KeyValue.group)) if KeyValue.group else None)
+
+
+def _checkpointer() -> ocp.Checkpointer:
+  return ocp.Checkpointer(ocp.CompositeCheckpointHandler(), multiprocessing_options=processes())
+
+
 def read_meta(path: Path) -> dict:
-  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  checkpointer = _checkpointer()
   return checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
 
@@ -67,7 +78,7 @@ def check_compatible(path: Path, meta: dict, abstract_state: Any) -> None:
 
 
 def restore_unchecked(path: Path, abstract_state: Any, shardings: Any) -> Restored:
-  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  checkpointer = _checkpointer()
   meta = read_meta(path)
   check_compatible(path, meta, abstract_state)
   target = with_shardings(abstract_state, shardings)

@@ -26,10 +26,11 @@ import orbax.checkpoint as ocp
 
 import maxtrain
 from maxtrain.errors import UserError, require_writable_dir
+from maxtrain.runtime.kv import KeyValue
 from maxtrain.checkpoint import manifest
 from maxtrain.checkpoint.remote import S3Mirror
 from maxtrain.runtime.lock import RunLock
-from maxtrain.checkpoint.durable_read import DurableReader, opt_state_paths, param_shapes, read_meta
+from maxtrain.checkpoint.durable_read import DurableReader, opt_state_paths, param_shapes, processes, read_meta
 from maxtrain.checkpoint.tiers import Restored
 from maxtrain.config import schema
 
@@ -163,7 +164,9 @@ class Checkpointer:
         max_to_keep=ckpt_cfg.max_to_keep if ckpt_cfg.max_to_keep > 0 else None,
         keep_period=ckpt_cfg.keep_every if ckpt_cfg.keep_every > 0 else None,
         enable_async_checkpointing=ckpt_cfg.async_save,
-        create=True,
+        create=not KeyValue.group,  # with active_processes Orbax does not: check_writable made it
+        # An RL trainer whose rollout side is processes of their own: only the trainer's save (runtime/kv.py)
+        multiprocessing_options=processes(),
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self.saves = _Saves(self._manager, self.directory, self.remote)
@@ -217,6 +220,10 @@ class Checkpointer:
       return None  # already saved (e.g. the final step coincides with a periodic save)
     meta = {**meta, "version": maxtrain.__version__, "param_shapes": param_shapes(state),
             "opt_state_paths": opt_state_paths(state), "wall_time": time.time(), "step": step}
+    if KeyValue.group == 1 and jax.process_count() > 1:
+      # One trainer process of a job whose rollout side is processes of their own: Orbax refuses arrays one
+      # process holds whole in a multi-process job, so they are saved as the host arrays they are (same files).
+      state = jax.device_get(state)
     return self.saves.start(step, ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
 

@@ -306,7 +306,7 @@ def base_config() -> ml_collections.ConfigDict:
   p.log_rollouts = False  # rl: append each round's prompts, completions and rewards to <output_dir>/rollouts.jsonl.
   p.continuous_batching = 0  # rl: rows of the rollout generator's decode batch with continuous batching (a completion that ends frees its row for the next prompt; rounded up to the batch shards); 0 = off: the round's prompts in one static batch.
   p.pack_updates = False  # rl: pack the update batch's completions into fewer rows (first-fit; document ids keep them apart): the same per-token loss over less padding (token-level losses only: not dr_grpo, gspo, ppo).
-  p.rollout_devices = 0  # rl: the last N local devices only generate rollouts, on a mesh of their own (fsdp over them); 0 = on the trainer's mesh.
+  p.rollout_devices = 0  # rl: the last N devices only generate rollouts, on a mesh of their own (fsdp over them; with several processes whole processes, the last ones); 0 = on the trainer's mesh.
   p.max_staleness = 0  # rl: policy versions a round's rollouts lag its update (round k trains on version k-1-N's); 0 = synchronous (bitwise today's run).
   p.correction = "none"  # rl: off-policy correction of the loss by the rollout's own log-probs: none | tis (truncated) | mis (masked) | decoupled (PPO, AReaL).
   p.is_cap = 2.0  # rl: the importance-weight cap of post.correction (tis: weights truncated at it; mis: tokens outside [1/cap, cap] masked; decoupled: above it masked).

@@ -52,6 +52,7 @@ from maxtrain.runtime.preemption import StopRequest
 from maxtrain.program import plan as plan_lib
 from maxtrain.program.plan import stage_config, stage_shapes
 from maxtrain.interop import init_from
+from maxtrain.posttrain import remote_rollout
 
 log = logging.getLogger("maxtrain")
 
@@ -60,8 +61,8 @@ class Trainer:
   def __init__(self, cfg: schema.Config, t_process_start: float | None = None):
     self.cfg = cfg = schema.Config.of(cfg)  # typed at load by the shell; a test or tool may hand the ConfigDict
     self.t_start = time.monotonic() if t_process_start is None else t_process_start
-    distributed.initialize_distributed(cfg.runtime)
-    self.kv = KeyValue.current()  # None with one process
+    _initialize(cfg)
+    self.kv = KeyValue.current()  # None with one process (or one trainer process)
     self.program = program_lib.program_for(cfg, jax.devices())
     # A batch ramp's stages each get their step's program, built (outside any mesh context) and checked now.
     self.stage_programs = {cfg.data.batch_size: self.program}
@@ -339,6 +340,26 @@ def prepare_output_dir(out_dir: Path) -> None:
   require_writable_dir(out_dir, f"config.output_dir={out_dir}")
 
 
+def _initialize(cfg: schema.Config) -> bool:
+  """jax.distributed (runtime/distributed.py); True on a process of an RL job's rollout side (whole processes
+  of their own: posttrain/remote_rollout.py), which runs no Loop."""
+  distributed.initialize_distributed(cfg.runtime, cfg.post.sync_timeout_s if cfg.post.rollout_devices else 0.0)
+  return bool(cfg.post.rollout_devices) and remote_rollout.join_trainer_group(cfg)
+
+
 def run(cfg: schema.Config, t_process_start: float | None = None) -> dict:
-  """Trains per `cfg`. Raises UserError on bad input (before compiling), Preempted after saving."""
-  return Trainer(cfg, t_process_start).train()
+  """Trains per `cfg` (or, on a rollout process, serves the trainer's rollouts). Raises UserError on bad
+  input (before compiling), Preempted after saving."""
+  cfg = schema.Config.of(cfg)
+  if _initialize(cfg):
+    return remote_rollout.serve(cfg)
+  code = EXIT_CRASH
+  try:
+    summary = Trainer(cfg, t_process_start).train()
+    code = 0
+    return summary
+  except BaseException as e:
+    code = exit_code(e)
+    raise
+  finally:  # the rollout processes end with the trainer's code (the launcher restarts the job as one)
+    remote_rollout.stop(cfg, code)

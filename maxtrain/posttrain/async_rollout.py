@@ -17,61 +17,32 @@ older than the checkpoint's (`PromptData.in_flight`), with their round, prompt p
 a resumed run trains on those and samples the later ones with its own parameters, as the run that never
 stopped did. Faults: a publish, or the wait for a batch, that takes over post.sync_timeout_s is an event
 (`rollout_stall`) and exit 76 (`errors.Stalled`); an exception in the producer ends the run as it would
-have in a synchronous round (a reward's UserError is exit 2, anything else a crash).
+have in a synchronous round (a reward's UserError is exit 2, anything else a crash). Across hosts the
+rollout side is processes of their own (`remote_rollout.py`): the same queue, with a `Link` that places,
+acknowledges and samples remotely.
 """
 
 from __future__ import annotations
 
-import base64
 import collections
 import dataclasses
-import io
 import logging
 import threading
 import time
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
-from maxtrain import config as config_lib
 from maxtrain.config import redact_text
 from maxtrain.errors import Stalled, UserCodeExit, UserError
 from maxtrain.inference import sampling as sampling_lib
 from maxtrain.monitor import events as ev
-from maxtrain.posttrain import rollout as rollout_lib
+from maxtrain.posttrain import remote_rollout, rollout as rollout_lib
+from maxtrain.posttrain.rollout import decode, encode
 from maxtrain.posttrain.rl import Outcome, RlStepper, completion_tokens
 from maxtrain.program import state as state_lib
-from maxtrain.program.build import program_for, split_devices
-from maxtrain.sharding.mesh import fully_sharded
 
 log = logging.getLogger("maxtrain")
-
-
-def _array(a: np.ndarray) -> str:
-  buf = io.BytesIO()
-  np.save(buf, np.asarray(a), allow_pickle=False)
-  return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _unarray(text: str) -> np.ndarray:
-  return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
-
-
-def encode(r: rollout_lib.Rollout) -> dict:
-  """A rollout as JSON (the checkpoint's data state): arrays as .npy bytes, bit for bit."""
-  return {"examples": r.examples, "texts": r.texts, "positions": r.positions, "dropped_groups": r.dropped_groups,
-          "score_s": r.score_s, "rows": {k: _array(v) for k, v in r.rows.items()},
-          "parts": {k: _array(v) for k, v in r.parts.items()},
-          **{k: _array(getattr(r, k)) for k in ("lengths", "rewards", "sampled_rewards")}}
-
-
-def decode(d: dict) -> rollout_lib.Rollout:
-  return rollout_lib.Rollout(examples=d["examples"], rows={k: _unarray(v) for k, v in d["rows"].items()},
-                             lengths=_unarray(d["lengths"]), texts=d["texts"], rewards=_unarray(d["rewards"]),
-                             parts={k: _unarray(v) for k, v in d["parts"].items()}, positions=d["positions"],
-                             sampled_rewards=_unarray(d["sampled_rewards"]), dropped_groups=d["dropped_groups"],
-                             score_s=d["score_s"])
 
 
 @dataclasses.dataclass
@@ -95,8 +66,10 @@ class RolloutSide:
   """The producer thread, the published versions and the queue of rollout batches (module docstring)."""
 
   def __init__(self, data: Any, place: Callable[[Any], Any], generator_for: Callable[[Any], Any], post: Any,
-               seed: int, seq_len: int, observers: Any, events: Any, startup_s: float = 0.0):
-    self.data, self.place, self.generator_for, self.post = data, place, generator_for, post
+               seed: int, seq_len: int, observers: Any, events: Any, startup_s: float = 0.0, link: Any = None):
+    """`link`: the rollout side is processes of their own (remote_rollout.Link: it places, acknowledges and
+    samples); None: the producer samples here, on the devices `place` puts the parameters on."""
+    self.data, self.place, self.generator_for, self.post, self.link = data, place, generator_for, post, link
     self.seed, self.seq_len, self.observers, self.events = seed, seq_len, observers, events
     self.staleness, self.timeout = int(post.max_staleness), float(post.sync_timeout_s)
     self.startup_s, self.first = float(startup_s), True
@@ -131,6 +104,8 @@ class RolloutSide:
     self.next_round = round_ + len(made)
     self.next_position = made[-1].position + 1 if made else position
     self.versions = {}
+    if self.link is not None:
+      self.link.restart()
     self._publish(params, version)
     self.thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
     self.thread.start()
@@ -208,15 +183,23 @@ class RolloutSide:
     placed = self.place(params)
     done = threading.Event()
     completes = self.observers.publish(version)  # False: a drill's transfer that never completes
+    failed: list[BaseException] = []
 
     def wait() -> None:  # a thread of its own: block_until_ready has no timeout
-      jax.block_until_ready(placed)
+      try:
+        jax.block_until_ready(placed) if self.link is None else self.link.wait(placed)
+      except BaseException as e:  # noqa: BLE001 - the rollout process died: ends the publish below
+        failed.append(e)
+        done.set()
+        return
       if completes:
         done.set()
 
     threading.Thread(target=wait, name="publish", daemon=True).start()
     if not done.wait(self.timeout):
       self._stalled("publish", version, time.monotonic() - t0)
+    if failed:
+      raise self._died(failed[0])
     with self.cond:
       self.versions[version] = placed
       self.trainer_version = version
@@ -259,7 +242,12 @@ class RolloutSide:
         # A drill may hold the producer until the run stops (a hung worker) or raise (a worker that dies).
         if self.observers.rollout(k, self.stopping):
           return
-        r = rollout_lib.sample(self.data, self.generator_for(params), params, q, self.post, self.seed, self.seq_len)
+        if self.link is not None:  # params: the publish's number on the rollout processes
+          r = self.link.sample(k, q, need, params, self.stopping)
+          if r is None:  # stopping
+            return
+        else:
+          r = rollout_lib.sample(self.data, self.generator_for(params), params, q, self.post, self.seed, self.seq_len)
         made = Made(k, q, need, r, encode(r))
         with self.cond:
           self.items.append(made)
@@ -269,29 +257,28 @@ class RolloutSide:
           self._forget()
           self.cond.notify_all()
     except BaseException as e:  # noqa: BLE001 - handed to the trainer, which ends the run with its code
-      self.events.emit(ev.ROLLOUT_DIED, self.trainer_version, round=self.next_round,
-                       version=self._need(self.next_round), error=redact_text(f"{type(e).__name__}: {e}")[:1000])
-      if not isinstance(e, (UserError, UserCodeExit)):  # a crash (exit 1): its message says which side died
-        died = RuntimeError(f"the rollout producer thread died at round {self.next_round}: {type(e).__name__}: {e}")
-        died.__cause__, e = e, died
+      e = self._died(e)
       with self.cond:
         self.error = e
         self.cond.notify_all()
 
+  def _died(self, e: BaseException) -> BaseException:
+    """The `rollout_died` event; the error the trainer raises (a crash names the side that died)."""
+    self.events.emit(ev.ROLLOUT_DIED, self.trainer_version, round=self.next_round,
+                     version=self._need(self.next_round), error=redact_text(f"{type(e).__name__}: {e}")[:1000])
+    if not isinstance(e, (UserError, UserCodeExit)):  # a crash (exit 1): its message says which side died
+      died = RuntimeError(f"the rollout producer thread died at round {self.next_round}: {type(e).__name__}: {e}")
+      died.__cause__, e = e, died
+    return e
+
 
 def rollout_placement(cfg: Any, program: Any) -> tuple[Any, Callable[[Any], Any]]:
-  """(the rollout side's program, params -> the rollout side's copy): with post.rollout_devices, a program
-  on the last devices (the model fully sharded over them; nothing else of it is built or run) and
-  a device_put onto its parameter sharding; without, the trainer's program and a copy (the trainer's
-  state is donated to its next update)."""
-  devices = split_devices(cfg, jax.devices())[1]
-  if not devices:
+  """(the rollout side's program, params -> the rollout side's copy): with post.rollout_devices, its
+  program (rollout.rollout_program) and a device_put onto its parameter sharding; without, the trainer's
+  program and a copy (the trainer's state is donated to its next update)."""
+  rollout_program = rollout_lib.rollout_program(cfg)
+  if rollout_program is None:
     return program, lambda params: jax.tree.map(lambda x: x.copy(), params)
-  changes = {"post.rollout_devices": 0, "post.max_staleness": 0, "post.rollout_dtype": "", **fully_sharded(cfg.mesh)}
-  if cfg.post.rollout_dtype:  # e.g. a bf16 rollout mesh under an fp32 trainer (the mismatch rl/mismatch_kl measures)
-    changes.update({"model.param_dtype": cfg.post.rollout_dtype, "model.compute_dtype": cfg.post.rollout_dtype})
-  rcfg = config_lib.with_values(config_lib.Config.of(cfg), changes)
-  rollout_program = program_for(rcfg, devices, require_data=False)
   shardings = rollout_program.state.shardings.params
   dtypes = jax.tree.map(lambda a: a.dtype, rollout_program.state.abstract.params)
   return rollout_program, lambda params: jax.device_put(jax.tree.map(lambda x, d: x.astype(d), params, dtypes),
@@ -306,15 +293,21 @@ class AsyncRlStepper(RlStepper):
                events: Any):
     super().__init__(cfg, program, observers, metrics, out_dir, starting_state)
     self.rollout_program, place = rollout_placement(cfg, program)
+    link = None
+    if remote_rollout.rollout_processes(cfg):  # the rollout side is processes of their own (across hosts)
+      link = remote_rollout.Link(program, self.rollout_program)
+      place = link.place
     self._generator = None
     self.side = RolloutSide(self.data, place, self._generator_for, cfg.post, cfg.seed, cfg.data.seq_len, observers, events,
-                             startup_s=cfg.watchdog.startup_timeout_s)
+                             startup_s=cfg.watchdog.startup_timeout_s, link=link)
     self._restart, self._round_end = True, None
     self._dropped_total = 0
 
   def describe(self) -> str:
     where = (f"{self.cfg.post.rollout_devices} rollout devices" if self.cfg.post.rollout_devices
              else "rollouts on the trainer's devices")
+    if self.side.link is not None:
+      where += f" on processes {remote_rollout.rollout_processes(self.cfg)}"
     return (f"{super().describe()}; async: {where}, max_staleness {self.cfg.post.max_staleness}, correction "
             f"{self.cfg.post.correction}")
 

@@ -5,21 +5,29 @@ turned into training rows.
 Prompt batch q (the data position) is sampled with a seed derived from (seed, q), so a resumed run
 samples the same completions. With dynamic sampling (DAPO) a round draws batches q, q + 1, ... (up to
 post.max_draws) until it holds post.prompts_per_step groups whose rewards differ; the position moves
-past every batch drawn, so it only moves forward, as pretraining's loader does.
+past every batch drawn, so it only moves forward, as pretraining's loader does. A rollout travels as JSON
+(`encode`/`decode`: the checkpoint's in-flight queue, the batches a rollout process posts back), and with
+post.rollout_devices it is sampled by the rollout side's own program (`rollout_program`).
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import io
 import time
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
+from maxtrain import config as config_lib
 from maxtrain.errors import require
 from maxtrain.posttrain import rewards as rewards_lib
 from maxtrain.inference import continuous
 from maxtrain.inference.sampling import Sampling
+from maxtrain.program.build import program_for, split_devices
+from maxtrain.sharding.mesh import fully_sharded
 
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "sampler_logp", "entropy")
 
@@ -121,3 +129,42 @@ def select(rollouts: Sequence[Rollout], group_size: int, groups: int, dynamic: b
                  positions=[q for r in rollouts for q in r.positions],
                  sampled_rewards=np.concatenate([r.rewards for r in rollouts]),
                  dropped_groups=len(equal) - max(0, groups - len(varied)), score_s=sum(r.score_s for r in rollouts))
+
+
+def _array(a: np.ndarray) -> str:
+  buf = io.BytesIO()
+  np.save(buf, np.asarray(a), allow_pickle=False)
+  return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _unarray(text: str) -> np.ndarray:
+  return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+
+
+def encode(r: Rollout) -> dict:
+  """A rollout as JSON (the checkpoint's data state): arrays as .npy bytes, bit for bit."""
+  return {"examples": r.examples, "texts": r.texts, "positions": r.positions, "dropped_groups": r.dropped_groups,
+          "score_s": r.score_s, "rows": {k: _array(v) for k, v in r.rows.items()},
+          "parts": {k: _array(v) for k, v in r.parts.items()},
+          **{k: _array(getattr(r, k)) for k in ("lengths", "rewards", "sampled_rewards")}}
+
+
+def decode(d: dict) -> Rollout:
+  return Rollout(examples=d["examples"], rows={k: _unarray(v) for k, v in d["rows"].items()},
+                             lengths=_unarray(d["lengths"]), texts=d["texts"], rewards=_unarray(d["rewards"]),
+                             parts={k: _unarray(v) for k, v in d["parts"].items()}, positions=d["positions"],
+                             sampled_rewards=_unarray(d["sampled_rewards"]), dropped_groups=d["dropped_groups"],
+                             score_s=d["score_s"])
+
+
+def rollout_program(cfg: Any) -> Any:
+  """The rollout side's program on the last post.rollout_devices devices (the model fully sharded over
+  them; nothing else of it is built or run), or None without them."""
+  devices = split_devices(cfg, jax.devices())[1]
+  if not devices:
+    return None
+  changes = {"post.rollout_devices": 0, "post.max_staleness": 0, "post.rollout_dtype": "", **fully_sharded(cfg.mesh)}
+  if cfg.post.rollout_dtype:  # e.g. a bf16 rollout mesh under an fp32 trainer (the mismatch rl/mismatch_kl measures)
+    changes.update({"model.param_dtype": cfg.post.rollout_dtype, "model.compute_dtype": cfg.post.rollout_dtype})
+  rcfg = config_lib.with_values(config_lib.Config.of(cfg), changes)
+  return program_for(rcfg, devices, require_data=False)

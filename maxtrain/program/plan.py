@@ -97,7 +97,9 @@ def validate(cfg: schema.Config, num_devices: int, num_processes: int = 1, *,
   require(cfg.eval.batches > 0, f"config.eval.batches={cfg.eval.batches}: must be > 0")
 
   choice("mesh.rules", cfg.mesh.rules, tuple(rules_lib.RULE_SETS))
-  num_devices -= _validate_rollout_devices(cfg, num_devices, num_processes)  # the trainer's mesh: the rest
+  rollout_devices, rollout_processes = _validate_rollout_devices(cfg, num_devices, num_processes)
+  num_devices -= rollout_devices  # the trainer's mesh: the rest (across hosts: its processes only)
+  num_processes -= rollout_processes
   mesh_layout = mesh_lib.from_config(cfg.mesh, num_devices)
   layout = Layout(mesh_layout.sizes, rules_lib.get(cfg.mesh.rules))
   unused = layout.unused_axes()
@@ -175,19 +177,26 @@ DYNAMIC_SAMPLING_ALGORITHMS = ("dapo",)  # post.algorithm values that draw a var
 ROW_LEVEL_ALGORITHMS = ("dr_grpo", "gspo", "ppo")  # losses that read whole rows (a per-row sum, the row count, a critic)
 
 
-def _validate_rollout_devices(cfg: schema.Config, num_devices: int, num_processes: int) -> int:
+def _validate_rollout_devices(cfg: schema.Config, num_devices: int,
+                              num_processes: int) -> tuple[int, int]:
   """post.rollout_devices: how many of the run's devices generate rollouts only (the last ones), checked
-  before the trainer's mesh is laid out over the rest."""
+  before the trainer's mesh is laid out over the rest. Returns (rollout devices, rollout processes): on
+  one host a part of its devices; across hosts whole processes (posttrain/remote_rollout.py), the last ones."""
   n = cfg.post.rollout_devices
   if not n:
-    return 0
+    return 0, 0
   require(MODES.get(cfg.post.mode) == "rl", f"config.post.rollout_devices={n} with post.mode={cfg.post.mode!r}: "
           "a rollout mesh is for RL only; set post.rollout_devices=0")
   require(0 < n < num_devices, f"config.post.rollout_devices={n} leaves {num_devices} - {n} = {num_devices - n} "
           f"devices for the trainer: it must be in 0..{num_devices - 1} (0 = rollouts on the trainer's mesh)")
-  require(num_processes == 1, f"config.post.rollout_devices={n} with {num_processes} processes: the rollout mesh "
-          "is built on one host's devices only; set post.rollout_devices=0 for a multi-process run")
-  return n
+  if num_processes == 1:
+    return n, 0
+  per_process = num_devices // num_processes
+  require(n % per_process == 0, f"config.post.rollout_devices={n} with {num_processes} processes of {per_process} "
+          f"devices: across hosts the rollout side is whole processes (the last ones), so it must be a multiple of "
+          f"{per_process}; set post.rollout_devices to one of "
+          f"{', '.join(str(per_process * k) for k in range(1, num_processes))}")
+  return n, n // per_process
 
 
 def _validate_async(cfg: schema.Config) -> None:

@@ -24,19 +24,31 @@ EXIT = "exit"  # the notice that ends a process's own notice thread
 class KeyValue:
   """A thin wrapper over jax's DistributedRuntimeClient; keys are prefixed with `maxtrain/`."""
 
+  # > 0: this process agrees with the job's first `group` processes only (an RL trainer's: its rollout side
+  # is processes of their own that run no Loop, posttrain/remote_rollout.py). Process-wide, like the job.
+  group = 0
+
   def __init__(self, client, process_index: int, process_count: int):
     self.client, self.process_index, self.process_count = client, process_index, process_count
 
   @classmethod
   def current(cls) -> "KeyValue | None":
-    """The store of this job, or None with one process (nothing to agree with)."""
+    """The store of this job (of this process's group), or None with one process (nothing to agree with)."""
     import jax
     from jax._src import distributed
 
-    client = distributed.global_state.client
-    if client is None or jax.process_count() == 1:
+    client, count = distributed.global_state.client, cls.group or jax.process_count()
+    if client is None or count == 1:
       return None
-    return cls(client, jax.process_index(), jax.process_count())
+    return cls(client, jax.process_index(), count)
+
+  @classmethod
+  def job(cls) -> "KeyValue":
+    """The whole job's store (every process, whatever the group): the trainer and its rollout processes."""
+    import jax
+    from jax._src import distributed
+
+    return cls(distributed.global_state.client, jax.process_index(), jax.process_count())
 
   def set(self, key: str, value: str) -> None:
     self.client.key_value_set(PREFIX + key, value, allow_overwrite=True)
@@ -52,7 +64,8 @@ class KeyValue:
 
   def barrier(self, name: str, timeout_s: float) -> None:
     """Returns once every process reached the barrier `name` (each name used once); raises after `timeout_s`."""
-    self.client.wait_at_barrier(PREFIX + name, max(1, int(timeout_s * 1000)))
+    processes = list(range(self.process_count)) if self.group else None  # None: every process of the job
+    self.client.wait_at_barrier(PREFIX + name, max(1, int(timeout_s * 1000)), processes)
 
   def delete(self, key: str) -> None:
     self.client.key_value_delete(PREFIX + key)
