@@ -159,6 +159,9 @@ COMPONENTS: dict[str, tuple[str, str]] = {
     "working_set": ("working set (peak phase)", "the larger of: the loss phase (gathered head, its full "
                     "gradient, fp32 logits) and one layer's recompute + backward (attention scores, "
                     "gathered layer weights and their full gradients)"),
+    "pipeline_weight_copies": ("pipeline stage weight copies", "under a pipeline: the pipelined stack's weights "
+                               "copied into the stage loop and the layer scan's stacked gradient of one iteration "
+                               "beside the iteration scan's accumulator (+ one more without gradient accumulation)"),
     "offload_update": ("offloaded state on device (update)", "optimizer.offload=host: the largest streamed group's "
                        "moments on the device for the update, beyond the activations the backward pass freed "
                        "before it"),
@@ -308,6 +311,21 @@ def _largest_streamed_group(table: list[Param], moments: dict[str, int], state_b
              default=0)
 
 
+def _pipeline_weight_copies(table: list[Param], m: ModelConfig, plan: Any) -> int:
+  """Bytes per device of the pipelined stack's weights (`moe_blocks` of a MoE model, whose dense first layers run
+  before the pipeline; `blocks` otherwise) that XLA holds beyond the estimate's one gradient during the pipeline's
+  backward: the stage loop's copy of the stage's weights [L/S, R, ...] (the loop's operand; the stored ones are
+  donated to the update) and the layer scan's stacked per-layer gradient of one iteration, which is added to the
+  iteration scan's accumulator (the `gradients` term) only after the layer scan ends. Without gradient accumulation
+  the compile holds one more such copy (DeepSeek-V3 671B: 3, llama3_405b with 64 accumulation steps: 2 of its
+  stage's weights over the no-copy estimate; `--xla_dump_to`'s buffer assignment, docs/fitting.md)."""
+  if plan.pipeline is None:
+    return 0
+  stack = "moe_blocks/" if m.moe.enabled and m.moe.num_moe_layers(m.num_layers) else "blocks/"
+  stage_weights = sum(p.local_size * _itemsize(p.dtype) for p in table if p.name.startswith(stack))
+  return stage_weights * (2 if plan.batch.num_microbatches > 1 else 3)
+
+
 def _grad_accumulators(table: list[Param], m: ModelConfig, layout: Layout) -> int:
   """fp32 gradient sums of gradient accumulation. XLA's sharding propagation leaves the embedding's and
   head's accumulators whole (over fsdp) when their gradients arrive in another dtype (bf16 compute, fp32
@@ -400,9 +418,9 @@ def estimate(cfg: schema.Config, num_devices: int, num_processes: int = 1) -> Es
     streamed_group = _largest_streamed_group(table, moments, state_bytes, o.offload_groups)
   memory = {
       "weights": weights, "optimizer_state": optimizer_state, "other_state": other_state,
-      "host_optimizer_state": host_optimizer_state, "host_activations": host_activations,
-      "state_copy": state_copy, "gradients": gradients, "grad_accumulators": grad_accumulators,
-      "saved_activations": saved, "working_set": max(loss_phase, layer_phase),
+      "host_optimizer_state": host_optimizer_state, "host_activations": host_activations, "state_copy": state_copy,
+      "gradients": gradients, "grad_accumulators": grad_accumulators, "saved_activations": saved,
+      "working_set": max(loss_phase, layer_phase), "pipeline_weight_copies": _pipeline_weight_copies(table, m, plan),
       # The update phase brings one group's moments to the device after the backward pass freed the activations:
       # it raises the peak only by what they exceed them by.
       "offload_update": max(0, streamed_group - saved - max(loss_phase, layer_phase)),
