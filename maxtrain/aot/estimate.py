@@ -159,9 +159,10 @@ COMPONENTS: dict[str, tuple[str, str]] = {
     "working_set": ("working set (peak phase)", "the larger of: the loss phase (gathered head, its full "
                     "gradient, fp32 logits) and one layer's recompute + backward (attention scores, "
                     "gathered layer weights and their full gradients)"),
-    "pipeline_weight_copies": ("pipeline stage weight copies", "under a pipeline: the pipelined stack's weights "
-                               "copied into the stage loop and the layer scan's stacked gradient of one iteration "
-                               "beside the iteration scan's accumulator (+ one more without gradient accumulation)"),
+    "pipeline_weight_copies": ("pipeline stage weight copies", "under a pipeline: 2 (3 without gradient "
+                               "accumulation) copies of the pipelined stack's weights, calibrated on the pipelined "
+                               "GPU presets' compiles: the stage loop's copy of the weights and its gradient "
+                               "accumulators are live from the step's start on XLA:CPU (docs/fitting.md)"),
     "offload_update": ("offloaded state on device (update)", "optimizer.offload=host: the largest streamed group's "
                        "moments on the device for the update, beyond the activations the backward pass freed "
                        "before it"),
@@ -312,13 +313,15 @@ def _largest_streamed_group(table: list[Param], moments: dict[str, int], state_b
 
 
 def _pipeline_weight_copies(table: list[Param], m: ModelConfig, plan: Any) -> int:
-  """Bytes per device of the pipelined stack's weights (`moe_blocks` of a MoE model, whose dense first layers run
-  before the pipeline; `blocks` otherwise) that XLA holds beyond the estimate's one gradient during the pipeline's
-  backward: the stage loop's copy of the stage's weights [L/S, R, ...] (the loop's operand; the stored ones are
-  donated to the update) and the layer scan's stacked per-layer gradient of one iteration, which is added to the
-  iteration scan's accumulator (the `gradients` term) only after the layer scan ends. Without gradient accumulation
-  the compile holds one more such copy (DeepSeek-V3 671B: 3, llama3_405b with 64 accumulation steps: 2 of its
-  stage's weights over the no-copy estimate; `--xla_dump_to`'s buffer assignment, docs/fitting.md)."""
+  """Bytes per device that a pipelined step's compile holds beyond the other terms, as copies of the pipelined
+  stack's weights (`moe_blocks` of a MoE model, whose dense first layers run before the pipeline; `blocks`
+  otherwise): 2 with gradient accumulation, 3 without. Calibrated on the compiles of the two pipelined GPU presets
+  (docs/fitting.md: deepseek_v3_671b 93.00 GiB compiled, llama3_405b 104.40), not derived buffer by buffer.
+  What `--xla_dump_to`'s live ranges show for deepseek_v3_671b: XLA:CPU copies the stage's weights into the
+  stage loop's layout (the while loop's operand; the stored ones are donated to the update) and zero-fills the
+  stage loop's fp32 gradient accumulators at the start of the step, so both are live at the peak, which falls in
+  the loss's and the dense first layers' backward (before the pipeline's backward loop), beside those layers'
+  whole-batch attention buffers (5 x 3 GiB), which `working_set` (one pipeline microbatch) does not count."""
   if plan.pipeline is None:
     return 0
   stack = "moe_blocks/" if m.moe.enabled and m.moe.num_moe_layers(m.num_layers) else "blocks/"
