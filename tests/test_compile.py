@@ -248,6 +248,26 @@ def test_estimate_reports_per_stage_memory():
   assert f"held {2 * its - 1} iterations" in table and "max over stages" in table
 
 
+def test_pipeline_weight_copies_term():
+  """Under a pipeline the estimate adds copies of the pipelined stack's per-device weights (calibrated on the
+  pipelined GPU presets' compiles, docs/fitting.md): 3 without gradient accumulation, 2 with; none without a
+  pipeline. 8 layers of a d_model 256 model on pipeline=4 x fsdp=2: each device's stage holds 2 layers' half."""
+  from maxtrain.models import registry
+  from maxtrain.program.plan import validate
+
+  def copies(args, devices=8):
+    cfg = config_lib.load(args)
+    layout = validate(cfg, devices, 1, require_data=False).layout
+    table = estimate_lib.param_table(registry.model_config(cfg.model), layout, cfg.optimizer.name)
+    blocks = sum(p.local_size * 4 for p in table if p.name.startswith("blocks/"))  # fp32 parameters
+    return estimate_lib.estimate(cfg, devices).memory["pipeline_weight_copies"], blocks
+  got, blocks = copies(PIPELINED)
+  assert blocks > 0 and got == 3 * blocks
+  got, blocks = copies(PIPELINED + ["--config.data.batch_size=32", "--config.optimizer.microbatch_size=8"])  # 2 steps
+  assert got == 2 * blocks
+  assert copies(["--config.mesh.fsdp=8"] + PIPELINED[2:4])[0] == 0  # no pipeline
+
+
 def _tanh_stack_grad_float64(w, x):
   """d/dw of sum(y^2), y = layers of tanh(x @ w[l]), in float64 NumPy (forward, then the chain rule by hand)."""
   import numpy as np
