@@ -159,10 +159,9 @@ COMPONENTS: dict[str, tuple[str, str]] = {
     "working_set": ("working set (peak phase)", "the larger of: the loss phase (gathered head, its full "
                     "gradient, fp32 logits) and one layer's recompute + backward (attention scores, "
                     "gathered layer weights and their full gradients)"),
-    "pipeline_weight_copies": ("pipeline stage weight copies", "under a pipeline: 2 (3 without gradient "
-                               "accumulation) copies of the pipelined stack's weights, calibrated on the pipelined "
-                               "GPU presets' compiles: the stage loop's copy of the weights and its gradient "
-                               "accumulators are live from the step's start on XLA:CPU (docs/fitting.md)"),
+    "pipeline_extra": ("pipeline extra (calibrated)", "under a pipeline: what the compiled pipelined step holds "
+                       "beyond the other terms, sized as 2 (3 without gradient accumulation) copies of the pipelined "
+                       "stack's weights: calibrated on the pipelined GPU presets' compiles (docs/fitting.md)"),
     "offload_update": ("offloaded state on device (update)", "optimizer.offload=host: the largest streamed group's "
                        "moments on the device for the update, beyond the activations the backward pass freed "
                        "before it"),
@@ -312,16 +311,15 @@ def _largest_streamed_group(table: list[Param], moments: dict[str, int], state_b
              default=0)
 
 
-def _pipeline_weight_copies(table: list[Param], m: ModelConfig, plan: Any) -> int:
-  """Bytes per device that a pipelined step's compile holds beyond the other terms, as copies of the pipelined
-  stack's weights (`moe_blocks` of a MoE model, whose dense first layers run before the pipeline; `blocks`
-  otherwise): 2 with gradient accumulation, 3 without. Calibrated on the compiles of the two pipelined GPU presets
-  (docs/fitting.md: deepseek_v3_671b 93.00 GiB compiled, llama3_405b 104.40), not derived buffer by buffer.
-  What `--xla_dump_to`'s live ranges show for deepseek_v3_671b: XLA:CPU copies the stage's weights into the
-  stage loop's layout (the while loop's operand; the stored ones are donated to the update) and zero-fills the
-  stage loop's fp32 gradient accumulators at the start of the step, so both are live at the peak, which falls in
-  the loss's and the dense first layers' backward (before the pipeline's backward loop), beside those layers'
-  whole-batch attention buffers (5 x 3 GiB), which `working_set` (one pipeline microbatch) does not count."""
+def _pipeline_extra(table: list[Param], m: ModelConfig, plan: Any) -> int:
+  """Bytes per device a pipelined step's compile holds beyond the other terms, sized as copies of the pipelined
+  stack's per-device weights (`moe_blocks` of a MoE model, whose dense first layers run before the pipeline;
+  `blocks` otherwise): 2 with gradient accumulation, 3 without. Calibrated on the compiles of the two pipelined GPU
+  presets (deepseek_v3_671b 93.00 GiB, llama3_405b 114.68), not derived buffer by buffer: what the live ranges at
+  their peaks (`--xla_dump_to`, docs/fitting.md) show beyond the estimate's own terms is, on XLA:CPU, the stage
+  loop's copy of the stage weights (the loop's operand) and its fp32 gradient accumulators, both allocated at the
+  start of the step, next to deepseek_v3_671b's dense first layers' whole-batch attention buffers and
+  llama3_405b's stage inputs saved in fp32 and its fp32 stage-boundary sends, which the terms above undercount."""
   if plan.pipeline is None:
     return 0
   stack = "moe_blocks/" if m.moe.enabled and m.moe.num_moe_layers(m.num_layers) else "blocks/"
@@ -423,7 +421,7 @@ def estimate(cfg: schema.Config, num_devices: int, num_processes: int = 1) -> Es
       "weights": weights, "optimizer_state": optimizer_state, "other_state": other_state,
       "host_optimizer_state": host_optimizer_state, "host_activations": host_activations, "state_copy": state_copy,
       "gradients": gradients, "grad_accumulators": grad_accumulators, "saved_activations": saved,
-      "working_set": max(loss_phase, layer_phase), "pipeline_weight_copies": _pipeline_weight_copies(table, m, plan),
+      "working_set": max(loss_phase, layer_phase), "pipeline_extra": _pipeline_extra(table, m, plan),
       # The update phase brings one group's moments to the device after the backward pass freed the activations:
       # it raises the peak only by what they exceed them by.
       "offload_update": max(0, streamed_group - saved - max(loss_phase, layer_phase)),
