@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from maxtrain.inference import sampling as sampling_lib
+from maxtrain.program import batch as batch_lib
 
 CHUNK = 8  # tokens per on-device decode call: the host sees finished rows every CHUNK tokens
 _BATCHERS: "weakref.WeakKeyDictionary[Any, dict[int, ContinuousBatcher]]" = weakref.WeakKeyDictionary()
@@ -187,7 +188,7 @@ class ContinuousBatcher:
           cache, token_R, prompt_R, count_R, first_k, score_k2 = self._refill(
               g.params, cache, token_R, prompt_R, count_R, tokens_kP, valid_kP, rows_k, prompts_k, base, sampling,
               vocab_limit)
-          first_k, score_k2 = np.asarray(first_k), np.asarray(score_k2)
+          first_k, score_k2 = batch_lib.to_host(first_k), batch_lib.to_host(score_k2)  # whole on every process
           for j in range(take_n):
             if take(int(prompts_k[j]), first_k[j:j + 1], score_k2[j:j + 1]):
               row_prompt[rows_k[j]] = -1
@@ -197,7 +198,7 @@ class ContinuousBatcher:
           break
         cache, token_R, count_R, out_RK, score_RK2 = self._decode(g.params, cache, token_R, prompt_R, count_R, base,
                                                                   sampling, vocab_limit)
-        out_RK, score_RK2 = np.asarray(out_RK), np.asarray(score_RK2)  # note: the host syncs once per chunk
+        out_RK, score_RK2 = batch_lib.to_host(out_RK), batch_lib.to_host(score_RK2)  # note: the host syncs once per chunk
         steps += r * self.chunk
         for i in range(r):
           if row_prompt[i] >= 0 and take(row_prompt[i], out_RK[i], score_RK2[i]):

@@ -23,6 +23,7 @@ from maxtrain.data.tokenizer import load_tokenizer
 from maxtrain.errors import UserError, require
 from maxtrain.interop import init_from
 from maxtrain.interop.sources import open_source
+from maxtrain.program import batch as batch_lib
 from maxtrain.program.build import program_for
 
 
@@ -136,7 +137,8 @@ class Generator:
       t1 = time.monotonic()
       tokens_BN, score_BN2 = self._decode(self.params, token_B, score_B2, cache, key, max_new_tokens, sampling,
                                           vocab_limit)
-      tokens_BN, score_BN2 = np.asarray(tokens_BN), np.asarray(score_BN2)
+      # whole on every process (the trainer's mesh may span processes: each then holds only its rows)
+      tokens_BN, score_BN2 = batch_lib.to_host(tokens_BN), batch_lib.to_host(score_BN2)
       t2 = time.monotonic()
     n = len(prompts)
     return tokens_BN[:n], score_BN2[:n], {"prefill_s": t1 - t0, "decode_s": t2 - t1}

@@ -49,7 +49,7 @@ class SftData:
               f"data.seq_len={d.seq_len}, fewer than data.batch_size={self.batch_size}")
       self._entropy = _unigram_entropy(self.train["targets"], self.train["loss_mask"])
     n_eval = min(cfg.eval.batches * self.batch_size, len(evals["inputs"]) // self.batch_size * self.batch_size)
-    self.eval_sets = {"sft": [batch_lib.to_device({k: evals[k][i:i + self.batch_size] for k in KEYS}, batch_shardings)
+    self.eval_sets = {"sft": [batch_lib.global_to_device({k: evals[k][i:i + self.batch_size] for k in KEYS}, batch_shardings)
                               for i in range(0, n_eval, self.batch_size)]}
     self.eval_examples = sft_data.load_examples(p.data, "eval", self.tokenizer)[:p.eval_prompts]
     self.max_new_tokens, self._generator = p.max_new_tokens, None
@@ -84,7 +84,7 @@ class SftData:
 
   def next_batch(self) -> tuple[dict[str, jax.Array], float]:
     t0 = time.monotonic()
-    batch = batch_lib.to_device(self.rows(self.step), self.shardings)
+    batch = batch_lib.global_to_device(self.rows(self.step), self.shardings)  # the whole batch, every process
     self.step += 1
     return batch, time.monotonic() - t0
 

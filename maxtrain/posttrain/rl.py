@@ -35,7 +35,7 @@ from maxtrain.inference import sampling as sampling_lib
 from maxtrain.monitor import events as ev
 from maxtrain.posttrain import algorithms, correction, packing, rl_step, rollout as rollout_lib
 from maxtrain.posttrain.data import PromptData
-from maxtrain.program import state as state_lib
+from maxtrain.program import batch as batch_lib, state as state_lib
 from maxtrain.interop import init_from
 from maxtrain.sharding.layout import with_shardings
 
@@ -123,11 +123,11 @@ class RlStepper:
       zeros = np.zeros_like(mask)
       batch = rl_step.to_device({**host, **{k: zeros for k in self.pieces.batch_shardings if k in rl_step.RL_KEYS
                                             + rl_step.CRITIC_KEYS}}, self.program)
-      host["ref_logp"] = np.asarray(self.pieces.logprobs(self.reference, batch))
-      host["old_logp"] = np.asarray(self.pieces.logprobs(state.params, batch))
+      host["ref_logp"] = batch_lib.to_host(self.pieces.logprobs(self.reference, batch))
+      host["old_logp"] = batch_lib.to_host(self.pieces.logprobs(state.params, batch))
     rewards_PG = trained.reshape(p.prompts_per_step, p.group_size)
     if self.algorithm.critic:  # GAE from the critic's values at the rollout (PPO)
-      host["old_values"] = np.asarray(self.pieces.values(state.params, state.opt_state.params, batch)) * mask
+      host["old_values"] = batch_lib.to_host(self.pieces.values(state.params, state.opt_state.params, batch)) * mask
       host["advantages"], host["returns"] = self.algorithm.advantages(rewards_PG, host["old_logp"], host["ref_logp"],
                                                                       mask, hp, values_BT=host["old_values"])
     else:
@@ -198,7 +198,7 @@ class RlStepper:
                                 self.program)
       m_B = packing.lengths(part["segment_ids"])
       for out, which in ((ref, self.reference), (old, params)):
-        logp = np.asarray(self.pieces.logprobs(which, batch))
+        logp = batch_lib.to_host(self.pieces.logprobs(which, batch))
         out[i * per:(i + 1) * per] = packing.unpack(logp, groups, m_B, part["inputs"].shape)
     return ref, old
 

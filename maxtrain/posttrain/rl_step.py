@@ -174,6 +174,7 @@ def jit_pieces(program: Any, algorithm: str = "grpo", *, on_policy: bool, **hype
 
 
 def to_device(rows: dict[str, np.ndarray], program: Any) -> dict[str, jax.Array]:
-  """Host rows (KEYS + RL_KEYS) -> global arrays with the batch's row sharding."""
+  """Host rows (KEYS + RL_KEYS), the whole round's batch on every process -> global arrays with the
+  batch's row sharding."""
   shardings = {k: program.batch_shardings["inputs"] for k in rows}
-  return batch_lib.to_device(rows, shardings)
+  return batch_lib.global_to_device(rows, shardings)

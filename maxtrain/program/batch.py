@@ -120,3 +120,22 @@ def to_device(rows: dict[str, np.ndarray], batch_shardings: dict[str, NamedShard
   sharding = batch_shardings[pipeline.KEYS[0]]
   return pipeline.to_global(context_order(rows, length_shards(sharding)), sharding)
 
+
+def global_to_device(rows: dict[str, np.ndarray], batch_shardings: dict[str, NamedSharding]) -> dict[str, jax.Array]:
+  """The whole global batch, the same rows on every process -> global arrays laid out for the step, tokens
+  in context order. Post-training builds each batch whole on every process (SFT's permutation, RL's
+  rollout): each process places only the slices its devices hold. (`to_device` would take every
+  process's copy for its own rows: a batch process_count times too large.)"""
+  sharding = batch_shardings[pipeline.KEYS[0]]
+  rows = context_order(rows, length_shards(sharding))
+  return {k: jax.make_array_from_callback(np.shape(v), sharding, lambda index, v=np.asarray(v): v[index])
+          for k, v in rows.items()}
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """A global array whole on every process (`np.asarray` reads only arrays this process holds all of)."""
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils  # only multi-process runs reach here
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
