@@ -252,8 +252,8 @@ CROSS = RUN_ARGS + ["--config.post.rollout_devices=2", "--config.steps=3", "--co
                     "--config.runtime.shutdown_timeout_s=30"]
 
 
-def _run(out: Path, extra: list[str], processes: int, restarts: int = 0) -> subprocess.CompletedProcess:
-  env = {**cpu_env(4 // processes), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]]),
+def _run(out: Path, extra: list[str], processes: int, restarts: int = 0, devices: int = 4) -> subprocess.CompletedProcess:
+  env = {**cpu_env(devices // processes), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]]),
          "JAX_DEFAULT_MATMUL_PRECISION": str(jax.config.jax_default_matmul_precision)}
   args = [*CROSS, *extra, f"--config.output_dir={out}"]
   command = (["-m", "maxtrain.launch", f"--processes={processes}", f"--max-restarts={restarts}", "--backoff=0.1",
@@ -319,3 +319,28 @@ def test_a_rollout_process_that_fails_ends_the_trainer_with_rollout_died(tmp_pat
   assert "rollout process 1: UserError: config.post.reward='test_async_rl:reward_service_down' raised RuntimeError: " \
       "reward service down" in died["error"] and died["round"] == 1
   assert not [e for e in read_events(tmp_path / "died/events.jsonl") if e["kind"] == "rollout_stall"]
+
+
+@pytest.mark.slow
+def test_a_trainer_over_two_processes_with_a_rollout_process(tmp_path):
+  """3 processes x 2 CPU devices, post.rollout_devices=2: the trainer's mesh over processes 0-1 (4 devices),
+  the rollout side process 2. Each publish gathers the parameters on the trainer's 4 devices and sends 2 of
+  the replicas (one from each trainer process) to the rollout's 2 devices (jax refuses a 4-to-2 device
+  transfer); every round's batch reaches both trainer processes through the store and is deleted once both
+  took it (4 rounds: round 1's key goes at round 4). max_staleness=0 against one process with the same split
+  (6 devices, the last 2 rolling out): the same completions every round, the parameters to rtol 1e-5 (the
+  trainer's reductions span 2 processes: not bitwise, as test_multiprocess's synchronous run)."""
+  extra = ["--config.post.max_staleness=0", "--config.steps=4", "--config.mesh.fsdp=-1", "--config.optimizer.eps=1e-2"]
+  one = _run(tmp_path / "one", extra, 1, devices=6)
+  assert one.returncode == 0, one.stderr[-3000:]
+  three = _run(tmp_path / "three", extra, 3, devices=6)
+  assert three.returncode == 0 and "(processes, in exit order: 0, 0, 0)" in three.stderr, three.stderr[-5000:]
+  assert "async: 2 rollout devices on processes [2]" in three.stderr
+  assert "rollout process 2: the trainer ended (exit 0) after" in three.stderr
+  assert rounds(tmp_path / "three") == rounds(tmp_path / "one")  # prompts, completions, rewards
+  a, b = flat(restore_raw(tmp_path / "one/checkpoints", 4)), flat(restore_raw(tmp_path / "three/checkpoints", 4))
+  assert sorted(a) == sorted(b)
+  for key in a:
+    np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=key)
+  before = flat(restore_raw(tmp_path / "three/checkpoints", 2))
+  assert any(not np.array_equal(v, before[k]) for k, v in b.items() if k.startswith("params"))  # it trained

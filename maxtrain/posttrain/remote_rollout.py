@@ -7,8 +7,9 @@ version, sample the batches the trainer asks for, post them back.
 Parameters: the trainer's processes and the rollout processes all call `jax.device_put` from the
 trainer's parameter sharding onto the rollout mesh's (a cross-process transfer, jax's DCN socket transfer
 on a port of each process: runtime/distributed.py transfer_address), in publish order. The transfer needs
-the same sharding layout on both meshes; when the two meshes differ it goes through a replicated copy
-(gathered on the trainer's devices, spread on the rollout side's after).
+the same sharding layout and device count on both sides; when the two meshes differ it goes through a
+replicated copy (gathered on the trainer's devices; min(trainer, rollout devices) of its replicas, spread
+over the trainer's processes, sent to as many rollout devices; spread on the rollout side's after).
 Messages (the coordination service's key-value store, runtime/kv.py, keys `maxtrain/rl/...`): the first
 trainer process posts `pub/<n>` (publish n is coming) and `req/<m>` (round, prompt position, version,
 publish, restart), and `stop` (its exit code) when its run ends however it ends; the first rollout process
@@ -30,7 +31,8 @@ import threading
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtrain.config import redact_text
 from maxtrain.errors import Aborted, Preempted, Stalled, UserError
@@ -69,18 +71,46 @@ def join_trainer_group(cfg: Any) -> bool:
   return jax.process_index() in rollout
 
 
-def transfer_shardings(trainer: Any, rollout: Any) -> tuple[Any, Any]:
-  """(the trainer side's, the rollout side's) sharding of each parameter for the cross-process device_put:
-  the two meshes' own when they lay the parameter out alike (jax transfers shard to shard), else a
-  replicated copy on each (the same on both sides: every process decides it from the same two programs)."""
-  def pair(t: NamedSharding, r: NamedSharding) -> tuple[NamedSharding, NamedSharding]:
+def _spread(devices: list[Any], k: int) -> list[Any]:
+  """The first k of `devices` taken round-robin over their processes (each process's first device, then
+  each one's second, ...): every trainer process sends a share of the copies when k allows."""
+  by_process: dict[int, list[Any]] = {}
+  for d in devices:
+    by_process.setdefault(d.process_index, []).append(d)
+  order = sorted(devices, key=lambda d: (by_process[d.process_index].index(d), d.process_index))
+  return order[:k]
+
+
+def transfer_shardings(trainer: Any, rollout: Any) -> tuple[Any, Any, Any]:
+  """(the trainer's gather, the trainer side's send, the rollout side's receive) sharding of each parameter
+  for the cross-process device_put. When the two meshes lay a parameter out alike: the meshes' own (jax
+  transfers shard to shard; gather is send). Else a replicated copy: gathered on the whole trainer mesh,
+  then k = min(trainer, rollout devices) of its replicas (no copy: the shards already there) sent to k
+  rollout devices, the rollout side spreading them after. jax's cross-process transfer needs device lists
+  of one size on both sides (a 4-device trainer to a 2-device rollout mesh is refused: `CopyArrays only
+  supports destination device list of the same size`). Every process decides it from the same programs."""
+  def pair(t: NamedSharding, r: NamedSharding) -> tuple[NamedSharding, NamedSharding, NamedSharding]:
     if dict(t.mesh.shape) == dict(r.mesh.shape) and t.spec == r.spec:
-      return t, r
-    return NamedSharding(t.mesh, PartitionSpec()), NamedSharding(r.mesh, PartitionSpec())
+      return t, t, r
+    k = min(t.mesh.devices.size, r.mesh.devices.size)
+    source = _spread(list(t.mesh.devices.flat), k)
+    target = list(r.mesh.devices.flat)[:k]
+    return (NamedSharding(t.mesh, PartitionSpec()), NamedSharding(Mesh(np.array(source), ("copies",)), PartitionSpec()),
+            NamedSharding(Mesh(np.array(target), ("copies",)), PartitionSpec()))
 
   pairs = jax.tree.map(pair, trainer, rollout)
-  first = lambda p: isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], NamedSharding)  # noqa: E731
-  return (jax.tree.map(lambda p: p[0], pairs, is_leaf=first), jax.tree.map(lambda p: p[1], pairs, is_leaf=first))
+  first = lambda p: isinstance(p, tuple) and len(p) == 3 and isinstance(p[0], NamedSharding)  # noqa: E731
+  return tuple(jax.tree.map(lambda p, i=i: p[i], pairs, is_leaf=first) for i in range(3))
+
+
+def _to_send(x: jax.Array, gather: NamedSharding, send: NamedSharding) -> jax.Array:
+  """x on the trainer mesh -> the array the cross-process transfer sends: the gathered copies on send's
+  devices (this process's of them; a process holding none of them contributes nothing)."""
+  x = jax.device_put(x, gather)
+  if gather == send:
+    return x
+  mine = set(send.addressable_devices)
+  return jax.make_array_from_single_device_arrays(x.shape, send, [s.data for s in x.addressable_shards if s.device in mine])
 
 
 class Link:
@@ -91,8 +121,8 @@ class Link:
     self.kv = KeyValue.job()
     self.leader = jax.process_index() == 0  # posts the requests; every trainer process sends its shards
     self.dtypes = jax.tree.map(lambda a: a.dtype, rollout_program.state.abstract.params)
-    self.send, self.recv = transfer_shardings(trainer_program.state.shardings.params,
-                                              rollout_program.state.shardings.params)
+    self.gather, self.send, self.recv = transfer_shardings(trainer_program.state.shardings.params,
+                                                           rollout_program.state.shardings.params)
     self.published = self.requests = self.restarts = 0
 
   def place(self, params: Any) -> int:
@@ -101,7 +131,7 @@ class Link:
     if self.leader:
       self.kv.set(f"rl/pub/{n}", str(n))
     cast = jax.tree.map(lambda x, d: x.astype(d), params, self.dtypes)
-    jax.device_put(jax.device_put(cast, self.send), self.recv)  # no shard here: what this process sends
+    jax.device_put(jax.tree.map(_to_send, cast, self.gather, self.send), self.recv)  # no shard here: what it sends
     return n
 
   def wait(self, n: int) -> None:
@@ -167,8 +197,8 @@ class _Receiver:
 
   def __init__(self, cfg: Any, kv: KeyValue, leader: bool, trainer_program: Any, rollout_program: Any):
     self.kv, self.leader, self.keep = kv, leader, int(cfg.post.max_staleness) + 2
-    self.send, self.recv = transfer_shardings(trainer_program.state.shardings.params,
-                                              rollout_program.state.shardings.params)
+    _, self.send, self.recv = transfer_shardings(trainer_program.state.shardings.params,
+                                                 rollout_program.state.shardings.params)
     self.final = rollout_program.state.shardings.params
     self.abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), rollout_program.state.abstract.params)
     self.versions: dict[int, Any] = {}
