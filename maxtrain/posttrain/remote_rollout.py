@@ -110,7 +110,8 @@ def _to_send(x: jax.Array, gather: NamedSharding, send: NamedSharding) -> jax.Ar
   if gather == send:
     return x
   mine = set(send.addressable_devices)
-  return jax.make_array_from_single_device_arrays(x.shape, send, [s.data for s in x.addressable_shards if s.device in mine])
+  return jax.make_array_from_single_device_arrays(x.shape, send,
+                                                 [s.data for s in x.addressable_shards if s.device in mine])
 
 
 class Link:
