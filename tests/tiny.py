@@ -12,10 +12,17 @@ TINY_MODEL = ["--config.model.num_layers=2", "--config.model.d_model=32", "--con
 # passes are untouched, so optimised HLO, collectives and memory_analysis are the same; every bitwise
 # comparison is between runs compiled alike. Never in the default run or tools/bench*.py.
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# XLA:CPU aborts the process when a collective's threads do not all reach its rendezvous within a timeout; on this
+# 2-core machine, with multi-process tests beside an 8-device pipeline test, the device threads can be starved
+# that long (a CI run aborted inside the pipeline fixture's step with no error): wait instead (a real deadlock
+# still ends at pytest's / CI's own limit).
+PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=1200 "
+                       "--xla_cpu_collective_timeout_seconds=1200")
 XLA_DEFAULTS_ENV = "MAXTRAIN_TEST_XLA_DEFAULTS"  # set to 1: conftest leaves XLA's default code generation
 
 
 def cpu_env(devices: int = 8, **extra: str) -> dict[str, str]:
   """os.environ for a test's subprocess: `devices` fake CPU devices, compiled with FAST_COMPILE_FLAGS."""
-  return {**os.environ, "XLA_FLAGS": f"{FAST_COMPILE_FLAGS} --xla_force_host_platform_device_count={devices}",
+  return {**os.environ, "XLA_FLAGS": f"{FAST_COMPILE_FLAGS} {PATIENT_COLLECTIVES} "
+                                                f"--xla_force_host_platform_device_count={devices}",
           "JAX_PLATFORMS": "cpu", **extra}
