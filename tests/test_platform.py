@@ -110,6 +110,31 @@ def test_jax_platforms():
   assert tpu.env["LIBTPU_INIT_ARGS"] == "--xla_tpu_enable_foo=true" and "XLA_FLAGS" not in tpu.env
 
 
+def test_cpu_pools_get_threads_for_every_fake_device():
+  """XLA:CPU's pools: 4 threads per fake device (a collective holds its thread; with max(cores, devices) threads
+  a pipeline step hung with every thread blocked), from XLA_FLAGS or runtime.xla_flags; the environment's own
+  PJRT_NPROC wins; one device or another platform: nothing set."""
+  eight = "--xla_force_host_platform_device_count=8"
+  for penv in (compose({"XLA_FLAGS": eight}, platform="cpu"), compose(xla_flags=eight),
+               compose({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, xla_flags=eight)):
+    assert penv.env[platform.CPU_POOL_ENV] == "32", penv.env
+    assert any(s.startswith("PJRT_NPROC=32: preset cpu") for s in penv.sources)
+  assert platform.CPU_POOL_ENV not in compose({"XLA_FLAGS": eight, "PJRT_NPROC": "12"}).env
+  assert platform.CPU_POOL_ENV not in compose({"XLA_FLAGS": "--xla_dump_to=/d"}).env
+  assert platform.CPU_POOL_ENV not in compose({"XLA_FLAGS": eight}, platform="gpu").env
+  with pytest.raises(UserError, match="device_count=eight: the device count must be an integer"):
+    compose({"XLA_FLAGS": "--xla_force_host_platform_device_count=eight"})
+
+
+def test_this_test_process_has_the_cpu_pools_the_preset_sizes():
+  """The tests' backend (conftest) runs with the trainer's pools: 32 intra-op threads for 8 devices."""
+  import jax
+
+  jax.devices()
+  names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+  assert sum(n.endswith("XLAEigen") for n in names) == 32, sorted(set(names))
+
+
 def test_neuron_defaults():
   trn2 = compose(platform="neuron")
   cc = neuron_cc(trn2)

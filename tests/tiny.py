@@ -3,6 +3,8 @@ environment of the processes tests start."""
 
 import os
 
+from maxtrain.runtime import platform
+
 TINY_MODEL = ["--config.model.num_layers=2", "--config.model.d_model=32", "--config.model.num_heads=4",
               "--config.model.num_kv_heads=4", "--config.model.d_ff=64", "--config.data.seq_len=32",
               "--config.data.batch_size=8", "--config.eval.batches=1"]
@@ -13,16 +15,22 @@ TINY_MODEL = ["--config.model.num_layers=2", "--config.model.d_model=32", "--con
 # comparison is between runs compiled alike. Never in the default run or tools/bench*.py.
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 # XLA:CPU aborts the process when a collective's threads do not all reach its rendezvous within a timeout; on this
-# 2-core machine, with multi-process tests beside an 8-device pipeline test, the device threads can be starved
-# that long (a CI run aborted inside the pipeline fixture's step with no error): wait instead (a real deadlock
-# still ends at pytest's / CI's own limit).
+# 2-core machine, with multi-process tests beside an 8-device test, device threads can be starved that long: wait
+# instead. (The CI aborts of 2026-12-05 were not starvation but XLA:CPU's intra-op pool running out of threads:
+# `cpu_pool_env` below.)
 PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=1200 "
                        "--xla_cpu_collective_timeout_seconds=1200")
 XLA_DEFAULTS_ENV = "MAXTRAIN_TEST_XLA_DEFAULTS"  # set to 1: conftest leaves XLA's default code generation
+
+
+def cpu_pool_env(devices: int) -> dict[str, str]:
+  """XLA:CPU's thread pools for `devices` fake devices, as the trainer's platform preset sizes them
+  (runtime/platform.py: with fewer, a pipeline step can hang with every pool thread blocked in a collective)."""
+  return {platform.CPU_POOL_ENV: str(platform.CPU_POOL_THREADS_PER_DEVICE * devices)}
 
 
 def cpu_env(devices: int = 8, **extra: str) -> dict[str, str]:
   """os.environ for a test's subprocess: `devices` fake CPU devices, compiled with FAST_COMPILE_FLAGS."""
   return {**os.environ, "XLA_FLAGS": f"{FAST_COMPILE_FLAGS} {PATIENT_COLLECTIVES} "
                                                 f"--xla_force_host_platform_device_count={devices}",
-          "JAX_PLATFORMS": "cpu", **extra}
+          "JAX_PLATFORMS": "cpu", **cpu_pool_env(devices), **extra}

@@ -50,6 +50,14 @@ GPU_ENV = {
     "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9",  # JAX's default 0.75 leaves HBM unused; NVIDIA uses 0.8-0.9
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # one CUDA queue keeps the scheduler's collective order (Hopper)
 }
+# XLA:CPU runs every device's thunks on one intra-op pool of max(cores, devices) threads, and a collective holds its
+# thread until all its participants arrive. The thunk executor runs a while loop holding a collective (the pipeline
+# schedules' 0/1-trip op loops) beside an independent collective, so one device can hold two blocked threads: with
+# 8 fake devices on a 2-core host all 8 were blocked and the devices that had not arrived never ran (gdb of a hung
+# test, 2026-12-05). XLA sizes both pools from PJRT_NPROC: 4 threads per device keeps one free.
+CPU_POOL_ENV = "PJRT_NPROC"
+CPU_POOL_THREADS_PER_DEVICE = 4
+CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 NEURON_CC_BASE = "--model-type=transformer --distribution-strategy=llm-training -O1 --auto-cast=none"
 NEURON_LNC_FLAG = "--logical-nc-config"
 NEURON_DEFAULT_LNC = {"trn1": 1, "trn2": 2}
@@ -227,6 +235,12 @@ def compose(runtime_cfg, environ: Mapping[str, str]) -> PlatformEnv:
     env[xla_var] = flags.render(merged)
     sources += [_flag_source(xla_var, f) for f in merged]
 
+  if platform in ("cpu", "auto"):
+    devices = cpu_device_count(environ.get("XLA_FLAGS", ""), runtime_cfg.xla_flags)
+    if devices > 1:
+      preset[CPU_POOL_ENV] = (str(CPU_POOL_THREADS_PER_DEVICE * devices),
+                              f"preset cpu: {CPU_POOL_THREADS_PER_DEVICE} XLA:CPU pool threads per device of {devices}")
+
   for name, (value, origin) in preset.items():
     if name in environ:
       sources.append(f"{name}={environ[name]}: environment (preset would set {value})")
@@ -239,6 +253,15 @@ def compose(runtime_cfg, environ: Mapping[str, str]) -> PlatformEnv:
     sources.append(f"{name}={REDACTED if origin == 'config.runtime.env' else value}: {origin}")
   sources += [f"jax.config {k}={v}: preset {platform}" for k, v in jax_config.items() if k != "jax_platforms"]
   return PlatformEnv(platform, env, jax_config, sources, target, lnc)
+
+
+def cpu_device_count(*flag_texts: str) -> int:
+  """XLA:CPU's device count from XLA_FLAGS texts (lowest precedence first): 1 when none sets it."""
+  flag = flags.find(flags.merge([("", text) for text in flag_texts]), CPU_DEVICE_COUNT_FLAG)
+  try:
+    return int(flag.value) if flag and flag.value else 1
+  except ValueError:
+    raise UserError(f"XLA_FLAGS {flag.text}: the device count must be an integer") from None
 
 
 def _flag_source(var: str, flag: flags.Flag) -> str:
