@@ -126,6 +126,14 @@ def test_cpu_pools_get_threads_for_every_fake_device():
     compose({"XLA_FLAGS": "--xla_force_host_platform_device_count=eight"})
 
 
+def test_tools_get_fake_devices_with_the_presets_pools():
+  env = {"XLA_FLAGS": "--xla_dump_to=/d"}
+  assert platform.fake_cpu_devices(8, env) == 8
+  assert env == {"XLA_FLAGS": "--xla_dump_to=/d --xla_force_host_platform_device_count=8", "PJRT_NPROC": "32"}
+  mine = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PJRT_NPROC": "6"}  # the caller's count and pools
+  assert platform.fake_cpu_devices(8, mine) == 4 and mine["PJRT_NPROC"] == "6"
+
+
 def test_this_test_process_has_the_cpu_pools_the_preset_sizes():
   """The tests' backend (conftest) runs with the trainer's pools: 32 intra-op threads for 8 devices."""
   import jax

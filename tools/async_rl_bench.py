@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
+from maxtrain.runtime.platform import fake_cpu_devices
+
+fake_cpu_devices(8)  # before jax starts its backend
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402

@@ -21,7 +21,9 @@ import functools
 import os
 import platform
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax starts its backend
+from maxtrain.runtime.platform import fake_cpu_devices
+
+fake_cpu_devices(8)  # before jax starts its backend
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

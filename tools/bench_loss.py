@@ -17,8 +17,10 @@ import os
 import platform
 import sys
 
+from maxtrain.runtime.platform import fake_cpu_devices
+
 if "--sharded" in sys.argv:  # fake devices must be set before jax starts its backend
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+  fake_cpu_devices(8)  # before jax starts its backend
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -19,7 +19,9 @@ import argparse
 import os
 import platform
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from maxtrain.runtime.platform import fake_cpu_devices
+
+fake_cpu_devices(8)  # before jax starts its backend
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

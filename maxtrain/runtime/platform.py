@@ -264,6 +264,17 @@ def cpu_device_count(*flag_texts: str) -> int:
     raise UserError(f"XLA_FLAGS {flag.text}: the device count must be an integer") from None
 
 
+def fake_cpu_devices(n: int, environ: MutableMapping[str, str] | None = None) -> int:
+  """For tools, before jax starts its backend: XLA:CPU as `n` devices unless XLA_FLAGS already sets a count, with the
+  pool threads the cpu preset gives them (an environment's PJRT_NPROC wins). Returns the device count."""
+  environ = os.environ if environ is None else environ
+  if cpu_device_count(environ.get("XLA_FLAGS", "")) == 1:
+    environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} {CPU_DEVICE_COUNT_FLAG}={n}".strip()
+  devices = cpu_device_count(environ["XLA_FLAGS"])
+  environ.setdefault(CPU_POOL_ENV, str(CPU_POOL_THREADS_PER_DEVICE * devices))
+  return devices
+
+
 def _flag_source(var: str, flag: flags.Flag) -> str:
   replaced = f", replacing {flag.replaced}" if flag.replaced and flag.replaced != flag.origin else ""
   return f"{var} {flag.text}: {flag.origin}{replaced}"
