@@ -15,7 +15,7 @@ from jax.ad_checkpoint import print_saved_residuals
 import numpy as np
 import pytest
 
-from maxtrain.aot import estimate
+from maxtrain.aot import estimate, hlo_lint
 from maxtrain.checkpoint.identity import run_meta
 from maxtrain.checkpoint.storage import Checkpointer
 from maxtrain.config import loader as config_lib
@@ -135,6 +135,13 @@ def test_pipeline_trains_like_no_pipeline(runs, name):
   finite = np.isfinite(ref.losses)
   assert list(np.flatnonzero(~finite)) == [6] and ref.losses[finite][-1] < ref.losses[0]  # it trains
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), run.state.params, ref.state.params)
+
+
+@pytest.mark.parametrize("name", ["pipeline4xfsdp2_1f1b", "pipeline4xfsdp2_zb", "pipeline2xfsdp4_interleaved"])
+def test_the_schedules_order_every_loop_that_holds_a_collective(runs, name):
+  """No collective sits beside a schedule's per-op loops unordered (a hoisted loss-head token count did, and the
+  step hung on XLA:CPU: aot/hlo_lint.py)."""
+  assert hlo_lint.unordered_collective_loops(runs[name].compiled.as_text()) == []
 
 
 def test_guards_skip_the_same_steps_under_the_pipeline(runs):

@@ -139,3 +139,65 @@ def neuron_problems(hlo: str, *, check_prng: bool = True) -> list[Problem]:
       if found:
         problems.append(Problem(found[0], comp, ins.name, found[1]))
   return problems
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all",
+               "collective-broadcast")
+_CALLS = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def _called(attrs: str) -> list[str]:
+  names = _CALLS.findall(attrs)
+  for group in _BRANCHES.findall(attrs):
+    names += [n.strip().lstrip("%") for n in group.split(",")]
+  return names
+
+
+def unordered_collective_loops(hlo: str) -> list[Problem]:
+  """In optimised HLO (`compiled.as_text()`): a loop or conditional that holds a collective, with another
+  collective (or such a loop) of the same computation that no data path orders against it.
+
+  XLA:CPU's thunk runtime orders the plain collectives of a computation among themselves, but not a loop that
+  holds collectives against them: devices may run the two in different orders, and each then waits at the
+  rendezvous the other has not reached. A pipeline step with such a pair hung on 8 fake CPU devices (2026-12-05:
+  a loss head's token count hoisted next to the schedules' per-op loops). GPUs and TPUs issue collectives in
+  the one scheduled order."""
+  computations = parse(hlo)
+  memo: dict[str, bool] = {}
+
+  def holds(name: str) -> bool:
+    if name not in memo:
+      memo[name] = False  # a computation does not call itself; this also ends cycles
+      memo[name] = any(i.op.removesuffix("-start") in COLLECTIVES or any(holds(c) for c in _called(i.attrs))
+                       for i in computations.get(name, []))
+    return memo[name]
+
+  problems = []
+  for comp, instructions in computations.items():
+    by_name = {i.name: i for i in instructions}
+    nested = {i.name for i in instructions if i.op in ("while", "conditional", "call") and
+              any(holds(c) for c in _called(i.attrs))}
+    if not nested:
+      continue
+    plain = {i.name for i in instructions if i.op.removesuffix("-start") in COLLECTIVES}
+    before: dict[str, set[str]] = {}
+
+    def ancestors(name: str) -> set[str]:
+      if name not in before:
+        seen, stack = set(), [o for o in by_name[name].operands if o in by_name]
+        while stack:
+          x = stack.pop()
+          if x not in seen:
+            seen.add(x)
+            stack.extend(o for o in by_name[x].operands if o in by_name)
+        before[name] = seen
+      return before[name]
+
+    for loop in sorted(nested):
+      for other in sorted((nested - {loop}) | plain):
+        if (other not in nested or other > loop) and loop not in ancestors(other) and other not in ancestors(loop):
+          problems.append(Problem("unordered collectives", comp, f"{loop} / {other}",
+                                  f"{by_name[loop].op} holding collectives and {by_name[other].op} with no data "
+                                  "path between them: XLA:CPU may run them in different orders on different devices"))
+  return problems

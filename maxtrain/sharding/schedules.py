@@ -321,15 +321,19 @@ def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Progra
   rest, xs = _varying(rest), _varying(xs)
   stack = [jnp.swapaxes(w[:, 0], 0, 1) for w in stack]  # this stage's [L/(R S), R, ...]
 
-  def forward(stack, x, p):  # layer group p // M of this stage on microbatch p % M
-    stage = jax.tree.unflatten(model.stack_def, stack)
-    return model.layers(stage, 0 if r_ == 1 else p // m_, x, segs[p % m_], poss[p % m_])
+  def forward_on(segs, poss):
+    def forward(stack, x, p):  # layer group p // M of this stage on microbatch p % M
+      stage = jax.tree.unflatten(model.stack_def, stack)
+      return model.layers(stage, 0 if r_ == 1 else p // m_, x, segs[p % m_], poss[p % m_])
+    return forward
 
-  def after(rest, y, i):  # the model after the stack on microbatch i (the last stage's loss head)
-    return objective(model.rebuild(stack, rest), jax.tree.map(lambda a: a[i], rows), lambda *_: (y, {}))
+  def ops_on(stack, rest, segs, poss, rows, stats_ct):  # the ops (`_ops`) over these values
+    def after(rest, y, i):  # the model after the stack on microbatch i (the last stage's loss head)
+      return objective(model.rebuild(stack, rest), jax.tree.map(lambda a: a[i], rows), lambda *_: (y, {}))
+    return _ops(forward_on(segs, poss), after, stack, rest, m_, r_, stats_ct)
 
   stats_ct = {k: jnp.swapaxes(c[:, 0], 0, 1) for k, c in stats_ct.items()}  # [R, 1, L/(R S)] -> [L/(R S), R]
-  branches = _ops(forward, after, stack, rest, m_, r_, stats_ct)
+  branches = ops_on(stack, rest, segs, poss, rows, stats_ct)
   present = sorted(set(int(o) for o in np.unique(prog.rows[:, :, 0])) - {IDLE})
 
   def run_op(op, *operands):
@@ -341,14 +345,18 @@ def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Progra
     # Only the op this stage runs this tick is computed: a while loop of 0 or 1 trips per op, not lax.switch. A
     # conditional's operands and results are separate buffers, so the accumulators passing through a switch (the
     # stage's f32 weight gradient) were copied every tick (+1.5 GiB per device at 70B widths, BENCHMARKS.md); a while
-    # loop updates its carry in place. The weights pass an optimization barrier with the trip counter, so XLA keeps
-    # each op's fsdp all-gathers inside its loop (hoisted out, every op's gathered weights are alive at once).
+    # loop updates its carry in place. Everything an op reads passes an optimization barrier with the trip counter,
+    # so no collective of the op is hoisted out of its loop: hoisted, every op's fsdp-gathered weights were alive at
+    # once, and a collective beside the loop (the loss head's token count) is one that XLA:CPU's runtime may order
+    # before the loop on one device and after it on another: a deadlock (aot/hlo_lint.py
+    # unordered_collective_loops).
     x, g, p, _ = operands
     for code in present:
       def body(carry, code=code):
         trip, (_, _, _, acc) = carry
-        stack_t, rest_t, _ = jax.lax.optimization_barrier((stack, rest, trip))
-        return trip + 1, _ops(forward, after, stack_t, rest_t, m_, r_, stats_ct)[code](x, g, p, acc)
+        (stack_t, rest_t, segs_t, poss_t, rows_t, ct_t, x_t, g_t, p_t), _ = jax.lax.optimization_barrier(
+            ((stack, rest, segs, poss, rows, stats_ct, x, g, p), trip))
+        return trip + 1, ops_on(stack_t, rest_t, segs_t, poss_t, rows_t, ct_t)[code](x_t, g_t, p_t, acc)
       trips = (op == code).astype(jnp.int32)
       _, out = jax.lax.while_loop(lambda carry, trips=trips: carry[0] < trips, body, (jnp.int32(0), out))
     return out
@@ -369,7 +377,7 @@ def _stage(model: _Split, objective: Objective, schedule: Schedule, prog: Progra
 
   zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
   buffer = lambda k: zeros(jnp.broadcast_to(xs[:1], (k,) + xs.shape[1:]))
-  stats_shape = jax.eval_shape(forward, stack, xs[0], 0)[1]
+  stats_shape = jax.eval_shape(forward_on(segs, poss), stack, xs[0], 0)[1]
   acc = (zeros(stack), zeros(rest), _varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), parts_shape)),
          pipeline_lib.stats_init(stats_shape, r_))
   init = (buffer(prog.x_slots), buffer(prog.g_slots), acc, zeros(xs))
