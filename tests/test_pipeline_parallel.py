@@ -137,10 +137,10 @@ def test_pipeline_trains_like_no_pipeline(runs, name):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), run.state.params, ref.state.params)
 
 
-@pytest.mark.parametrize("name", ["pipeline4xfsdp2_1f1b", "pipeline4xfsdp2_zb", "pipeline2xfsdp4_interleaved"])
-def test_the_schedules_order_every_loop_that_holds_a_collective(runs, name):
-  """No collective sits beside a schedule's per-op loops unordered (a hoisted loss-head token count did, and the
-  step hung on XLA:CPU: aot/hlo_lint.py)."""
+@pytest.mark.parametrize("name", list(MESHES))
+def test_every_loop_that_holds_a_collective_is_ordered(runs, name):
+  """No collective sits beside a loop that holds collectives unordered (a loss-head token count hoisted beside the
+  schedules' per-op loops did, and the step hung on XLA:CPU: aot/hlo_lint.py)."""
   assert hlo_lint.unordered_collective_loops(runs[name].compiled.as_text()) == []
 
 

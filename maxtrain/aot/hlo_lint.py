@@ -158,11 +158,12 @@ def unordered_collective_loops(hlo: str) -> list[Problem]:
   """In optimised HLO (`compiled.as_text()`): a loop or conditional that holds a collective, with another
   collective (or such a loop) of the same computation that no data path orders against it.
 
-  XLA:CPU's thunk runtime orders the plain collectives of a computation among themselves, but not a loop that
-  holds collectives against them: devices may run the two in different orders, and each then waits at the
-  rendezvous the other has not reached. A pipeline step with such a pair hung on 8 fake CPU devices (2026-12-05:
-  a loss head's token count hoisted next to the schedules' per-op loops). GPUs and TPUs issue collectives in
-  the one scheduled order."""
+  XLA:CPU's thunk runtime orders the plain collectives of a computation among themselves, in the module's
+  schedule (their order in a scheduled module's text), but not a loop that holds collectives against them:
+  devices may run the two in different orders, and each then waits at the rendezvous the other has not reached.
+  A pipeline step with such a pair hung on 8 fake CPU devices (2026-12-05: a loss head's token count hoisted
+  next to the schedules' per-op loops). A pair counts as ordered through data and through that chain of plain
+  collectives. GPUs and TPUs issue collectives in the one scheduled order."""
   computations = parse(hlo)
   memo: dict[str, bool] = {}
 
@@ -180,17 +181,22 @@ def unordered_collective_loops(hlo: str) -> list[Problem]:
               any(holds(c) for c in _called(i.attrs))}
     if not nested:
       continue
-    plain = {i.name for i in instructions if i.op.removesuffix("-start") in COLLECTIVES}
+    chain = [i.name for i in instructions if i.op.removesuffix("-start") in COLLECTIVES]
+    plain = set(chain)
+    # The runtime's order of plain collectives: each one after the one scheduled before it.
+    preds = {i.name: [o for o in i.operands if o in by_name] for i in instructions}
+    for earlier, later in zip(chain, chain[1:]):
+      preds[later].append(earlier)
     before: dict[str, set[str]] = {}
 
     def ancestors(name: str) -> set[str]:
       if name not in before:
-        seen, stack = set(), [o for o in by_name[name].operands if o in by_name]
+        seen, stack = set(), list(preds[name])
         while stack:
           x = stack.pop()
           if x not in seen:
             seen.add(x)
-            stack.extend(o for o in by_name[x].operands if o in by_name)
+            stack.extend(preds[x])
         before[name] = seen
       return before[name]
 
