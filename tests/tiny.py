@@ -16,8 +16,8 @@ TINY_MODEL = ["--config.model.num_layers=2", "--config.model.d_model=32", "--con
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 # XLA:CPU aborts the process when a collective's threads do not all reach its rendezvous within a timeout; on this
 # 2-core machine, with multi-process tests beside an 8-device test, device threads can be starved that long: wait
-# instead. (The CI aborts of 2026-12-05 were not starvation but XLA:CPU's intra-op pool running out of threads:
-# `cpu_pool_env` below.)
+# instead. (The CI aborts of 2026-12-05 were deadlocks, not starvation: the pool out of threads, `cpu_pool_env`
+# below, and two collectives run in opposite orders, maxtrain/aot/hlo_lint.py unordered_collective_loops.)
 PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=1200 "
                        "--xla_cpu_collective_timeout_seconds=1200")
 XLA_DEFAULTS_ENV = "MAXTRAIN_TEST_XLA_DEFAULTS"  # set to 1: conftest leaves XLA's default code generation
