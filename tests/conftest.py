@@ -3,14 +3,15 @@ imported anywhere."""
 
 import os
 
-from tiny import FAST_COMPILE_FLAGS, PATIENT_COLLECTIVES, XLA_DEFAULTS_ENV, cpu_pool_env
+from maxtrain.runtime import platform
+from tiny import FAST_COMPILE_FLAGS, PATIENT_COLLECTIVES, XLA_DEFAULTS_ENV
 
 # XLA_DEFAULTS_ENV=1: XLA's default code generation, for a test whose assertion needs it (test_compile).
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "" if os.environ.get(XLA_DEFAULTS_ENV) else
                                     FAST_COMPILE_FLAGS, PATIENT_COLLECTIVES,
                                     "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.update(cpu_pool_env(8))  # the pools the trainer's platform preset would size (in-process runs check it)
+os.environ.update(platform.cpu_pool_env(8))  # the pools the trainer's preset sizes (in-process runs compose the same)
 # Every process a test starts (`python tools/x.py`, `python -m maxtrain.X`) imports this checkout's maxtrain,
 # not whichever checkout the editable install points at (a script's sys.path[0] is its own folder).
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

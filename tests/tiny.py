@@ -16,21 +16,15 @@ TINY_MODEL = ["--config.model.num_layers=2", "--config.model.d_model=32", "--con
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 # XLA:CPU aborts the process when a collective's threads do not all reach its rendezvous within a timeout; on this
 # 2-core machine, with multi-process tests beside an 8-device test, device threads can be starved that long: wait
-# instead. (The CI aborts of 2026-12-05 were deadlocks, not starvation: the pool out of threads, `cpu_pool_env`
-# below, and two collectives run in opposite orders, maxtrain/aot/hlo_lint.py unordered_collective_loops.)
+# instead. (The CI aborts of 2026-12-05 were deadlocks, not starvation: the pool out of threads,
+# `platform.cpu_pool_env`, and two collectives run in opposite orders, aot/hlo_lint.py unordered_collective_loops.)
 PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=1200 "
                        "--xla_cpu_collective_timeout_seconds=1200")
 XLA_DEFAULTS_ENV = "MAXTRAIN_TEST_XLA_DEFAULTS"  # set to 1: conftest leaves XLA's default code generation
-
-
-def cpu_pool_env(devices: int) -> dict[str, str]:
-  """XLA:CPU's thread pools for `devices` fake devices, as the trainer's platform preset sizes them
-  (runtime/platform.py: with fewer, a pipeline step can hang with every pool thread blocked in a collective)."""
-  return {platform.CPU_POOL_ENV: str(platform.CPU_POOL_THREADS_PER_DEVICE * devices)}
 
 
 def cpu_env(devices: int = 8, **extra: str) -> dict[str, str]:
   """os.environ for a test's subprocess: `devices` fake CPU devices, compiled with FAST_COMPILE_FLAGS."""
   return {**os.environ, "XLA_FLAGS": f"{FAST_COMPILE_FLAGS} {PATIENT_COLLECTIVES} "
                                                 f"--xla_force_host_platform_device_count={devices}",
-          "JAX_PLATFORMS": "cpu", **cpu_pool_env(devices), **extra}
+          "JAX_PLATFORMS": "cpu", **platform.cpu_pool_env(devices), **extra}

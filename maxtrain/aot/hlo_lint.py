@@ -15,6 +15,8 @@ import dataclasses
 import math
 import re
 
+from maxtrain.aot import collectives
+
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
 _OPERANDS = re.compile(r"%?([\w.\-]+)")
@@ -141,8 +143,7 @@ def neuron_problems(hlo: str, *, check_prng: bool = True) -> list[Problem]:
   return problems
 
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all",
-               "collective-broadcast")
+COLLECTIVES = collectives.KINDS + ("ragged-all-to-all", "collective-broadcast")  # ops that wait for other devices
 _CALLS = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 

@@ -238,7 +238,7 @@ def compose(runtime_cfg, environ: Mapping[str, str]) -> PlatformEnv:
   if platform in ("cpu", "auto"):
     devices = cpu_device_count(environ.get("XLA_FLAGS", ""), runtime_cfg.xla_flags)
     if devices > 1:
-      preset[CPU_POOL_ENV] = (str(CPU_POOL_THREADS_PER_DEVICE * devices),
+      preset[CPU_POOL_ENV] = (cpu_pool_env(devices)[CPU_POOL_ENV],
                               f"preset cpu: {CPU_POOL_THREADS_PER_DEVICE} XLA:CPU pool threads per device of {devices}")
 
   for name, (value, origin) in preset.items():
@@ -264,6 +264,11 @@ def cpu_device_count(*flag_texts: str) -> int:
     raise UserError(f"XLA_FLAGS {flag.text}: the device count must be an integer") from None
 
 
+def cpu_pool_env(devices: int) -> dict[str, str]:
+  """The variable that sizes XLA:CPU's pools for `devices` fake devices (CPU_POOL_THREADS_PER_DEVICE says why)."""
+  return {CPU_POOL_ENV: str(CPU_POOL_THREADS_PER_DEVICE * devices)}
+
+
 def fake_cpu_devices(n: int, environ: MutableMapping[str, str] | None = None) -> int:
   """For tools, before jax starts its backend: XLA:CPU as `n` devices unless XLA_FLAGS already sets a count, with the
   pool threads the cpu preset gives them (an environment's PJRT_NPROC wins). Returns the device count."""
@@ -271,7 +276,8 @@ def fake_cpu_devices(n: int, environ: MutableMapping[str, str] | None = None) ->
   if cpu_device_count(environ.get("XLA_FLAGS", "")) == 1:
     environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} {CPU_DEVICE_COUNT_FLAG}={n}".strip()
   devices = cpu_device_count(environ["XLA_FLAGS"])
-  environ.setdefault(CPU_POOL_ENV, str(CPU_POOL_THREADS_PER_DEVICE * devices))
+  for name, value in cpu_pool_env(devices).items():
+    environ.setdefault(name, value)
   return devices
 
 
